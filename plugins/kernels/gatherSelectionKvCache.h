@@ -1,0 +1,64 @@
+/*
+ * GatherSelectionKvCache kernels (shared/spec/OPS.md section G). No TensorRT types.
+ */
+#pragma once
+
+#include "kvCommon.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace pytrt_kv
+{
+namespace kernels
+{
+
+//! All arguments of one gather call. H == 1. Rows r in [0, B*S) are addressed; rows
+//! r in [B*S, R) of the selection table are not, and their output is 0.
+struct GatherSelectionParams
+{
+    void* selectionKRope{nullptr};                //!< [S_BLOCK_NUM, SBS, K_ROPE]; nullptr when kRopeDim == 0
+    void* selectionKvCache{nullptr};              //!< [S_BLOCK_NUM, SBS, KV]
+    int32_t const* selectionKvBlockTable{nullptr}; //!< [R, S_MAX_BLOCK_NUM]
+    int32_t* selectionKvBlockStatus{nullptr};     //!< [B*S, K+1] (BSND and TND alike)
+    int32_t const* selectionTopkIndices{nullptr}; //!< [B*S, K]
+    void const* fullKRope{nullptr};               //!< [F_BLOCK_NUM, FBS, K_ROPE]; may be pinned host memory
+    void const* fullKvCache{nullptr};             //!< [F_BLOCK_NUM, FBS, KV]; may be pinned host memory
+    int32_t const* fullKvBlockTable{nullptr};     //!< [B, F_MAX_BLOCK_NUM]
+    int32_t const* fullKvActualSeq{nullptr};      //!< [B]
+    int32_t* selectionKvActualSeq{nullptr};       //!< [R] (output)
+
+    DataType cacheType{DataType::kFLOAT16}; //!< dtype of all four caches
+
+    int32_t batch{0};            //!< B
+    int32_t seqPerBatch{0};      //!< S (query tokens per batch)
+    int32_t topk{0};             //!< K (<= 2048)
+    int32_t topkBlockSize{64};   //!< TBS
+    int32_t selectionRows{0};    //!< R (>= B*S)
+    int64_t selectionBlockNum{0};    //!< S_BLOCK_NUM
+    int32_t selectionBlockSize{0};   //!< SBS
+    int32_t selectionMaxBlockNum{0}; //!< S_MAX_BLOCK_NUM
+    int64_t fullBlockNum{0};         //!< F_BLOCK_NUM
+    int32_t fullBlockSize{0};        //!< FBS
+    int32_t fullMaxBlockNum{0};      //!< F_MAX_BLOCK_NUM
+    int32_t kRopeDim{0};             //!< K_ROPE elements per row (0: quantised mode, no rope)
+    int32_t kvDim{0};                //!< KV elements per row
+
+    void* workspace{nullptr};    //!< device scratch of getGatherSelectionWorkspaceSize() bytes
+    size_t workspaceBytes{0};
+};
+
+//! Device scratch bytes one call with these sizes needs (depends on sizes only, never
+//! on pointers or values), so TensorRT can reserve it at build time.
+size_t getGatherSelectionWorkspaceSize(GatherSelectionParams const& params);
+
+//! Enqueue one gather call on \p stream: no host synchronization, no allocation
+//! (capturable in a CUDA graph). Status rows and selectionKvActualSeq are written after
+//! every copy has read the old status. Ids whose table entries are out of range are
+//! skipped, never read. Returns cudaErrorInvalidValue for parameters that break OPS.md's
+//! shape rules or a workspace that is too small, else the launch status.
+cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cudaStream_t stream);
+
+} // namespace kernels
+} // namespace pytrt_kv

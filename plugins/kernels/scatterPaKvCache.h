@@ -1,0 +1,71 @@
+/*
+ * ScatterPaKvCache kernels (shared/spec/OPS.md section S). No TensorRT types.
+ */
+#pragma once
+
+#include "kvCommon.h"
+
+#include <cstdint>
+#include <cuda_runtime_api.h>
+
+namespace pytrt_kv
+{
+namespace kernels
+{
+
+//! OPS.md S2: which write a 3-D key performs. A 4-D key always performs S6.
+enum class CacheLayout : int32_t
+{
+    kND = 0,  //!< [NB, BS, H, D]
+    kNZ = 1,  //!< [NB, H*D/L, BS, L], L = 32 / itemsize
+    kHND = 2, //!< [NB, H, BS, D]
+};
+
+//! OPS.md S6 compress modes (4-D key).
+enum class CompressMode : int32_t
+{
+    kROPE = 0,
+    kOMNI = 1,
+    kALIBI = 2,
+};
+
+//! All arguments of one scatter call. Pointers are device (or unified) addresses of
+//! dense row-major tensors. Shapes in the comments use OPS.md's letters.
+struct ScatterParams
+{
+    void const* key{nullptr};          //!< [T, H, Dk] (3-D) | [B, Smax, H, Dk] (4-D)
+    void const* value{nullptr};        //!< [T, H, Dv] | [B, Smax, H, Dv]; nullptr: key-only write
+    void* keyCache{nullptr};           //!< layout-dependent, see CacheLayout; [NB, BS, 1, Dk] for 4-D
+    void* valueCache{nullptr};         //!< as keyCache with Dv; nullptr exactly when value is
+    void const* slotMapping{nullptr};  //!< [T] | [B, H]; negative = padding
+    void const* compressLens{nullptr}; //!< [B, H] (4-D only)
+    void const* compressSeqOffsets{nullptr}; //!< [B*H] (4-D only); nullptr allowed for alibi
+    void const* seqLens{nullptr};      //!< [B] (4-D only)
+
+    DataType keyType{DataType::kFLOAT16};   //!< dtype of key and keyCache
+    DataType valueType{DataType::kFLOAT16}; //!< dtype of value and valueCache
+    DataType indexType{DataType::kINT32};   //!< kINT32 or kINT64, shared by all index tensors
+
+    bool compress{false};                   //!< true: 4-D key, OPS.md S6
+    CacheLayout layout{CacheLayout::kND};   //!< 3-D key only
+    CompressMode mode{CompressMode::kALIBI}; //!< 4-D key only
+
+    int64_t numTokens{0};  //!< T (3-D key)
+    int32_t batch{0};      //!< B (4-D key)
+    int32_t maxSeqLen{0};  //!< Smax (4-D key)
+    int32_t numHeads{0};   //!< H
+    int32_t headSizeK{0};  //!< Dk
+    int32_t headSizeV{0};  //!< Dv
+    int64_t numBlocks{0};  //!< NB (same for both caches)
+    int32_t blockSize{0};  //!< BS (same for both caches)
+};
+
+//! Enqueue one scatter call on \p stream: a single launch, no host synchronization, no
+//! allocation (capturable in a CUDA graph). Never writes outside the caches: negative
+//! slots and rows >= NB*BS are skipped. Returns cudaErrorInvalidValue for parameters
+//! that break OPS.md's shape/dtype rules (checked on the host, before any launch), else
+//! the launch status. T == 0 or B == 0 launches nothing and returns cudaSuccess.
+cudaError_t launchScatterPaKvCache(ScatterParams const& params, cudaStream_t stream);
+
+} // namespace kernels
+} // namespace pytrt_kv

@@ -1,0 +1,54 @@
+"""Command-line interface: ``pytrt-kv`` (also ``python -m pytrt_kv``).
+
+Each subcommand lives in its own module that exposes ``add_arguments(parser)`` and
+``run(args) -> int``; heavy imports happen inside ``run`` so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional, Sequence
+
+#: (subcommand, module, one-line help)
+SUBCOMMANDS = (
+    ("info", "pytrt_kv.info", "print versions and what is available (native libraries, TensorRT, GPU)"),
+    ("demo", "pytrt_kv.demo", "export the example sparse-attention decode model and run it step by step, verified"),
+    ("export-example", "onnx_export.example", "write the example model (ScatterPaKvCache + GatherSelectionKvCache) to an .onnx file"),
+    ("bench", "pytrt_kv.bench", "benchmark the CUDA kernels against same-run baselines (needs a GPU)"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pytrt-kv",
+        description="Paged-KV-cache ops (ScatterPaKvCache, GatherSelectionKvCache) for "
+                    "TensorRT engines: reference, ONNX export, CPU runtime, kernels, plugins.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"pytrt_kv {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module, help_text in SUBCOMMANDS:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
+        print(f"pytrt-kv {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

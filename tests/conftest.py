@@ -1,0 +1,74 @@
+"""Shared test configuration: markers that skip cleanly where a GPU, TensorRT or the
+TensorRT headers are absent (and say why), plus common fixtures."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str:
+    """'' when CUDA tests can run here, else why not."""
+    from pytrt_kv import _lib
+    from pytrt_kv.info import cuda_devices
+
+    names, detail = cuda_devices()
+    if not names:
+        return f"no CUDA GPU ({detail})"
+    if _lib.find(_lib.KERNELS_LIB) is None:
+        return f"{_lib.KERNELS_LIB} was not built (see `pytrt-kv info`)"
+    return ""
+
+
+@functools.lru_cache(maxsize=None)
+def trt_unavailable_reason() -> str:
+    gpu = gpu_unavailable_reason()
+    if gpu:
+        return gpu
+    if importlib.util.find_spec("tensorrt") is None:
+        return "TensorRT Python package not installed"
+    try:
+        import tensorrt  # noqa: F401
+    except Exception as exc:  # the stub wheels raise at import
+        return f"tensorrt does not import: {exc}"
+    return ""
+
+
+def trt_include_dir() -> Path | None:
+    """TensorRT headers from TensorRT_INCLUDE_DIR or TensorRT_ROOT/include, if set."""
+    inc = os.environ.get("TensorRT_INCLUDE_DIR")
+    if inc:
+        return Path(inc)
+    root = os.environ.get("TensorRT_ROOT")
+    if root:
+        return Path(root) / "include"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    del config
+    for item in items:
+        if "gpu" in item.keywords and gpu_unavailable_reason():
+            item.add_marker(pytest.mark.skip(reason=gpu_unavailable_reason()))
+        if "trt" in item.keywords and trt_unavailable_reason():
+            item.add_marker(pytest.mark.skip(reason=trt_unavailable_reason()))
+        if "trt_headers" in item.keywords:
+            inc = trt_include_dir()
+            if inc is None:
+                item.add_marker(pytest.mark.skip(
+                    reason="TensorRT headers: set TensorRT_INCLUDE_DIR (or TensorRT_ROOT)"))
+            # Set but wrong is not skipped: the test fails on the missing headers.
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """Seeded generator: reproducible random data (never zeros, STYLE habit 7)."""
+    return np.random.default_rng(20261121)
