@@ -1,0 +1,62 @@
+"""Polygraphy runner over :mod:`pytrt_kv.runtime`."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from polygraphy import util
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+
+
+class PytrtKvRefRunner(BaseRunner):
+    """Runs an ONNX model with pytrt_kv ops on the CPU reference runtime.
+
+    Parameters
+    ----------
+    model : onnx.ModelProto or callable returning one (a Polygraphy loader)
+    name : str, optional
+    """
+
+    def __init__(self, model, name=None):
+        super().__init__(name=name, prefix="pytrt-kv-ref-runner")
+        self._model = model
+
+    @util.check_called_by("activate")
+    def activate_impl(self):
+        from pytrt_kv.runtime import make_evaluator
+
+        model, _ = util.invoke_if_callable(self._model)
+        self.model = model
+        self.evaluator = make_evaluator(model)
+
+    @util.check_called_by("get_input_metadata")
+    def get_input_metadata_impl(self):
+        from pytrt_kv import dtypes
+
+        inits = {i.name for i in self.model.graph.initializer}
+        meta = TensorMetadata()
+        for vi in self.model.graph.input:
+            if vi.name in inits:
+                continue
+            tt = vi.type.tensor_type
+            shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                     for d in tt.shape.dim]
+            meta.add(vi.name, dtype=dtypes.numpy_dtype(dtypes.ONNX_TO_NAME[tt.elem_type]),
+                     shape=shape)
+        return meta
+
+    @util.check_called_by("infer")
+    def infer_impl(self, feed_dict):
+        from pytrt_kv.runtime import run
+
+        start = time.time()
+        outputs = run(self.evaluator, dict(feed_dict))
+        self.inference_time = time.time() - start
+        return OrderedDict((n, outputs[n]) for n in self.evaluator.output_names)
+
+    @util.check_called_by("deactivate")
+    def deactivate_impl(self):
+        del self.evaluator
+        del self.model

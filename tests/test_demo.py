@@ -1,0 +1,108 @@
+"""`pytrt-kv demo` end to end (in process, small sizes), including that it can fail."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from pytrt_kv import demo, runtime
+
+SMALL = ["--steps", "4", "--batch", "2", "--topk", "4", "--selection-block-size", "4",
+         "--block-size", "4", "--max-blocks-per-seq", "3", "--num-blocks", "7",
+         "--kv-dim", "16", "--rope-dim", "8", "--heads", "2", "--prompt-len", "2"]
+
+
+def _args(extra=()):
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    return p.parse_args(SMALL + list(extra))
+
+
+def _fake_trt(monkeypatch, availability, run_model_steps=None):
+    mod = types.ModuleType("pytrt_kv.trt")
+    mod.availability = lambda: availability
+    if run_model_steps is not None:
+        mod.run_model_steps = run_model_steps
+    monkeypatch.setitem(sys.modules, "pytrt_kv.trt", mod)
+    import pytrt_kv
+
+    monkeypatch.setattr(pytrt_kv, "trt", mod, raising=False)
+
+
+def test_demo_passes_and_prints_table(capsys, monkeypatch):
+    _fake_trt(monkeypatch, "no GPU here (test)")
+    assert demo.run(_args()) == 0
+    out = capsys.readouterr().out
+    assert "onnx.checker full_check passed" in out
+    assert "kept in place" in out and "copied" in out
+    rows = [line for line in out.splitlines() if line.strip()[:1].isdigit() and "|" in line]
+    assert len(rows) == 4 and all(line.rstrip().endswith("ok") for line in rows)
+    # kv_len grows one token per step; later steps reuse resident tokens.
+    assert [r.split("|")[1].strip() for r in rows] == ["3,4", "4,5", "5,6", "6,7"]
+    assert any(int(r.split("|")[3]) > 0 for r in rows[1:])
+    assert "TensorRT engine: skipped (no GPU here (test))" in out
+    assert "demo PASSED" in out
+
+
+def test_demo_defaults_cli(capsys, tmp_path):
+    from pytrt_kv.__main__ import main
+
+    assert main(["demo", "--model", str(tmp_path / "d.onnx"), "--no-trt"]) == 0
+    assert (tmp_path / "d.onnx").exists()
+    assert "demo PASSED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["attn_out", "selection_kv_cache_out", "full_kv_cache_out",
+                                  "selection_kv_block_status_out"])
+def test_demo_detects_wrong_results(name, capsys, monkeypatch):
+    real_run = runtime.run
+    calls = {"n": 0}
+
+    def corrupt(model, feeds):
+        out = real_run(model, feeds)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            x = out[name].copy()
+            flat = x.reshape(-1)
+            if name == "selection_kv_block_status_out":
+                flat[0] = flat[1]     # a duplicate id
+            elif name == "attn_out":
+                flat[3] += 1e-3
+            else:
+                flat.view(np.uint8)[0] ^= 1
+            out[name] = x
+        return out
+
+    monkeypatch.setattr(runtime, "run", corrupt)
+    assert demo.run(_args(["--no-trt"])) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "demo FAILED" in out
+
+
+def test_demo_compares_trt_steps(capsys, monkeypatch):
+    seen = {}
+
+    def steps(path, feeds_list):
+        seen["n"] = len(feeds_list)
+        outs = [runtime.run(path, f) for f in feeds_list]
+        outs[-1]["selection_kv_actual_seq"] = outs[-1]["selection_kv_actual_seq"] + 1
+        return outs
+
+    _fake_trt(monkeypatch, "", steps)
+    assert demo.run(_args()) == 1
+    out = capsys.readouterr().out
+    assert seen["n"] == 4
+    assert "TensorRT step 4: selection_kv_actual_seq differs" in out
+
+    _fake_trt(monkeypatch, "", lambda path, fl: [runtime.run(path, f) for f in fl])
+    assert demo.run(_args()) == 0
+    assert "4 steps match the CPU runtime" in capsys.readouterr().out
+
+
+def test_demo_refuses_too_many_steps():
+    with pytest.raises(ValueError, match="--prompt-len/--steps"):
+        demo.run(_args(["--steps", "40"]))

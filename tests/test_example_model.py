@@ -1,0 +1,99 @@
+"""The example sparse-attention decode model and `pytrt-kv export-example`."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx_export import example
+from onnx_export.example import CACHE_OUTPUTS, ExampleSizes, build_example_model
+from pytrt_kv import runtime
+from pytrt_kv.polygraphy.data_loader import make_feeds
+
+SIZES = [ExampleSizes(), ExampleSizes(batch=3, topk=5, selection_block_size=4, block_size=5,
+                                      max_blocks_per_seq=3, num_blocks=10, dtype="float32",
+                                      kv_dim=16, rope_dim=8, heads=2)]
+
+
+def _producer(model, name):
+    return next(n for n in model.graph.node if name in n.output)
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_structure_and_wiring(sizes):
+    m = build_example_model(sizes)
+    onnx.checker.check_model(m, full_check=True)
+    assert m.ir_version == 10
+    custom = [n for n in m.graph.node if n.domain == "pytrt_kv"]
+    assert [n.op_type for n in custom] == ["ScatterPaKvCache", "GatherSelectionKvCache"]
+    scatter, gather = custom
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gather.attribute}
+    assert attrs["selection_topk_block_size"] == 1 and attrs["plugin_namespace"] == b"pytrt_kv"
+    # The gather reads the UPDATED full caches: scatter *_out -> Reshape -> gather.
+    for gather_in, scatter_out in ((6, 0), (5, 1)):
+        reshape = _producer(m, gather.input[gather_in])
+        assert reshape.op_type == "Reshape" and reshape.input[0] == scatter.output[scatter_out]
+    assert gather.input[4] == "topk_indices"
+    # Each cache input is consumed by its op only; each *_out is a graph output.
+    outputs = {o.name for o in m.graph.output}
+    for cache, cache_out in CACHE_OUTPUTS.items():
+        consumers = [n for n in m.graph.node if cache in n.input]
+        assert len(consumers) == 1 and consumers[0].domain == "pytrt_kv", cache
+        assert cache_out in outputs
+    assert {"attn_out", "selection_kv_actual_seq"} <= outputs
+
+
+def test_topk_padding_when_few_tokens_visible():
+    sizes = ExampleSizes()
+    m = build_example_model(sizes)
+    feeds = make_feeds(m, 3)
+    feeds["selection_kv_block_status"][:] = -1
+    kv_len = np.array([3, sizes.topk + 4], np.int32)
+    table = feeds["full_kv_block_table"]
+    pos = kv_len - 1
+    feeds["full_kv_actual_seq"] = kv_len
+    feeds["slot_mapping"] = (table[np.arange(2), pos // sizes.block_size] * sizes.block_size
+                             + pos % sizes.block_size).astype(np.int32)
+    out = runtime.run(m, feeds)
+    topk = out["topk_indices"].reshape(2, -1)
+    assert sorted(topk[0][topk[0] >= 0].tolist()) == [0, 1, 2]
+    assert (topk[0] == -1).sum() == sizes.topk - 3
+    assert (topk[1] >= 0).all() and topk[1].max() < kv_len[1]
+    assert out["selection_kv_actual_seq"].tolist() == [3, sizes.topk]
+    assert np.isfinite(out["attn_out"]).all()
+
+
+def test_sizes_validated():
+    with pytest.raises(ValueError, match="num_blocks"):
+        ExampleSizes(batch=8, num_blocks=4).validate()
+    with pytest.raises(ValueError, match="topk"):
+        ExampleSizes(topk=100).validate()
+    with pytest.raises(ValueError, match="dtype"):
+        ExampleSizes(dtype="int8").validate()
+
+
+def test_export_example_cli(tmp_path, capsys):
+    from pytrt_kv.__main__ import main
+
+    path = tmp_path / "ex.onnx"
+    assert main(["export-example", str(path), "--topk", "4", "--batch", "1",
+                 "--alias-io", "0"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    m = onnx.load(str(path))
+    onnx.checker.check_model(m, full_check=True)
+    status = next(i for i in m.graph.input if i.name == "selection_kv_block_status")
+    assert [d.dim_value for d in status.type.tensor_type.shape.dim] == [1, 1, 1, 5]
+    for n in m.graph.node:
+        if n.domain == "pytrt_kv":
+            assert {a.name: a.i for a in n.attribute}["alias_io"] == 0
+
+
+def test_export_example_module_entry(tmp_path):
+    p = argparse.ArgumentParser()
+    example.add_arguments(p)
+    assert example.run(p.parse_args([str(tmp_path / "a.onnx")])) == 0
+    with pytest.raises(FileNotFoundError, match="path"):
+        example.run(p.parse_args([str(tmp_path / "missing" / "a.onnx")]))

@@ -1,0 +1,169 @@
+"""Polygraphy extension (`polygraphy run m.onnx --pytrt-kv-ref`) and the data loader."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx_export import single_op_model
+from onnx_export.example import ExampleSizes, build_example_model
+from pytrt_kv import runtime
+from pytrt_kv.polygraphy import data_loader
+
+from test_onnx_ops import gather_skeleton
+
+REPO = Path(__file__).resolve().parents[1]
+LOADER = REPO / "pytrt_kv" / "polygraphy" / "data_loader.py"
+
+pytest.importorskip("polygraphy", reason="polygraphy not installed (extra 'test')")
+
+
+@pytest.fixture(scope="module")
+def example_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ex") / "example.onnx"
+    onnx.save(build_example_model(ExampleSizes()), str(path))
+    return path
+
+
+def _env(tmp_path: Path) -> dict:
+    """Environment in which Polygraphy finds our entry point even without `pip install`.
+
+    pyproject.toml declares the entry point; an uninstalled checkout has no metadata, so
+    the test writes an equivalent *.dist-info next to the test data.
+    """
+    dist = tmp_path / "ep" / "pytrt_kv_polygraphy_test-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pytrt-kv-polygraphy-test\n"
+                                   "Version: 0.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[polygraphy.run.plugins]\npytrt-kv = pytrt_kv.polygraphy:export_argument_groups\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tmp_path / "ep"),
+                                        env.get("PYTHONPATH", "")])
+    return env
+
+
+def _polygraphy(args, tmp_path):
+    exe = shutil.which("polygraphy")
+    cmd = [exe] if exe else [sys.executable, "-m", "polygraphy"]
+    return subprocess.run(cmd + [str(a) for a in args], cwd=tmp_path, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_entry_point_declared_in_pyproject():
+    text = (REPO / "pyproject.toml").read_text()
+    assert '[project.entry-points."polygraphy.run.plugins"]' in text
+    assert 'pytrt-kv = "pytrt_kv.polygraphy:export_argument_groups"' in text
+    from pytrt_kv.polygraphy import export_argument_groups
+
+    (group,) = export_argument_groups()
+    assert group.get_name_opt()[1] == "pytrt-kv-ref"
+
+
+def test_polygraphy_run_example_cpu(example_path, tmp_path):
+    # Two reference runners: exercises Polygraphy's Comparator on CPU (ONNX Runtime cannot
+    # run our custom ops, so it is not a comparison target).
+    res = _polygraphy(["run", example_path, "--pytrt-kv-ref", "--pytrt-kv-ref",
+                       "--data-loader-script", LOADER], tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert "Passed: 3/3 iterations" in log and "PASSED" in log
+
+
+def test_polygraphy_run_single_op_gather(tmp_path):
+    path = tmp_path / "gather.onnx"
+    sk = gather_skeleton(np.dtype(np.float16), S=2, tbs=4, layout="TND")
+    onnx.save(single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=4),
+              str(path))
+    res = _polygraphy(["run", path, "--pytrt-kv-ref", "--data-loader-script", LOADER],
+                      tmp_path)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+
+
+def test_runner_api_matches_runtime(example_path):
+    from polygraphy.comparator import Comparator
+
+    from pytrt_kv.polygraphy import PytrtKvRefRunner
+
+    model = onnx.load(str(example_path))
+    feeds = list(data_loader.load_data(example_path, iterations=2, seed=5))
+    results = Comparator.run([PytrtKvRefRunner(model)], data_loader=feeds)
+    ((_, iters),) = results.items()
+    assert len(iters) == 2
+    for feed, got in zip(feeds, iters):
+        want = runtime.run(model, feed)
+        for name, w in want.items():
+            assert np.array_equal(np.asarray(got[name]), w, equal_nan=True), name
+
+
+# --- data loader ----------------------------------------------------------------------
+
+def test_loader_example_feeds_are_valid(example_path):
+    model = onnx.load(str(example_path))
+    z = ExampleSizes()
+    names = [i.name for i in model.graph.input]
+    a = list(data_loader.load_data(example_path, iterations=3, seed=1))
+    b = list(data_loader.load_data(model, iterations=3, seed=1))
+    assert len(a) == 3
+    for fa, fb in zip(a, b):                                  # deterministic
+        assert list(fa) == names
+        assert all(np.array_equal(fa[n], fb[n]) for n in names)
+    for f in a:
+        kv_len = f["full_kv_actual_seq"]
+        assert ((kv_len >= 1) & (kv_len <= z.max_tokens)).all()
+        table = f["full_kv_block_table"]
+        assert len(np.unique(table)) == table.size              # private full blocks
+        pos = kv_len - 1
+        slots = table[np.arange(z.batch), pos // z.block_size] * z.block_size + pos % z.block_size
+        assert np.array_equal(f["slot_mapping"], slots)          # decode-step consistency
+        sel = f["selection_kv_block_table"]
+        assert len(np.unique(sel)) == sel.size                    # private selection blocks
+        runtime.run(model, f)                                     # the reference accepts them
+    assert not np.array_equal(a[0]["kv"], a[1]["kv"])
+
+
+def test_loader_finds_model_from_env_and_argv(example_path, monkeypatch):
+    monkeypatch.setenv("PYTRT_KV_MODEL", str(example_path))
+    assert "kv" in next(data_loader.load_data())
+    monkeypatch.delenv("PYTRT_KV_MODEL")
+    monkeypatch.setattr(sys, "argv", ["polygraphy", "run", str(example_path), "--x"])
+    assert len(list(data_loader.load_data(iterations=2))) == 2
+    monkeypatch.setattr(sys, "argv", ["polygraphy"])
+    with pytest.raises(ValueError, match="model"):
+        next(data_loader.load_data())
+
+
+def test_loader_topk_rows_and_status(tmp_path):
+    sk = gather_skeleton(np.dtype(np.float16), B=3, S=2, K=6, tbs=2, layout="BSND")
+    m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=2)
+    padded = reused = 0
+    for seed in range(6):
+        f = data_loader.make_feeds(m, seed)
+        topk = f["selection_topk_indices"].reshape(6, 6)
+        status = f["selection_kv_block_status"].reshape(6, 7)
+        for r in range(6):
+            valid = topk[r][topk[r] >= 0]
+            assert len(np.unique(valid)) == len(valid)            # distinct ids per row
+            padded += int((topk[r] < 0).sum())
+            old = status[r, :6]
+            n_old = int((old >= 0).sum())
+            assert (old[:n_old] >= 0).all() and (old[n_old:] == -1).all()
+            reused += len(set(valid.tolist()) & set(old[:n_old].tolist()))
+        runtime.run(m, f)
+    assert padded > 0 and reused > 0
+
+
+def test_loader_refuses_models_without_room():
+    sk = gather_skeleton(np.dtype(np.float16), B=2, K=5, tbs=1, extra_rows=0)
+    sk["selection_kv_cache"] = np.zeros((1, 8, 32), np.float16)
+    sk["selection_k_rope"] = np.zeros((1, 8, 4), np.float16)
+    m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
+    with pytest.raises(ValueError, match="selection_kv_cache"):
+        data_loader.make_feeds(m, 0)
