@@ -58,6 +58,22 @@ size_t getGatherSelectionWorkspaceSize(GatherSelectionParams const& params);
 //! every copy has read the old status. Ids whose table entries are out of range are
 //! skipped, never read. Returns cudaErrorInvalidValue for parameters that break OPS.md's
 //! shape rules or a workspace that is too small, else the launch status.
+//!
+//! Details (OPS.md G4/G5 where the reference raises and the kernel must not):
+//! - Two launches on \p stream: a planning kernel (one CTA per table row: reads the old
+//!   status row, writes the copy plan into the workspace, then the new status row and
+//!   selectionKvActualSeq) and a copy kernel over (row, slot, token). The copies read only
+//!   the plan and the full cache, never the status, so the order above holds.
+//! - Skipped copies: a token whose full-table column is >= F_MAX_BLOCK_NUM, whose full
+//!   table entry is outside [0, F_BLOCK_NUM), or whose selection table entry is outside
+//!   [0, S_BLOCK_NUM) is not copied (nothing is read or written for it); the placement,
+//!   the status row and selectionKvActualSeq are those of OPS.md G5, as if it had been.
+//! - Duplicated valid ids in a topk row, or a corrupted old status (duplicates, holes):
+//!   every write stays inside the row's status and its selection blocks; which slot an
+//!   id gets is unspecified.
+//! - fullKvCache/fullKRope may be pinned host memory (pass the device address that
+//!   cudaHostGetDevicePointer returns; under UVA it equals the host address).
+//! - Errors found by the host checks are also described by lastErrorMessage() (kvError.h).
 cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cudaStream_t stream);
 
 } // namespace kernels

@@ -65,6 +65,12 @@ struct ScatterParams
 //! slots and rows >= NB*BS are skipped. Returns cudaErrorInvalidValue for parameters
 //! that break OPS.md's shape/dtype rules (checked on the host, before any launch), else
 //! the launch status. T == 0 or B == 0 launches nothing and returns cudaSuccess.
+//!
+//! Details: duplicated slots give an unspecified winner. An S6 run with values OPS.md
+//! forbids (L > Smax, w < 0, or a compressed head with o < 0 or o + w > L) writes nothing
+//! (scatterRows.h); rows of a run past NB*BS are skipped one by one. Copies use the
+//! widest of 16/8/4/2/1-byte vectors that every address and row size allows. Why a call
+//! was refused: lastErrorMessage() (kvError.h).
 cudaError_t launchScatterPaKvCache(ScatterParams const& params, cudaStream_t stream);
 
 } // namespace kernels

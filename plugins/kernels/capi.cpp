@@ -1,0 +1,318 @@
+#include "capi.h"
+
+#include "gatherPlan.h"
+#include "kvError.h"
+#include "scatterRows.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <vector>
+
+using pytrt_kv::kernels::GatherSelectionParams;
+using pytrt_kv::kernels::ScatterParams;
+
+// The Python ctypes mirror (pytrt_kv/ops.py) assumes these layouts; the CPU test
+// compares them with pytrt_kv_params_layout(). Bump kABI_VERSION with any change.
+namespace
+{
+constexpr int32_t kABI_VERSION = 1;
+static_assert(sizeof(void*) == 8, "64-bit only");
+static_assert(sizeof(ScatterParams) == 136, "ScatterParams layout changed: update pytrt_kv/ops.py");
+static_assert(offsetof(ScatterParams, keyType) == 64 && offsetof(ScatterParams, compress) == 76
+        && offsetof(ScatterParams, numTokens) == 88 && offsetof(ScatterParams, numBlocks) == 120,
+    "ScatterParams layout changed: update pytrt_kv/ops.py");
+static_assert(sizeof(GatherSelectionParams) == 160, "GatherSelectionParams layout changed: update pytrt_kv/ops.py");
+static_assert(offsetof(GatherSelectionParams, cacheType) == 80 && offsetof(GatherSelectionParams, selectionBlockNum) == 104
+        && offsetof(GatherSelectionParams, workspace) == 144,
+    "GatherSelectionParams layout changed: update pytrt_kv/ops.py");
+
+//! Makes \p device current for its lifetime and restores the caller's device after.
+class DeviceGuard
+{
+public:
+    explicit DeviceGuard(int32_t device)
+    {
+        if (device >= 0 && cudaGetDevice(&mPrevious) == cudaSuccess && mPrevious != device)
+        {
+            mStatus = cudaSetDevice(device);
+            mRestore = mStatus == cudaSuccess;
+        }
+    }
+    ~DeviceGuard()
+    {
+        if (mRestore)
+        {
+            cudaSetDevice(mPrevious);
+        }
+    }
+    DeviceGuard(DeviceGuard const&) = delete;
+    DeviceGuard& operator=(DeviceGuard const&) = delete;
+    cudaError_t status() const
+    {
+        return mStatus;
+    }
+
+private:
+    int mPrevious{-1};
+    bool mRestore{false};
+    cudaError_t mStatus{cudaSuccess};
+};
+
+template <typename T>
+int32_t writeLayout(int64_t* out, int32_t capacity, std::vector<int64_t> const& values)
+{
+    if (out == nullptr || capacity < static_cast<int32_t>(values.size()))
+    {
+        return -1;
+    }
+    for (size_t i = 0; i < values.size(); ++i)
+    {
+        out[i] = values[i];
+    }
+    return static_cast<int32_t>(values.size());
+}
+} // namespace
+
+int32_t pytrt_kv_version(void)
+{
+    return 100; // 0.1.0
+}
+
+int32_t pytrt_kv_abi_version(void)
+{
+    return kABI_VERSION;
+}
+
+char const* pytrt_kv_get_last_error(void)
+{
+    return pytrt_kv::kernels::lastErrorMessage();
+}
+
+char const* pytrt_kv_error_string(int32_t code)
+{
+    return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+#define PYTRT_KV_OFF(T, f) static_cast<int64_t>(offsetof(T, f))
+
+int32_t pytrt_kv_params_layout(int32_t which, int64_t* out, int32_t capacity)
+{
+    if (which == 0)
+    {
+        using T = ScatterParams;
+        return writeLayout<T>(out, capacity,
+            {static_cast<int64_t>(sizeof(T)), PYTRT_KV_OFF(T, key), PYTRT_KV_OFF(T, value),
+                PYTRT_KV_OFF(T, keyCache), PYTRT_KV_OFF(T, valueCache), PYTRT_KV_OFF(T, slotMapping),
+                PYTRT_KV_OFF(T, compressLens), PYTRT_KV_OFF(T, compressSeqOffsets), PYTRT_KV_OFF(T, seqLens),
+                PYTRT_KV_OFF(T, keyType), PYTRT_KV_OFF(T, valueType), PYTRT_KV_OFF(T, indexType),
+                PYTRT_KV_OFF(T, compress), PYTRT_KV_OFF(T, layout), PYTRT_KV_OFF(T, mode),
+                PYTRT_KV_OFF(T, numTokens), PYTRT_KV_OFF(T, batch), PYTRT_KV_OFF(T, maxSeqLen),
+                PYTRT_KV_OFF(T, numHeads), PYTRT_KV_OFF(T, headSizeK), PYTRT_KV_OFF(T, headSizeV),
+                PYTRT_KV_OFF(T, numBlocks), PYTRT_KV_OFF(T, blockSize)});
+    }
+    if (which == 1)
+    {
+        using T = GatherSelectionParams;
+        return writeLayout<T>(out, capacity,
+            {static_cast<int64_t>(sizeof(T)), PYTRT_KV_OFF(T, selectionKRope), PYTRT_KV_OFF(T, selectionKvCache),
+                PYTRT_KV_OFF(T, selectionKvBlockTable), PYTRT_KV_OFF(T, selectionKvBlockStatus),
+                PYTRT_KV_OFF(T, selectionTopkIndices), PYTRT_KV_OFF(T, fullKRope), PYTRT_KV_OFF(T, fullKvCache),
+                PYTRT_KV_OFF(T, fullKvBlockTable), PYTRT_KV_OFF(T, fullKvActualSeq),
+                PYTRT_KV_OFF(T, selectionKvActualSeq), PYTRT_KV_OFF(T, cacheType), PYTRT_KV_OFF(T, batch),
+                PYTRT_KV_OFF(T, seqPerBatch), PYTRT_KV_OFF(T, topk), PYTRT_KV_OFF(T, topkBlockSize),
+                PYTRT_KV_OFF(T, selectionRows), PYTRT_KV_OFF(T, selectionBlockNum),
+                PYTRT_KV_OFF(T, selectionBlockSize), PYTRT_KV_OFF(T, selectionMaxBlockNum),
+                PYTRT_KV_OFF(T, fullBlockNum), PYTRT_KV_OFF(T, fullBlockSize), PYTRT_KV_OFF(T, fullMaxBlockNum),
+                PYTRT_KV_OFF(T, kRopeDim), PYTRT_KV_OFF(T, kvDim), PYTRT_KV_OFF(T, workspace),
+                PYTRT_KV_OFF(T, workspaceBytes)});
+    }
+    return -1;
+}
+
+int32_t pytrt_kv_scatter_pa_kv_cache(ScatterParams const* params, void* stream, int32_t device)
+{
+    if (params == nullptr)
+    {
+        return pytrt_kv::kernels::invalidArgument("scatter: params is null");
+    }
+    DeviceGuard guard(device);
+    if (guard.status() != cudaSuccess)
+    {
+        return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
+    }
+    return pytrt_kv::kernels::launchScatterPaKvCache(*params, static_cast<cudaStream_t>(stream));
+}
+
+size_t pytrt_kv_gather_workspace_size(GatherSelectionParams const* params)
+{
+    return params == nullptr ? 0 : pytrt_kv::kernels::getGatherSelectionWorkspaceSize(*params);
+}
+
+int32_t pytrt_kv_gather_selection_kv_cache(GatherSelectionParams const* params, void* stream, int32_t device)
+{
+    if (params == nullptr)
+    {
+        return pytrt_kv::kernels::invalidArgument("gather: params is null");
+    }
+    DeviceGuard guard(device);
+    if (guard.status() != cudaSuccess)
+    {
+        return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
+    }
+    return pytrt_kv::kernels::launchGatherSelectionKvCache(*params, static_cast<cudaStream_t>(stream));
+}
+
+int32_t pytrt_kv_pointer_info(void const* ptr, int32_t* kind, int32_t* device, void** devicePtr)
+{
+    pytrt_kv::kernels::clearLastError();
+    if (kind == nullptr || device == nullptr || devicePtr == nullptr)
+    {
+        return pytrt_kv::kernels::invalidArgument("pointer_info: null output argument");
+    }
+    cudaPointerAttributes attr{};
+    cudaError_t e = cudaPointerGetAttributes(&attr, ptr);
+    if (e != cudaSuccess)
+    {
+        cudaGetLastError(); // not sticky: clear it so the caller's next launch is not blamed
+        return pytrt_kv::kernels::recordLaunch(e, "cudaPointerGetAttributes");
+    }
+    *device = attr.device;
+    *devicePtr = attr.devicePointer;
+    switch (attr.type)
+    {
+    case cudaMemoryTypeHost:
+        *kind = 1;
+        if (*devicePtr == nullptr)
+        {
+            // Registered without cudaHostRegisterMapped: ask for the mapping explicitly.
+            e = cudaHostGetDevicePointer(devicePtr, const_cast<void*>(ptr), 0);
+            if (e != cudaSuccess)
+            {
+                cudaGetLastError();
+                return pytrt_kv::kernels::recordLaunch(e, "cudaHostGetDevicePointer");
+            }
+        }
+        break;
+    case cudaMemoryTypeDevice: *kind = 2; break;
+    case cudaMemoryTypeManaged: *kind = 3; break;
+    default:
+        *kind = 0;
+        *device = -1;
+        *devicePtr = nullptr;
+        break;
+    }
+    return 0;
+}
+
+int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPerBatch, int32_t topkBlockSize,
+    int32_t const* oldStatus, int32_t const* topkIndices, int32_t const* kvLen, int32_t const* s, int32_t* newStatus,
+    uint8_t* copy, int32_t* actualSeq, uint8_t* skipped)
+{
+    pytrt_kv::kernels::clearLastError();
+    if (rows < 0 || topk < 0 || topk > 2048 || seqPerBatch < 1 || topkBlockSize < 1)
+    {
+        return pytrt_kv::kernels::invalidArgument("gather_plan_rows_host: need rows >= 0, 0 <= K <= 2048, S >= 1, TBS >= 1");
+    }
+    if (rows > 0
+        && (oldStatus == nullptr || (topk > 0 && topkIndices == nullptr) || kvLen == nullptr || s == nullptr
+            || newStatus == nullptr || (topk > 0 && copy == nullptr) || actualSeq == nullptr || skipped == nullptr))
+    {
+        return pytrt_kv::kernels::invalidArgument("gather_plan_rows_host: null array");
+    }
+    std::vector<int32_t> scratch(2 * static_cast<size_t>(topk) + 1);
+    for (int32_t r = 0; r < rows; ++r)
+    {
+        size_t const k = static_cast<size_t>(topk);
+        pytrt_kv::kernels::HostRowPlan plan{newStatus + r * (k + 1), copy + r * k, 0, false};
+        pytrt_kv::kernels::planRowHost(oldStatus + r * (k + 1), topkIndices + r * k, topk, kvLen[r], seqPerBatch, s[r],
+            topkBlockSize, scratch.data(), plan);
+        actualSeq[r] = plan.actualSeq;
+        skipped[r] = plan.skipped ? 1 : 0;
+    }
+    return 0;
+}
+
+int32_t pytrt_kv_compress_rows_host(
+    int32_t mode, int64_t seqLen, int64_t width, int64_t offset, int32_t maxSeqLen, int32_t* source)
+{
+    using pytrt_kv::kernels::CompressMode;
+    pytrt_kv::kernels::clearLastError();
+    if (mode < 0 || mode > 2 || maxSeqLen < 0 || (maxSeqLen > 0 && source == nullptr))
+    {
+        return -1;
+    }
+    auto const m = static_cast<CompressMode>(mode);
+    pytrt_kv::kernels::CompressRun const run = pytrt_kv::kernels::compressRun(m, seqLen, width, offset, maxSeqLen);
+    for (int32_t i = 0; i < maxSeqLen; ++i)
+    {
+        source[i] = pytrt_kv::kernels::compressRowSource(m, run, i);
+    }
+    return run.rows;
+}
+
+int32_t pytrt_kv_device_malloc(size_t bytes, int32_t device, void** ptr)
+{
+    pytrt_kv::kernels::clearLastError();
+    if (ptr == nullptr)
+    {
+        return pytrt_kv::kernels::invalidArgument("device_malloc: ptr is null");
+    }
+    *ptr = nullptr;
+    DeviceGuard guard(device);
+    if (guard.status() != cudaSuccess)
+    {
+        return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
+    }
+    return pytrt_kv::kernels::recordLaunch(cudaMalloc(ptr, bytes), "cudaMalloc");
+}
+
+int32_t pytrt_kv_device_free(void* ptr, int32_t device)
+{
+    pytrt_kv::kernels::clearLastError();
+    DeviceGuard guard(device);
+    if (guard.status() != cudaSuccess)
+    {
+        return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
+    }
+    return pytrt_kv::kernels::recordLaunch(cudaFree(ptr), "cudaFree");
+}
+
+int32_t pytrt_kv_copy(void* dst, void const* src, size_t bytes, void* stream, int32_t device)
+{
+    pytrt_kv::kernels::clearLastError();
+    DeviceGuard guard(device);
+    if (guard.status() != cudaSuccess)
+    {
+        return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
+    }
+    auto const s = static_cast<cudaStream_t>(stream);
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s);
+    if (e == cudaSuccess)
+    {
+        e = cudaStreamSynchronize(s);
+    }
+    return pytrt_kv::kernels::recordLaunch(e, "pytrt_kv_copy");
+}
+
+int32_t pytrt_kv_host_register(void* ptr, size_t bytes, uint32_t extraFlags)
+{
+    pytrt_kv::kernels::clearLastError();
+    cudaError_t const e = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | extraFlags);
+    if (e != cudaSuccess)
+    {
+        cudaGetLastError();
+    }
+    return pytrt_kv::kernels::recordLaunch(e, "cudaHostRegister");
+}
+
+int32_t pytrt_kv_host_unregister(void* ptr)
+{
+    pytrt_kv::kernels::clearLastError();
+    cudaError_t const e = cudaHostUnregister(ptr);
+    if (e != cudaSuccess)
+    {
+        cudaGetLastError();
+    }
+    return pytrt_kv::kernels::recordLaunch(e, "cudaHostUnregister");
+}

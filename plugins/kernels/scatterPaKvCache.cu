@@ -1,0 +1,403 @@
+/*
+ * ScatterPaKvCache (OPS.md S3-S7). One launch per call; groups of G threads move one
+ * cache row (a token's bytes for one tensor) with W-byte vector accesses, W the widest
+ * width that every address and row size allows.
+ */
+#include "scatterPaKvCache.h"
+
+#include "kvDispatch.cuh"
+#include "kvError.h"
+#include "scatterRows.h"
+
+#include <algorithm>
+
+namespace pytrt_kv
+{
+namespace kernels
+{
+namespace
+{
+
+//! OPS.md S3-S5 for one tensor: a token row of the source is nseg segments of segBytes;
+//! segment seg of the token in slot (blk, off) goes to byte
+//! ((blk*nseg + seg)*BS + off)*segBytes of the cache, which is nd (nseg = 1), hnd
+//! (nseg = H) and nz (32-byte segments, nseg = H*D*itemsize/32) alike.
+struct TokenRows
+{
+    char const* src{nullptr};
+    char* dst{nullptr};
+    int64_t segBytes{0};
+    int32_t nseg{0};
+};
+
+//! OPS.md S6 for one tensor: [B, Smax, H, D] into [NB, BS, 1, D].
+struct RunRows
+{
+    char const* src{nullptr};
+    char* dst{nullptr};
+    int64_t rowBytes{0};
+    int32_t headSize{0};
+};
+
+template <typename IndexT>
+struct TokenArgs
+{
+    IndexT const* slots;
+    TokenRows rows[2];
+    int32_t numTensors;
+    int64_t numTokens;
+    int64_t cacheRows; // NB * BS
+    int32_t blockSize;
+    int32_t group;
+};
+
+template <typename IndexT>
+struct RunArgs
+{
+    IndexT const* slots;        // [B*H]
+    IndexT const* lens;         // [B*H]
+    IndexT const* offsets;      // [B*H] or nullptr
+    IndexT const* seqLens;      // [B]
+    RunRows rows[2];
+    int32_t numTensors;
+    int32_t batch;
+    int32_t heads;
+    int32_t maxSeqLen;
+    int64_t cacheRows;
+    CompressMode mode;
+    int32_t group;
+};
+
+//! Copy \p nv W-byte vectors from \p src; vector idx lands at dst(idx). All of a lane's
+//! loads are issued before its stores so that kUNROLL vectors per lane are in flight.
+template <int W, typename DstFn>
+__device__ __forceinline__ void copyVectors(char const* src, int32_t nv, int32_t lane, int32_t group, DstFn dst)
+{
+    using V = typename VecOf<W>::Type;
+    for (int32_t base = lane; base < nv; base += group * kUNROLL)
+    {
+        V buf[kUNROLL];
+#pragma unroll
+        for (int u = 0; u < kUNROLL; ++u)
+        {
+            int32_t const idx = base + u * group;
+            if (idx < nv)
+            {
+                buf[u] = __ldg(reinterpret_cast<V const*>(src + static_cast<int64_t>(idx) * W));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUNROLL; ++u)
+        {
+            int32_t const idx = base + u * group;
+            if (idx < nv)
+            {
+                *reinterpret_cast<V*>(dst(idx)) = buf[u];
+            }
+        }
+    }
+}
+
+template <typename IndexT, int W>
+__global__ void __launch_bounds__(kBLOCK_THREADS) scatterTokensKernel(TokenArgs<IndexT> const a)
+{
+    int32_t const groupsPerBlock = kBLOCK_THREADS / a.group;
+    int32_t const lane = threadIdx.x % a.group;
+    int64_t const stride = static_cast<int64_t>(gridDim.x) * groupsPerBlock;
+    int64_t const tasks = a.numTokens * a.numTensors;
+    for (int64_t task = static_cast<int64_t>(blockIdx.x) * groupsPerBlock + threadIdx.x / a.group; task < tasks;
+         task += stride)
+    {
+        int64_t const t = task / a.numTensors;
+        TokenRows const r = (task % a.numTensors) == 0 ? a.rows[0] : a.rows[1];
+        int64_t const slot = static_cast<int64_t>(a.slots[t]);
+        if (slot < 0 || slot >= a.cacheRows)
+        {
+            continue; // padding, or a row outside the cache: never written
+        }
+        int64_t const blk = slot / a.blockSize;
+        int64_t const off = slot - blk * a.blockSize;
+        int32_t const vps = static_cast<int32_t>(r.segBytes / W);
+        int64_t const segStride = a.blockSize * r.segBytes;
+        char const* src = r.src + t * (r.nseg * r.segBytes);
+        char* dstBase = r.dst + (blk * r.nseg * a.blockSize + off) * r.segBytes;
+        copyVectors<W>(src, r.nseg * vps, lane, a.group, [&](int32_t idx) {
+            int32_t const seg = idx / vps;
+            return dstBase + seg * segStride + static_cast<int64_t>(idx - seg * vps) * W;
+        });
+    }
+}
+
+//! Non-"rope" instantiations carry no float type.
+struct NoMean
+{
+};
+
+template <typename IndexT, int W, typename MeanT>
+__global__ void __launch_bounds__(kBLOCK_THREADS) scatterRunsKernel(RunArgs<IndexT> const a)
+{
+    int32_t const groupsPerBlock = kBLOCK_THREADS / a.group;
+    int32_t const lane = threadIdx.x % a.group;
+    int64_t const stride = static_cast<int64_t>(gridDim.x) * groupsPerBlock;
+    int64_t const tasks = static_cast<int64_t>(a.batch) * a.heads * a.maxSeqLen * a.numTensors;
+    for (int64_t task = static_cast<int64_t>(blockIdx.x) * groupsPerBlock + threadIdx.x / a.group; task < tasks;
+         task += stride)
+    {
+        RunRows const r = (task % a.numTensors) == 0 ? a.rows[0] : a.rows[1];
+        int64_t const rest = task / a.numTensors;
+        int32_t const i = static_cast<int32_t>(rest % a.maxSeqLen);
+        int64_t const bh = rest / a.maxSeqLen;
+        int64_t const b = bh / a.heads;
+        int64_t const h = bh - b * a.heads;
+        int64_t const base = static_cast<int64_t>(a.slots[bh]);
+        if (base < 0)
+        {
+            continue; // padding run
+        }
+        int64_t const offset = a.offsets != nullptr ? static_cast<int64_t>(a.offsets[bh]) : int64_t{-1};
+        CompressRun const run = compressRun(a.mode, static_cast<int64_t>(a.seqLens[b]),
+            static_cast<int64_t>(a.lens[bh]), offset, a.maxSeqLen);
+        int32_t const source = compressRowSource(a.mode, run, i);
+        // base may be any non-negative index value: test before adding so that nothing
+        // wraps around.
+        if (source == kROW_NONE || base >= a.cacheRows - i)
+        {
+            continue;
+        }
+        int64_t const row = base + i;
+        char* dst = r.dst + row * r.rowBytes;
+        // Token x_t of this head: key[b, t, h, :].
+        auto tokenRow = [&](int64_t t) { return r.src + ((b * a.maxSeqLen + t) * a.heads + h) * r.rowBytes; };
+        if (source == kROW_MEAN)
+        {
+            if constexpr (!std::is_same<MeanT, NoMean>::value)
+            {
+                // float32 sum in token order, divided by float32(w), rounded to nearest even.
+                for (int32_t e = lane; e < r.headSize; e += a.group)
+                {
+                    float acc = 0.0F;
+                    for (int32_t t = run.offset; t < run.offset + run.width; ++t)
+                    {
+                        acc += FloatIO<MeanT>::toFloat(reinterpret_cast<MeanT const*>(tokenRow(t))[e]);
+                    }
+                    reinterpret_cast<MeanT*>(dst)[e] = FloatIO<MeanT>::fromFloat(acc / static_cast<float>(run.width));
+                }
+            }
+            continue;
+        }
+        copyVectors<W>(tokenRow(source), static_cast<int32_t>(r.rowBytes / W), lane, a.group,
+            [&](int32_t idx) { return dst + static_cast<int64_t>(idx) * W; });
+    }
+}
+
+int64_t gridFor(int64_t tasks, int32_t group)
+{
+    return copyGridSize(tasks, group);
+}
+
+bool isByteMoverType(DataType t)
+{
+    int32_t const size = dataTypeSize(t);
+    return size == 1 || size == 2 || size == 4;
+}
+
+bool isFloatType(DataType t)
+{
+    return t == DataType::kFLOAT32 || t == DataType::kFLOAT16 || t == DataType::kBFLOAT16;
+}
+
+cudaError_t checkScatter(ScatterParams const& p)
+{
+    if (p.key == nullptr || p.keyCache == nullptr || p.slotMapping == nullptr)
+    {
+        return invalidArgument("scatter: key, keyCache and slotMapping must not be null");
+    }
+    if ((p.value == nullptr) != (p.valueCache == nullptr))
+    {
+        return invalidArgument("scatter: value and valueCache must be both given or both null");
+    }
+    if (p.indexType != DataType::kINT32 && p.indexType != DataType::kINT64)
+    {
+        return invalidArgument("scatter: indexType must be kINT32 or kINT64");
+    }
+    bool const hasValue = p.value != nullptr;
+    if (!isByteMoverType(p.keyType) || (hasValue && !isByteMoverType(p.valueType)))
+    {
+        return invalidArgument("scatter: keyType/valueType must be a 1-, 2- or 4-byte type");
+    }
+    if (p.numHeads <= 0 || p.headSizeK <= 0 || (hasValue && p.headSizeV <= 0) || p.blockSize <= 0
+        || p.numBlocks < 0)
+    {
+        return invalidArgument("scatter: numHeads, headSizeK, headSizeV (with value) and blockSize must be > 0, "
+                               "numBlocks >= 0");
+    }
+    if (!p.compress)
+    {
+        if (p.numTokens < 0)
+        {
+            return invalidArgument("scatter: numTokens must be >= 0");
+        }
+        if (p.layout != CacheLayout::kND && p.layout != CacheLayout::kNZ && p.layout != CacheLayout::kHND)
+        {
+            return invalidArgument("scatter: layout must be kND, kNZ or kHND");
+        }
+        if (p.layout == CacheLayout::kNZ
+            && ((static_cast<int64_t>(p.numHeads) * p.headSizeK * dataTypeSize(p.keyType)) % 32 != 0
+                || (hasValue && (static_cast<int64_t>(p.numHeads) * p.headSizeV * dataTypeSize(p.valueType)) % 32 != 0)))
+        {
+            return invalidArgument("scatter: nz layout needs H*D*itemsize % 32 == 0 for key and value");
+        }
+        return cudaSuccess;
+    }
+    if (p.batch < 0 || p.maxSeqLen < 0)
+    {
+        return invalidArgument("scatter: batch and maxSeqLen must be >= 0");
+    }
+    if (p.mode != CompressMode::kROPE && p.mode != CompressMode::kOMNI && p.mode != CompressMode::kALIBI)
+    {
+        return invalidArgument("scatter: mode must be kROPE, kOMNI or kALIBI");
+    }
+    if (p.compressLens == nullptr || p.seqLens == nullptr
+        || (p.mode != CompressMode::kALIBI && p.compressSeqOffsets == nullptr))
+    {
+        return invalidArgument("scatter: compressLens and seqLens (and compressSeqOffsets for rope/omni) must "
+                               "not be null");
+    }
+    if (p.mode == CompressMode::kROPE && (!isFloatType(p.keyType) || (hasValue && p.valueType != p.keyType)))
+    {
+        return invalidArgument("scatter: rope compression needs float32, float16 or bfloat16 key and the same "
+                               "value dtype");
+    }
+    return cudaSuccess;
+}
+
+template <typename IndexT>
+cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
+{
+    TokenArgs<IndexT> a{};
+    a.slots = static_cast<IndexT const*>(p.slotMapping);
+    a.numTensors = p.value != nullptr ? 2 : 1;
+    a.numTokens = p.numTokens;
+    a.cacheRows = p.numBlocks * p.blockSize;
+    a.blockSize = p.blockSize;
+    int64_t maxVectorsBytes = 0;
+    uint64_t alignment[6] = {};
+    for (int32_t k = 0; k < a.numTensors; ++k)
+    {
+        int64_t const itemBytes = dataTypeSize(k == 0 ? p.keyType : p.valueType);
+        int64_t const rowBytes = p.numHeads * itemBytes * (k == 0 ? p.headSizeK : p.headSizeV);
+        TokenRows& r = a.rows[k];
+        r.src = static_cast<char const*>(k == 0 ? p.key : p.value);
+        r.dst = static_cast<char*>(k == 0 ? p.keyCache : p.valueCache);
+        switch (p.layout)
+        {
+        case CacheLayout::kND: r.segBytes = rowBytes; break;
+        case CacheLayout::kHND: r.segBytes = rowBytes / p.numHeads; break;
+        case CacheLayout::kNZ: r.segBytes = 32; break;
+        }
+        r.nseg = static_cast<int32_t>(rowBytes / r.segBytes);
+        maxVectorsBytes = std::max(maxVectorsBytes, rowBytes);
+        alignment[3 * k] = reinterpret_cast<uint64_t>(r.src);
+        alignment[3 * k + 1] = reinterpret_cast<uint64_t>(r.dst);
+        alignment[3 * k + 2] = static_cast<uint64_t>(r.segBytes);
+    }
+    if (a.numTensors == 1)
+    {
+        a.rows[1] = a.rows[0];
+        alignment[3] = alignment[0];
+        alignment[4] = alignment[1];
+        alignment[5] = alignment[2];
+    }
+    int const width = vectorWidth({alignment[0], alignment[1], alignment[2], alignment[3], alignment[4],
+        alignment[5]});
+    a.group = groupSize(maxVectorsBytes / width);
+    int64_t const grid = gridFor(a.numTokens * a.numTensors, a.group);
+    return dispatchVectorWidth(width, [&](auto w) {
+        scatterTokensKernel<IndexT, decltype(w)::value>
+            <<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
+        return recordLaunch(cudaGetLastError(), "scatterTokensKernel");
+    });
+}
+
+template <typename IndexT>
+cudaError_t launchRuns(ScatterParams const& p, cudaStream_t stream)
+{
+    RunArgs<IndexT> a{};
+    a.slots = static_cast<IndexT const*>(p.slotMapping);
+    a.lens = static_cast<IndexT const*>(p.compressLens);
+    a.offsets = static_cast<IndexT const*>(p.compressSeqOffsets);
+    a.seqLens = static_cast<IndexT const*>(p.seqLens);
+    a.numTensors = p.value != nullptr ? 2 : 1;
+    a.batch = p.batch;
+    a.heads = p.numHeads;
+    a.maxSeqLen = p.maxSeqLen;
+    a.cacheRows = p.numBlocks * p.blockSize;
+    a.mode = p.mode;
+    if (a.mode == CompressMode::kALIBI)
+    {
+        a.offsets = nullptr; // alibi never reads the offsets
+    }
+    uint64_t alignment[6] = {};
+    int64_t maxRowBytes = 0;
+    for (int32_t k = 0; k < a.numTensors; ++k)
+    {
+        RunRows& r = a.rows[k];
+        r.headSize = k == 0 ? p.headSizeK : p.headSizeV;
+        r.rowBytes = static_cast<int64_t>(r.headSize) * dataTypeSize(k == 0 ? p.keyType : p.valueType);
+        r.src = static_cast<char const*>(k == 0 ? p.key : p.value);
+        r.dst = static_cast<char*>(k == 0 ? p.keyCache : p.valueCache);
+        maxRowBytes = std::max(maxRowBytes, r.rowBytes);
+        alignment[3 * k] = reinterpret_cast<uint64_t>(r.src);
+        alignment[3 * k + 1] = reinterpret_cast<uint64_t>(r.dst);
+        alignment[3 * k + 2] = static_cast<uint64_t>(r.rowBytes);
+    }
+    if (a.numTensors == 1)
+    {
+        a.rows[1] = a.rows[0];
+        alignment[3] = alignment[0];
+        alignment[4] = alignment[1];
+        alignment[5] = alignment[2];
+    }
+    int const width = vectorWidth({alignment[0], alignment[1], alignment[2], alignment[3], alignment[4],
+        alignment[5]});
+    a.group = groupSize(maxRowBytes / width);
+    int64_t const grid = gridFor(static_cast<int64_t>(a.batch) * a.heads * a.maxSeqLen * a.numTensors, a.group);
+    auto launch = [&](auto w, auto meanTag) {
+        using MeanT = typename decltype(meanTag)::Type;
+        scatterRunsKernel<IndexT, decltype(w)::value, MeanT>
+            <<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
+        return recordLaunch(cudaGetLastError(), "scatterRunsKernel");
+    };
+    return dispatchVectorWidth(width, [&](auto w) {
+        if (p.mode == CompressMode::kROPE)
+        {
+            return dispatchFloatType(p.keyType, [&](auto meanTag) { return launch(w, meanTag); });
+        }
+        return launch(w, TypeTag<NoMean>{});
+    });
+}
+
+} // namespace
+
+cudaError_t launchScatterPaKvCache(ScatterParams const& params, cudaStream_t stream)
+{
+    clearLastError();
+    cudaError_t const status = checkScatter(params);
+    if (status != cudaSuccess)
+    {
+        return status;
+    }
+    bool const empty = params.numBlocks == 0
+        || (params.compress ? params.batch == 0 || params.maxSeqLen == 0 : params.numTokens == 0);
+    if (empty)
+    {
+        return cudaSuccess; // nothing can be written
+    }
+    return dispatchIndexType(params.indexType, [&](auto indexTag) {
+        using IndexT = typename decltype(indexTag)::Type;
+        return params.compress ? launchRuns<IndexT>(params, stream) : launchTokens<IndexT>(params, stream);
+    });
+}
+
+} // namespace kernels
+} // namespace pytrt_kv

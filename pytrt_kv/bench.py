@@ -1,0 +1,350 @@
+"""``pytrt-kv bench``: time the CUDA kernels against same-run baselines (needs a GPU + torch).
+
+Method (BENCHMARKS.md):
+- CUDA-event timing of ``--iters`` back-to-back calls after ``--warmup`` calls, median of
+  ``--repeats`` runs. Each case is timed twice: *eager* (a Python loop of prepared
+  launches, :func:`pytrt_kv.ops.prepare_scatter`, so checks are not timed) and *graph*
+  (the same calls captured in one CUDA graph and replayed: launch overhead removed, what a
+  TensorRT engine or a captured decode step sees).
+- Baselines run in the same process on the same buffers sizes: a device-to-device copy
+  of the same bytes (the ceiling), torch indexing (``index_copy_`` for the scatter,
+  advanced-index gather/assign for the selection gather), and a pinned host-to-device
+  memcpy of the same bytes for the host-resident gather.
+- Targets (issue 4) are printed with each ratio; results go to ``--output`` as Markdown
+  (device, driver, CUDA, date) so they can be pasted into BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+#: Targets of issue 4 (H100/H200).
+TARGETS = {
+    "scatter_large_copy_ratio": 0.90,  # >= 90% of same-run D2D copy bandwidth
+    "scatter_decode_us": 4.0,          # <= 4 us per call (<= 256 tokens)
+    "scatter_decode_vs_torch": 5.0,    # >= 5x faster than torch indexing
+    "gather_device_copy_ratio": 0.85,  # >= 85% of copy bandwidth
+    "gather_host_h2d_ratio": 0.80,     # >= 80% of pinned H2D memcpy bandwidth
+    "gather_reuse90_time_ratio": 0.15, # <= 0.15x of the no-reuse time
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--op", choices=("scatter", "gather", "all"), default="all")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer sizes and iterations (a smoke run, not for BENCHMARKS.md)")
+    parser.add_argument("--iters", type=int, default=200, help="calls per timed run")
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the median is kept")
+    parser.add_argument("--output", help="write the Markdown results here")
+    parser.add_argument("--json", help="write the raw results here")
+    parser.add_argument("--device", type=int, default=0)
+
+
+class Timer:
+    """Per-call GPU time of ``fn`` (enqueues one call) in eager and CUDA-graph modes."""
+
+    def __init__(self, torch: Any, iters: int, warmup: int, repeats: int):
+        self.torch, self.iters, self.warmup, self.repeats = torch, iters, warmup, repeats
+        self.stream = torch.cuda.Stream()
+
+    def _events(self, body: Callable[[], None]) -> float:
+        torch = self.torch
+        times = []
+        for _ in range(self.repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            body()
+            end.record(self.stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)  # us
+        return statistics.median(times)
+
+    def eager(self, fn: Callable[[], None]) -> float:
+        torch = self.torch
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.warmup):
+                fn()
+            self.stream.synchronize()
+
+            def body():
+                for _ in range(self.iters):
+                    fn()
+            return self._events(body) / self.iters
+
+    def graph(self, fn: Callable[[], None], calls: int = 0) -> float:
+        torch = self.torch
+        calls = calls or min(self.iters, 100)
+        with torch.cuda.stream(self.stream):
+            for _ in range(3):
+                fn()  # warm: allocations (gather workspace) happen before capture
+            self.stream.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=self.stream):
+            for _ in range(calls):
+                fn()
+        with torch.cuda.stream(self.stream):
+            g.replay()
+            self.stream.synchronize()
+            per_replay = self._events(g.replay)
+        return per_replay / calls
+
+
+def _device_info(torch: Any, device: int) -> Dict[str, str]:
+    from .info import cuda_devices
+
+    props = torch.cuda.get_device_properties(device)
+    _, driver = cuda_devices()
+    return {"device": props.name, "driver": driver, "cuda_torch": str(torch.version.cuda),
+            "torch": torch.__version__, "sms": str(props.multi_processor_count),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "python": platform.python_version()}
+
+
+# --- scatter -------------------------------------------------------------------------------
+
+def bench_scatter(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]:
+    from . import ops
+
+    H, D, BS = 8, 128, 16
+    dt = torch.bfloat16
+    sizes = (1, 16, 256, 4096) if quick else (1, 4, 16, 64, 256, 1024, 4096, 16384)
+    rows = []
+    for T in sizes:
+        NB = max(2 * T // BS, 4)
+        key = torch.randn(T, H, D, dtype=dt, device="cuda")
+        value = torch.randn(T, H, D, dtype=dt, device="cuda")
+        kc = torch.zeros(NB, BS, H, D, dtype=dt, device="cuda")
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(NB * BS, device="cuda")[:T].to(torch.int32)
+        slots64 = slots.to(torch.int64)
+        launch = ops.prepare_scatter(key, value, kc, vc, slots, stream=timer.stream)
+        moved = 2 * key.numel() * key.element_size()  # key + value bytes written
+        src = torch.empty(moved, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        kflat, vflat = kc.view(-1, H, D), vc.view(-1, H, D)
+
+        def torch_index():
+            kflat.index_copy_(0, slots64, key)
+            vflat.index_copy_(0, slots64, value)
+
+        r = {"op": "scatter nd bf16", "tokens": T, "heads": H, "dim": D, "bytes": moved,
+             "kernel_us": timer.eager(launch), "kernel_graph_us": timer.graph(launch),
+             "copy_us": timer.eager(lambda: dst.copy_(src)),
+             "copy_graph_us": timer.graph(lambda: dst.copy_(src)),
+             "torch_us": timer.eager(torch_index), "torch_graph_us": timer.graph(torch_index)}
+        r["copy_ratio"] = r["copy_graph_us"] / r["kernel_graph_us"]
+        r["vs_torch"] = r["torch_graph_us"] / r["kernel_graph_us"]
+        r["gbps"] = 2 * moved / r["kernel_graph_us"] / 1e3  # read + write
+        if T >= 4096:
+            r["target"] = f"copy ratio >= {TARGETS['scatter_large_copy_ratio']:.2f}"
+            r["met"] = r["copy_ratio"] >= TARGETS["scatter_large_copy_ratio"]
+        elif T <= 256:
+            r["target"] = (f"<= {TARGETS['scatter_decode_us']} us and >= "
+                           f"{TARGETS['scatter_decode_vs_torch']:.0f}x torch")
+            r["met"] = (r["kernel_graph_us"] <= TARGETS["scatter_decode_us"]
+                        and r["vs_torch"] >= TARGETS["scatter_decode_vs_torch"])
+        rows.append(r)
+        print(_line(r), flush=True)
+    return rows
+
+
+# --- gather --------------------------------------------------------------------------------
+
+def _gather_buffers(torch: Any, *, rows_bs: int, K: int, kv: int, rope: int, host: bool):
+    """Caches and tables of a decode-like gather (TBS 1, kv_len 8*K per row). Contents are
+    left uninitialised: the kernels move bytes, and timing does not depend on them."""
+    B, tbs, sbs, fbs = rows_bs, 1, 64, 64
+    kv_len = 8 * K
+    fmax = -(-kv_len // fbs)
+    fbn = B * fmax
+    dt = torch.bfloat16
+    where = {"pin_memory": True} if host else {"device": "cuda"}
+    full_kv = torch.empty(fbn, fbs, kv, dtype=dt, **where)
+    full_rope = torch.empty(fbn, fbs, rope, dtype=dt, **where)
+    smax = -(-K * tbs // sbs)
+    sbn = B * smax
+    sel_kv = torch.empty(sbn, sbs, kv, dtype=dt, device="cuda")
+    sel_rope = torch.empty(sbn, sbs, rope, dtype=dt, device="cuda")
+    sel_table = torch.arange(sbn, dtype=torch.int32, device="cuda").view(B, smax)
+    full_table = torch.randperm(fbn, device="cuda").to(torch.int32).view(B, fmax)
+    kv_lens = torch.full((B,), kv_len, dtype=torch.int32, device="cuda")
+    q_lens = torch.ones(B, dtype=torch.int32, device="cuda")
+    return [sel_rope, sel_kv, sel_table, None, None, full_rope, full_kv, full_table,
+            kv_lens, q_lens], kv_len
+
+
+def _topk_pair(torch: Any, rows_bs: int, K: int, kv_len: int, overlap: float, seed: int = 0):
+    """Two top-k sets per row sharing ``overlap`` of their ids: alternating calls A, B, A...
+    keep the shared ids in place and copy the rest (steady-state reuse). Ids stay below
+    kv_len - S so that shared ids may be kept (OPS.md G5.2)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    keep = int(round(overlap * K))
+    tops = [torch.empty(rows_bs, 1, 1, K, dtype=torch.int32) for _ in range(2)]
+    for b in range(rows_bs):
+        perm = torch.randperm(kv_len - 1, generator=g)[:2 * K - keep].to(torch.int32)
+        shared, a_only, b_only = perm[:keep], perm[keep:K], perm[K:2 * K - keep]
+        tops[0][b, 0, 0] = torch.cat([shared, a_only])[torch.randperm(K, generator=g)]
+        tops[1][b, 0, 0] = torch.cat([shared, b_only])[torch.randperm(K, generator=g)]
+    return [t.cuda() for t in tops]
+
+
+def bench_gather(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]:
+    from . import ops
+
+    K, kv, rope = 2048, 512, 64
+    configs = [(4, False), (16, False), (16, True)] if quick else \
+        [(1, False), (4, False), (16, False), (64, False), (4, True), (16, True), (64, True)]
+    rows = []
+    for rows_bs, host in configs:
+        no_reuse_us = None
+        args, kv_len = _gather_buffers(torch, rows_bs=rows_bs, K=K, kv=kv, rope=rope, host=host)
+        for overlap in (0.0, 0.6, 0.9):
+            tops = _topk_pair(torch, rows_bs, K, kv_len, overlap)
+            args[3] = torch.full((rows_bs, 1, 1, K + 1), -1, dtype=torch.int32, device="cuda")
+            out = torch.empty(rows_bs, dtype=torch.int32, device="cuda")
+            launches = []
+            for t in tops:
+                a = list(args)
+                a[4] = t
+                launches.append(ops.prepare_gather(*a, selection_topk_block_size=1,
+                                                   stream=timer.stream, out=out))
+            state = {"i": 0}
+
+            def alternate():
+                launches[state["i"] & 1]()
+                state["i"] += 1
+
+            r = {"op": f"gather {'host' if host else 'device'} bf16", "rows": rows_bs, "K": K,
+                 "overlap": overlap}
+            r["kernel_us"] = timer.eager(alternate)
+            r["kernel_graph_us"] = timer.graph(alternate, calls=20)
+            moved = int(round((1 - overlap) * K)) * rows_bs * (kv + rope) * 2
+            r["bytes"] = moved
+            r["gbps"] = moved / r["kernel_graph_us"] / 1e3
+            if overlap == 0.0:
+                no_reuse_us = r["kernel_graph_us"]
+                src = torch.empty(moved, dtype=torch.uint8,
+                                  pin_memory=True) if host else torch.empty(
+                    moved, dtype=torch.uint8, device="cuda")
+                dst = torch.empty(moved, dtype=torch.uint8, device="cuda")
+                r["copy_us"] = timer.eager(lambda: dst.copy_(src, non_blocking=True))
+                r["copy_graph_us"] = timer.graph(lambda: dst.copy_(src, non_blocking=True))
+                r["copy_ratio"] = r["copy_graph_us"] / r["kernel_graph_us"]
+                if not host:
+                    full_kv = args[6].view(-1, kv)
+                    full_rope = args[5].view(-1, rope)
+                    sel_kv, sel_rope = args[1].view(-1, kv), args[0].view(-1, rope)
+                    src_rows = torch.randint(0, full_kv.shape[0], (rows_bs * K,),
+                                             device="cuda")
+                    dst_rows = torch.arange(rows_bs * K, device="cuda")
+
+                    def torch_index():
+                        sel_kv[dst_rows] = full_kv[src_rows]
+                        sel_rope[dst_rows] = full_rope[src_rows]
+
+                    r["torch_us"] = timer.eager(torch_index)
+                    r["torch_graph_us"] = timer.graph(torch_index)
+                    r["vs_torch"] = r["torch_graph_us"] / r["kernel_graph_us"]
+                key = "gather_host_h2d_ratio" if host else "gather_device_copy_ratio"
+                r["target"] = f"{'H2D' if host else 'copy'} ratio >= {TARGETS[key]:.2f}"
+                r["met"] = r["copy_ratio"] >= TARGETS[key]
+            else:
+                r["vs_no_reuse"] = r["kernel_graph_us"] / no_reuse_us
+                if overlap == 0.9:
+                    r["target"] = f"time <= {TARGETS['gather_reuse90_time_ratio']}x no-reuse"
+                    r["met"] = r["vs_no_reuse"] <= TARGETS["gather_reuse90_time_ratio"]
+            rows.append(r)
+            print(_line(r), flush=True)
+    return rows
+
+
+# --- report --------------------------------------------------------------------------------
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "**NO**"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return str(v)
+
+
+def _line(r: Dict[str, Any]) -> str:
+    return "  ".join(f"{k}={_fmt(v)}" for k, v in r.items())
+
+
+_COLUMNS = {
+    "scatter": ["tokens", "kernel_us", "kernel_graph_us", "copy_graph_us", "torch_graph_us",
+                "gbps", "copy_ratio", "vs_torch", "target", "met"],
+    "gather": ["op", "rows", "K", "overlap", "kernel_us", "kernel_graph_us", "gbps",
+               "copy_graph_us", "copy_ratio", "torch_graph_us", "vs_torch", "vs_no_reuse",
+               "target", "met"],
+}
+
+
+def markdown(info: Dict[str, str], results: Dict[str, List[Dict[str, Any]]]) -> str:
+    lines = [f"### {info['device']} ({info['sms']} SMs), {info['driver']}, torch "
+             f"{info['torch']} (CUDA {info['cuda_torch']}), {info['date']}", ""]
+    lines.append("Times are microseconds per call (median of repeats); `*_graph_us` from CUDA "
+                 "graph replay. gbps = bytes read+written (scatter) or gathered / time. "
+                 "copy_ratio = copy time / kernel time for the same bytes.")
+    for op, rows in results.items():
+        if not rows:
+            continue
+        cols = _COLUMNS[op]
+        lines += ["", f"#### {op}", "", "| " + " | ".join(cols) + " |",
+                  "|" + "---|" * len(cols)]
+        for r in rows:
+            lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeError("pytrt-kv bench needs torch with CUDA (pip install torch)") from None
+    if not torch.cuda.is_available():
+        raise RuntimeError("pytrt-kv bench needs a CUDA GPU (torch.cuda.is_available() is "
+                           "False)")
+    from . import _cuda
+
+    _cuda.kernels()  # the library's own error if it is missing
+    torch.cuda.set_device(args.device)
+    iters = 20 if args.quick else args.iters
+    timer = Timer(torch, iters=iters, warmup=3 if args.quick else args.warmup,
+                  repeats=3 if args.quick else args.repeats)
+    info = _device_info(torch, args.device)
+    print(f"pytrt-kv bench on {info['device']} ({info['driver']}), {info['date']}")
+    results: Dict[str, List[Dict[str, Any]]] = {"scatter": [], "gather": []}
+    if args.op in ("scatter", "all"):
+        results["scatter"] = bench_scatter(torch, timer, args.quick)
+    if args.op in ("gather", "all"):
+        results["gather"] = bench_gather(torch, timer, args.quick)
+    text = markdown(info, results)
+    print()
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "results": results}, f, indent=1)
+    missed = [r for rows in results.values() for r in rows if r.get("met") is False]
+    if missed:
+        print(f"{len(missed)} target(s) missed (see the 'met' column); targets are goals "
+              f"for BENCHMARKS.md, not a failure of the run.", file=sys.stderr)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="pytrt-kv bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,327 @@
+"""GPU eager API: the two reference functions on GPU buffers, in place (layer 2 from Python).
+
+Same signatures as :mod:`pytrt_kv.reference` (OPS.md S1 and G1) plus keyword-only
+``stream=None`` and ``validate=False``. Buffers may be torch tensors, CuPy arrays, PyCUDA
+GPUArrays or anything exposing ``__cuda_array_interface__`` or DLPack; the full caches of
+the gather may also be pinned host memory (a pinned torch CPU tensor, CuPy pinned memory,
+or host memory registered with ``cudaHostRegister``), read by the kernel through unified
+addressing.
+
+- Shapes, dtypes and attributes are checked on the host by the reference's own checks
+  (``check_scatter`` / ``check_gather``), without reading values or synchronizing.
+- Index values are read back and checked (``check_scatter_values`` /
+  ``check_gather_values``) only with ``validate=True``; that synchronizes ``stream``.
+  Without it, invalid index values never make the kernels write outside the caches
+  (OPS.md S7, G4), but the result is unspecified.
+- ``stream``: a torch or CuPy stream, a cuda-python stream, an int ``cudaStream_t``, or
+  None for the framework's current stream (torch's for torch tensors, CuPy's for CuPy
+  arrays, else the legacy default stream).
+- CUDA graphs: both calls are capturable (no synchronization, no allocation) once warm:
+  the gather keeps a grow-only workspace per (device, stream), allocated on the first
+  call with a given size. Make one call with the largest sizes on the capture stream
+  before capturing; pass ``out=`` so that the gather allocates no output during capture.
+
+Importing this module needs neither torch nor CuPy; the kernel library is loaded on first
+use, with ``pytrt_kv._lib``'s error (which lists the searched paths) if it is missing.
+
+Examples
+--------
+>>> import torch, pytrt_kv.ops as ops                                  # doctest: +SKIP
+>>> key = torch.randn(4, 8, 128, dtype=torch.bfloat16, device="cuda")  # doctest: +SKIP
+>>> cache = torch.zeros(16, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+>>> ops.scatter_pa_kv_cache(key, key.clone(), cache, cache.clone(),
+...                         torch.tensor([3, 17, -1, 40], device="cuda", dtype=torch.int32))
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from . import _cuda
+from ._cuda import Buffer
+from ._errors import describe, value_error
+from ._gather import check_gather, check_gather_values
+from ._scatter import check_scatter, check_scatter_values
+
+__all__ = ["scatter_pa_kv_cache", "gather_selection_kv_cache", "gather_workspace_size",
+           "prepare_scatter", "prepare_gather", "Launch"]
+
+_WORKSPACES = _cuda.WorkspaceCache()
+
+
+def _buffers(named: Dict[str, Any]) -> Dict[str, Optional[Buffer]]:
+    return {k: (None if v is None else _cuda.buffer(k, v)) for k, v in named.items()}
+
+
+def _place(bufs: Dict[str, Optional[Buffer]], host_ok: tuple = ()) -> int:
+    """Check contiguity and memory placement; return the device of the call."""
+    for name, buf in bufs.items():
+        if buf is not None and not buf.contiguous:
+            raise value_error(name, "a C-contiguous (dense row-major) buffer; call "
+                                    ".contiguous() / cupy.ascontiguousarray() first",
+                              f"a strided {describe(buf)}")
+    device = None
+    for name, buf in bufs.items():
+        if buf is None or buf.nbytes == 0:
+            continue
+        if not (_cuda._is_torch(buf.obj) and buf.kind == _cuda.DEVICE):
+            _cuda.locate(buf)
+        if buf.kind == _cuda.HOST:
+            raise value_error(name, "GPU memory" + (" or pinned host memory" if name in host_ok
+                                                    else ""),
+                              "pageable host memory" + (" (pin it: tensor.pin_memory() or "
+                                                        "cudaHostRegister)" if name in host_ok
+                                                        else ""))
+        if buf.kind == _cuda.PINNED:
+            if name not in host_ok:
+                raise value_error(name, "GPU memory (only the full caches may be pinned host "
+                                        "memory)", "pinned host memory")
+            continue
+        if device is None:
+            device = buf.device
+        elif buf.device != device:
+            raise value_error(name, f"a buffer on cuda:{device} like the other arguments",
+                              f"a buffer on cuda:{buf.device}")
+    if device is None:
+        raise value_error("arguments", "at least one non-empty GPU buffer", "none")
+    return device
+
+
+def _ptr(buf: Optional[Buffer]) -> Optional[int]:
+    return None if buf is None or buf.nbytes == 0 else buf.ptr
+
+
+def scatter_pa_kv_cache(key: Any, value: Any, key_cache: Any, value_cache: Any,
+                        slot_mapping: Any, *, compress_lens: Any = None,
+                        compress_seq_offsets: Any = None, seq_lens: Any = None,
+                        cache_layout: Optional[str] = None, compress_mode: Optional[str] = None,
+                        stream: Any = None, validate: bool = False) -> None:
+    """Write new key/value tokens into a paged KV cache on the GPU, in place (OPS.md S).
+
+    Parameters
+    ----------
+    key : GPU buffer, ``[T, H, Dk]`` or ``[B, Smax, H, Dk]`` (compressing write)
+    value : GPU buffer or None, ``[T, H, Dv]`` or ``[B, Smax, H, Dv]``
+    key_cache : GPU buffer, nd ``[NB, BS, H, Dk]`` | nz ``[NB, H*Dk/L, BS, L]`` |
+        hnd ``[NB, H, BS, Dk]`` | compress ``[NB, BS, 1, Dk]``; updated in place
+    value_cache : GPU buffer or None, as key_cache with Dv; updated in place
+    slot_mapping : GPU buffer, int32/int64 ``[T]`` or ``[B, H]``; negative = padding
+    compress_lens, compress_seq_offsets, seq_lens : GPU buffers, ``[B, H]``, ``[B*H]``,
+        ``[B]`` (4-D key only)
+    cache_layout : {"nd", "nz", "hnd"} or None (auto-detected from the shapes)
+    compress_mode : {"rope", "omni", "alibi"} or None
+    stream : stream object, int handle or None (the framework's current stream)
+    validate : bool
+        Read the index values back and apply every value rule of the reference (raises
+        ValueError like the reference; synchronizes ``stream``).
+
+    Raises
+    ------
+    ValueError, TypeError
+        Shapes, dtypes, placement or contiguity (and index values with validate=True).
+    FileNotFoundError
+        The kernel library is not installed.
+    """
+    launch = prepare_scatter(key, value, key_cache, value_cache, slot_mapping,
+                             compress_lens=compress_lens,
+                             compress_seq_offsets=compress_seq_offsets, seq_lens=seq_lens,
+                             cache_layout=cache_layout, compress_mode=compress_mode,
+                             stream=stream, validate=validate)
+    launch()
+
+
+class Launch:
+    """One prepared kernel call: arguments checked, Params built, stream resolved.
+
+    Calling it enqueues the kernel again with the same buffers (whatever values they
+    hold now), without any Python-side checks: for benchmarks and tight loops.
+    ``result`` is what the eager function returns (the gather's actual_seq buffer).
+    """
+
+    def __init__(self, fn_name: str, params: Any, stream: int, device: int, what: str,
+                 result: Any = None, keepalive: Any = None):
+        self.fn = getattr(_cuda.kernels(), fn_name) if params is not None else None
+        self.params, self.stream, self.device = params, stream, device
+        self.what, self.result, self._keepalive = what, result, keepalive
+        self._ref = ctypes.byref(params) if params is not None else None
+
+    def __call__(self) -> Any:
+        if self.fn is not None:
+            _cuda.check_status(self.fn(self._ref, self.stream, self.device), self.what)
+        return self.result
+
+
+def prepare_scatter(key: Any, value: Any, key_cache: Any, value_cache: Any,
+                    slot_mapping: Any, *, compress_lens: Any = None,
+                    compress_seq_offsets: Any = None, seq_lens: Any = None,
+                    cache_layout: Optional[str] = None, compress_mode: Optional[str] = None,
+                    stream: Any = None, validate: bool = False) -> Launch:
+    """Check a scatter call like :func:`scatter_pa_kv_cache` and return it as a
+    :class:`Launch` without enqueuing it."""
+    named = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
+             "slot_mapping": slot_mapping, "compress_lens": compress_lens,
+             "compress_seq_offsets": compress_seq_offsets, "seq_lens": seq_lens}
+    bufs = _buffers(named)
+    meta = check_scatter(bufs["key"], bufs["value"], bufs["key_cache"], bufs["value_cache"],
+                         bufs["slot_mapping"], bufs["compress_lens"],
+                         bufs["compress_seq_offsets"], bufs["seq_lens"], cache_layout,
+                         compress_mode)
+    device = _place(bufs)
+    handle = _cuda.resolve_stream(stream, list(named.values()), device)
+    if validate:
+        idx = {k: (None if bufs[k] is None else _cuda.read_back(bufs[k], handle))
+               for k in ("slot_mapping", "compress_lens", "compress_seq_offsets", "seq_lens")}
+        check_scatter_values(meta, idx["slot_mapping"], compress_lens=idx["compress_lens"],
+                             compress_seq_offsets=idx["compress_seq_offsets"],
+                             seq_lens=idx["seq_lens"])
+    p = _cuda.ScatterParams()
+    p.key, p.value = _ptr(bufs["key"]), _ptr(bufs["value"])
+    p.keyCache, p.valueCache = _ptr(bufs["key_cache"]), _ptr(bufs["value_cache"])
+    p.slotMapping = _ptr(bufs["slot_mapping"])
+    p.compressLens, p.seqLens = _ptr(bufs["compress_lens"]), _ptr(bufs["seq_lens"])
+    p.compressSeqOffsets = _ptr(bufs["compress_seq_offsets"])
+    p.keyType = _cuda.DTYPE_CODE[meta.key_dtype]
+    p.valueType = _cuda.DTYPE_CODE[meta.value_dtype or meta.key_dtype]
+    p.indexType = _cuda.DTYPE_CODE[meta.index_dtype]
+    p.compress = meta.compress
+    p.layout = _cuda.LAYOUT_CODE[meta.layout or "nd"]
+    p.mode = _cuda.MODE_CODE[meta.mode or "alibi"]
+    p.numTokens, p.batch, p.maxSeqLen = meta.num_tokens, meta.batch, meta.max_seq_len
+    p.numHeads, p.headSizeK, p.headSizeV = meta.num_heads, meta.head_size_k, meta.head_size_v
+    p.numBlocks, p.blockSize = meta.num_blocks, meta.block_size
+    if meta.num_slots == 0 or (meta.num_tokens == 0 and not meta.compress) or (
+            meta.compress and meta.batch * meta.max_seq_len == 0):
+        return Launch("", None, handle, device, "scatter_pa_kv_cache")  # nothing to write
+    return Launch("pytrt_kv_scatter_pa_kv_cache", p, handle, device, "scatter_pa_kv_cache",
+                  keepalive=bufs)
+
+
+def _gather_params(meta: Any, bufs: Dict[str, Optional[Buffer]]) -> "_cuda.GatherSelectionParams":
+    p = _cuda.GatherSelectionParams()
+    p.selectionKRope = _ptr(bufs["selection_k_rope"]) if meta.k_rope_dim else None
+    p.selectionKvCache = _ptr(bufs["selection_kv_cache"])
+    p.selectionKvBlockTable = _ptr(bufs["selection_kv_block_table"])
+    p.selectionKvBlockStatus = _ptr(bufs["selection_kv_block_status"])
+    p.selectionTopkIndices = _ptr(bufs["selection_topk_indices"])
+    p.fullKRope = _ptr(bufs["full_k_rope"]) if meta.k_rope_dim else None
+    p.fullKvCache = _ptr(bufs["full_kv_cache"])
+    p.fullKvBlockTable = _ptr(bufs["full_kv_block_table"])
+    p.fullKvActualSeq = _ptr(bufs["full_kv_actual_seq"])
+    p.cacheType = _cuda.DTYPE_CODE[meta.cache_dtype]
+    p.batch, p.seqPerBatch, p.topk, p.topkBlockSize = meta.batch, meta.seq, meta.topk, meta.tbs
+    p.selectionRows = meta.rows
+    p.selectionBlockNum, p.selectionBlockSize = meta.sel_block_num, meta.sel_block_size
+    p.selectionMaxBlockNum = meta.sel_max_block_num
+    p.fullBlockNum, p.fullBlockSize = meta.full_block_num, meta.full_block_size
+    p.fullMaxBlockNum = meta.full_max_block_num
+    p.kRopeDim, p.kvDim = meta.k_rope_dim, meta.kv_dim
+    return p
+
+
+def gather_workspace_size(batch: int, seq: int, topk: int) -> int:
+    """Device scratch bytes of one gather call with these sizes (what the library's
+    ``getGatherSelectionWorkspaceSize`` returns; the TensorRT plugin reserves the same)."""
+    p = _cuda.GatherSelectionParams()
+    p.batch, p.seqPerBatch, p.topk = batch, seq, topk
+    return int(_cuda.kernels().pytrt_kv_gather_workspace_size(ctypes.byref(p)))
+
+
+def _new_output(like: Buffer, rows: int, device: int) -> Any:
+    """selection_kv_actual_seq [R] int32 from the framework of ``like``."""
+    mod = type(like.obj).__module__
+    if mod.startswith("torch") and "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        return torch.empty(rows, dtype=torch.int32, device=f"cuda:{device}")
+    if mod.startswith("cupy") and "cupy" in sys.modules:
+        cupy = sys.modules["cupy"]
+        with cupy.cuda.Device(device):
+            return cupy.empty(rows, dtype=np.int32)
+    return _cuda.DeviceArray((rows,), np.int32, device)
+
+
+def gather_selection_kv_cache(selection_k_rope: Any, selection_kv_cache: Any,
+                              selection_kv_block_table: Any, selection_kv_block_status: Any,
+                              selection_topk_indices: Any, full_k_rope: Any,
+                              full_kv_cache: Any, full_kv_block_table: Any,
+                              full_kv_actual_seq: Any, full_q_actual_seq: Any, *,
+                              selection_topk_block_size: int = 64, stream: Any = None,
+                              validate: bool = False, out: Any = None) -> Any:
+    """Gather top-k selected KV into the selection cache on the GPU, in place (OPS.md G).
+
+    Parameters
+    ----------
+    selection_k_rope : GPU buffer ``[S_BLOCK_NUM, SBS, K_ROPE]`` or zero-element; in place
+    selection_kv_cache : GPU buffer ``[S_BLOCK_NUM, SBS, KV]``; in place
+    selection_kv_block_table : GPU int32 ``[R >= B*S, S_MAX_BLOCK_NUM]``
+    selection_kv_block_status : GPU int32 BSND ``[B, S, 1, K+1]`` or TND ``[B*S, 1, K+1]``;
+        in place
+    selection_topk_indices : GPU int32, status's shape with last dim K
+    full_k_rope : ``[F_BLOCK_NUM, FBS, K_ROPE]`` or zero-element; GPU or pinned host memory
+    full_kv_cache : ``[F_BLOCK_NUM, FBS, KV]``; GPU or pinned host memory
+    full_kv_block_table : GPU int32 ``[B, F_MAX_BLOCK_NUM]``
+    full_kv_actual_seq : GPU int32 ``[B]``
+    full_q_actual_seq : int32 ``[B]``: shape and dtype checked, never read
+    selection_topk_block_size : int
+        TBS.
+    stream, validate
+        As in :func:`scatter_pa_kv_cache`.
+    out : GPU int32 ``[R]``, optional
+        Receives selection_kv_actual_seq (else a new buffer of selection_kv_cache's
+        framework is returned).
+
+    Returns
+    -------
+    GPU int32 ``[R]``: selection_kv_actual_seq (``out`` when given).
+    """
+    return prepare_gather(selection_k_rope, selection_kv_cache, selection_kv_block_table,
+                          selection_kv_block_status, selection_topk_indices, full_k_rope,
+                          full_kv_cache, full_kv_block_table, full_kv_actual_seq,
+                          full_q_actual_seq, selection_topk_block_size=selection_topk_block_size,
+                          stream=stream, validate=validate, out=out)()
+
+
+def prepare_gather(selection_k_rope: Any, selection_kv_cache: Any,
+                   selection_kv_block_table: Any, selection_kv_block_status: Any,
+                   selection_topk_indices: Any, full_k_rope: Any, full_kv_cache: Any,
+                   full_kv_block_table: Any, full_kv_actual_seq: Any, full_q_actual_seq: Any, *,
+                   selection_topk_block_size: int = 64, stream: Any = None,
+                   validate: bool = False, out: Any = None) -> Launch:
+    """Check a gather call like :func:`gather_selection_kv_cache` and return it as a
+    :class:`Launch` (its ``result`` is the actual_seq buffer) without enqueuing it."""
+    named = {"selection_k_rope": selection_k_rope, "selection_kv_cache": selection_kv_cache,
+             "selection_kv_block_table": selection_kv_block_table,
+             "selection_kv_block_status": selection_kv_block_status,
+             "selection_topk_indices": selection_topk_indices, "full_k_rope": full_k_rope,
+             "full_kv_cache": full_kv_cache, "full_kv_block_table": full_kv_block_table,
+             "full_kv_actual_seq": full_kv_actual_seq, "full_q_actual_seq": full_q_actual_seq}
+    bufs = _buffers(named)
+    meta = check_gather(*(bufs[k] for k in named),
+                        selection_topk_block_size=selection_topk_block_size)
+    # full_q_actual_seq is never read: it may live anywhere.
+    placed = {k: v for k, v in bufs.items() if k != "full_q_actual_seq"}
+    device = _place(placed, host_ok=("full_k_rope", "full_kv_cache"))
+    handle = _cuda.resolve_stream(stream, list(named.values()), device)
+    if out is None:
+        out = _new_output(bufs["selection_kv_cache"], meta.rows, device)
+    out_buf = _cuda.buffer("out", out)
+    if out_buf.shape != (meta.rows,) or out_buf.dtype != np.dtype(np.int32):
+        raise value_error("out", f"int32[{meta.rows}]", describe(out_buf))
+    _place({"out": out_buf, "selection_kv_cache": bufs["selection_kv_cache"]})
+    if validate:
+        idx = {k: _cuda.read_back(bufs[k], handle)
+               for k in ("selection_kv_block_table", "selection_kv_block_status",
+                         "selection_topk_indices", "full_kv_block_table", "full_kv_actual_seq")}
+        check_gather_values(meta, **idx)
+    p = _gather_params(meta, bufs)
+    p.selectionKvActualSeq = _ptr(out_buf)
+    lib = _cuda.kernels()
+    need = int(lib.pytrt_kv_gather_workspace_size(ctypes.byref(p)))
+    p.workspace, p.workspaceBytes = _WORKSPACES.get(device, handle, need)
+    if meta.rows == 0:
+        return Launch("", None, handle, device, "gather_selection_kv_cache", result=out)
+    return Launch("pytrt_kv_gather_selection_kv_cache", p, handle, device,
+                  "gather_selection_kv_cache", result=out, keepalive=(bufs, out_buf))

@@ -1,0 +1,378 @@
+"""pytrt_kv.ops.gather_selection_kv_cache on the GPU, bit-exact against the reference
+(OPS.md G): parameter grids over dtype, TBS, S, K, block sizes, BSND/TND, padding, the
+quantised (no k_rope) mode, host-resident full caches and multi-step reuse; CUDA-graph
+capture and replay; out-of-range table entries skipped. Caches start as a sentinel byte
+pattern so untouched rows are checked too. All tests need a GPU (marker ``gpu``) except
+the host-side checks at the end.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pytrt_kv import dtypes
+from pytrt_kv._gather import gather_selection_kv_cache as ref_gather, plan_row
+
+from test_ops_scatter import (assert_same_bits, random_data, sentinel, to_numpy, to_torch,
+                              torch_mod, FakeCudaArray)
+
+gpu = pytest.mark.gpu
+
+
+class Case:
+    """One gather problem in NumPy: every argument of OPS.md G1, valid for the reference."""
+
+    def __init__(self, rng, *, B=2, S=1, K=8, tbs=1, sbs=16, fbs=16, kv=64, rope=16,
+                 dtype="bfloat16", layout="BSND", extra_rows=1, fmax=8, kv_lens=None):
+        self.rng, self.B, self.S, self.K, self.tbs = rng, B, S, K, tbs
+        self.layout, self.dtype = layout, dtype
+        self.R = B * S + extra_rows
+        self.smax = -(-K * tbs // sbs)
+        self.sbn = self.R * self.smax + 3
+        self.fbn = B * fmax + 2
+        self.fbs, self.sbs, self.fmax = fbs, sbs, fmax
+        self.full_kv = random_data(rng, (self.fbn, fbs, kv), dtype)
+        self.full_rope = (random_data(rng, (self.fbn, fbs, rope), dtype) if rope
+                          else np.zeros((0,), dtypes.numpy_dtype(dtype)))
+        self.sel_kv = sentinel((self.sbn, sbs, kv), dtype)
+        self.sel_rope = (sentinel((self.sbn, sbs, rope), dtype) if rope
+                         else np.zeros((0,), dtypes.numpy_dtype(dtype)))
+        # Each row owns distinct selection blocks (rows never write the same place).
+        self.sel_table = rng.permutation(self.sbn)[:self.R * self.smax].reshape(
+            self.R, self.smax).astype(np.int32)
+        self.full_table = rng.permutation(self.fbn)[:B * fmax].reshape(B, fmax).astype(np.int32)
+        shape = (B, S, 1) if layout == "BSND" else (B * S, 1)
+        self.status = np.full(shape + (K + 1,), -1, np.int32)
+        self.kv_len = (np.array(kv_lens, np.int32) if kv_lens is not None else
+                       rng.integers(S, fmax * fbs - 4 * S, B).astype(np.int32))
+        self.q_len = np.cumsum(rng.integers(1, 4, B)).astype(np.int32)  # cumulative: ignored
+        self.topk = np.full(shape + (K,), -1, np.int32)
+        self.prev = None
+
+    def new_topk(self, reuse: float, pad: float = 0.15, beyond: float = 0.1) -> None:
+        """Random distinct valid ids per row (plus padding and ids past max_id), keeping
+        a ``reuse`` share of the previous step's ids."""
+        rows = self.topk.reshape(-1, self.K)
+        for r in range(self.B * self.S):
+            b, s = divmod(r, self.S)
+            eff = int(self.kv_len[b]) - (self.S - 1 - s)
+            max_id = -(-eff // self.tbs) - 1 if eff > 0 else -1
+            pool = self.rng.permutation(max(max_id + 1, 0))
+            keep = []
+            if self.prev is not None:
+                keep = [v for v in dict.fromkeys(int(x) for x in self.prev[r])
+                        if 0 <= v <= max_id and self.rng.random() < reuse]
+            fresh = [int(v) for v in pool if int(v) not in keep][:self.K - len(keep)]
+            row = np.array(keep + fresh + [-1] * self.K, np.int64)[:self.K]
+            u = self.rng.random(self.K)
+            row[u < pad] = -1
+            row[(u >= pad) & (u < pad + beyond)] = max_id + 1 + self.rng.integers(0, 9)
+            self.rng.shuffle(row)
+            rows[r] = row
+        self.prev = rows.copy()
+
+    def advance(self) -> None:
+        """Next decode step: S more tokens; the newest positions are rewritten."""
+        self.kv_len = np.minimum(self.kv_len + self.S, self.fmax * self.fbs).astype(np.int32)
+        for b in range(self.B):
+            for p in range(max(int(self.kv_len[b]) - 2 * self.S, 0), int(self.kv_len[b])):
+                blk = self.full_table[b, p // self.fbs]
+                self.full_kv[blk, p % self.fbs] = random_data(self.rng, self.full_kv.shape[2:],
+                                                              self.dtype)
+                if self.full_rope.size:
+                    self.full_rope[blk, p % self.fbs] = random_data(
+                        self.rng, self.full_rope.shape[2:], self.dtype)
+
+    def args(self):
+        return [self.sel_rope, self.sel_kv, self.sel_table, self.status, self.topk,
+                self.full_rope, self.full_kv, self.full_table, self.kv_len, self.q_len]
+
+
+def to_device_args(case: Case, host_full: bool):
+    a = case.args()
+    out = []
+    for i, x in enumerate(a):
+        if i in (5, 6) and host_full:
+            out.append(to_torch(x, device="cpu", pinned=True))
+        else:
+            out.append(to_torch(x))
+    return out
+
+
+def run_step(case: Case, dev, host_full: bool):
+    """Run the reference on the case's arrays and the GPU op on ``dev``; compare all."""
+    from pytrt_kv import ops
+
+    torch = torch_mod()
+    # The inputs that change between steps are re-uploaded (status/caches stay on the GPU).
+    for i in (4, 8):
+        dev[i].copy_(to_torch(case.args()[i]))
+    for i in (5, 6):
+        if case.args()[i].size:
+            dev[i].copy_(to_torch(case.args()[i], device="cpu" if host_full else "cuda"))
+    want = ref_gather(*case.args(), selection_topk_block_size=case.tbs)
+    got = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=case.tbs)
+    torch.cuda.synchronize()
+    assert to_numpy(got).tolist() == want.tolist(), "selection_kv_actual_seq"
+    assert to_numpy(dev[3]).tolist() == case.status.tolist(), "selection_kv_block_status"
+    assert_same_bits(to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
+    if case.sel_rope.size:
+        assert_same_bits(to_numpy(dev[0]), case.sel_rope, "selection_k_rope")
+
+
+GRID = [
+    # (K, tbs, sbs, fbs, S)
+    (1, 1, 16, 16, 1),
+    (4, 1, 3, 5, 1),
+    (33, 1, 16, 16, 2),
+    (256, 1, 64, 128, 1),
+    (2048, 1, 128, 128, 1),
+    (3, 4, 4, 8, 1),
+    (8, 4, 12, 8, 3),
+    (16, 64, 64, 128, 1),
+    (32, 2, 6, 10, 2),
+    (5, 3, 9, 6, 4),
+]
+
+
+@gpu
+@pytest.mark.parametrize("grid", GRID, ids=lambda g: "K{}_tbs{}_sbs{}_fbs{}_S{}".format(*g))
+@pytest.mark.parametrize("dtype,rope", [("bfloat16", 64), ("float16", 8), ("int8", 0),
+                                        ("float32", 4), ("float8_e4m3fn", 16)])
+@pytest.mark.parametrize("layout", ["BSND", "TND"])
+def test_gather_multi_step_bit_exact(rng, grid, dtype, rope, layout):
+    K, tbs, sbs, fbs, S = grid
+    fmax = max(-(-K * tbs * 2 // fbs), 4)
+    case = Case(rng, B=3, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv=48 if dtype != "int8" else 656,
+                rope=rope, dtype=dtype, layout=layout, fmax=fmax)
+    dev = to_device_args(case, host_full=False)
+    for step, reuse in enumerate((0.0, 0.6, 0.9, 0.9)):
+        if step:
+            case.advance()
+        case.new_topk(reuse)
+        run_step(case, dev, host_full=False)
+
+
+@gpu
+@pytest.mark.parametrize("grid", [(64, 1, 16, 32, 1), (8, 16, 16, 64, 2), (2048, 1, 64, 64, 1)],
+                         ids=str)
+@pytest.mark.parametrize("rope", [64, 0])
+def test_gather_from_pinned_host_memory(rng, grid, rope):
+    K, tbs, sbs, fbs, S = grid
+    fmax = max(-(-K * tbs * 2 // fbs), 4)
+    case = Case(rng, B=2, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv=512, rope=rope,
+                dtype="bfloat16" if rope else "int8", fmax=fmax)
+    dev = to_device_args(case, host_full=True)
+    assert dev[6].is_pinned() and not dev[6].is_cuda
+    for step, reuse in enumerate((0.0, 0.9, 0.6)):
+        if step:
+            case.advance()
+        case.new_topk(reuse)
+        run_step(case, dev, host_full=True)
+
+
+@gpu
+@pytest.mark.parametrize("kv_lens", [[0, 5], [-4, 0], [1, 2]])
+def test_gather_skipped_rows(rng, kv_lens):
+    """kv_len <= 0 or eff <= 0: status untouched, output 0, caches untouched."""
+    case = Case(rng, B=2, S=3, K=4, tbs=2, sbs=4, fbs=4, kv=32, rope=8, fmax=4,
+                kv_lens=kv_lens)
+    rows = case.status.reshape(-1, case.K + 1)
+    rows[:, :2] = [1, 0]  # an old state (valid prefix) that a skipped row must keep
+    rows[:, case.K] = 3
+    case.new_topk(0.0)
+    dev = to_device_args(case, host_full=False)
+    run_step(case, dev, host_full=False)
+
+
+def expected_with_skips(case: Case, bad_full_cols, bad_sel_cols):
+    """What the kernel does when some table entries are out of range: the plan (status,
+    actual_seq) is unchanged; the copies that would read or write through a bad entry are
+    skipped. ``bad_*_cols``: sets of (row-or-batch, column)."""
+    sel_kv = case.sel_kv.copy()
+    sel_rope = case.sel_rope.copy()
+    status = case.status.reshape(-1, case.K + 1).copy()
+    actual = np.zeros(case.R, np.int32)
+    for r in range(case.B * case.S):
+        b, s = divmod(r, case.S)
+        plan = plan_row(status[r], case.topk.reshape(-1, case.K)[r], int(case.kv_len[b]),
+                        case.S, s, case.tbs)
+        if plan.skipped:
+            continue
+        eff = int(case.kv_len[b]) - (case.S - 1 - s)
+        max_id = -(-eff // case.tbs) - 1
+        for j in np.flatnonzero(plan.copy):
+            v = int(plan.status[j])
+            size = eff - max_id * case.tbs if v == max_id else case.tbs
+            for i in range(size):
+                p, q = v * case.tbs + i, j * case.tbs + i
+                if (b, p // case.fbs) in bad_full_cols or (r, q // case.sbs) in bad_sel_cols:
+                    continue
+                src = case.full_table[b, p // case.fbs], p % case.fbs
+                dst = case.sel_table[r, q // case.sbs], q % case.sbs
+                sel_kv[dst] = case.full_kv[src]
+                if sel_rope.size:
+                    sel_rope[dst] = case.full_rope[src]
+        status[r] = plan.status
+        actual[r] = plan.actual_seq
+    return sel_kv, sel_rope, status.reshape(case.status.shape), actual
+
+
+@gpu
+def test_gather_out_of_range_table_entries_are_skipped(rng):
+    from pytrt_kv import ops
+
+    torch = torch_mod()
+    case = Case(rng, B=2, S=1, K=16, tbs=1, sbs=4, fbs=4, kv=32, rope=8, fmax=6,
+                kv_lens=[24, 24])
+    case.new_topk(0.0, pad=0.0, beyond=0.0)
+    # Sanity of the oracle: with valid tables it is the reference.
+    want = expected_with_skips(case, set(), set())
+    ref_case = [x.copy() for x in case.args()]
+    ref_out = ref_gather(*ref_case, selection_topk_block_size=1)
+    assert_same_bits(want[0], ref_case[1], "oracle vs reference")
+    assert want[3][:ref_out.size].tolist() == ref_out.tolist()
+    # Break entries: full -1 and >= F_BLOCK_NUM, selection -5 and >= S_BLOCK_NUM.
+    case.full_table[0, 1] = -1
+    case.full_table[1, 2] = case.fbn
+    case.sel_table[0, 0] = -5
+    case.sel_table[1, 3] = case.sbn + 7
+    bad_full = {(0, 1), (1, 2)}
+    bad_sel = {(0, 0), (1, 3)}
+    sel_kv, sel_rope, status, actual = expected_with_skips(case, bad_full, bad_sel)
+    dev = to_device_args(case, host_full=False)
+    out = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
+    torch.cuda.synchronize()
+    assert_same_bits(to_numpy(dev[1]), sel_kv, "selection_kv_cache")
+    assert_same_bits(to_numpy(dev[0]), sel_rope, "selection_k_rope")
+    assert to_numpy(dev[3]).tolist() == status.tolist()
+    assert to_numpy(out).tolist() == actual.tolist()
+    with pytest.raises(ValueError):
+        ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1, validate=True)
+
+
+@gpu
+def test_gather_ids_past_the_full_table_are_skipped(rng):
+    """kv_len larger than F_MAX_BLOCK_NUM * FBS: ids needing a column past the table are
+    skipped (the reference raises)."""
+    from pytrt_kv import ops
+
+    torch = torch_mod()
+    case = Case(rng, B=1, S=1, K=8, tbs=1, sbs=8, fbs=2, kv=16, rope=0, dtype="int8", fmax=3,
+                kv_lens=[40])
+    case.topk[...] = np.array([0, 5, 6, 7, 39, 12, -1, 3], np.int32).reshape(case.topk.shape)
+    bad_full = {(0, c) for c in range(3, 40)}
+    sel_kv, _, status, actual = expected_with_skips(case, bad_full, set())
+    dev = to_device_args(case, host_full=False)
+    out = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
+    torch.cuda.synchronize()
+    assert_same_bits(to_numpy(dev[1]), sel_kv, "selection_kv_cache")
+    assert to_numpy(dev[3]).tolist() == status.tolist()
+    assert to_numpy(out).tolist() == actual.tolist()
+
+
+@gpu
+def test_gather_duplicates_stay_in_bounds(rng):
+    from pytrt_kv import ops
+
+    torch = torch_mod()
+    case = Case(rng, B=1, S=1, K=8, tbs=1, sbs=8, fbs=8, kv=16, rope=4, fmax=4,
+                kv_lens=[20])
+    case.topk[...] = np.array([3, 3, 5, 3, -1, 5, 7, 1], np.int32).reshape(case.topk.shape)
+    sentinel_rows = case.sel_kv.copy()
+    dev = to_device_args(case, host_full=False)
+    out = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
+    torch.cuda.synchronize()
+    status = to_numpy(dev[3]).reshape(-1)
+    assert to_numpy(out).tolist()[0] == 7 and status[8] == 7
+    assert sorted(status[:7].tolist()) == [1, 3, 3, 3, 5, 5, 7] and status[7] == -1
+    # Only the row's own selection blocks may change.
+    got = to_numpy(dev[1])
+    others = np.setdiff1d(np.arange(case.sbn), case.sel_table[0])
+    assert_same_bits(got[others], sentinel_rows[others], "other selection blocks")
+
+
+@gpu
+def test_gather_cuda_graph_capture_and_replay(rng):
+    """Warm-up on the capture stream, capture once, replay over decode steps."""
+    from pytrt_kv import ops
+
+    torch = torch_mod()
+    case = Case(rng, B=4, S=2, K=64, tbs=1, sbs=16, fbs=32, kv=128, rope=32, fmax=8)
+    case.new_topk(0.0)
+    dev = to_device_args(case, host_full=False)
+    out = torch.empty(case.R, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    # Warm-up on a throw-away copy of the state so that the replayed steps start fresh.
+    scratch = [t.clone() for t in dev]
+    with torch.cuda.stream(stream):
+        ops.gather_selection_kv_cache(*scratch, selection_topk_block_size=1, out=out)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1, out=out)
+    for step, reuse in enumerate((0.0, 0.6, 0.9)):
+        if step:
+            case.advance()
+            case.new_topk(reuse)
+        for i in (4, 5, 6, 8):
+            dev[i].copy_(to_torch(case.args()[i]))
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref_gather(*case.args(), selection_topk_block_size=1)
+        assert to_numpy(out).tolist() == want.tolist()
+        assert to_numpy(dev[3]).tolist() == case.status.tolist()
+        assert_same_bits(to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
+        assert_same_bits(to_numpy(dev[0]), case.sel_rope, "selection_k_rope")
+
+
+@gpu
+def test_gather_cupy_inputs(rng):
+    cupy = pytest.importorskip("cupy")
+    from pytrt_kv import ops
+
+    case = Case(rng, B=2, S=1, K=16, tbs=1, sbs=8, fbs=8, kv=32, rope=8, dtype="float16",
+                fmax=6)
+    case.new_topk(0.0)
+    dev = [cupy.asarray(x) for x in case.args()]
+    want = ref_gather(*case.args(), selection_topk_block_size=1)
+    out = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
+    cupy.cuda.get_current_stream().synchronize()
+    assert isinstance(out, cupy.ndarray) and cupy.asnumpy(out).tolist() == want.tolist()
+    assert cupy.asnumpy(dev[3]).tolist() == case.status.tolist()
+    assert_same_bits(cupy.asnumpy(dev[1]), case.sel_kv, "selection_kv_cache")
+
+
+@gpu
+def test_gather_rejects_pageable_full_cache(rng):
+    from pytrt_kv import ops
+
+    case = Case(rng, B=1, S=1, K=4, tbs=1, sbs=4, fbs=4, kv=16, rope=0, dtype="int8", fmax=2)
+    dev = to_device_args(case, host_full=False)
+    dev[6] = to_torch(case.full_kv, device="cpu")  # not pinned
+    with pytest.raises(ValueError, match="full_kv_cache: expected GPU memory or pinned host"):
+        ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
+
+
+# --- CPU ------------------------------------------------------------------------------------
+
+def test_gather_shape_errors_come_before_any_gpu_work():
+    from pytrt_kv import ops
+
+    f16, i32 = "<f2", "<i4"
+    args = [FakeCudaArray((4, 16, 8), f16), FakeCudaArray((4, 16, 32), f16),
+            FakeCudaArray((2, 1), i32), FakeCudaArray((2, 1, 1, 9), i32),
+            FakeCudaArray((2, 1, 1, 8), i32), FakeCudaArray((4, 16, 8), f16),
+            FakeCudaArray((4, 16, 32), f16), FakeCudaArray((2, 4), i32),
+            FakeCudaArray((2,), i32), FakeCudaArray((2,), i32)]
+    bad = list(args)
+    bad[4] = FakeCudaArray((2, 1, 1, 7), i32)  # topk K != status K+1 - 1
+    with pytest.raises(ValueError, match="selection_topk_indices|selection_kv_block_status"):
+        ops.gather_selection_kv_cache(*bad, selection_topk_block_size=1)
+    bad = list(args)
+    bad[6] = FakeCudaArray((4, 16, 32), "<f4")
+    with pytest.raises((TypeError, ValueError), match="full_kv_cache"):
+        ops.gather_selection_kv_cache(*bad, selection_topk_block_size=1)

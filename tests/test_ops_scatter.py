@@ -1,0 +1,532 @@
+"""pytrt_kv.ops.scatter_pa_kv_cache on the GPU, bit-exact against the reference
+(OPS.md S), plus the host-side behaviour of pytrt_kv.ops that needs no GPU.
+
+GPU tests (marker ``gpu``) use torch CUDA tensors (CuPy where installed). Caches are
+pre-filled with a sentinel byte pattern so that every byte outside the addressed rows is
+checked to be untouched.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pytrt_kv import _cuda, dtypes
+from pytrt_kv._scatter import nz_last_dim, scatter_pa_kv_cache as ref_scatter
+
+gpu = pytest.mark.gpu
+
+BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+SENTINEL = {1: 0xA5, 2: 0xA5C3, 4: 0xA5C3E1F7}
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(BITS[a.dtype.itemsize])
+
+
+def random_data(rng, shape, dtype: str) -> np.ndarray:
+    """Random values that are never zero; any bit pattern moves unchanged."""
+    nd = dtypes.numpy_dtype(dtype)
+    if dtype in ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        x = rng.uniform(0.5, 4.0, shape) * rng.choice([-1, 1], shape)
+        return x.astype(nd)
+    if dtype.startswith("int") or dtype.startswith("uint"):
+        info = np.iinfo(nd)
+        x = rng.integers(max(info.min, -1000), min(info.max, 1000), shape, dtype=np.int64)
+        x[x == 0] = 7
+        return x.astype(nd)
+    raise AssertionError(dtype)
+
+
+def sentinel(shape, dtype: str) -> np.ndarray:
+    nd = dtypes.numpy_dtype(dtype)
+    return np.full(shape, SENTINEL[nd.itemsize], BITS[nd.itemsize]).view(nd)
+
+
+# --- torch conversions (bit views: bfloat16 / float8 have no NumPy equivalent) ------------
+
+def torch_mod():
+    import torch
+
+    return torch
+
+
+def to_torch(a: np.ndarray, device="cuda", pinned=False, offset_elems=0):
+    """Copy of ``a`` as a torch tensor; ``offset_elems`` > 0 makes its address unaligned
+    (a view into a larger buffer) to exercise the narrower vector widths."""
+    torch = torch_mod()
+    a = np.ascontiguousarray(a)
+    signed = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
+    raw = torch.from_numpy(a.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+                                  [a.dtype.itemsize]).reshape(-1).copy())
+    name = dtypes.name_of(a.dtype)
+    tdt = getattr(torch, name)
+    if offset_elems:
+        big = torch.empty(raw.numel() + offset_elems, dtype=signed)
+        big[offset_elems:] = raw
+        raw = big[offset_elems:]
+    t = raw.view(tdt).reshape(a.shape)
+    if device == "cpu":
+        return t.pin_memory() if pinned else t
+    if offset_elems:
+        big = big.to(device)
+        return big[offset_elems:].view(tdt).reshape(a.shape)
+    return t.to(device)
+
+
+def to_numpy(t) -> np.ndarray:
+    torch = torch_mod()
+    name = str(t.dtype).replace("torch.", "")
+    nd = dtypes.numpy_dtype(name)
+    signed = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[nd.itemsize]
+    return t.detach().contiguous().cpu().view(signed).numpy().view(nd)
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.shape == want.shape, what
+    g, w = bits(got), bits(want)
+    bad = np.argwhere(g != w)
+    assert bad.size == 0, f"{what}: {len(bad)} elements differ, first at {bad[:5].tolist()}"
+
+
+def distinct_slots(rng, n, num_slots, pad_frac=0.2, dtype=np.int32):
+    slots = rng.permutation(num_slots)[:n].astype(np.int64)
+    slots[rng.random(n) < pad_frac] = -1
+    return slots.astype(dtype)
+
+
+def cache_shape(layout, nb, bs, h, d, dtype):
+    if layout == "nd":
+        return (nb, bs, h, d)
+    if layout == "hnd":
+        return (nb, h, bs, d)
+    L = nz_last_dim(dtypes.numpy_dtype(dtype))
+    return (nb, h * d // L, bs, L)
+
+
+def run_both(kw_np: dict, device_kwargs=None, **ops_kw):
+    """Run the reference on NumPy copies and pytrt_kv.ops on torch copies; return both
+    sets of caches as NumPy."""
+    from pytrt_kv import ops
+
+    want = {k: (None if v is None else v.copy()) for k, v in kw_np.items()}
+    ref_kw = {k: v for k, v in want.items() if k not in ("out_of_range",)}
+    ref_scatter(ref_kw.pop("key"), ref_kw.pop("value"), ref_kw.pop("key_cache"),
+                ref_kw.pop("value_cache"), ref_kw.pop("slot_mapping"), **ref_kw)
+    dev = {k: (None if v is None or not isinstance(v, np.ndarray) else to_torch(v))
+           for k, v in kw_np.items()}
+    for k, v in kw_np.items():
+        if not isinstance(v, np.ndarray) and v is not None:
+            dev[k] = v
+    if device_kwargs:
+        dev.update(device_kwargs)
+    d = dict(dev)
+    ops.scatter_pa_kv_cache(d.pop("key"), d.pop("value"), d.pop("key_cache"),
+                            d.pop("value_cache"), d.pop("slot_mapping"), **d, **ops_kw)
+    torch_mod().cuda.synchronize()
+    return want, {k: (None if v is None or not hasattr(v, "is_cuda") else to_numpy(v))
+                  for k, v in dev.items()}
+
+
+# --- GPU: 3-D key --------------------------------------------------------------------------
+
+LAYOUT_CASES = [
+    # (T, H, Dk, Dv, NB, BS)
+    (1, 1, 16, 16, 2, 16),
+    (7, 2, 64, 32, 5, 3),
+    (33, 8, 128, 128, 9, 16),
+    (300, 4, 96, 96, 40, 17),
+    (64, 1, 576, 512, 10, 64),
+]
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["nd", "hnd", "nz"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int8",
+                                   "float8_e4m3fn"])
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("index", ["int32", "int64"])
+def test_scatter_3d_bit_exact(rng, layout, dtype, case, index):
+    T, H, Dk, Dv, NB, BS = case
+    item = dtypes.itemsize(dtype)
+    if layout == "nz" and ((H * Dk * item) % 32 or (H * Dv * item) % 32):
+        pytest.skip("nz needs H*D*itemsize % 32 == 0")
+    kw = dict(key=random_data(rng, (T, H, Dk), dtype),
+              value=random_data(rng, (T, H, Dv), dtype),
+              key_cache=sentinel(cache_shape(layout, NB, BS, H, Dk, dtype), dtype),
+              value_cache=sentinel(cache_shape(layout, NB, BS, H, Dv, dtype), dtype),
+              slot_mapping=distinct_slots(rng, T, NB * BS, dtype=np.dtype(index)),
+              cache_layout=layout)
+    want, got = run_both(kw)
+    assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
+    assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["nd", "hnd", "nz"])
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_scatter_unaligned_buffers_fall_back(rng, layout, offset):
+    """Addresses that are not 16-byte aligned use narrower vectors, same bytes."""
+    from pytrt_kv import ops
+
+    T, H, D, NB, BS, dtype = 20, 2, 32, 6, 7, "float16"
+    key = random_data(rng, (T, H, D), dtype)
+    cache = sentinel(cache_shape(layout, NB, BS, H, D, dtype), dtype)
+    slots = distinct_slots(rng, T, NB * BS)
+    want = cache.copy()
+    ref_scatter(key, None, want, None, slots, cache_layout=layout)
+    tk = to_torch(key, offset_elems=offset)
+    tc = to_torch(cache, offset_elems=offset)
+    assert tk.data_ptr() % 16 and tc.data_ptr() % 16
+    ops.scatter_pa_kv_cache(tk, None, tc, None, to_torch(slots), cache_layout=layout)
+    assert_same_bits(to_numpy(tc), want, "key_cache")
+
+
+@gpu
+def test_scatter_nz_mixed_dtypes(rng):
+    """nz: key and value may differ in dtype (OPS.md S8)."""
+    T, H, NB, BS = 10, 2, 4, 16
+    kw = dict(key=random_data(rng, (T, H, 32), "bfloat16"),
+              value=random_data(rng, (T, H, 64), "int8"),
+              key_cache=sentinel(cache_shape("nz", NB, BS, H, 32, "bfloat16"), "bfloat16"),
+              value_cache=sentinel(cache_shape("nz", NB, BS, H, 64, "int8"), "int8"),
+              slot_mapping=distinct_slots(rng, T, NB * BS), cache_layout="nz")
+    want, got = run_both(kw)
+    assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
+    assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["nd", "hnd", "nz"])
+def test_scatter_out_of_range_slots_are_skipped(rng, layout):
+    """Slots >= NB*BS (the reference raises) are never written: same as padding."""
+    from pytrt_kv import ops
+
+    T, H, D, NB, BS, dtype = 40, 2, 16, 3, 5, "bfloat16"
+    key = random_data(rng, (T, H, D), dtype)
+    cache = sentinel(cache_shape(layout, NB, BS, H, D, dtype), dtype)
+    slots = distinct_slots(rng, T, NB * BS + 1000, pad_frac=0.1)
+    slots[:3] = [NB * BS, NB * BS + 1, 2**31 - 1]
+    as_padding = np.where(slots >= NB * BS, -1, slots).astype(np.int32)
+    want = cache.copy()
+    ref_scatter(key, None, want, None, as_padding, cache_layout=layout)
+    tc = to_torch(cache)
+    ops.scatter_pa_kv_cache(to_torch(key), None, tc, None, to_torch(slots), cache_layout=layout)
+    assert_same_bits(to_numpy(tc), want, "key_cache")
+    with pytest.raises(ValueError, match="slot"):
+        ops.scatter_pa_kv_cache(to_torch(key), None, tc, None, to_torch(slots),
+                                cache_layout=layout, validate=True)
+
+
+@gpu
+def test_scatter_key_only_and_empty(rng):
+    T, H, D, NB, BS = 5, 1, 8, 2, 4
+    kw = dict(key=random_data(rng, (T, H, D), "float32"), value=None,
+              key_cache=sentinel((NB, BS, H, D), "float32"), value_cache=None,
+              slot_mapping=distinct_slots(rng, T, NB * BS))
+    want, got = run_both(kw)
+    assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
+    kw0 = dict(key=random_data(rng, (0, H, D), "float32"), value=None,
+               key_cache=sentinel((NB, BS, H, D), "float32"), value_cache=None,
+               slot_mapping=np.zeros(0, np.int32))
+    want, got = run_both(kw0)
+    assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
+
+
+# --- GPU: 4-D key (compressing write) ------------------------------------------------------
+
+def compress_case(rng, mode, dtype, index, B, Smax, H, D, NB, BS, with_value):
+    """Valid random S6 inputs: non-overlapping runs, some heads padded, every run kind."""
+    seq = rng.integers(0, Smax + 1, B)
+    lens = np.zeros((B, H), np.int64)
+    offs = np.full((B, H), -1, np.int64)
+    rows = np.zeros((B, H), np.int64)
+    for b in range(B):
+        L = int(seq[b])
+        for h in range(H):
+            if mode == "alibi":
+                lens[b, h] = rng.integers(0, L + 1)
+                rows[b, h] = lens[b, h]
+                continue
+            kind = rng.integers(0, 4)
+            if kind == 0 or L == 0:  # uncompressed via o == -1 (w is garbage)
+                lens[b, h], offs[b, h] = rng.integers(0, 9), -1
+            elif kind == 1:  # uncompressed via o == L
+                lens[b, h], offs[b, h] = 0, L
+            else:
+                o = int(rng.integers(0, L))
+                w = int(rng.integers(1, L - o + 1))
+                lens[b, h], offs[b, h] = w, o
+            comp = not (offs[b, h] == -1 or lens[b, h] == 0 or offs[b, h] == L)
+            rows[b, h] = (L - lens[b, h] + (1 if mode == "rope" else 0)) if comp else L
+    # Runs packed one after another with random gaps, crossing block boundaries.
+    base = np.full((B, H), -1, np.int64)
+    nxt = int(rng.integers(0, BS))
+    for b in range(B):
+        for h in range(H):
+            if rng.random() < 0.15:
+                continue  # padding run
+            base[b, h] = nxt
+            nxt += int(rows[b, h]) + int(rng.integers(0, 3))
+    assert nxt <= NB * BS, "test case too large for the cache"
+    idt = np.dtype(index)
+    kw = dict(key=random_data(rng, (B, Smax, H, D), dtype),
+              value=random_data(rng, (B, Smax, H, D + 8), dtype) if with_value else None,
+              key_cache=sentinel((NB, BS, 1, D), dtype),
+              value_cache=sentinel((NB, BS, 1, D + 8), dtype) if with_value else None,
+              slot_mapping=base.astype(idt), compress_lens=lens.astype(idt),
+              compress_seq_offsets=offs.reshape(-1).astype(idt) if mode != "alibi" else None,
+              seq_lens=seq.astype(idt), compress_mode=mode)
+    return kw
+
+
+@gpu
+@pytest.mark.parametrize("mode,dtype", [("rope", "float16"), ("rope", "bfloat16"),
+                                        ("rope", "float32"), ("omni", "bfloat16"),
+                                        ("omni", "int8"), ("alibi", "float16"),
+                                        ("alibi", "float8_e4m3fn")])
+@pytest.mark.parametrize("index", ["int32", "int64"])
+@pytest.mark.parametrize("shape", [(1, 5, 1, 16, 8, 4), (3, 9, 2, 64, 40, 7),
+                                   (4, 33, 4, 128, 200, 16), (2, 16, 3, 576, 60, 5)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("with_value", [True, False])
+def test_scatter_compress_bit_exact(rng, mode, dtype, index, shape, with_value):
+    B, Smax, H, D, NB, BS = shape
+    kw = compress_case(rng, mode, dtype, index, B, Smax, H, D, NB, BS, with_value)
+    want, got = run_both(kw)
+    assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
+    if with_value:
+        assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
+
+
+@gpu
+def test_scatter_compress_rows_past_cache_are_skipped(rng):
+    """A run that reaches past NB*BS writes only its rows inside the cache."""
+    from pytrt_kv import ops
+
+    B, Smax, H, D, NB, BS = 1, 8, 1, 16, 2, 4
+    key = random_data(rng, (B, Smax, H, D), "float16")
+    cache = sentinel((NB, BS, 1, D), "float16")
+    base, L = NB * BS - 3, 8
+    tc = to_torch(cache)
+    ops.scatter_pa_kv_cache(to_torch(key), None, tc, None, to_torch(np.array([[base]], np.int32)),
+                            compress_lens=to_torch(np.array([[0]], np.int32)),
+                            compress_seq_offsets=to_torch(np.array([-1], np.int32)),
+                            seq_lens=to_torch(np.array([L], np.int32)), compress_mode="rope")
+    want = cache.reshape(-1, D).copy()
+    want[base:] = key[0, :3, 0]
+    assert_same_bits(to_numpy(tc).reshape(-1, D), want, "key_cache")
+
+
+# --- GPU: frameworks, streams, graphs ------------------------------------------------------
+
+@gpu
+def test_scatter_on_explicit_stream_and_int_handle(rng):
+    from pytrt_kv import ops
+
+    torch = torch_mod()
+    T, H, D, NB, BS = 50, 4, 64, 8, 16
+    key = random_data(rng, (T, H, D), "bfloat16")
+    slots = distinct_slots(rng, T, NB * BS)
+    cache = sentinel((NB, BS, H, D), "bfloat16")
+    want = cache.copy()
+    ref_scatter(key, None, want, None, slots)
+    for stream_arg in ("torch", "int"):
+        s = torch.cuda.Stream()
+        tk, tc, ts = to_torch(key), to_torch(cache), to_torch(slots)
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            ops.scatter_pa_kv_cache(tk, None, tc, None, ts,
+                                    stream=s if stream_arg == "torch" else s.cuda_stream)
+        s.synchronize()
+        assert_same_bits(to_numpy(tc), want, f"key_cache ({stream_arg} stream)")
+
+
+@gpu
+def test_scatter_cuda_graph_capture_and_replay(rng):
+    """Captured once, replayed with new keys and slots copied into the same buffers."""
+    from pytrt_kv import ops
+
+    torch = torch_mod()
+    T, H, D, NB, BS = 16, 8, 128, 12, 16
+    key = to_torch(random_data(rng, (T, H, D), "bfloat16"))
+    val = to_torch(random_data(rng, (T, H, D), "bfloat16"))
+    kc = to_torch(sentinel((NB, BS, H, D), "bfloat16"))
+    vc = to_torch(sentinel((NB, BS, H, D), "bfloat16"))
+    slots = to_torch(distinct_slots(rng, T, NB * BS))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        ops.scatter_pa_kv_cache(key, val, kc, vc, slots)  # warm-up (loads the library)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.scatter_pa_kv_cache(key, val, kc, vc, slots)
+    want_k, want_v = to_numpy(kc), to_numpy(vc)
+    for _ in range(3):
+        nk = random_data(rng, (T, H, D), "bfloat16")
+        nv = random_data(rng, (T, H, D), "bfloat16")
+        ns = distinct_slots(rng, T, NB * BS)
+        key.copy_(to_torch(nk))
+        val.copy_(to_torch(nv))
+        slots.copy_(to_torch(ns))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_scatter(nk, nv, want_k, want_v, ns)
+        assert_same_bits(to_numpy(kc), want_k, "key_cache after replay")
+        assert_same_bits(to_numpy(vc), want_v, "value_cache after replay")
+
+
+@gpu
+def test_scatter_cupy_inputs(rng):
+    cupy = pytest.importorskip("cupy")
+    from pytrt_kv import ops
+
+    T, H, D, NB, BS = 30, 2, 64, 6, 16
+    key = random_data(rng, (T, H, D), "float16")
+    slots = distinct_slots(rng, T, NB * BS)
+    cache = sentinel((NB, BS, H, D), "float16")
+    want = cache.copy()
+    ref_scatter(key, None, want, None, slots)
+    cc = cupy.asarray(cache)
+    ops.scatter_pa_kv_cache(cupy.asarray(key), None, cc, None, cupy.asarray(slots))
+    cupy.cuda.get_current_stream().synchronize()
+    assert_same_bits(cupy.asnumpy(cc), want, "key_cache (cupy)")
+
+
+@gpu
+def test_scatter_validate_reports_duplicates(rng):
+    from pytrt_kv import ops
+
+    key = to_torch(random_data(rng, (4, 1, 8), "float16"))
+    cache = to_torch(sentinel((2, 4, 1, 8), "float16"))
+    slots = to_torch(np.array([1, 5, 1, -1], np.int32))
+    with pytest.raises(ValueError):
+        ops.scatter_pa_kv_cache(key, None, cache, None, slots, validate=True)
+    ops.scatter_pa_kv_cache(key, None, cache, None, slots)  # in bounds, any winner
+    torch_mod().cuda.synchronize()
+
+
+@gpu
+def test_scatter_rejects_host_and_strided_buffers(rng):
+    from pytrt_kv import ops
+
+    torch = torch_mod()
+    key = random_data(rng, (4, 2, 8), "float16")
+    cache = to_torch(sentinel((2, 4, 2, 8), "float16"))
+    slots = to_torch(np.arange(4, dtype=np.int32))
+    with pytest.raises(ValueError, match="key: expected GPU memory"):
+        ops.scatter_pa_kv_cache(to_torch(key, device="cpu"), None, cache, None, slots)
+    strided = torch.empty((4, 2, 16), dtype=torch.float16, device="cuda")[:, :, :8]
+    with pytest.raises(ValueError, match="key: expected a C-contiguous"):
+        ops.scatter_pa_kv_cache(strided, None, cache, None, slots)
+
+
+# --- CPU: what pytrt_kv.ops does before touching the GPU -----------------------------------
+
+class FakeCudaArray:
+    """An object with only __cuda_array_interface__ (like a PyCUDA GPUArray)."""
+
+    def __init__(self, shape, typestr, strides=None, ptr=0x7F0000000000):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (ptr, False), "strides": strides,
+                                         "version": 3}
+
+
+def test_import_needs_no_framework():
+    code = ("import sys, pytrt_kv.ops, pytrt_kv.bench\n"
+            "print(','.join(m for m in ('torch', 'cupy', 'pycuda') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ""
+
+
+def test_cuda_array_interface_is_read_without_a_gpu():
+    b = _cuda.buffer("key", FakeCudaArray((3, 4, 8), "<f2"))
+    assert (b.shape, b.dtype, b.contiguous, b.ptr) == ((3, 4, 8), np.dtype(np.float16), True,
+                                                       0x7F0000000000)
+    b = _cuda.buffer("key", FakeCudaArray((3, 4, 8), "<f2", strides=(128, 32, 2)))
+    assert not b.contiguous
+    b = _cuda.buffer("key", FakeCudaArray((3, 1, 8), "<i4", strides=(32, 999, 4)))
+    assert b.contiguous  # a size-1 dimension's stride is irrelevant
+
+
+def test_dlpack_is_read_without_a_gpu():
+    torch = pytest.importorskip("torch")
+
+    class OnlyDlpack:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, stream=None):
+            return self.t.__dlpack__()
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    t = torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4)
+    b = _cuda.buffer("key", OnlyDlpack(t))
+    assert b.shape == (2, 3, 4) and b.dtype == dtypes.numpy_dtype("bfloat16")
+    assert b.ptr == t.data_ptr() and b.kind == _cuda.HOST and b.contiguous
+    b = _cuda.buffer("key", OnlyDlpack(t.transpose(0, 2)))
+    assert not b.contiguous
+
+
+def test_torch_cpu_tensor_is_described():
+    torch = pytest.importorskip("torch")
+    t = torch.zeros((2, 3), dtype=torch.float8_e4m3fn)
+    b = _cuda.buffer("full_kv_cache", t)
+    assert b.kind == _cuda.HOST and b.dtype == dtypes.numpy_dtype("float8_e4m3fn")
+
+
+def test_shape_errors_come_before_any_gpu_work():
+    from pytrt_kv import ops
+
+    key = FakeCudaArray((3, 4, 8), "<f2")
+    cache = FakeCudaArray((2, 16, 4, 9), "<f2")  # wrong head size
+    slots = FakeCudaArray((3,), "<i4")
+    with pytest.raises(ValueError, match="key_cache"):
+        ops.scatter_pa_kv_cache(key, None, cache, None, slots)
+    with pytest.raises(TypeError, match="slot_mapping"):
+        ops.scatter_pa_kv_cache(key, None, FakeCudaArray((2, 16, 4, 8), "<f2"), None,
+                                FakeCudaArray((3,), "<f4"))
+    with pytest.raises(TypeError, match="key: expected a CUDA buffer"):
+        ops.scatter_pa_kv_cache([1, 2], None, cache, None, slots)
+
+
+def test_strided_buffer_is_refused_before_any_gpu_work():
+    from pytrt_kv import ops
+
+    key = FakeCudaArray((3, 4, 8), "<f2", strides=(128, 32, 2))
+    with pytest.raises(ValueError, match="key: expected a C-contiguous"):
+        ops.scatter_pa_kv_cache(key, None, FakeCudaArray((2, 16, 4, 8), "<f2"), None,
+                                FakeCudaArray((3,), "<i4"))
+
+
+@pytest.mark.parametrize("stream,want", [(None, 0), (0, 0), (12345, 12345)])
+def test_stream_resolution(stream, want):
+    assert _cuda.resolve_stream(stream, [FakeCudaArray((1,), "<f2")], 0) == want
+
+
+def test_stream_objects_are_unwrapped():
+    class TorchLike:
+        cuda_stream = 77
+
+    class CupyLike:
+        ptr = 88
+
+    class CoreLike:
+        def __cuda_stream__(self):
+            return (0, 99)
+
+    assert _cuda.resolve_stream(TorchLike(), [], 0) == 77
+    assert _cuda.resolve_stream(CupyLike(), [], 0) == 88
+    assert _cuda.resolve_stream(CoreLike(), [], 0) == 99
+    with pytest.raises(TypeError, match="stream"):
+        _cuda.resolve_stream("fast", [], 0)
+    with pytest.raises(TypeError, match="stream"):
+        _cuda.resolve_stream(True, [], 0)
