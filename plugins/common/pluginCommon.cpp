@@ -1,0 +1,240 @@
+/*
+ * pytrt_kv plugins: shared helpers (see pluginCommon.h).
+ */
+#include "pluginCommon.h"
+
+#include <atomic>
+#include <cstdio>
+#include <limits>
+#include <mutex>
+
+namespace pytrt_kv
+{
+namespace plugin
+{
+namespace
+{
+
+std::mutex gLoggerMutex;
+nvinfer1::ILoggerFinder* gLoggerFinder{nullptr};
+std::atomic<LoggerGetter> gFallbackGetter{nullptr};
+
+char const* severityName(nvinfer1::ILogger::Severity severity) noexcept
+{
+    switch (severity)
+    {
+    case nvinfer1::ILogger::Severity::kINTERNAL_ERROR: return "INTERNAL_ERROR";
+    case nvinfer1::ILogger::Severity::kERROR: return "ERROR";
+    case nvinfer1::ILogger::Severity::kWARNING: return "WARNING";
+    case nvinfer1::ILogger::Severity::kINFO: return "INFO";
+    case nvinfer1::ILogger::Severity::kVERBOSE: return "VERBOSE";
+    }
+    return "?";
+}
+
+} // namespace
+
+void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
+{
+    std::lock_guard<std::mutex> lock(gLoggerMutex);
+    // TensorRT may call this once per loadLibrary; the first finder stays valid for the
+    // library's lifetime, so later calls are ignored rather than racing a reader.
+    if (gLoggerFinder == nullptr)
+    {
+        gLoggerFinder = finder;
+    }
+}
+
+void setFallbackLoggerGetter(LoggerGetter getter) noexcept
+{
+    gFallbackGetter.store(getter);
+}
+
+nvinfer1::ILogger* getLogger() noexcept
+{
+    {
+        std::lock_guard<std::mutex> lock(gLoggerMutex);
+        if (gLoggerFinder != nullptr)
+        {
+            // findLogger must run on the thread of the plugin call (ILoggerFinder docs),
+            // which is why it is asked each time and never cached.
+            try
+            {
+                if (nvinfer1::ILogger* logger = gLoggerFinder->findLogger())
+                {
+                    return logger;
+                }
+            }
+            catch (...)
+            {
+            }
+        }
+    }
+    LoggerGetter getter = gFallbackGetter.load();
+    return getter != nullptr ? getter() : nullptr;
+}
+
+void log(nvinfer1::ILogger::Severity severity, char const* where, std::string const& message) noexcept
+{
+    try
+    {
+        std::string const text = concat("pytrt_kv::", where, ": ", message);
+        if (nvinfer1::ILogger* logger = getLogger())
+        {
+            logger->log(severity, text.c_str());
+        }
+        else
+        {
+            std::fprintf(stderr, "[pytrt_kv] %s: %s\n", severityName(severity), text.c_str());
+        }
+    }
+    catch (...)
+    {
+        // Out of memory while formatting: nothing sensible is left to do, and aborting
+        // is not an option.
+    }
+}
+
+void logError(char const* where, std::string const& message) noexcept
+{
+    log(nvinfer1::ILogger::Severity::kERROR, where, message);
+}
+
+void logWarning(char const* where, std::string const& message) noexcept
+{
+    log(nvinfer1::ILogger::Severity::kWARNING, where, message);
+}
+
+void logException(char const* where, std::exception const& e) noexcept
+{
+    logError(where, e.what());
+}
+
+bool toKernelType(nvinfer1::DataType type, kernels::DataType& out) noexcept
+{
+    using nvinfer1::DataType;
+    using K = kernels::DataType;
+    switch (type)
+    {
+    case DataType::kFLOAT: out = K::kFLOAT32; return true;
+    case DataType::kHALF: out = K::kFLOAT16; return true;
+    case DataType::kBF16: out = K::kBFLOAT16; return true;
+    case DataType::kINT8: out = K::kINT8; return true;
+    case DataType::kUINT8: out = K::kUINT8; return true;
+    // TensorRT has one FP8 type and it is E4M3; E5M2 caches cannot reach a plugin.
+    case DataType::kFP8: out = K::kFP8_E4M3; return true;
+    case DataType::kINT32: out = K::kINT32; return true;
+    case DataType::kINT64: out = K::kINT64; return true;
+    default: return false;
+    }
+}
+
+kernels::DataType kernelTypeOf(nvinfer1::DataType type, char const* what)
+{
+    kernels::DataType out{};
+    check(toKernelType(type, out), what, ": dtype ", dataTypeName(type), " is not supported by pytrt_kv");
+    return out;
+}
+
+char const* dataTypeName(nvinfer1::DataType type) noexcept
+{
+    using nvinfer1::DataType;
+    switch (type)
+    {
+    case DataType::kFLOAT: return "kFLOAT";
+    case DataType::kHALF: return "kHALF";
+    case DataType::kBF16: return "kBF16";
+    case DataType::kINT8: return "kINT8";
+    case DataType::kUINT8: return "kUINT8";
+    case DataType::kFP8: return "kFP8";
+    case DataType::kINT32: return "kINT32";
+    case DataType::kINT64: return "kINT64";
+    case DataType::kBOOL: return "kBOOL";
+    default: return "(other)";
+    }
+}
+
+std::string dimsToString(nvinfer1::Dims const& dims)
+{
+    std::ostringstream os;
+    os << '[';
+    for (int32_t i = 0; i < dims.nbDims && i < nvinfer1::Dims::MAX_DIMS; ++i)
+    {
+        os << (i ? ", " : "") << dims.d[i];
+    }
+    os << ']';
+    return os.str();
+}
+
+int64_t volume(nvinfer1::Dims const& dims) noexcept
+{
+    int64_t v = 1;
+    for (int32_t i = 0; i < dims.nbDims && i < nvinfer1::Dims::MAX_DIMS; ++i)
+    {
+        if (!known(dims.d[i]))
+        {
+            return -1;
+        }
+        v *= dims.d[i];
+    }
+    return v;
+}
+
+bool isEmpty(nvinfer1::Dims const& dims) noexcept
+{
+    for (int32_t i = 0; i < dims.nbDims && i < nvinfer1::Dims::MAX_DIMS; ++i)
+    {
+        if (dims.d[i] == 0)
+        {
+            return true;
+        }
+    }
+    return false;
+}
+
+cudaError_t copyIfDistinct(
+    void* dst, void const* src, nvinfer1::PluginTensorDesc const& desc, cudaStream_t stream) noexcept
+{
+    kernels::DataType t{};
+    if (!toKernelType(desc.type, t))
+    {
+        return cudaErrorInvalidValue;
+    }
+    int64_t const n = volume(desc.dims);
+    if (n < 0)
+    {
+        return cudaErrorInvalidValue;
+    }
+    if (dst == src || n == 0)
+    {
+        return cudaSuccess;
+    }
+    if (dst == nullptr || src == nullptr)
+    {
+        return cudaErrorInvalidValue;
+    }
+    return cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * static_cast<size_t>(kernels::dataTypeSize(t)),
+        cudaMemcpyDefault, stream);
+}
+
+void checkRank(nvinfer1::Dims const& dims, int32_t rank, char const* name)
+{
+    check(dims.nbDims == rank, name, ": expected rank ", rank, ", got ", dimsToString(dims));
+}
+
+void checkDim(nvinfer1::Dims const& dims, int32_t axis, int64_t expected, char const* name, char const* what)
+{
+    check(axis < dims.nbDims, name, ": expected at least ", axis + 1, " dims, got ", dimsToString(dims));
+    check(sameOrUnknown(dims.d[axis], expected), name, ": expected dim ", axis, " = ", expected, " (", what,
+        "), got ", dimsToString(dims));
+}
+
+int32_t toInt32(int64_t value, char const* name)
+{
+    check(value >= 0 && value <= std::numeric_limits<int32_t>::max(), name, ": expected a size in [0, 2^31), got ",
+        value);
+    return static_cast<int32_t>(value);
+}
+
+} // namespace plugin
+} // namespace pytrt_kv

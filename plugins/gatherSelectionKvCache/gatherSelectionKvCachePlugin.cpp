@@ -1,0 +1,543 @@
+/*
+ * GatherSelectionKvCache TensorRT plugin (see gatherSelectionKvCachePlugin.h).
+ */
+#include "gatherSelectionKvCachePlugin.h"
+
+#include "pluginCommon.h"
+
+#include <array>
+#include <limits>
+
+using namespace nvinfer1;
+
+namespace pytrt_kv
+{
+namespace plugin
+{
+namespace
+{
+
+constexpr char const* kPLUGIN_NAME{"GatherSelectionKvCache"};
+constexpr char const* kTOPK_BLOCK_SIZE{"selection_topk_block_size"};
+constexpr char const* kALIAS_IO{"alias_io"};
+
+using Self = GatherSelectionKvCachePlugin;
+
+char const* const kINPUT_NAMES[] = {"selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
+    "selection_kv_block_status", "selection_topk_indices", "full_k_rope", "full_kv_cache", "full_kv_block_table",
+    "full_kv_actual_seq", "full_q_actual_seq"};
+
+// OPS.md G2 cache dtypes that TensorRT can express (it has no FP8 E5M2).
+bool isCacheType(DataType t) noexcept
+{
+    return t == DataType::kHALF || t == DataType::kBF16 || t == DataType::kINT8 || t == DataType::kFLOAT
+        || t == DataType::kFP8;
+}
+
+bool isCacheInput(int32_t pos) noexcept
+{
+    return pos == Self::kIN_SELECTION_K_ROPE || pos == Self::kIN_SELECTION_KV_CACHE || pos == Self::kIN_FULL_K_ROPE
+        || pos == Self::kIN_FULL_KV_CACHE;
+}
+
+// -1 stays "unknown" (build time); a known size must fit the kernels' int32 fields.
+int32_t narrow(int64_t v, char const* name)
+{
+    return known(v) ? toInt32(v, name) : -1;
+}
+
+} // namespace
+
+std::vector<FieldSpec> const& GatherSelectionKvCachePlugin::fieldSpecs()
+{
+    static std::vector<FieldSpec> const kSPECS{
+        {kTOPK_BLOCK_SIZE, FieldKind::kINT, 64, "", {}, 1, std::numeric_limits<int32_t>::max()},
+        {kALIAS_IO, FieldKind::kINT, 1, "", {}, 0, 1},
+    };
+    return kSPECS;
+}
+
+GatherSelectionKvCachePlugin::GatherSelectionKvCachePlugin(PluginFields fields)
+    : mFields(std::move(fields))
+    , mTopkBlockSize(static_cast<int32_t>(mFields.getInt(kTOPK_BLOCK_SIZE)))
+    , mAliasIo(mFields.getInt(kALIAS_IO) != 0)
+    , mMetadata(mFields.toString())
+{
+}
+
+kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(
+    Dims const* dims, DataType const* types, bool lenient) const
+{
+    DataType const cacheType = types[kIN_SELECTION_KV_CACHE];
+    check(isCacheType(cacheType), "selection_kv_cache: expected kHALF, kBF16, kINT8, kFLOAT or kFP8, got ",
+        dataTypeName(cacheType));
+    for (int32_t i = 0; i < kNB_INPUTS; ++i)
+    {
+        if (isCacheInput(i))
+        {
+            check(types[i] == cacheType, kINPUT_NAMES[i], ": expected the dtype of selection_kv_cache (",
+                dataTypeName(cacheType), "), got ", dataTypeName(types[i]));
+        }
+        else
+        {
+            check(types[i] == DataType::kINT32, kINPUT_NAMES[i], ": expected kINT32, got ", dataTypeName(types[i]));
+        }
+    }
+
+    Dims const& kv = dims[kIN_SELECTION_KV_CACHE];
+    Dims const& fullKv = dims[kIN_FULL_KV_CACHE];
+    checkRank(kv, 3, "selection_kv_cache");
+    checkRank(fullKv, 3, "full_kv_cache");
+    checkDim(fullKv, 2, kv.d[2], "full_kv_cache", "KV of selection_kv_cache");
+    int64_t const selBlockNum = kv.d[0];
+    int64_t const selBlockSize = kv.d[1];
+    int64_t const fullBlockNum = fullKv.d[0];
+    int64_t const fullBlockSize = fullKv.d[1];
+
+    // Quantised ("C8") mode: both k_rope tensors zero-element, only kv rows move.
+    Dims const& rope = dims[kIN_SELECTION_K_ROPE];
+    Dims const& fullRope = dims[kIN_FULL_K_ROPE];
+    bool const hasRope = !isEmpty(rope);
+    check(hasRope == !isEmpty(fullRope),
+        "selection_k_rope, full_k_rope: expected both present or both zero-element, got ", dimsToString(rope),
+        " and ", dimsToString(fullRope));
+    int64_t ropeDim = 0;
+    if (hasRope)
+    {
+        checkRank(rope, 3, "selection_k_rope");
+        checkRank(fullRope, 3, "full_k_rope");
+        checkDim(rope, 0, selBlockNum, "selection_k_rope", "S_BLOCK_NUM of selection_kv_cache");
+        checkDim(rope, 1, selBlockSize, "selection_k_rope", "SBS of selection_kv_cache");
+        checkDim(fullRope, 0, fullBlockNum, "full_k_rope", "F_BLOCK_NUM of full_kv_cache");
+        checkDim(fullRope, 1, fullBlockSize, "full_k_rope", "FBS of full_kv_cache");
+        checkDim(fullRope, 2, rope.d[2], "full_k_rope", "K_ROPE of selection_k_rope");
+        ropeDim = rope.d[2];
+    }
+
+    Dims const& table = dims[kIN_SELECTION_KV_BLOCK_TABLE];
+    checkRank(table, 2, "selection_kv_block_table");
+    Dims const& fullTable = dims[kIN_FULL_KV_BLOCK_TABLE];
+    checkRank(fullTable, 2, "full_kv_block_table");
+    int64_t const batch = fullTable.d[0];
+    Dims const& kvSeq = dims[kIN_FULL_KV_ACTUAL_SEQ];
+    checkRank(kvSeq, 1, "full_kv_actual_seq");
+    checkDim(kvSeq, 0, batch, "full_kv_actual_seq", "B of full_kv_block_table");
+    Dims const& qSeq = dims[kIN_FULL_Q_ACTUAL_SEQ];
+    checkRank(qSeq, 1, "full_q_actual_seq");
+    checkDim(qSeq, 0, batch, "full_q_actual_seq", "B of full_kv_block_table");
+
+    Dims const& status = dims[kIN_SELECTION_KV_BLOCK_STATUS];
+    Dims const& topk = dims[kIN_SELECTION_TOPK_INDICES];
+    check(status.nbDims == 4 || status.nbDims == 3,
+        "selection_kv_block_status: expected BSND [B, S, H, K+1] or TND [B*S, H, K+1], got ", dimsToString(status));
+    checkRank(topk, status.nbDims, "selection_topk_indices");
+    int64_t seq{-1};
+    int64_t heads{-1};
+    int64_t const k = topk.d[topk.nbDims - 1];
+    if (status.nbDims == 4)
+    {
+        checkDim(status, 0, batch, "selection_kv_block_status", "B of full_kv_block_table, BSND [B, S, H, K+1]");
+        seq = status.d[1];
+        heads = status.d[2];
+        for (int32_t a = 0; a < 3; ++a)
+        {
+            checkDim(topk, a, status.d[a], "selection_topk_indices", "B, S, H of selection_kv_block_status");
+        }
+    }
+    else
+    {
+        int64_t const tokens = status.d[0];
+        heads = status.d[1];
+        checkDim(topk, 0, tokens, "selection_topk_indices", "T of selection_kv_block_status");
+        checkDim(topk, 1, heads, "selection_topk_indices", "H of selection_kv_block_status");
+        if (lenient)
+        {
+            seq = tokens; // an upper bound of T / B for any B >= 1
+        }
+        else if (known(tokens) && known(batch))
+        {
+            check(batch > 0 ? tokens % batch == 0 : tokens == 0, "selection_kv_block_status: TND needs T % B == 0, got T=",
+                tokens, " B=", batch);
+            seq = batch > 0 ? tokens / batch : 0;
+        }
+    }
+    checkDim(status, status.nbDims - 1, known(k) ? k + 1 : -1, "selection_kv_block_status",
+        "K+1, K = last dim of selection_topk_indices");
+    check(sameOrUnknown(heads, 1), "selection_kv_block_status: expected H == 1, got ", dimsToString(status));
+
+    int64_t const tbs = mTopkBlockSize;
+    if (!lenient)
+    {
+        if (known(selBlockSize))
+        {
+            check(selBlockSize > 0 && selBlockSize % tbs == 0, "selection_kv_cache: block size SBS=", selBlockSize,
+                " must be a positive multiple of selection_topk_block_size=", tbs);
+        }
+        if (known(fullBlockSize))
+        {
+            check(fullBlockSize > 0 && fullBlockSize % tbs == 0, "full_kv_cache: block size FBS=", fullBlockSize,
+                " must be a positive multiple of selection_topk_block_size=", tbs);
+        }
+        if (known(k))
+        {
+            check(k <= kMAX_TOPK, "selection_topk_indices: expected K <= ", kMAX_TOPK, ", got ", k);
+            check(k <= kMAX_TOPK_BLOCKED || tbs == 1, "selection_topk_indices: K=", k, " > ", kMAX_TOPK_BLOCKED,
+                " needs selection_topk_block_size == 1, got ", tbs);
+        }
+        if (known(table.d[0]) && known(batch) && known(seq))
+        {
+            check(table.d[0] >= batch * seq, "selection_kv_block_table: expected R >= B*S*H = ", batch * seq,
+                ", got ", dimsToString(table));
+        }
+        if (known(table.d[1]) && known(k) && known(selBlockSize) && selBlockSize > 0)
+        {
+            int64_t const need = (k * tbs + selBlockSize - 1) / selBlockSize;
+            check(table.d[1] >= need, "selection_kv_block_table: expected S_MAX_BLOCK_NUM >= ceil(K*TBS/SBS) = ",
+                need, ", got ", dimsToString(table));
+        }
+    }
+
+    kernels::GatherSelectionParams p{};
+    p.cacheType = kernelTypeOf(cacheType, "selection_kv_cache");
+    p.batch = narrow(batch, "B");
+    p.seqPerBatch = narrow(seq, "S");
+    p.topk = narrow(k, "K");
+    p.topkBlockSize = mTopkBlockSize;
+    p.selectionRows = narrow(table.d[0], "R");
+    p.selectionBlockNum = selBlockNum;
+    p.selectionBlockSize = narrow(selBlockSize, "SBS");
+    p.selectionMaxBlockNum = narrow(table.d[1], "S_MAX_BLOCK_NUM");
+    p.fullBlockNum = fullBlockNum;
+    p.fullBlockSize = narrow(fullBlockSize, "FBS");
+    p.fullMaxBlockNum = narrow(fullTable.d[1], "F_MAX_BLOCK_NUM");
+    p.kRopeDim = narrow(ropeDim, "K_ROPE");
+    p.kvDim = narrow(kv.d[2], "KV");
+    return p;
+}
+
+IPluginCapability* GatherSelectionKvCachePlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
+{
+    switch (type)
+    {
+    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuildV2*>(this);
+    case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
+    case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
+    }
+    return nullptr;
+}
+
+IPluginV3* GatherSelectionKvCachePlugin::clone() noexcept
+{
+    try
+    {
+        return new GatherSelectionKvCachePlugin(*this);
+    }
+    catch (std::exception const& e)
+    {
+        logException("GatherSelectionKvCache::clone", e);
+    }
+    return nullptr;
+}
+
+char const* GatherSelectionKvCachePlugin::getPluginName() const noexcept
+{
+    return kPLUGIN_NAME;
+}
+
+char const* GatherSelectionKvCachePlugin::getPluginVersion() const noexcept
+{
+    return kPLUGIN_VERSION;
+}
+
+char const* GatherSelectionKvCachePlugin::getPluginNamespace() const noexcept
+{
+    return kPLUGIN_NAMESPACE;
+}
+
+int32_t GatherSelectionKvCachePlugin::getNbOutputs() const noexcept
+{
+    return kNB_OUTPUTS;
+}
+
+int32_t GatherSelectionKvCachePlugin::configurePlugin(
+    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+{
+    try
+    {
+        check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
+        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
+        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
+        std::array<Dims, kNB_INPUTS> dims{};
+        std::array<DataType, kNB_INPUTS> types{};
+        for (int32_t i = 0; i < kNB_INPUTS; ++i)
+        {
+            dims[i] = in[i].desc.dims;
+            types[i] = in[i].desc.type;
+        }
+        describe(dims.data(), types.data());
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        logException("GatherSelectionKvCache::configurePlugin", e);
+    }
+    return -1;
+}
+
+bool GatherSelectionKvCachePlugin::supportsFormatCombination(
+    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+{
+    if (inOut == nullptr || nbInputs != kNB_INPUTS || nbOutputs != kNB_OUTPUTS || pos < 0
+        || pos >= nbInputs + nbOutputs)
+    {
+        return false;
+    }
+    PluginTensorDesc const& d = inOut[pos].desc;
+    if (d.format != TensorFormat::kLINEAR)
+    {
+        return false;
+    }
+    DataType const t = d.type;
+    if (pos == kIN_SELECTION_K_ROPE)
+    {
+        return isCacheType(t);
+    }
+    // Decisions for pos use inOut[0..pos] only: every cache tensor follows input 0.
+    int32_t const outIndex = pos - nbInputs;
+    bool const cache = pos < nbInputs ? isCacheInput(pos)
+                                      : (outIndex == kOUT_SELECTION_K_ROPE || outIndex == kOUT_SELECTION_KV_CACHE);
+    return cache ? t == inOut[kIN_SELECTION_K_ROPE].desc.type : t == DataType::kINT32;
+}
+
+int32_t GatherSelectionKvCachePlugin::getOutputDataTypes(
+    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+{
+    try
+    {
+        check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
+        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
+        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
+        outputTypes[kOUT_SELECTION_K_ROPE] = inputTypes[kIN_SELECTION_K_ROPE];
+        outputTypes[kOUT_SELECTION_KV_CACHE] = inputTypes[kIN_SELECTION_KV_CACHE];
+        outputTypes[kOUT_SELECTION_KV_BLOCK_STATUS] = inputTypes[kIN_SELECTION_KV_BLOCK_STATUS];
+        outputTypes[kOUT_SELECTION_KV_ACTUAL_SEQ] = DataType::kINT32;
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        logException("GatherSelectionKvCache::getOutputDataTypes", e);
+    }
+    return -1;
+}
+
+int32_t GatherSelectionKvCachePlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs,
+    DimsExprs const* /* shapeInputs */, int32_t /* nbShapeInputs */, DimsExprs* outputs, int32_t nbOutputs,
+    IExprBuilder& /* exprBuilder */) noexcept
+{
+    try
+    {
+        check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
+        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
+        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
+        check(inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims == 2, "selection_kv_block_table: expected rank 2, got ",
+            inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims);
+        outputs[kOUT_SELECTION_K_ROPE] = inputs[kIN_SELECTION_K_ROPE];
+        outputs[kOUT_SELECTION_KV_CACHE] = inputs[kIN_SELECTION_KV_CACHE];
+        outputs[kOUT_SELECTION_KV_BLOCK_STATUS] = inputs[kIN_SELECTION_KV_BLOCK_STATUS];
+        outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].nbDims = 1;
+        outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].d[0] = inputs[kIN_SELECTION_KV_BLOCK_TABLE].d[0];
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        logException("GatherSelectionKvCache::getOutputShapes", e);
+    }
+    return -1;
+}
+
+size_t GatherSelectionKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+    DynamicPluginTensorDesc const* /* outputs */, int32_t /* nbOutputs */) const noexcept
+{
+    try
+    {
+        check(inputs != nullptr && nbInputs == kNB_INPUTS, "getWorkspaceSize: expected 10 inputs, got ", nbInputs);
+        // The profile's maxima, each independently: enough for every shape the profile
+        // allows, provided the kernels' size grows with every dimension.
+        std::array<Dims, kNB_INPUTS> dims{};
+        std::array<DataType, kNB_INPUTS> types{};
+        for (int32_t i = 0; i < kNB_INPUTS; ++i)
+        {
+            dims[i] = inputs[i].max;
+            types[i] = inputs[i].desc.type;
+        }
+        return kernels::getGatherSelectionWorkspaceSize(describe(dims.data(), types.data(), /*lenient=*/true));
+    }
+    catch (std::exception const& e)
+    {
+        logException("GatherSelectionKvCache::getWorkspaceSize", e);
+    }
+    return 0;
+}
+
+int32_t GatherSelectionKvCachePlugin::getAliasedInput(int32_t outputIndex) noexcept
+{
+    if (!mAliasIo)
+    {
+        return -1;
+    }
+    switch (outputIndex)
+    {
+    case kOUT_SELECTION_K_ROPE: return kIN_SELECTION_K_ROPE;
+    case kOUT_SELECTION_KV_CACHE: return kIN_SELECTION_KV_CACHE;
+    case kOUT_SELECTION_KV_BLOCK_STATUS: return kIN_SELECTION_KV_BLOCK_STATUS;
+    default: return -1;
+    }
+}
+
+char const* GatherSelectionKvCachePlugin::getMetadataString() noexcept
+{
+    return mMetadata.c_str();
+}
+
+int32_t GatherSelectionKvCachePlugin::onShapeChange(
+    PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out, int32_t nbOutputs) noexcept
+{
+    try
+    {
+        check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
+        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
+        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
+        std::array<Dims, kNB_INPUTS> dims{};
+        std::array<DataType, kNB_INPUTS> types{};
+        for (int32_t i = 0; i < kNB_INPUTS; ++i)
+        {
+            dims[i] = in[i].dims;
+            types[i] = in[i].type;
+            check(volume(in[i].dims) >= 0, kINPUT_NAMES[i], ": expected known dims at run time, got ",
+                dimsToString(in[i].dims));
+        }
+        describe(dims.data(), types.data());
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        logException("GatherSelectionKvCache::onShapeChange", e);
+    }
+    return -1;
+}
+
+int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
+    void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept
+{
+    try
+    {
+        check(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
+            "enqueue: null arguments");
+        std::array<Dims, kNB_INPUTS> dims{};
+        std::array<DataType, kNB_INPUTS> types{};
+        for (int32_t i = 0; i < kNB_INPUTS; ++i)
+        {
+            dims[i] = inputDesc[i].dims;
+            types[i] = inputDesc[i].type;
+        }
+        kernels::GatherSelectionParams p = describe(dims.data(), types.data());
+
+        // Functional ONNX form, in-place execution: an output bound elsewhere than its
+        // input first receives the input (the kernel then reads the old status there).
+        for (auto const& [o, i] :
+            {std::pair<int32_t, int32_t>{kOUT_SELECTION_K_ROPE, kIN_SELECTION_K_ROPE},
+                std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_CACHE, kIN_SELECTION_KV_CACHE},
+                std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_BLOCK_STATUS, kIN_SELECTION_KV_BLOCK_STATUS}})
+        {
+            cudaError_t const st = copyIfDistinct(outputs[o], inputs[i], inputDesc[i], stream);
+            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i], " to its output failed: ",
+                cudaGetErrorName(st));
+        }
+
+        p.selectionKRope = p.kRopeDim > 0 ? outputs[kOUT_SELECTION_K_ROPE] : nullptr;
+        p.selectionKvCache = outputs[kOUT_SELECTION_KV_CACHE];
+        p.selectionKvBlockTable = static_cast<int32_t const*>(inputs[kIN_SELECTION_KV_BLOCK_TABLE]);
+        p.selectionKvBlockStatus = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_BLOCK_STATUS]);
+        p.selectionTopkIndices = static_cast<int32_t const*>(inputs[kIN_SELECTION_TOPK_INDICES]);
+        p.fullKRope = p.kRopeDim > 0 ? inputs[kIN_FULL_K_ROPE] : nullptr;
+        p.fullKvCache = inputs[kIN_FULL_KV_CACHE];
+        p.fullKvBlockTable = static_cast<int32_t const*>(inputs[kIN_FULL_KV_BLOCK_TABLE]);
+        p.fullKvActualSeq = static_cast<int32_t const*>(inputs[kIN_FULL_KV_ACTUAL_SEQ]);
+        p.selectionKvActualSeq = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ]);
+        p.workspace = workspace;
+        // Never more than getWorkspaceSize reserved: the size grows with the shapes and
+        // these are within the profile.
+        p.workspaceBytes = kernels::getGatherSelectionWorkspaceSize(p);
+        check(p.workspaceBytes == 0 || workspace != nullptr, "enqueue: the kernels need ", p.workspaceBytes,
+            " workspace bytes and TensorRT gave none");
+        cudaError_t const st = kernels::launchGatherSelectionKvCache(p, stream);
+        check(st == cudaSuccess, "enqueue: launchGatherSelectionKvCache failed: ", cudaGetErrorName(st), " (",
+            cudaGetErrorString(st), ")");
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        logException("GatherSelectionKvCache::enqueue", e);
+    }
+    return -1;
+}
+
+IPluginV3* GatherSelectionKvCachePlugin::attachToContext(IPluginResourceContext* /* context */) noexcept
+{
+    return clone();
+}
+
+PluginFieldCollection const* GatherSelectionKvCachePlugin::getFieldsToSerialize() noexcept
+{
+    try
+    {
+        return mFields.toCollection();
+    }
+    catch (std::exception const& e)
+    {
+        logException("GatherSelectionKvCache::getFieldsToSerialize", e);
+    }
+    return nullptr;
+}
+
+GatherSelectionKvCachePluginCreator::GatherSelectionKvCachePluginCreator()
+    : mFieldNames(&GatherSelectionKvCachePlugin::fieldSpecs())
+{
+}
+
+char const* GatherSelectionKvCachePluginCreator::getPluginName() const noexcept
+{
+    return kPLUGIN_NAME;
+}
+
+char const* GatherSelectionKvCachePluginCreator::getPluginVersion() const noexcept
+{
+    return kPLUGIN_VERSION;
+}
+
+char const* GatherSelectionKvCachePluginCreator::getPluginNamespace() const noexcept
+{
+    return kPLUGIN_NAMESPACE;
+}
+
+PluginFieldCollection const* GatherSelectionKvCachePluginCreator::getFieldNames() noexcept
+{
+    return mFieldNames.collection();
+}
+
+IPluginV3* GatherSelectionKvCachePluginCreator::createPlugin(
+    char const* /* name */, PluginFieldCollection const* fc, TensorRTPhase /* phase */) noexcept
+{
+    try
+    {
+        return new GatherSelectionKvCachePlugin(PluginFields::parse(&GatherSelectionKvCachePlugin::fieldSpecs(), fc));
+    }
+    catch (std::exception const& e)
+    {
+        logException("GatherSelectionKvCacheCreator::createPlugin", e);
+    }
+    return nullptr;
+}
+
+} // namespace plugin
+} // namespace pytrt_kv

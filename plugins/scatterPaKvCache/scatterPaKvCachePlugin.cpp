@@ -1,0 +1,593 @@
+/*
+ * ScatterPaKvCache TensorRT plugin (see scatterPaKvCachePlugin.h).
+ */
+#include "scatterPaKvCachePlugin.h"
+
+#include "pluginCommon.h"
+
+#include <array>
+#include <limits>
+
+using namespace nvinfer1;
+
+namespace pytrt_kv
+{
+namespace plugin
+{
+namespace
+{
+
+constexpr char const* kPLUGIN_NAME{"ScatterPaKvCache"};
+constexpr char const* kCACHE_LAYOUT{"cache_layout"};
+constexpr char const* kCOMPRESS_MODE{"compress_mode"};
+constexpr char const* kALIAS_IO{"alias_io"};
+
+// OPS.md S8 dtypes that TensorRT can hand a plugin: uint8 is not a legal plugin I/O type
+// and TensorRT has no FP8 E5M2, so those two stay eager/reference-only.
+bool isDataType(DataType t) noexcept
+{
+    return t == DataType::kFLOAT || t == DataType::kHALF || t == DataType::kBF16 || t == DataType::kINT8
+        || t == DataType::kFP8 || t == DataType::kINT32;
+}
+
+bool isRopeType(DataType t) noexcept
+{
+    return t == DataType::kFLOAT || t == DataType::kHALF || t == DataType::kBF16;
+}
+
+bool isIndexType(DataType t) noexcept
+{
+    return t == DataType::kINT32 || t == DataType::kINT64;
+}
+
+char const* const kINPUT_NAMES[] = {"key", "value", "key_cache", "value_cache", "slot_mapping", "compress_lens",
+    "compress_seq_offsets", "seq_lens"};
+
+struct CacheGeometry
+{
+    int64_t numBlocks;
+    int64_t blockSize;
+};
+
+// Checks one 3-D-key cache against OPS.md S3-S5 and returns its NB and BS.
+CacheGeometry checkLayoutCache(Dims const& cache, kernels::CacheLayout layout, int64_t heads, int64_t headSize,
+    int32_t itemSize, char const* name)
+{
+    checkRank(cache, 4, name);
+    switch (layout)
+    {
+    case kernels::CacheLayout::kND:
+        checkDim(cache, 2, heads, name, "H, layout nd [NB, BS, H, D]");
+        checkDim(cache, 3, headSize, name, "D, layout nd [NB, BS, H, D]");
+        return {cache.d[0], cache.d[1]};
+    case kernels::CacheLayout::kHND:
+        checkDim(cache, 1, heads, name, "H, layout hnd [NB, H, BS, D]");
+        checkDim(cache, 3, headSize, name, "D, layout hnd [NB, H, BS, D]");
+        return {cache.d[0], cache.d[2]};
+    case kernels::CacheLayout::kNZ:
+    {
+        int64_t const lanes = 32 / itemSize;
+        if (known(heads) && known(headSize))
+        {
+            check((heads * headSize * itemSize) % 32 == 0, name, ": layout nz needs H*D*itemsize % 32 == 0, got H=",
+                heads, " D=", headSize, " itemsize=", itemSize);
+        }
+        checkDim(cache, 1, known(heads) && known(headSize) ? heads * headSize / lanes : -1, name,
+            "H*D/L, layout nz [NB, H*D/L, BS, L]");
+        checkDim(cache, 3, lanes, name, "L = 32/itemsize, layout nz [NB, H*D/L, BS, L]");
+        return {cache.d[0], cache.d[2]};
+    }
+    }
+    throw PluginError(concat(name, ": unknown cache layout"));
+}
+
+kernels::CacheLayout parseLayout(std::string const& s)
+{
+    if (s == "nd")
+    {
+        return kernels::CacheLayout::kND;
+    }
+    if (s == "nz")
+    {
+        return kernels::CacheLayout::kNZ;
+    }
+    if (s == "hnd")
+    {
+        return kernels::CacheLayout::kHND;
+    }
+    throw PluginError(concat(
+        "cache_layout: a 3-D key needs cache_layout \"nd\", \"nz\" or \"hnd\" (the export helpers resolve it), got \"",
+        s, "\""));
+}
+
+} // namespace
+
+std::vector<FieldSpec> const& ScatterPaKvCachePlugin::fieldSpecs()
+{
+    static std::vector<FieldSpec> const kSPECS{
+        {kCACHE_LAYOUT, FieldKind::kSTRING, 0, "", {"", "nd", "nz", "hnd"}, 0, 0},
+        {kCOMPRESS_MODE, FieldKind::kSTRING, 0, "", {"", "rope", "omni", "alibi"}, 0, 0},
+        {kALIAS_IO, FieldKind::kINT, 1, "", {}, 0, 1},
+    };
+    return kSPECS;
+}
+
+ScatterPaKvCachePlugin::ScatterPaKvCachePlugin(PluginFields fields)
+    : mFields(std::move(fields))
+    , mCacheLayout(mFields.getString(kCACHE_LAYOUT))
+    , mCompressMode(mFields.getString(kCOMPRESS_MODE))
+    , mAliasIo(mFields.getInt(kALIAS_IO) != 0)
+    , mMetadata(mFields.toString())
+{
+}
+
+kernels::ScatterParams ScatterPaKvCachePlugin::describe(
+    Dims const* dims, DataType const* types, int32_t nbInputs, bool* hasOffsets) const
+{
+    check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS,
+        "inputs: expected 5 (key, value, key_cache, value_cache, slot_mapping) or 8 (plus compress_lens, "
+        "compress_seq_offsets, seq_lens), got ",
+        nbInputs);
+    kernels::ScatterParams p{};
+    Dims const& key = dims[kIN_KEY];
+    Dims const& value = dims[kIN_VALUE];
+    Dims const& keyCache = dims[kIN_KEY_CACHE];
+    Dims const& valueCache = dims[kIN_VALUE_CACHE];
+    Dims const& slots = dims[kIN_SLOT_MAPPING];
+    check(key.nbDims == 3 || key.nbDims == 4, "key: expected [T, H, Dk] or [B, Smax, H, Dk], got ",
+        dimsToString(key));
+
+    p.keyType = kernelTypeOf(types[kIN_KEY], "key");
+    p.indexType = kernelTypeOf(types[kIN_SLOT_MAPPING], "slot_mapping");
+    check(types[kIN_KEY_CACHE] == types[kIN_KEY], "key_cache: expected the dtype of key (", dataTypeName(types[kIN_KEY]),
+        "), got ", dataTypeName(types[kIN_KEY_CACHE]));
+    check(types[kIN_VALUE_CACHE] == types[kIN_VALUE], "value_cache: expected the dtype of value (",
+        dataTypeName(types[kIN_VALUE]), "), got ", dataTypeName(types[kIN_VALUE_CACHE]));
+    check(isIndexType(types[kIN_SLOT_MAPPING]), "slot_mapping: expected kINT32 or kINT64, got ",
+        dataTypeName(types[kIN_SLOT_MAPPING]));
+    for (int32_t i = kIN_COMPRESS_LENS; i < nbInputs; ++i)
+    {
+        check(types[i] == types[kIN_SLOT_MAPPING], kINPUT_NAMES[i], ": expected the dtype of slot_mapping (",
+            dataTypeName(types[kIN_SLOT_MAPPING]), "), got ", dataTypeName(types[i]));
+    }
+
+    // A key-only write passes both value tensors as zero-element placeholders.
+    bool const hasValue = !(isEmpty(value) && isEmpty(valueCache));
+    p.valueType = hasValue ? kernelTypeOf(types[kIN_VALUE], "value") : p.keyType;
+    int32_t const keySize = kernels::dataTypeSize(p.keyType);
+    int32_t const valueSize = kernels::dataTypeSize(p.valueType);
+    *hasOffsets = false;
+
+    if (key.nbDims == 3)
+    {
+        check(mCompressMode.empty(), "compress_mode: applies to a 4-D key only, got \"", mCompressMode,
+            "\" with key ", dimsToString(key));
+        p.compress = false;
+        p.layout = parseLayout(mCacheLayout);
+        int64_t const tokens = key.d[0];
+        int64_t const heads = key.d[1];
+        int64_t const headK = key.d[2];
+        checkRank(slots, 1, "slot_mapping");
+        checkDim(slots, 0, tokens, "slot_mapping", "T of key [T, H, Dk]");
+        for (int32_t i = kIN_COMPRESS_LENS; i < nbInputs; ++i)
+        {
+            check(isEmpty(dims[i]), kINPUT_NAMES[i],
+                ": compress tensors apply to a 4-D key; with a 3-D key they may only be zero-element "
+                "placeholders, got ",
+                dimsToString(dims[i]));
+        }
+        CacheGeometry const kg = checkLayoutCache(keyCache, p.layout, heads, headK, keySize, "key_cache");
+        int64_t headV = 0;
+        if (hasValue)
+        {
+            check(p.layout == kernels::CacheLayout::kNZ || types[kIN_VALUE] == types[kIN_KEY],
+                "value: expected the dtype of key (", dataTypeName(types[kIN_KEY]), ") outside layout nz, got ",
+                dataTypeName(types[kIN_VALUE]));
+            checkRank(value, 3, "value");
+            checkDim(value, 0, tokens, "value", "T of key");
+            checkDim(value, 1, heads, "value", "H of key");
+            headV = value.d[2];
+            CacheGeometry const vg = checkLayoutCache(valueCache, p.layout, heads, headV, valueSize, "value_cache");
+            check(sameOrUnknown(vg.numBlocks, kg.numBlocks) && sameOrUnknown(vg.blockSize, kg.blockSize),
+                "value_cache: expected NB and BS of key_cache ", dimsToString(keyCache), ", got ",
+                dimsToString(valueCache));
+        }
+        p.numTokens = tokens;
+        p.numHeads = known(heads) ? toInt32(heads, "key dim 1 (H)") : -1;
+        p.headSizeK = known(headK) ? toInt32(headK, "key dim 2 (Dk)") : -1;
+        p.headSizeV = known(headV) ? toInt32(headV, "value dim 2 (Dv)") : -1;
+        p.numBlocks = kg.numBlocks;
+        p.blockSize = known(kg.blockSize) ? toInt32(kg.blockSize, "key_cache block size") : -1;
+        return p;
+    }
+
+    // 4-D key: the compressing write, OPS.md S6.
+    check(mCacheLayout.empty(), "cache_layout: applies to a 3-D key only, got \"", mCacheLayout, "\" with key ",
+        dimsToString(key));
+    check(nbInputs == kNB_INPUTS_COMPRESS,
+        "inputs: a 4-D key needs 8 inputs (compress_lens, compress_seq_offsets, seq_lens), got ", nbInputs);
+    p.compress = true;
+    int64_t const batch = key.d[0];
+    int64_t const maxSeq = key.d[1];
+    int64_t const heads = key.d[2];
+    int64_t const headK = key.d[3];
+    checkRank(keyCache, 4, "key_cache");
+    checkDim(keyCache, 2, 1, "key_cache", "1, compressing write [NB, BS, 1, Dk]");
+    checkDim(keyCache, 3, headK, "key_cache", "Dk of key");
+    int64_t headV = 0;
+    if (hasValue)
+    {
+        check(types[kIN_VALUE] == types[kIN_KEY], "value: expected the dtype of key (", dataTypeName(types[kIN_KEY]),
+            "), got ", dataTypeName(types[kIN_VALUE]));
+        checkRank(value, 4, "value");
+        for (int32_t a = 0; a < 3; ++a)
+        {
+            checkDim(value, a, key.d[a], "value", "B, Smax, H of key");
+        }
+        headV = value.d[3];
+        checkRank(valueCache, 4, "value_cache");
+        checkDim(valueCache, 0, keyCache.d[0], "value_cache", "NB of key_cache");
+        checkDim(valueCache, 1, keyCache.d[1], "value_cache", "BS of key_cache");
+        checkDim(valueCache, 2, 1, "value_cache", "1, compressing write [NB, BS, 1, Dv]");
+        checkDim(valueCache, 3, headV, "value_cache", "Dv of value");
+    }
+    checkRank(slots, 2, "slot_mapping");
+    checkDim(slots, 0, batch, "slot_mapping", "B of key, [B, H]");
+    checkDim(slots, 1, heads, "slot_mapping", "H of key, [B, H]");
+    Dims const& lens = dims[kIN_COMPRESS_LENS];
+    checkRank(lens, 2, "compress_lens");
+    checkDim(lens, 0, batch, "compress_lens", "B of key, [B, H]");
+    checkDim(lens, 1, heads, "compress_lens", "H of key, [B, H]");
+    Dims const& seqLens = dims[kIN_SEQ_LENS];
+    checkRank(seqLens, 1, "seq_lens");
+    checkDim(seqLens, 0, batch, "seq_lens", "B of key");
+    Dims const& offsets = dims[kIN_COMPRESS_SEQ_OFFSETS];
+    checkRank(offsets, 1, "compress_seq_offsets");
+    int64_t const pairs = known(batch) && known(heads) ? batch * heads : -1;
+    *hasOffsets = !isEmpty(offsets);
+    if (*hasOffsets)
+    {
+        checkDim(offsets, 0, pairs, "compress_seq_offsets", "B*H, or 0 when absent");
+    }
+    if (mCompressMode.empty())
+    {
+        p.mode = *hasOffsets ? kernels::CompressMode::kROPE : kernels::CompressMode::kALIBI;
+    }
+    else
+    {
+        p.mode = mCompressMode == "rope" ? kernels::CompressMode::kROPE
+            : mCompressMode == "omni"    ? kernels::CompressMode::kOMNI
+                                         : kernels::CompressMode::kALIBI;
+        check(p.mode == kernels::CompressMode::kALIBI || *hasOffsets || pairs == 0, "compress_seq_offsets: ",
+            "compress_mode \"", mCompressMode, "\" needs compress_seq_offsets [B*H], got ", dimsToString(offsets));
+    }
+    if (p.mode == kernels::CompressMode::kROPE)
+    {
+        check(isRopeType(types[kIN_KEY]), "key: compress_mode \"rope\" averages, so it needs kFLOAT, kHALF or kBF16, ",
+            "got ", dataTypeName(types[kIN_KEY]));
+    }
+    p.batch = known(batch) ? toInt32(batch, "key dim 0 (B)") : -1;
+    p.maxSeqLen = known(maxSeq) ? toInt32(maxSeq, "key dim 1 (Smax)") : -1;
+    p.numHeads = known(heads) ? toInt32(heads, "key dim 2 (H)") : -1;
+    p.headSizeK = known(headK) ? toInt32(headK, "key dim 3 (Dk)") : -1;
+    p.headSizeV = known(headV) ? toInt32(headV, "value dim 3 (Dv)") : -1;
+    p.numBlocks = keyCache.d[0];
+    p.blockSize = known(keyCache.d[1]) ? toInt32(keyCache.d[1], "key_cache dim 1 (BS)") : -1;
+    return p;
+}
+
+IPluginCapability* ScatterPaKvCachePlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
+{
+    switch (type)
+    {
+    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuildV2*>(this);
+    case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
+    case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
+    }
+    return nullptr;
+}
+
+IPluginV3* ScatterPaKvCachePlugin::clone() noexcept
+{
+    try
+    {
+        return new ScatterPaKvCachePlugin(*this);
+    }
+    catch (std::exception const& e)
+    {
+        logException("ScatterPaKvCache::clone", e);
+    }
+    return nullptr;
+}
+
+char const* ScatterPaKvCachePlugin::getPluginName() const noexcept
+{
+    return kPLUGIN_NAME;
+}
+
+char const* ScatterPaKvCachePlugin::getPluginVersion() const noexcept
+{
+    return kPLUGIN_VERSION;
+}
+
+char const* ScatterPaKvCachePlugin::getPluginNamespace() const noexcept
+{
+    return kPLUGIN_NAMESPACE;
+}
+
+int32_t ScatterPaKvCachePlugin::getNbOutputs() const noexcept
+{
+    return kNB_OUTPUTS;
+}
+
+int32_t ScatterPaKvCachePlugin::configurePlugin(
+    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+{
+    try
+    {
+        check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
+        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2 (key_cache_out, value_cache_out), got ", nbOutputs);
+        check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ",
+            nbInputs);
+        std::array<Dims, kNB_INPUTS_COMPRESS> dims{};
+        std::array<DataType, kNB_INPUTS_COMPRESS> types{};
+        for (int32_t i = 0; i < nbInputs; ++i)
+        {
+            dims[i] = in[i].desc.dims;
+            types[i] = in[i].desc.type;
+        }
+        bool hasOffsets{false};
+        describe(dims.data(), types.data(), nbInputs, &hasOffsets);
+        mNbInputs = nbInputs;
+        mValueAbsent = isEmpty(dims[kIN_VALUE]) && isEmpty(dims[kIN_VALUE_CACHE]);
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        logException("ScatterPaKvCache::configurePlugin", e);
+    }
+    return -1;
+}
+
+bool ScatterPaKvCachePlugin::supportsFormatCombination(
+    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+{
+    if (inOut == nullptr || (nbInputs != kNB_INPUTS_BASIC && nbInputs != kNB_INPUTS_COMPRESS)
+        || nbOutputs != kNB_OUTPUTS || pos < 0 || pos >= nbInputs + nbOutputs)
+    {
+        return false;
+    }
+    PluginTensorDesc const& d = inOut[pos].desc;
+    if (d.format != TensorFormat::kLINEAR)
+    {
+        return false;
+    }
+    DataType const t = d.type;
+    // Decisions for pos use inOut[0..pos] only (TensorRT fills the rest later).
+    switch (pos)
+    {
+    case kIN_KEY: return isDataType(t) && (mCompressMode != "rope" || isRopeType(t));
+    case kIN_VALUE: return isDataType(t) && (mCacheLayout == "nz" || t == inOut[kIN_KEY].desc.type);
+    case kIN_KEY_CACHE: return t == inOut[kIN_KEY].desc.type;
+    case kIN_VALUE_CACHE: return t == inOut[kIN_VALUE].desc.type;
+    case kIN_SLOT_MAPPING: return isIndexType(t);
+    default: break;
+    }
+    if (pos < nbInputs)
+    {
+        return t == inOut[kIN_SLOT_MAPPING].desc.type;
+    }
+    return t == inOut[pos == nbInputs + kOUT_KEY_CACHE ? kIN_KEY_CACHE : kIN_VALUE_CACHE].desc.type;
+}
+
+int32_t ScatterPaKvCachePlugin::getOutputDataTypes(
+    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+{
+    try
+    {
+        check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
+        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
+        check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ",
+            nbInputs);
+        outputTypes[kOUT_KEY_CACHE] = inputTypes[kIN_KEY_CACHE];
+        outputTypes[kOUT_VALUE_CACHE] = inputTypes[kIN_VALUE_CACHE];
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        logException("ScatterPaKvCache::getOutputDataTypes", e);
+    }
+    return -1;
+}
+
+int32_t ScatterPaKvCachePlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs,
+    DimsExprs const* /* shapeInputs */, int32_t /* nbShapeInputs */, DimsExprs* outputs, int32_t nbOutputs,
+    IExprBuilder& /* exprBuilder */) noexcept
+{
+    try
+    {
+        check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
+        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
+        check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ",
+            nbInputs);
+        // In place: each output is its cache, shape included.
+        outputs[kOUT_KEY_CACHE] = inputs[kIN_KEY_CACHE];
+        outputs[kOUT_VALUE_CACHE] = inputs[kIN_VALUE_CACHE];
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        logException("ScatterPaKvCache::getOutputShapes", e);
+    }
+    return -1;
+}
+
+size_t ScatterPaKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* /* inputs */, int32_t /* nbInputs */,
+    DynamicPluginTensorDesc const* /* outputs */, int32_t /* nbOutputs */) const noexcept
+{
+    return 0;
+}
+
+int32_t ScatterPaKvCachePlugin::getAliasedInput(int32_t outputIndex) noexcept
+{
+    if (!mAliasIo)
+    {
+        return -1;
+    }
+    switch (outputIndex)
+    {
+    case kOUT_KEY_CACHE: return kIN_KEY_CACHE;
+    case kOUT_VALUE_CACHE: return mValueAbsent ? -1 : kIN_VALUE_CACHE;
+    default: return -1;
+    }
+}
+
+char const* ScatterPaKvCachePlugin::getMetadataString() noexcept
+{
+    return mMetadata.c_str();
+}
+
+int32_t ScatterPaKvCachePlugin::onShapeChange(
+    PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out, int32_t nbOutputs) noexcept
+{
+    try
+    {
+        check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
+        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
+        check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ",
+            nbInputs);
+        std::array<Dims, kNB_INPUTS_COMPRESS> dims{};
+        std::array<DataType, kNB_INPUTS_COMPRESS> types{};
+        for (int32_t i = 0; i < nbInputs; ++i)
+        {
+            dims[i] = in[i].dims;
+            types[i] = in[i].type;
+            check(volume(in[i].dims) >= 0, kINPUT_NAMES[i], ": expected known dims at run time, got ",
+                dimsToString(in[i].dims));
+        }
+        bool hasOffsets{false};
+        describe(dims.data(), types.data(), nbInputs, &hasOffsets);
+        mNbInputs = nbInputs;
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        logException("ScatterPaKvCache::onShapeChange", e);
+    }
+    return -1;
+}
+
+int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
+    void const* const* inputs, void* const* outputs, void* /* workspace */, cudaStream_t stream) noexcept
+{
+    try
+    {
+        check(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
+            "enqueue: null arguments");
+        check(mNbInputs == kNB_INPUTS_BASIC || mNbInputs == kNB_INPUTS_COMPRESS,
+            "enqueue: called before onShapeChange told the input count");
+        std::array<Dims, kNB_INPUTS_COMPRESS> dims{};
+        std::array<DataType, kNB_INPUTS_COMPRESS> types{};
+        for (int32_t i = 0; i < mNbInputs; ++i)
+        {
+            dims[i] = inputDesc[i].dims;
+            types[i] = inputDesc[i].type;
+        }
+        bool hasOffsets{false};
+        kernels::ScatterParams p = describe(dims.data(), types.data(), mNbInputs, &hasOffsets);
+        bool const hasValue = !(isEmpty(dims[kIN_VALUE]) && isEmpty(dims[kIN_VALUE_CACHE]));
+
+        // Functional ONNX form, in-place execution: the outputs must first hold the
+        // inputs when TensorRT (or the caller) bound them to different addresses.
+        for (auto const& [o, i] : {std::pair<int32_t, int32_t>{kOUT_KEY_CACHE, kIN_KEY_CACHE},
+                 std::pair<int32_t, int32_t>{kOUT_VALUE_CACHE, kIN_VALUE_CACHE}})
+        {
+            cudaError_t const st = copyIfDistinct(outputs[o], inputs[i], inputDesc[i], stream);
+            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i], " to its output failed: ",
+                cudaGetErrorName(st));
+        }
+
+        p.key = inputs[kIN_KEY];
+        p.value = hasValue ? inputs[kIN_VALUE] : nullptr;
+        p.keyCache = outputs[kOUT_KEY_CACHE];
+        p.valueCache = hasValue ? outputs[kOUT_VALUE_CACHE] : nullptr;
+        p.slotMapping = inputs[kIN_SLOT_MAPPING];
+        if (p.compress)
+        {
+            p.compressLens = inputs[kIN_COMPRESS_LENS];
+            p.compressSeqOffsets = hasOffsets ? inputs[kIN_COMPRESS_SEQ_OFFSETS] : nullptr;
+            p.seqLens = inputs[kIN_SEQ_LENS];
+        }
+        cudaError_t const st = kernels::launchScatterPaKvCache(p, stream);
+        check(st == cudaSuccess, "enqueue: launchScatterPaKvCache failed: ", cudaGetErrorName(st), " (",
+            cudaGetErrorString(st), ")");
+        return 0;
+    }
+    catch (std::exception const& e)
+    {
+        logException("ScatterPaKvCache::enqueue", e);
+    }
+    return -1;
+}
+
+IPluginV3* ScatterPaKvCachePlugin::attachToContext(IPluginResourceContext* /* context */) noexcept
+{
+    return clone();
+}
+
+PluginFieldCollection const* ScatterPaKvCachePlugin::getFieldsToSerialize() noexcept
+{
+    try
+    {
+        return mFields.toCollection();
+    }
+    catch (std::exception const& e)
+    {
+        logException("ScatterPaKvCache::getFieldsToSerialize", e);
+    }
+    return nullptr;
+}
+
+ScatterPaKvCachePluginCreator::ScatterPaKvCachePluginCreator()
+    : mFieldNames(&ScatterPaKvCachePlugin::fieldSpecs())
+{
+}
+
+char const* ScatterPaKvCachePluginCreator::getPluginName() const noexcept
+{
+    return kPLUGIN_NAME;
+}
+
+char const* ScatterPaKvCachePluginCreator::getPluginVersion() const noexcept
+{
+    return kPLUGIN_VERSION;
+}
+
+char const* ScatterPaKvCachePluginCreator::getPluginNamespace() const noexcept
+{
+    return kPLUGIN_NAMESPACE;
+}
+
+PluginFieldCollection const* ScatterPaKvCachePluginCreator::getFieldNames() noexcept
+{
+    return mFieldNames.collection();
+}
+
+IPluginV3* ScatterPaKvCachePluginCreator::createPlugin(
+    char const* /* name */, PluginFieldCollection const* fc, TensorRTPhase /* phase */) noexcept
+{
+    try
+    {
+        // Both phases parse the same contract: at build time the ONNX parser's fields, at
+        // run time what getFieldsToSerialize wrote.
+        return new ScatterPaKvCachePlugin(PluginFields::parse(&ScatterPaKvCachePlugin::fieldSpecs(), fc));
+    }
+    catch (std::exception const& e)
+    {
+        logException("ScatterPaKvCacheCreator::createPlugin", e);
+    }
+    return nullptr;
+}
+
+} // namespace plugin
+} // namespace pytrt_kv

@@ -1,0 +1,130 @@
+/*
+ * ScatterPaKvCache TensorRT plugin (shared/spec/OPS.md section S, ONNX form in O).
+ *
+ * Inputs, in pytrt_kv/specs.py order. A node has 5 inputs (3-D key: OPS.md S3-S5) or 8
+ * (4-D key: S6). An optional tensor that a model leaves out reaches the plugin as a
+ * zero-element tensor at its position, because the ONNX parser hands a plugin its
+ * inputs by position and cannot pass an empty name:
+ *   - key-only write: value and value_cache both zero-element (e.g. [T, H, 0] and
+ *     [NB, BS, H, 0]); value_cache_out is then zero-element too;
+ *   - 4-D key without compress_seq_offsets ("alibi"): compress_seq_offsets of shape [0];
+ *   - an 8-input node with a 3-D key: the three compress tensors zero-element.
+ * Outputs: key_cache_out, value_cache_out, the in-place updated caches.
+ */
+#pragma once
+
+#include "NvInferRuntime.h"
+#include "pluginFields.h"
+#include "scatterPaKvCache.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pytrt_kv
+{
+namespace plugin
+{
+
+class ScatterPaKvCachePlugin : public nvinfer1::IPluginV3,
+                               public nvinfer1::IPluginV3OneCore,
+                               public nvinfer1::IPluginV3OneBuildV2,
+                               public nvinfer1::IPluginV3OneRuntime
+{
+public:
+    //! Input indices (specs.py SCATTER_PA_KV_CACHE.inputs).
+    static constexpr int32_t kIN_KEY{0};
+    static constexpr int32_t kIN_VALUE{1};
+    static constexpr int32_t kIN_KEY_CACHE{2};
+    static constexpr int32_t kIN_VALUE_CACHE{3};
+    static constexpr int32_t kIN_SLOT_MAPPING{4};
+    static constexpr int32_t kIN_COMPRESS_LENS{5};
+    static constexpr int32_t kIN_COMPRESS_SEQ_OFFSETS{6};
+    static constexpr int32_t kIN_SEQ_LENS{7};
+    //! Accepted input counts: without / with the compress tensors.
+    static constexpr int32_t kNB_INPUTS_BASIC{5};
+    static constexpr int32_t kNB_INPUTS_COMPRESS{8};
+    //! Output indices (specs.py SCATTER_PA_KV_CACHE.outputs).
+    static constexpr int32_t kOUT_KEY_CACHE{0};
+    static constexpr int32_t kOUT_VALUE_CACHE{1};
+    static constexpr int32_t kNB_OUTPUTS{2};
+
+    //! The plugin's fields: cache_layout, compress_mode (strings), alias_io (int).
+    static std::vector<FieldSpec> const& fieldSpecs();
+
+    explicit ScatterPaKvCachePlugin(PluginFields fields);
+    ScatterPaKvCachePlugin(ScatterPaKvCachePlugin const&) = default;
+    ~ScatterPaKvCachePlugin() override = default;
+
+    //! The kernel parameters for these input dims and dtypes, without pointers. Throws
+    //! PluginError for any broken OPS.md shape/dtype rule; dims of -1 (build time)
+    //! are checked only once known. \p hasOffsets tells whether compress_seq_offsets
+    //! is present (not a zero-element placeholder).
+    kernels::ScatterParams describe(
+        nvinfer1::Dims const* dims, nvinfer1::DataType const* types, int32_t nbInputs, bool* hasOffsets) const;
+
+    // IPluginV3
+    nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
+    nvinfer1::IPluginV3* clone() noexcept override;
+
+    // IPluginV3OneCore
+    char const* getPluginName() const noexcept override;
+    char const* getPluginVersion() const noexcept override;
+    char const* getPluginNamespace() const noexcept override;
+
+    // IPluginV3OneBuildV2
+    int32_t getNbOutputs() const noexcept override;
+    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+        int32_t nbOutputs) noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
+        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
+        nvinfer1::DimsExprs const* shapeInputs, int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs,
+        int32_t nbOutputs, nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
+    int32_t getAliasedInput(int32_t outputIndex) noexcept override;
+    char const* getMetadataString() noexcept override;
+
+    // IPluginV3OneRuntime
+    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::PluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
+
+private:
+    PluginFields mFields;
+    std::string mCacheLayout;
+    std::string mCompressMode;
+    bool mAliasIo{true};
+    //! Input count seen by configurePlugin/onShapeChange (enqueue is not told).
+    int32_t mNbInputs{0};
+    //! configurePlugin saw a key-only write: value_cache is a zero-element placeholder
+    //! (often a constant), which is not declared as an alias.
+    bool mValueAbsent{false};
+    std::string mMetadata;
+};
+
+class ScatterPaKvCachePluginCreator : public nvinfer1::IPluginCreatorV3One
+{
+public:
+    ScatterPaKvCachePluginCreator();
+    ~ScatterPaKvCachePluginCreator() override = default;
+
+    char const* getPluginName() const noexcept override;
+    char const* getPluginVersion() const noexcept override;
+    char const* getPluginNamespace() const noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
+    nvinfer1::IPluginV3* createPlugin(
+        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
+
+private:
+    FieldNames mFieldNames;
+};
+
+} // namespace plugin
+} // namespace pytrt_kv

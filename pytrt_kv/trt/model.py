@@ -1,0 +1,197 @@
+"""ONNX-side preparation for TensorRT: pure ``onnx``, runs on any CPU.
+
+The plugins take their inputs by position and have a fixed number of outputs
+(docs/TENSORRT.md, "Optional inputs"): ScatterPaKvCache takes 5 inputs (3-D key) or
+8 (4-D key) and always has 2 outputs. ONNX instead leaves optional inputs empty ("")
+and may omit ``value_cache_out``. :func:`prepare_for_tensorrt` rewrites every pytrt_kv
+node into the plugin form:
+
+- an absent ``value``/``value_cache`` becomes a zero-element initializer (shape [0],
+  dtype of ``key``) -- the plugin then performs a key-only write;
+- an absent ``compress_seq_offsets`` of a 4-D key becomes a zero-element initializer
+  of the index dtype (the plugin then defaults to ``alibi``);
+- trailing empty inputs are dropped, and a missing ``value_cache_out`` gets a name that
+  nothing consumes.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from .. import specs
+
+SCATTER = specs.SCATTER_PA_KV_CACHE
+GATHER = specs.GATHER_SELECTION_KV_CACHE
+
+
+def _onnx():
+    import onnx  # noqa: PLC0415
+
+    return onnx
+
+
+def pytrt_kv_nodes(model) -> Iterator:
+    """Every node of ``model.graph`` that belongs to the pytrt_kv domain."""
+    for node in model.graph.node:
+        if node.domain == specs.DOMAIN and node.op_type in specs.OPS:
+            yield node
+
+
+def _attr(node, name: str, default):
+    onnx = _onnx()
+    for a in node.attribute:
+        if a.name == name:
+            v = onnx.helper.get_attribute_value(a)
+            return v.decode() if isinstance(v, bytes) else v
+    return default
+
+
+def needs_aliased_io(model) -> bool:
+    """True when a pytrt_kv node declares its aliases (``alias_io`` = 1, the default): the
+    builder then needs ``PreviewFeature.ALIASED_PLUGIN_IO_10_03``."""
+    return any(int(_attr(n, "alias_io", 1)) != 0 for n in pytrt_kv_nodes(model))
+
+
+def _tensor_types(model) -> Dict[str, Tuple[int, Optional[Tuple]]]:
+    """name -> (ONNX elem type, shape or None) for graph inputs, outputs, value_info and
+    initializers; shape inference fills the rest when our schemas are registered."""
+    onnx = _onnx()
+    out: Dict[str, Tuple[int, Optional[Tuple]]] = {}
+
+    def take(vis):
+        for vi in vis:
+            tt = vi.type.tensor_type
+            shape = None
+            if tt.HasField("shape"):
+                shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim)
+            out[vi.name] = (tt.elem_type, shape)
+
+    take(model.graph.input)
+    take(model.graph.value_info)
+    take(model.graph.output)
+    for init in model.graph.initializer:
+        out[init.name] = (init.data_type, tuple(init.dims))
+    wanted = {n for node in pytrt_kv_nodes(model) for n in node.input if n}
+    if not wanted.issubset(out):
+        try:
+            import onnx_export.schemas  # noqa: F401,PLC0415 - registers the op schemas
+
+            inferred = onnx.shape_inference.infer_shapes(model)
+            take(inferred.graph.value_info)
+        except Exception:  # inference is a convenience; a clear error follows below
+            pass
+    return out
+
+
+def prepare_for_tensorrt(model):
+    """A copy of ``model`` whose pytrt_kv nodes have the positional form the plugins take.
+
+    Parameters
+    ----------
+    model : onnx.ModelProto
+
+    Returns
+    -------
+    onnx.ModelProto
+        The rewritten copy (``model`` is untouched). Models already in plugin form come
+        back unchanged in meaning.
+
+    Raises
+    ------
+    ValueError
+        A node's key has no known dtype/rank, or a 4-D key lacks ``compress_lens`` or
+        ``seq_lens``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from onnx_export import single_op_model
+    >>> m = single_op_model("ScatterPaKvCache", {
+    ...     "key": np.ones((3, 2, 16), np.float16), "key_cache": np.ones((4, 8, 2, 16), np.float16),
+    ...     "slot_mapping": np.arange(3, dtype=np.int32)})
+    >>> n = prepare_for_tensorrt(m).graph.node[0]
+    >>> len(n.input), len(n.output)
+    (5, 2)
+    """
+    onnx = _onnx()
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    types = _tensor_types(m)
+    taken = {n for node in m.graph.node for n in list(node.input) + list(node.output)}
+    taken |= {i.name for i in m.graph.initializer} | {i.name for i in m.graph.input}
+
+    def fresh(base: str) -> str:
+        name, k = base, 1
+        while name in taken:
+            name, k = f"{base}_{k}", k + 1
+        taken.add(name)
+        return name
+
+    def empty_initializer(base: str, elem_type: int) -> str:
+        name = fresh(base)
+        m.graph.initializer.append(onnx.helper.make_tensor(name, elem_type, [0], b"", raw=True))
+        return name
+
+    for idx, node in enumerate(m.graph.node):
+        if node.domain != specs.DOMAIN or node.op_type not in specs.OPS:
+            continue
+        tag = node.name or f"{node.op_type}_{idx}"
+        op = specs.OPS[node.op_type]
+        ins: List[str] = list(node.input) + [""] * (len(op.inputs) - len(node.input))
+        outs: List[str] = list(node.output) + [""] * (len(op.outputs) - len(node.output))
+        if node.op_type == SCATTER.name:
+            key = ins[SCATTER.input_index("key")]
+            if key not in types or types[key][1] is None:
+                raise ValueError(f"{tag}: key: expected a tensor with a known dtype and rank "
+                                 f"(graph input, initializer or value_info), got {key!r}")
+            key_type, key_shape = types[key]
+            compress = len(key_shape) == 4
+            idx_name = ins[SCATTER.input_index("slot_mapping")]
+            idx_type = types.get(idx_name, (onnx.TensorProto.INT32, None))[0]
+            iv, ivc = SCATTER.input_index("value"), SCATTER.input_index("value_cache")
+            if not ins[iv] and not ins[ivc]:
+                ins[iv] = empty_initializer(f"{tag}__absent_value", key_type)
+                ins[ivc] = empty_initializer(f"{tag}__absent_value_cache", key_type)
+            elif not ins[iv] or not ins[ivc]:
+                raise ValueError(f"{tag}: value, value_cache: expected both or neither, got "
+                                 f"{ins[iv]!r} and {ins[ivc]!r}")
+            if compress:
+                for name in ("compress_lens", "seq_lens"):
+                    if not ins[SCATTER.input_index(name)]:
+                        raise ValueError(f"{tag}: {name}: expected a tensor for a 4-D key "
+                                         f"{list(key_shape)}, got none")
+                io = SCATTER.input_index("compress_seq_offsets")
+                if not ins[io]:
+                    ins[io] = empty_initializer(f"{tag}__absent_compress_seq_offsets", idx_type)
+                ins = ins[:8]
+            else:
+                ins = ins[:5] if not any(ins[5:8]) else ins[:8]
+                for k in range(5, len(ins)):
+                    if not ins[k]:
+                        ins[k] = empty_initializer(f"{tag}__absent_{SCATTER.inputs[k].name}", idx_type)
+        for k, name in enumerate(outs):
+            if not name:
+                outs[k] = fresh(f"{tag}__unused_{op.outputs[k].name}")
+        del node.input[:]
+        node.input.extend(ins)
+        del node.output[:]
+        node.output.extend(outs)
+    return m
+
+
+def alias_pairs(model) -> Dict[str, str]:
+    """Graph output name -> graph input name, for every ``*_out`` of a pytrt_kv node whose
+    input is a graph input: the pairs a runner binds to one address (OPS.md O)."""
+    graph_inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
+    graph_outputs = {o.name for o in model.graph.output}
+    pairs: Dict[str, str] = {}
+    for node in pytrt_kv_nodes(model):
+        op = specs.OPS[node.op_type]
+        for k, out in enumerate(node.output):
+            src = op.aliased_input_index(k) if k < len(op.outputs) else -1
+            if not out or src < 0 or src >= len(node.input):
+                continue
+            inp = node.input[src]
+            if out in graph_outputs and inp in graph_inputs:
+                pairs[out] = inp
+    return pairs

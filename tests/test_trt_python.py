@@ -1,0 +1,352 @@
+"""pytrt_kv.trt on any CPU: clear errors without TensorRT, the ONNX rewrite into the
+plugins' positional form, alias pairs, buffer/stream adapters, CLI. No TensorRT needed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+
+import pytrt_kv.trt as ptrt
+from onnx_export import single_op_model
+from pytrt_kv import specs
+from pytrt_kv.trt import _tensorrt, buffers, model as trt_model, runner as trt_runner
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def no_tensorrt(monkeypatch):
+    """Make `import tensorrt` fail whatever is installed."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+
+
+def _fake_trt(monkeypatch, version):
+    mod = types.ModuleType("tensorrt")
+    mod.__version__ = version
+    monkeypatch.setitem(sys.modules, "tensorrt", mod)
+    return mod
+
+
+# --- no TensorRT: every entry point explains itself -------------------------------------
+
+def test_import_does_not_load_tensorrt():
+    code = ("import sys, pytrt_kv.trt, pytrt_kv.trt.model\n"
+            "print([m for m in ('tensorrt', 'cuda', 'torch', 'cupy') if m in sys.modules])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("call", [
+    lambda: ptrt.build_engine("model.onnx"),
+    lambda: ptrt.load_plugins(),
+    lambda: ptrt.load_engine(b"plan"),
+    lambda: ptrt.EngineRunner(object()),
+    lambda: ptrt.run_model_steps("model.onnx", [{}]),
+    lambda: _tensorrt.tensorrt_version(),
+], ids=["build_engine", "load_plugins", "load_engine", "EngineRunner", "run_model_steps",
+        "tensorrt_version"])
+def test_clear_import_error_without_tensorrt(no_tensorrt, call):
+    with pytest.raises(ImportError, match=r"TensorRT Python package.*pip install 'pytrt-kv\[trt\]'"):
+        call()
+
+
+def test_availability_names_tensorrt(no_tensorrt):
+    reason = ptrt.availability()
+    assert "TensorRT" in reason and "pip install" in reason
+
+
+@pytest.mark.parametrize("version,ok", [("10.2.0.19", False), ("8.6.1", False), ("10.3.0", True),
+                                        ("10.13.2.6", True), ("11.1.0", True)])
+def test_tensorrt_version_gate(monkeypatch, version, ok):
+    _fake_trt(monkeypatch, version)
+    if ok:
+        assert _tensorrt.import_tensorrt().__version__ == version
+    else:
+        with pytest.raises(ImportError, match=r"TensorRT >= 10\.3, got " + version.replace(".", r"\.")):
+            _tensorrt.import_tensorrt()
+
+
+def test_broken_tensorrt_import_is_reported(monkeypatch):
+    class Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise RuntimeError("libnvinfer.so.10: cannot open shared object file")
+
+    # A module whose attribute access fails like the stub wheel's lazy loader.
+    monkeypatch.setitem(sys.modules, "tensorrt", Broken("tensorrt"))
+    with pytest.raises(ImportError, match="import tensorrt. failed: RuntimeError: libnvinfer"):
+        _tensorrt.import_tensorrt()
+
+
+def test_check_cuda_unwraps_and_raises():
+    class Err:
+        def __init__(self, value, name):
+            self.value, self.name = value, name
+
+    assert _tensorrt.check_cuda((Err(0, "cudaSuccess"), 42), "x") == 42
+    assert _tensorrt.check_cuda((Err(0, "cudaSuccess"), 1, 2), "x") == (1, 2)
+    with pytest.raises(RuntimeError, match="cudaMalloc failed: cudaErrorMemoryAllocation"):
+        _tensorrt.check_cuda((Err(2, "cudaErrorMemoryAllocation"), None), "cudaMalloc")
+
+
+# --- the positional plugin form --------------------------------------------------------
+
+def _scatter_inputs(value: bool, idx=np.int32, dtype=np.float16):
+    d = {"key": np.ones((3, 2, 16), dtype), "key_cache": np.ones((4, 8, 2, 16), dtype),
+         "slot_mapping": np.arange(3, dtype=idx)}
+    if value:
+        d["value"] = np.ones((3, 2, 8), dtype)
+        d["value_cache"] = np.ones((4, 8, 2, 8), dtype)
+    return d
+
+
+def _compress_inputs(offsets: bool, idx=np.int32, dtype=np.float16):
+    d = {"key": np.ones((2, 5, 3, 8), dtype), "value": np.ones((2, 5, 3, 8), dtype),
+         "key_cache": np.ones((10, 8, 1, 8), dtype), "value_cache": np.ones((10, 8, 1, 8), dtype),
+         "slot_mapping": np.zeros((2, 3), idx), "compress_lens": np.zeros((2, 3), idx),
+         "seq_lens": np.zeros((2,), idx)}
+    if offsets:
+        d["compress_seq_offsets"] = np.zeros((6,), idx)
+    return d
+
+
+def _gather_inputs(rope: bool = True, dtype=np.float16):
+    return {"selection_k_rope": np.ones((6, 16, 8) if rope else (0,), dtype),
+            "selection_kv_cache": np.ones((6, 16, 32), dtype),
+            "selection_kv_block_table": np.zeros((5, 2), np.int32),
+            "selection_kv_block_status": np.zeros((2, 2, 1, 5), np.int32),
+            "selection_topk_indices": np.zeros((2, 2, 1, 4), np.int32),
+            "full_k_rope": np.ones((24, 16, 8) if rope else (0,), dtype),
+            "full_kv_cache": np.ones((24, 16, 32), dtype),
+            "full_kv_block_table": np.zeros((2, 6), np.int32),
+            "full_kv_actual_seq": np.zeros((2,), np.int32),
+            "full_q_actual_seq": np.zeros((2,), np.int32)}
+
+
+def _attrs(op):
+    # SBS = 16 in these shapes: the default TBS (64) does not divide it.
+    return {"selection_topk_block_size": 4} if op == "GatherSelectionKvCache" else {}
+
+
+def _initializers(m):
+    return {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer}
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.int8])
+def test_prepare_key_only_scatter_gets_empty_value_placeholders(dtype):
+    m = single_op_model("ScatterPaKvCache", _scatter_inputs(False, dtype=dtype))
+    before = m.SerializeToString()
+    p = trt_model.prepare_for_tensorrt(m)
+    assert m.SerializeToString() == before, "the input model must not change"
+    node = p.graph.node[0]
+    assert len(node.input) == 5 and len(node.output) == 2
+    inits = _initializers(p)
+    for k in (1, 3):
+        a = inits[node.input[k]]
+        assert a.shape == (0,) and a.dtype == np.dtype(dtype)
+    assert node.input[0] == "key" and node.input[2] == "key_cache" and node.input[4] == "slot_mapping"
+    assert node.output[0] == "key_cache_out" and node.output[1] not in {o.name for o in p.graph.output}
+    assert len(set(node.output) | set(node.input)) == 7, "fresh names must be unique"
+    onnx.checker.check_model(p)
+
+
+@pytest.mark.parametrize("idx", [np.int32, np.int64])
+def test_prepare_compress_without_offsets_gets_index_placeholder(idx):
+    p = trt_model.prepare_for_tensorrt(single_op_model("ScatterPaKvCache", _compress_inputs(False, idx)))
+    node = p.graph.node[0]
+    assert len(node.input) == 8 and len(node.output) == 2
+    off = _initializers(p)[node.input[6]]
+    assert off.shape == (0,) and off.dtype == np.dtype(idx)
+    assert list(node.input[:6]) + [node.input[7]] == [
+        "key", "value", "key_cache", "value_cache", "slot_mapping", "compress_lens", "seq_lens"]
+
+
+@pytest.mark.parametrize("op,inputs", [
+    ("ScatterPaKvCache", _scatter_inputs(True)),
+    ("ScatterPaKvCache", _compress_inputs(True, np.int64)),
+    ("GatherSelectionKvCache", _gather_inputs(True)),
+    ("GatherSelectionKvCache", _gather_inputs(False, np.int8)),
+], ids=["scatter-3d", "scatter-4d", "gather", "gather-c8"])
+def test_prepare_leaves_complete_nodes_alone(op, inputs):
+    m = single_op_model(op, inputs, **_attrs(op))
+    p = trt_model.prepare_for_tensorrt(m)
+    assert list(p.graph.node[0].input) == list(m.graph.node[0].input)
+    assert list(p.graph.node[0].output) == list(m.graph.node[0].output)
+    assert len(p.graph.initializer) == len(m.graph.initializer)
+
+
+def test_prepare_refuses_unknown_key_and_half_value():
+    m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
+    broken = onnx.ModelProto()
+    broken.CopyFrom(m)
+    broken.graph.node[0].input[3] = ""
+    with pytest.raises(ValueError, match="value, value_cache: expected both or neither"):
+        trt_model.prepare_for_tensorrt(broken)
+    unknown = onnx.ModelProto()
+    unknown.CopyFrom(m)
+    unknown.graph.node[0].input[0] = "mystery"
+    with pytest.raises(ValueError, match="key: expected a tensor with a known dtype and rank"):
+        trt_model.prepare_for_tensorrt(unknown)
+
+
+@pytest.mark.parametrize("op,inputs,expected", [
+    ("ScatterPaKvCache", _scatter_inputs(True),
+     {"key_cache_out": "key_cache", "value_cache_out": "value_cache"}),
+    ("ScatterPaKvCache", _scatter_inputs(False), {"key_cache_out": "key_cache"}),
+    ("GatherSelectionKvCache", _gather_inputs(True),
+     {"selection_k_rope_out": "selection_k_rope", "selection_kv_cache_out": "selection_kv_cache",
+      "selection_kv_block_status_out": "selection_kv_block_status"}),
+])
+def test_alias_pairs_follow_specs(op, inputs, expected):
+    p = trt_model.prepare_for_tensorrt(single_op_model(op, inputs, **_attrs(op)))
+    pairs = trt_model.alias_pairs(p)
+    assert pairs == expected
+    spec = specs.get_op(op)
+    for out, inp in pairs.items():
+        assert spec.aliases[out] == inp
+
+
+@pytest.mark.parametrize("alias_io,expected", [(1, True), (0, False)])
+def test_needs_aliased_io(alias_io, expected):
+    m = single_op_model("ScatterPaKvCache", _scatter_inputs(True), alias_io=alias_io)
+    assert trt_model.needs_aliased_io(m) is expected
+
+
+def test_example_model_prepares_and_aliases():
+    from onnx_export.example import build_example_model
+
+    m = build_example_model()
+    p = trt_model.prepare_for_tensorrt(m)
+    onnx.checker.check_model(p)
+    pairs = trt_model.alias_pairs(p)
+    graph_inputs = {i.name for i in p.graph.input}
+    assert pairs, "the example updates caches in place"
+    for out, inp in pairs.items():
+        assert inp in graph_inputs
+        node = next(n for n in trt_model.pytrt_kv_nodes(p) if out in n.output)
+        spec = specs.OPS[node.op_type]
+        k = list(node.output).index(out)
+        assert node.input[spec.aliased_input_index(k)] == inp
+    assert all(len(n.input) in (5, 8, 10) for n in trt_model.pytrt_kv_nodes(p))
+
+
+def test_prepare_cli(tmp_path):
+    src, dst = tmp_path / "m.onnx", tmp_path / "p.onnx"
+    onnx.save(single_op_model("ScatterPaKvCache", _scatter_inputs(False)), src)
+    r = subprocess.run([sys.executable, "-m", "pytrt_kv.trt", "prepare", str(src), str(dst)],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0, r.stderr
+    assert len(onnx.load(dst).graph.node[0].input) == 5
+
+
+# --- buffers and streams ----------------------------------------------------------------
+
+class _Cai:
+    def __init__(self, ptr, shape, typestr, strides=None, dtype=None):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": typestr,
+                                         "strides": strides, "version": 3}
+        if dtype is not None:
+            self.dtype = dtype
+
+
+@pytest.mark.parametrize("typestr,name", [("<f2", "float16"), ("<f4", "float32"), ("|i1", "int8"),
+                                          ("<i4", "int32"), ("<i8", "int64"), ("|u1", "uint8")])
+def test_as_buffer_reads_cuda_array_interface(typestr, name):
+    v = buffers.as_buffer(_Cai(0x7000, (4, 3), typestr), "key")
+    assert (v.address, v.shape, v.dtype, v.host) == (0x7000, (4, 3), name, False)
+
+
+def test_as_buffer_bfloat16_through_the_objects_dtype():
+    v = buffers.as_buffer(_Cai(0x10, (2,), "<V2", dtype=ml_dtypes.bfloat16), "key")
+    assert v.dtype == "bfloat16"
+
+
+def test_as_buffer_refuses_strided_views():
+    with pytest.raises(ValueError, match=r"^key_cache: expected a C-contiguous CUDA array"):
+        buffers.as_buffer(_Cai(0x10, (4, 3), "<f2", strides=(2, 8)), "key_cache")
+    # Contiguous strides given explicitly are fine.
+    assert buffers.as_buffer(_Cai(0x10, (4, 3), "<f2", strides=(6, 2)), "k").shape == (4, 3)
+
+
+def test_as_buffer_raw_addresses_and_refusals():
+    assert buffers.as_buffer(0x1234, "x").address == 0x1234
+    handle = types.SimpleNamespace(handle=0x99)
+    assert buffers.as_buffer(handle, "x").address == 0x99
+    with pytest.raises(TypeError, match=r"^slot_mapping: expected a CUDA array"):
+        buffers.as_buffer("not a buffer", "slot_mapping")
+
+
+def test_as_buffer_refuses_cpu_torch_tensors():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^key: expected a CUDA tensor.*got a CPU tensor"):
+        buffers.as_buffer(torch.ones(1), "key")  # int(tensor) would silently be 1
+
+
+def test_stream_handle():
+    assert buffers.stream_handle(None) == 0
+    assert buffers.stream_handle(7) == 7
+    assert buffers.stream_handle(types.SimpleNamespace(cuda_stream=11)) == 11  # torch
+    assert buffers.stream_handle(types.SimpleNamespace(ptr=12)) == 12  # CuPy
+    with pytest.raises(TypeError, match=r"^stream: expected None, an int"):
+        buffers.stream_handle("default")
+
+
+def test_default_aliases_use_specs_naming():
+    outs = ["key_cache_out", "value_cache_out", "attn_out", "selection_kv_actual_seq"]
+    ins = ["key", "key_cache", "value_cache"]
+    assert trt_runner._default_aliases(outs, ins) == {
+        "key_cache_out": "key_cache", "value_cache_out": "value_cache"}
+
+
+def test_profile_spans_the_steps():
+    feeds = [{"key": np.zeros((3, 2, 8)), "slot": np.zeros(3)},
+             {"key": np.zeros((5, 2, 8)), "slot": np.zeros(5)},
+             {"key": np.zeros((1, 2, 8)), "slot": np.zeros(1)}]
+    prof = ptrt._profile(feeds)
+    assert prof["key"] == ((1, 2, 8), (3, 2, 8), (5, 2, 8))
+    assert prof["slot"] == ((1,), (3,), (5,))
+    with pytest.raises(ValueError, match=r"feeds_list: key: expected one rank"):
+        ptrt._profile([{"key": np.zeros((3, 2))}, {"key": np.zeros((3, 2, 1))}])
+    with pytest.raises(ValueError, match="feeds_list: expected at least one step"):
+        ptrt.run_model_steps("m.onnx", [])
+
+
+@pytest.mark.parametrize("case", ["key_only", "alibi_without_offsets"])
+def test_prepared_model_runs_on_the_cpu_reference(case):
+    # `polygraphy run --trt --pytrt-kv-ref` feeds one model to both runners: the CPU
+    # runtime must read the placeholders of a prepared model as absent inputs.
+    from pytrt_kv import reference
+    from pytrt_kv.runtime import run
+
+    rng = np.random.default_rng(7)
+    inputs = (_scatter_inputs(False) if case == "key_only"
+              else _compress_inputs(False, np.int32))
+    for k, v in inputs.items():  # random data, valid indices: nothing is a no-op write
+        if v.dtype == np.float16:
+            inputs[k] = rng.standard_normal(v.shape).astype(np.float16)
+    if case == "alibi_without_offsets":
+        inputs["seq_lens"] = np.array([5, 4], np.int32)
+        inputs["compress_lens"] = np.array([[2, 5, 0], [4, 1, 3]], np.int32)
+        inputs["slot_mapping"] = np.array([[0, 8, 20], [30, 40, 50]], np.int32)
+    p = trt_model.prepare_for_tensorrt(single_op_model("ScatterPaKvCache", inputs))
+    got = run(p, inputs)
+    want = {k: v.copy() for k, v in inputs.items()}
+    reference.scatter_pa_kv_cache(
+        want["key"], want.get("value"), want["key_cache"], want.get("value_cache"),
+        want["slot_mapping"], compress_lens=want.get("compress_lens"),
+        compress_seq_offsets=want.get("compress_seq_offsets"), seq_lens=want.get("seq_lens"))
+    assert not np.array_equal(want["key_cache"].view(np.uint8),
+                              inputs["key_cache"].view(np.uint8)), "the case writes nothing"
+    np.testing.assert_array_equal(got["key_cache_out"].view(np.uint8),
+                                  want["key_cache"].view(np.uint8))
+    if "value_cache" in inputs:
+        np.testing.assert_array_equal(got["value_cache_out"].view(np.uint8),
+                                      want["value_cache"].view(np.uint8))
