@@ -39,6 +39,13 @@ def _named(op: specs.OpSpec, args) -> Dict[str, Optional[np.ndarray]]:
     return {t.name: (None if v is None else np.asarray(v)) for t, v in zip(op.inputs, vals)}
 
 
+def _placeholder(x: Optional[np.ndarray]) -> bool:
+    """A 1-D zero-element tensor standing for an absent optional input: the form a model
+    takes after ``pytrt_kv.trt.prepare_for_tensorrt`` (TensorRT plugins take inputs by
+    position), so the CPU reference can run the prepared model too."""
+    return x is not None and x.ndim == 1 and x.size == 0
+
+
 class ScatterPaKvCache(OpRun):
     """ScatterPaKvCache on the NumPy reference; outputs are updated copies of the caches."""
 
@@ -48,6 +55,10 @@ class ScatterPaKvCache(OpRun):
         op = specs.SCATTER_PA_KV_CACHE
         x = _named(op, args)
         a = _attrs(op, kwargs)
+        placeholders = {}
+        for name in ("value", "value_cache", "compress_seq_offsets"):
+            if _placeholder(x[name]):
+                placeholders[name], x[name] = x[name], None
         key_cache = x["key_cache"].copy()
         value_cache = None if x["value_cache"] is None else x["value_cache"].copy()
         scatter_pa_kv_cache(
@@ -55,7 +66,11 @@ class ScatterPaKvCache(OpRun):
             compress_lens=x["compress_lens"], compress_seq_offsets=x["compress_seq_offsets"],
             seq_lens=x["seq_lens"], cache_layout=a["cache_layout"] or None,
             compress_mode=a["compress_mode"] or None)
-        return (key_cache,) if value_cache is None else (key_cache, value_cache)
+        if value_cache is not None:
+            return key_cache, value_cache
+        if len(self.onnx_node.output) > 1 and "value_cache" in placeholders:
+            return key_cache, placeholders["value_cache"].copy()
+        return (key_cache,)
 
 
 class GatherSelectionKvCache(OpRun):
