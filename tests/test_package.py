@@ -1,0 +1,167 @@
+"""Foundation: import hygiene, op identity, dtype tables, library lookup, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pytrt_kv
+from pytrt_kv import _lib, dtypes, specs
+from pytrt_kv.__main__ import SUBCOMMANDS, build_parser, main
+
+
+def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_import_needs_no_optional_runtime():
+    # `import pytrt_kv` (and the reference) must never pull in torch, TensorRT or CUDA.
+    r = _python(
+        "import sys, pytrt_kv, pytrt_kv.reference, pytrt_kv.specs\n"
+        "bad = [m for m in ('torch', 'tensorrt', 'cupy', 'cuda', 'pycuda', 'onnxruntime')"
+        " if m in sys.modules]\n"
+        "print(','.join(bad))")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "", f"imported eagerly: {r.stdout.strip()}"
+
+
+def test_public_functions_are_the_reference():
+    from pytrt_kv import reference
+
+    assert pytrt_kv.scatter_pa_kv_cache is reference.scatter_pa_kv_cache
+    assert pytrt_kv.gather_selection_kv_cache is reference.gather_selection_kv_cache
+
+
+@pytest.mark.parametrize("op", list(specs.OPS.values()), ids=lambda o: o.name)
+def test_op_spec_is_consistent(op):
+    assert len(set(op.input_names)) == len(op.input_names)
+    assert len(set(op.output_names)) == len(op.output_names)
+    for out, src in op.aliases.items():
+        o, i = op.output(out), op.input(src)
+        assert o.dtypes == i.dtypes and o.dtype_group == i.dtype_group
+        assert op.aliased_input_index(op.output_index(out)) == op.input_index(src)
+    for t in op.inputs + op.outputs:
+        assert t.dtypes and all(d in dtypes.NUMPY for d in t.dtypes)
+    for a in op.attributes:
+        assert a.type in ("int", "string")
+        if a.choices:
+            assert a.default in a.choices
+    assert op.attribute("alias_io").default == 1
+
+
+def test_op_identity_matches_ops_md():
+    # OPS.md section O and G1/S1: names and order are part of the contract.
+    s = specs.SCATTER_PA_KV_CACHE
+    assert s.name == "ScatterPaKvCache"
+    assert s.input_names == ("key", "value", "key_cache", "value_cache", "slot_mapping",
+                             "compress_lens", "compress_seq_offsets", "seq_lens")
+    assert s.output_names == ("key_cache_out", "value_cache_out")
+    assert s.attribute_names == ("cache_layout", "compress_mode", "alias_io")
+    g = specs.GATHER_SELECTION_KV_CACHE
+    assert g.name == "GatherSelectionKvCache"
+    assert g.input_names == (
+        "selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
+        "selection_kv_block_status", "selection_topk_indices", "full_k_rope",
+        "full_kv_cache", "full_kv_block_table", "full_kv_actual_seq", "full_q_actual_seq")
+    assert g.output_names == ("selection_k_rope_out", "selection_kv_cache_out",
+                              "selection_kv_block_status_out", "selection_kv_actual_seq")
+    assert g.attribute("selection_topk_block_size").default == 64
+    assert specs.NAMESPACE == specs.DOMAIN == "pytrt_kv" and specs.PLUGIN_VERSION == "1"
+    assert specs.ONNX_IR_VERSION == 10 and specs.ONNX_OPSET >= 17
+
+
+def test_get_op_names_the_choices():
+    with pytest.raises(ValueError, match="op_type.*GatherSelectionKvCache.*got 'Nope'"):
+        specs.get_op("Nope")
+
+
+@pytest.mark.parametrize("name", sorted(dtypes.NUMPY))
+def test_dtype_tables_round_trip(name):
+    np_dt = dtypes.NUMPY[name]
+    assert dtypes.name_of(np_dt) == name
+    assert dtypes.name_of(name) == name
+    assert dtypes.ONNX_TO_NAME[dtypes.ONNX[name]] == name
+    assert dtypes.itemsize(name) == np_dt.itemsize
+
+
+def test_dtype_onnx_numbers_match_onnx():
+    import onnx
+
+    for name, num in dtypes.ONNX.items():
+        assert onnx.helper.tensor_dtype_to_np_dtype(num) == dtypes.NUMPY[name], name
+
+
+def test_dtype_unknown_is_a_type_error():
+    with pytest.raises(TypeError, match="dtype: .*complex64.*expected one of"):
+        dtypes.name_of(np.complex64)
+    with pytest.raises(TypeError, match="dtype"):
+        dtypes.name_of(object())
+
+
+def test_missing_library_error_lists_searched_paths(tmp_path, monkeypatch):
+    monkeypatch.setenv(_lib.LIB_DIR_ENV, str(tmp_path))
+    with pytest.raises(FileNotFoundError) as exc:
+        _lib.require("libpytrt_kv_does_not_exist.so")
+    msg = str(exc.value)
+    assert str(tmp_path / "libpytrt_kv_does_not_exist.so") in msg
+    assert _lib.LIB_DIR_ENV in msg
+
+
+def test_env_override_is_searched_first(tmp_path, monkeypatch):
+    (tmp_path / _lib.KERNELS_LIB).write_bytes(b"")
+    monkeypatch.setenv(_lib.LIB_DIR_ENV, str(tmp_path))
+    assert _lib.find(_lib.KERNELS_LIB) == tmp_path / _lib.KERNELS_LIB
+
+
+def test_build_record_when_installed():
+    # The CMake build installs build_info.json beside the libraries; when present it must
+    # say whether CUDA was used, and give the reason when it was not.
+    info = _lib.build_info()
+    if not info:
+        pytest.skip("package not installed through its CMake build (source tree on sys.path)")
+    assert info["cuda"] in ("ON", "OFF")
+    if info["cuda"] == "OFF":
+        assert info["no_cuda_reason"]
+    else:
+        assert _lib.find(_lib.KERNELS_LIB) is not None, "CUDA build but no kernel library"
+
+
+def test_cli_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name, _, _ in SUBCOMMANDS:
+        assert name in out
+
+
+def test_cli_without_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "usage: pytrt-kv" in capsys.readouterr().out
+
+
+def test_cli_info_runs(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"pytrt_kv {pytrt_kv.__version__}" in out
+    assert "numpy" in out and "Native libraries" in out and "GPU" in out
+
+
+def test_module_entry_point():
+    r = subprocess.run([sys.executable, "-m", "pytrt_kv", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "info" in r.stdout and "demo" in r.stdout
+
+
+def test_parser_subcommands_have_runners():
+    parser = build_parser()
+    for name, _, _ in SUBCOMMANDS:
+        args = parser.parse_args([name] + (["x.onnx"] if name == "export-example" else []))
+        assert callable(args._run)
