@@ -99,6 +99,30 @@ fi
 step "CPU tests (pytest -m 'not gpu')" 900 cpu_tests.log \
   "$PY" -m pytest tests -m "not gpu" -q -ra -p no:cacheprovider
 
+# --- TensorRT plugins through the C++ harness (no libnvinfer needed) ---------------------
+if [ -x "$BUILD/bin/pytrt_kv_plugin_harness" ]; then
+  step "plugin cases (makeCases.py)" 300 plugin_cases.log \
+    "$PY" "$ROOT/plugins/harness/makeCases.py" "$OUT/plugin_cases"
+  step "plugin harness check (CPU)" 120 plugin_harness_check.log \
+    "$BUILD/bin/pytrt_kv_plugin_harness" check
+  step "plugin harness run (GPU enqueue vs reference)" 600 plugin_harness_run.log \
+    "$BUILD/bin/pytrt_kv_plugin_harness" run "$OUT"/plugin_cases/*/
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    step "compute-sanitizer memcheck: plugin harness" 900 sanitizer_plugins.log \
+      compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 50 \
+        "$BUILD/bin/pytrt_kv_plugin_harness" run "$OUT"/plugin_cases/*/
+  fi
+elif [ -n "${TensorRT_INCLUDE_DIR:-}" ]; then
+  note "| plugin harness | **FAILED: TensorRT_INCLUDE_DIR set but the harness was not built** | | build.log |"
+  failed=1
+else
+  note "| plugin harness | skipped: set TensorRT_INCLUDE_DIR to build the plugins | | |"
+fi
+if "$PY" -c "import tensorrt" 2>/dev/null; then
+  step "TensorRT tests (pytest -m trt)" 1800 trt_tests.log \
+    "$PY" -m pytest tests -m trt -q -ra -p no:cacheprovider
+fi
+
 # --- compute-sanitizer ---------------------------------------------------------------------
 if command -v compute-sanitizer >/dev/null 2>&1; then
   for tool in memcheck racecheck; do
