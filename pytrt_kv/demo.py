@@ -189,6 +189,16 @@ def verify_step(sizes, feeds, out, exp) -> Tuple[List[str], Dict[str, object]]:
     return fails, {"kept": kept, "copied": copied, "err": err}
 
 
+def _print_native_notice() -> None:
+    """One line when the install has no GPU kernels: pip hides the build's own warning."""
+    from pytrt_kv import _lib
+
+    info = _lib.build_info()
+    if info.get("cuda") == "OFF":
+        print(f"GPU kernels: not built ({info.get('no_cuda_reason', '?')}); put nvcc on PATH "
+              "and reinstall to get pytrt_kv.ops and the TensorRT plugins (`pytrt-kv info`)")
+
+
 def _trt_compare(onnx_path: Path, feeds_list, cpu_outputs) -> Tuple[str, List[str]]:
     """('' or the reason TensorRT was not used, failures)."""
     try:
@@ -287,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
                 all_fails += trt_fails
         if reason:
             print(f"TensorRT engine: skipped ({reason.splitlines()[0] if reason else ''})")
+        _print_native_notice()
         verdict = "PASSED" if not all_fails else f"FAILED ({len(all_fails)} checks)"
         print(f"demo {verdict} in {time.time() - t0:.1f} s")
         return 0 if not all_fails else 1

@@ -106,3 +106,19 @@ def test_demo_compares_trt_steps(capsys, monkeypatch):
 def test_demo_refuses_too_many_steps():
     with pytest.raises(ValueError, match="--prompt-len/--steps"):
         demo.run(_args(["--steps", "40"]))
+
+
+@pytest.mark.parametrize("cuda", ["ON", "OFF"])
+def test_demo_says_when_the_gpu_kernels_were_not_built(cuda, capsys, monkeypatch, tmp_path):
+    # pip hides the build's warning, so the main job repeats it at run time.
+    import json
+
+    from pytrt_kv import _lib
+
+    (tmp_path / "build_info.json").write_text(json.dumps(
+        {"cuda": cuda, "no_cuda_reason": "no CUDA compiler (nvcc) was found at build time"}))
+    monkeypatch.setenv(_lib.LIB_DIR_ENV, str(tmp_path))
+    _fake_trt(monkeypatch, "no GPU here (test)")
+    assert demo.run(_args()) == 0
+    out = capsys.readouterr().out
+    assert ("GPU kernels: not built (no CUDA compiler (nvcc)" in out) == (cuda == "OFF")
