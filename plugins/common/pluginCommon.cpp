@@ -110,6 +110,18 @@ void logException(char const* where, std::exception const& e) noexcept
     logError(where, e.what());
 }
 
+void logException(char const* wherePrefix, char const* whereSuffix, std::exception const& e) noexcept
+{
+    try
+    {
+        logException(concat(wherePrefix, whereSuffix).c_str(), e);
+    }
+    catch (std::exception const&)
+    {
+        logException(wherePrefix, e); // out of memory for the name: the prefix alone
+    }
+}
+
 bool toKernelType(nvinfer1::DataType type, kernels::DataType& out) noexcept
 {
     using nvinfer1::DataType;

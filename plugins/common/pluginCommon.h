@@ -75,6 +75,10 @@ void logWarning(char const* where, std::string const& message) noexcept;
 //! Logs the exception caught in a noexcept override, at error severity.
 void logException(char const* where, std::exception const& e) noexcept;
 
+//! As logException, with the location in two parts joined as they are: the plugin name
+//! and "::method" (e.g. "ScatterPaKvCache", "::clone").
+void logException(char const* wherePrefix, char const* whereSuffix, std::exception const& e) noexcept;
+
 //! The one dtype mapping: returns false (and leaves \p out) for types the kernels do
 //! not know (kBOOL, kINT4, kFP4, ...).
 bool toKernelType(nvinfer1::DataType type, kernels::DataType& out) noexcept;

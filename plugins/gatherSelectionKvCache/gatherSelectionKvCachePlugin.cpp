@@ -17,7 +17,6 @@ namespace plugin
 namespace
 {
 
-constexpr char const* kPLUGIN_NAME{"GatherSelectionKvCache"};
 constexpr char const* kTOPK_BLOCK_SIZE{"selection_topk_block_size"};
 constexpr char const* kALIAS_IO{"alias_io"};
 
@@ -58,10 +57,9 @@ std::vector<FieldSpec> const& GatherSelectionKvCachePlugin::fieldSpecs()
 }
 
 GatherSelectionKvCachePlugin::GatherSelectionKvCachePlugin(PluginFields fields)
-    : mFields(std::move(fields))
+    : PluginBase(std::move(fields))
     , mTopkBlockSize(static_cast<int32_t>(mFields.getInt(kTOPK_BLOCK_SIZE)))
     , mAliasIo(mFields.getInt(kALIAS_IO) != 0)
-    , mMetadata(mFields.toString())
 {
 }
 
@@ -215,50 +213,6 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(
     return p;
 }
 
-IPluginCapability* GatherSelectionKvCachePlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
-{
-    switch (type)
-    {
-    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuildV2*>(this);
-    case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
-    case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-    }
-    return nullptr;
-}
-
-IPluginV3* GatherSelectionKvCachePlugin::clone() noexcept
-{
-    try
-    {
-        return new GatherSelectionKvCachePlugin(*this);
-    }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::clone", e);
-    }
-    return nullptr;
-}
-
-char const* GatherSelectionKvCachePlugin::getPluginName() const noexcept
-{
-    return kPLUGIN_NAME;
-}
-
-char const* GatherSelectionKvCachePlugin::getPluginVersion() const noexcept
-{
-    return kPLUGIN_VERSION;
-}
-
-char const* GatherSelectionKvCachePlugin::getPluginNamespace() const noexcept
-{
-    return kPLUGIN_NAMESPACE;
-}
-
-int32_t GatherSelectionKvCachePlugin::getNbOutputs() const noexcept
-{
-    return kNB_OUTPUTS;
-}
-
 int32_t GatherSelectionKvCachePlugin::configurePlugin(
     DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
@@ -394,11 +348,6 @@ int32_t GatherSelectionKvCachePlugin::getAliasedInput(int32_t outputIndex) noexc
     }
 }
 
-char const* GatherSelectionKvCachePlugin::getMetadataString() noexcept
-{
-    return mMetadata.c_str();
-}
-
 int32_t GatherSelectionKvCachePlugin::onShapeChange(
     PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
@@ -480,63 +429,6 @@ int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc,
         logException("GatherSelectionKvCache::enqueue", e);
     }
     return -1;
-}
-
-IPluginV3* GatherSelectionKvCachePlugin::attachToContext(IPluginResourceContext* /* context */) noexcept
-{
-    return clone();
-}
-
-PluginFieldCollection const* GatherSelectionKvCachePlugin::getFieldsToSerialize() noexcept
-{
-    try
-    {
-        return mFields.toCollection();
-    }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::getFieldsToSerialize", e);
-    }
-    return nullptr;
-}
-
-GatherSelectionKvCachePluginCreator::GatherSelectionKvCachePluginCreator()
-    : mFieldNames(&GatherSelectionKvCachePlugin::fieldSpecs())
-{
-}
-
-char const* GatherSelectionKvCachePluginCreator::getPluginName() const noexcept
-{
-    return kPLUGIN_NAME;
-}
-
-char const* GatherSelectionKvCachePluginCreator::getPluginVersion() const noexcept
-{
-    return kPLUGIN_VERSION;
-}
-
-char const* GatherSelectionKvCachePluginCreator::getPluginNamespace() const noexcept
-{
-    return kPLUGIN_NAMESPACE;
-}
-
-PluginFieldCollection const* GatherSelectionKvCachePluginCreator::getFieldNames() noexcept
-{
-    return mFieldNames.collection();
-}
-
-IPluginV3* GatherSelectionKvCachePluginCreator::createPlugin(
-    char const* /* name */, PluginFieldCollection const* fc, TensorRTPhase /* phase */) noexcept
-{
-    try
-    {
-        return new GatherSelectionKvCachePlugin(PluginFields::parse(&GatherSelectionKvCachePlugin::fieldSpecs(), fc));
-    }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCacheCreator::createPlugin", e);
-    }
-    return nullptr;
 }
 
 } // namespace plugin

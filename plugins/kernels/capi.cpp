@@ -72,6 +72,24 @@ int32_t writeLayout(int64_t* out, int32_t capacity, std::vector<int64_t> const& 
     }
     return static_cast<int32_t>(values.size());
 }
+
+//! What both launch entry points do: refuse a null \p params (recording \p nullMessage),
+//! make \p device current (see DeviceGuard), then run \p launch on \p stream.
+template <typename Params>
+int32_t launchOnDevice(cudaError_t (*launch)(Params const&, cudaStream_t), Params const* params, void* stream,
+    int32_t device, char const* nullMessage)
+{
+    if (params == nullptr)
+    {
+        return pytrt_kv::kernels::invalidArgument(nullMessage);
+    }
+    DeviceGuard guard(device);
+    if (guard.status() != cudaSuccess)
+    {
+        return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
+    }
+    return launch(*params, static_cast<cudaStream_t>(stream));
+}
 } // namespace
 
 int32_t pytrt_kv_version(void)
@@ -132,16 +150,8 @@ int32_t pytrt_kv_params_layout(int32_t which, int64_t* out, int32_t capacity)
 
 int32_t pytrt_kv_scatter_pa_kv_cache(ScatterParams const* params, void* stream, int32_t device)
 {
-    if (params == nullptr)
-    {
-        return pytrt_kv::kernels::invalidArgument("scatter: params is null");
-    }
-    DeviceGuard guard(device);
-    if (guard.status() != cudaSuccess)
-    {
-        return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
-    }
-    return pytrt_kv::kernels::launchScatterPaKvCache(*params, static_cast<cudaStream_t>(stream));
+    return launchOnDevice(
+        &pytrt_kv::kernels::launchScatterPaKvCache, params, stream, device, "scatter: params is null");
 }
 
 size_t pytrt_kv_gather_workspace_size(GatherSelectionParams const* params)
@@ -151,16 +161,8 @@ size_t pytrt_kv_gather_workspace_size(GatherSelectionParams const* params)
 
 int32_t pytrt_kv_gather_selection_kv_cache(GatherSelectionParams const* params, void* stream, int32_t device)
 {
-    if (params == nullptr)
-    {
-        return pytrt_kv::kernels::invalidArgument("gather: params is null");
-    }
-    DeviceGuard guard(device);
-    if (guard.status() != cudaSuccess)
-    {
-        return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
-    }
-    return pytrt_kv::kernels::launchGatherSelectionKvCache(*params, static_cast<cudaStream_t>(stream));
+    return launchOnDevice(
+        &pytrt_kv::kernels::launchGatherSelectionKvCache, params, stream, device, "gather: params is null");
 }
 
 int32_t pytrt_kv_pointer_info(void const* ptr, int32_t* kind, int32_t* device, void** devicePtr)

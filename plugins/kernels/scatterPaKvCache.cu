@@ -271,6 +271,21 @@ cudaError_t checkScatter(ScatterParams const& p)
     return cudaSuccess;
 }
 
+// A key-only write (numTensors == 1) mirrors the key's rows into the value slot, so the
+// kernels may read either. Returns the vector width that suits both slots' source and
+// destination addresses and their bytes per copy (the \p bytes member).
+template <typename Rows>
+int mirrorRowsAndVectorWidth(Rows (&rows)[2], int32_t numTensors, int64_t Rows::*bytes)
+{
+    if (numTensors == 1)
+    {
+        rows[1] = rows[0];
+    }
+    return vectorWidth({reinterpret_cast<uint64_t>(rows[0].src), reinterpret_cast<uint64_t>(rows[0].dst),
+        static_cast<uint64_t>(rows[0].*bytes), reinterpret_cast<uint64_t>(rows[1].src),
+        reinterpret_cast<uint64_t>(rows[1].dst), static_cast<uint64_t>(rows[1].*bytes)});
+}
+
 template <typename IndexT>
 cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
 {
@@ -281,7 +296,6 @@ cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
     a.cacheRows = p.numBlocks * p.blockSize;
     a.blockSize = p.blockSize;
     int64_t maxVectorsBytes = 0;
-    uint64_t alignment[6] = {};
     for (int32_t k = 0; k < a.numTensors; ++k)
     {
         int64_t const itemBytes = dataTypeSize(k == 0 ? p.keyType : p.valueType);
@@ -297,19 +311,8 @@ cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
         }
         r.nseg = static_cast<int32_t>(rowBytes / r.segBytes);
         maxVectorsBytes = std::max(maxVectorsBytes, rowBytes);
-        alignment[3 * k] = reinterpret_cast<uint64_t>(r.src);
-        alignment[3 * k + 1] = reinterpret_cast<uint64_t>(r.dst);
-        alignment[3 * k + 2] = static_cast<uint64_t>(r.segBytes);
     }
-    if (a.numTensors == 1)
-    {
-        a.rows[1] = a.rows[0];
-        alignment[3] = alignment[0];
-        alignment[4] = alignment[1];
-        alignment[5] = alignment[2];
-    }
-    int const width = vectorWidth({alignment[0], alignment[1], alignment[2], alignment[3], alignment[4],
-        alignment[5]});
+    int const width = mirrorRowsAndVectorWidth(a.rows, a.numTensors, &TokenRows::segBytes);
     a.group = groupSize(maxVectorsBytes / width);
     int64_t const grid = gridFor(a.numTokens * a.numTensors, a.group);
     return dispatchVectorWidth(width, [&](auto w) {
@@ -337,7 +340,6 @@ cudaError_t launchRuns(ScatterParams const& p, cudaStream_t stream)
     {
         a.offsets = nullptr; // alibi never reads the offsets
     }
-    uint64_t alignment[6] = {};
     int64_t maxRowBytes = 0;
     for (int32_t k = 0; k < a.numTensors; ++k)
     {
@@ -347,19 +349,8 @@ cudaError_t launchRuns(ScatterParams const& p, cudaStream_t stream)
         r.src = static_cast<char const*>(k == 0 ? p.key : p.value);
         r.dst = static_cast<char*>(k == 0 ? p.keyCache : p.valueCache);
         maxRowBytes = std::max(maxRowBytes, r.rowBytes);
-        alignment[3 * k] = reinterpret_cast<uint64_t>(r.src);
-        alignment[3 * k + 1] = reinterpret_cast<uint64_t>(r.dst);
-        alignment[3 * k + 2] = static_cast<uint64_t>(r.rowBytes);
     }
-    if (a.numTensors == 1)
-    {
-        a.rows[1] = a.rows[0];
-        alignment[3] = alignment[0];
-        alignment[4] = alignment[1];
-        alignment[5] = alignment[2];
-    }
-    int const width = vectorWidth({alignment[0], alignment[1], alignment[2], alignment[3], alignment[4],
-        alignment[5]});
+    int const width = mirrorRowsAndVectorWidth(a.rows, a.numTensors, &RunRows::rowBytes);
     a.group = groupSize(maxRowBytes / width);
     int64_t const grid = gridFor(static_cast<int64_t>(a.batch) * a.heads * a.maxSeqLen * a.numTensors, a.group);
     auto launch = [&](auto w, auto meanTag) {

@@ -17,7 +17,6 @@ namespace plugin
 namespace
 {
 
-constexpr char const* kPLUGIN_NAME{"ScatterPaKvCache"};
 constexpr char const* kCACHE_LAYOUT{"cache_layout"};
 constexpr char const* kCOMPRESS_MODE{"compress_mode"};
 constexpr char const* kALIAS_IO{"alias_io"};
@@ -113,11 +112,10 @@ std::vector<FieldSpec> const& ScatterPaKvCachePlugin::fieldSpecs()
 }
 
 ScatterPaKvCachePlugin::ScatterPaKvCachePlugin(PluginFields fields)
-    : mFields(std::move(fields))
+    : PluginBase(std::move(fields))
     , mCacheLayout(mFields.getString(kCACHE_LAYOUT))
     , mCompressMode(mFields.getString(kCOMPRESS_MODE))
     , mAliasIo(mFields.getInt(kALIAS_IO) != 0)
-    , mMetadata(mFields.toString())
 {
 }
 
@@ -276,50 +274,6 @@ kernels::ScatterParams ScatterPaKvCachePlugin::describe(
     return p;
 }
 
-IPluginCapability* ScatterPaKvCachePlugin::getCapabilityInterface(PluginCapabilityType type) noexcept
-{
-    switch (type)
-    {
-    case PluginCapabilityType::kBUILD: return static_cast<IPluginV3OneBuildV2*>(this);
-    case PluginCapabilityType::kRUNTIME: return static_cast<IPluginV3OneRuntime*>(this);
-    case PluginCapabilityType::kCORE: return static_cast<IPluginV3OneCore*>(this);
-    }
-    return nullptr;
-}
-
-IPluginV3* ScatterPaKvCachePlugin::clone() noexcept
-{
-    try
-    {
-        return new ScatterPaKvCachePlugin(*this);
-    }
-    catch (std::exception const& e)
-    {
-        logException("ScatterPaKvCache::clone", e);
-    }
-    return nullptr;
-}
-
-char const* ScatterPaKvCachePlugin::getPluginName() const noexcept
-{
-    return kPLUGIN_NAME;
-}
-
-char const* ScatterPaKvCachePlugin::getPluginVersion() const noexcept
-{
-    return kPLUGIN_VERSION;
-}
-
-char const* ScatterPaKvCachePlugin::getPluginNamespace() const noexcept
-{
-    return kPLUGIN_NAMESPACE;
-}
-
-int32_t ScatterPaKvCachePlugin::getNbOutputs() const noexcept
-{
-    return kNB_OUTPUTS;
-}
-
 int32_t ScatterPaKvCachePlugin::configurePlugin(
     DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
@@ -442,11 +396,6 @@ int32_t ScatterPaKvCachePlugin::getAliasedInput(int32_t outputIndex) noexcept
     }
 }
 
-char const* ScatterPaKvCachePlugin::getMetadataString() noexcept
-{
-    return mMetadata.c_str();
-}
-
 int32_t ScatterPaKvCachePlugin::onShapeChange(
     PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
@@ -528,65 +477,6 @@ int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         logException("ScatterPaKvCache::enqueue", e);
     }
     return -1;
-}
-
-IPluginV3* ScatterPaKvCachePlugin::attachToContext(IPluginResourceContext* /* context */) noexcept
-{
-    return clone();
-}
-
-PluginFieldCollection const* ScatterPaKvCachePlugin::getFieldsToSerialize() noexcept
-{
-    try
-    {
-        return mFields.toCollection();
-    }
-    catch (std::exception const& e)
-    {
-        logException("ScatterPaKvCache::getFieldsToSerialize", e);
-    }
-    return nullptr;
-}
-
-ScatterPaKvCachePluginCreator::ScatterPaKvCachePluginCreator()
-    : mFieldNames(&ScatterPaKvCachePlugin::fieldSpecs())
-{
-}
-
-char const* ScatterPaKvCachePluginCreator::getPluginName() const noexcept
-{
-    return kPLUGIN_NAME;
-}
-
-char const* ScatterPaKvCachePluginCreator::getPluginVersion() const noexcept
-{
-    return kPLUGIN_VERSION;
-}
-
-char const* ScatterPaKvCachePluginCreator::getPluginNamespace() const noexcept
-{
-    return kPLUGIN_NAMESPACE;
-}
-
-PluginFieldCollection const* ScatterPaKvCachePluginCreator::getFieldNames() noexcept
-{
-    return mFieldNames.collection();
-}
-
-IPluginV3* ScatterPaKvCachePluginCreator::createPlugin(
-    char const* /* name */, PluginFieldCollection const* fc, TensorRTPhase /* phase */) noexcept
-{
-    try
-    {
-        // Both phases parse the same contract: at build time the ONNX parser's fields, at
-        // run time what getFieldsToSerialize wrote.
-        return new ScatterPaKvCachePlugin(PluginFields::parse(&ScatterPaKvCachePlugin::fieldSpecs(), fc));
-    }
-    catch (std::exception const& e)
-    {
-        logException("ScatterPaKvCacheCreator::createPlugin", e);
-    }
-    return nullptr;
 }
 
 } // namespace plugin

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "NvInferRuntime.h"
+#include "pluginBase.h"
 #include "pluginFields.h"
 #include "scatterPaKvCache.h"
 
@@ -26,12 +27,11 @@ namespace pytrt_kv
 namespace plugin
 {
 
-class ScatterPaKvCachePlugin : public nvinfer1::IPluginV3,
-                               public nvinfer1::IPluginV3OneCore,
-                               public nvinfer1::IPluginV3OneBuildV2,
-                               public nvinfer1::IPluginV3OneRuntime
+class ScatterPaKvCachePlugin : public PluginBase<ScatterPaKvCachePlugin>
 {
 public:
+    //! TensorRT plugin name (specs.py SCATTER_PA_KV_CACHE.name).
+    static constexpr char const* kPLUGIN_NAME{"ScatterPaKvCache"};
     //! Input indices (specs.py SCATTER_PA_KV_CACHE.inputs).
     static constexpr int32_t kIN_KEY{0};
     static constexpr int32_t kIN_VALUE{1};
@@ -63,17 +63,7 @@ public:
     kernels::ScatterParams describe(
         nvinfer1::Dims const* dims, nvinfer1::DataType const* types, int32_t nbInputs, bool* hasOffsets) const;
 
-    // IPluginV3
-    nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
-    nvinfer1::IPluginV3* clone() noexcept override;
-
-    // IPluginV3OneCore
-    char const* getPluginName() const noexcept override;
-    char const* getPluginVersion() const noexcept override;
-    char const* getPluginNamespace() const noexcept override;
-
-    // IPluginV3OneBuildV2
-    int32_t getNbOutputs() const noexcept override;
+    // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
     bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
@@ -86,18 +76,14 @@ public:
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
     int32_t getAliasedInput(int32_t outputIndex) noexcept override;
-    char const* getMetadataString() noexcept override;
 
     // IPluginV3OneRuntime
     int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
         nvinfer1::PluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
-    nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
-    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
 
 private:
-    PluginFields mFields;
     std::string mCacheLayout;
     std::string mCompressMode;
     bool mAliasIo{true};
@@ -106,25 +92,10 @@ private:
     //! configurePlugin saw a key-only write: value_cache is a zero-element placeholder
     //! (often a constant), which is not declared as an alias.
     bool mValueAbsent{false};
-    std::string mMetadata;
 };
 
-class ScatterPaKvCachePluginCreator : public nvinfer1::IPluginCreatorV3One
-{
-public:
-    ScatterPaKvCachePluginCreator();
-    ~ScatterPaKvCachePluginCreator() override = default;
-
-    char const* getPluginName() const noexcept override;
-    char const* getPluginVersion() const noexcept override;
-    char const* getPluginNamespace() const noexcept override;
-    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
-    nvinfer1::IPluginV3* createPlugin(
-        char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept override;
-
-private:
-    FieldNames mFieldNames;
-};
+//! The creator registered for ScatterPaKvCache (registration.cpp).
+using ScatterPaKvCachePluginCreator = PluginCreatorT<ScatterPaKvCachePlugin>;
 
 } // namespace plugin
 } // namespace pytrt_kv
