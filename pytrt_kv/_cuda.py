@@ -9,6 +9,10 @@
   importing any framework and without synchronizing.
 - :func:`resolve_stream` turns a torch/CuPy/cuda-python stream, an int handle or None
   into a ``cudaStream_t`` value.
+- :func:`binding_view` is :func:`buffer` for TensorRT bindings (``pytrt_kv.trt``): it also
+  takes raw cuda-python allocations and addresses, pinned host arrays, and bfloat16/float8
+  arrays whose dtype only the engine knows; :class:`DeviceArray`, :class:`PinnedHost` and
+  :class:`HostArray` are the memory pytrt_kv allocates or pins itself.
 
 Nothing here needs torch or CuPy; they are used only when the caller passes their objects.
 """
@@ -16,6 +20,7 @@ Nothing here needs torch or CuPy; they are used only when the caller passes thei
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 import threading
 from dataclasses import dataclass
@@ -24,8 +29,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _lib, specs
-from ._errors import describe, type_error
-from .dtypes import NUMPY, name_of
+from ._errors import describe, type_error, value_error
+from .dtypes import NUMPY, name_of, numpy_dtype
 
 # --- the library -------------------------------------------------------------------------
 
@@ -163,6 +168,7 @@ class Buffer:
     kind: int = DEVICE
     device: int = -1
     keepalive: Any = None
+    strides: Optional[Tuple[int, ...]] = None  #: in bytes; None = C order
 
     @property
     def nbytes(self) -> int:
@@ -209,17 +215,24 @@ def _from_torch(arg: str, t: Any) -> Buffer:
         raise type_error(arg, "a CUDA tensor (or a pinned CPU tensor for the full caches)",
                          f"a tensor on {t.device}")
     return Buffer(arg, t, int(t.data_ptr()), shape, dtype,
-                  _c_contiguous(shape, strides, dtype.itemsize), kind, device)
+                  _c_contiguous(shape, strides, dtype.itemsize), kind, device, strides=strides)
 
 
-def _from_cai(arg: str, obj: Any, cai: Dict[str, Any]) -> Buffer:
+def _from_cai(arg: str, obj: Any, cai: Dict[str, Any], opaque_ok: bool = False) -> Buffer:
     shape = tuple(int(d) for d in cai["shape"])
-    dtype = _numpy_dtype(arg, obj, np.dtype(cai["typestr"]) if cai["typestr"][1] != "V"
-                         else None)
+    typestr = cai["typestr"]
+    if typestr[1] == "V" and opaque_ok and getattr(obj, "dtype", None) is None:
+        # bfloat16 / float8 have no array-interface letter (torch publishes bfloat16 as
+        # "<V2"); a raw void dtype of that size: the engine's dtype decides.
+        dtype = np.dtype(typestr)
+    else:
+        dtype = _numpy_dtype(arg, obj, np.dtype(typestr) if typestr[1] != "V" else None)
     strides = cai.get("strides")
+    strides = None if strides is None else tuple(int(s) for s in strides)
     ptr = int(cai["data"][0] or 0)
     # CAI v3 "stream": the producer's stream; we order work on the caller's stream only.
-    return Buffer(arg, obj, ptr, shape, dtype, _c_contiguous(shape, strides, dtype.itemsize))
+    return Buffer(arg, obj, ptr, shape, dtype, _c_contiguous(shape, strides, dtype.itemsize),
+                  strides=strides)
 
 
 class _DLDevice(ctypes.Structure):
@@ -271,11 +284,15 @@ def _from_dlpack(arg: str, obj: Any) -> Buffer:
         raise type_error(arg, "a CUDA buffer", f"a DLPack tensor on device type {dev}")
     device = int(t.device.device_id) if kind in (DEVICE, MANAGED) else -1
     return Buffer(arg, obj, int(t.data or 0) + int(t.byte_offset), shape, dtype,
-                  _c_contiguous(shape, strides, dtype.itemsize), kind, device, keepalive=capsule)
+                  _c_contiguous(shape, strides, dtype.itemsize), kind, device, keepalive=capsule,
+                  strides=strides)
 
 
-def buffer(arg: str, obj: Any) -> Buffer:
+def buffer(arg: str, obj: Any, *, opaque_ok: bool = False) -> Buffer:
     """Describe ``obj`` (torch tensor, ``__cuda_array_interface__``, DLPack) as a Buffer.
+
+    ``opaque_ok``: accept a ``__cuda_array_interface__`` typestr ``V1``/``V2`` with no
+    ``dtype`` attribute (``dtype`` is then a NumPy void dtype of that size).
 
     Raises
     ------
@@ -286,14 +303,16 @@ def buffer(arg: str, obj: Any) -> Buffer:
         return _from_torch(arg, obj)
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
-        return _from_cai(arg, obj, cai)
-    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
-        return _from_dlpack(arg, obj)
+        return _from_cai(arg, obj, cai, opaque_ok)
     if isinstance(obj, np.ndarray):
-        # A NumPy array is host memory: usable only if pinned (cudaHostRegister).
+        # A NumPy array is host memory: usable only if pinned (cudaHostRegister). Read
+        # directly, not through DLPack, which refuses ml_dtypes (bfloat16, float8) arrays.
         shape = tuple(int(d) for d in obj.shape)
         return Buffer(arg, obj, int(obj.ctypes.data), shape, _numpy_dtype(arg, obj, None),
-                      bool(obj.flags.c_contiguous), HOST, -1)
+                      bool(obj.flags.c_contiguous), HOST, -1,
+                      strides=tuple(int(s) for s in obj.strides))
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        return _from_dlpack(arg, obj)
     raise type_error(arg, "a CUDA buffer: torch tensor, CuPy array, PyCUDA GPUArray or any "
                           "object with __cuda_array_interface__ or DLPack", describe(obj))
 
@@ -315,6 +334,84 @@ def locate(buf: Buffer) -> Buffer:
     return buf
 
 
+# --- TensorRT bindings ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BufferView:
+    """What a TensorRT binding needs: a device-visible address, and shape/dtype when known."""
+
+    address: int
+    shape: Optional[Tuple[int, ...]]
+    dtype: Optional[str]  #: specs.py dtype name; None: the engine's dtype decides
+    host: bool = False  #: pinned host memory seen through its device address
+
+
+def _has_cai(obj: Any) -> bool:
+    try:
+        return getattr(obj, "__cuda_array_interface__", None) is not None
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+def _raw_address(obj: Any) -> Optional[int]:
+    """A cuda.core ``Buffer`` (``.handle``), ``CUdeviceptr`` or int, else None."""
+    if isinstance(obj, (bool, str, bytes)):
+        return None
+    handle = getattr(obj, "handle", None)
+    try:
+        return int(handle if handle is not None else obj)
+    except (TypeError, ValueError):
+        return None
+
+
+def binding_view(arg: str, obj: Any) -> BufferView:
+    """The :class:`BufferView` of ``obj`` for a TensorRT binding.
+
+    Accepted: :class:`DeviceArray`, :class:`PinnedHost`/:class:`HostArray`, torch CUDA
+    tensors, anything with ``__cuda_array_interface__`` (CuPy, PyCUDA ``GPUArray``,
+    Numba) or DLPack, NumPy arrays in pinned host memory (bound through their device-side
+    address), and raw cuda-python allocations (``cuda.core`` ``Buffer``, ``CUdeviceptr``,
+    int), whose shape and dtype then come from the engine.
+
+    Raises
+    ------
+    TypeError
+        ``obj`` is none of the accepted kinds, a CPU tensor or a pageable NumPy array.
+    ValueError
+        ``obj`` is not C-contiguous.
+    """
+    if isinstance(obj, (DeviceArray, PinnedHost)):
+        return obj.view()
+    if getattr(obj, "is_cuda", True) is False:  # a torch CPU tensor: int(x) would read its value
+        raise type_error(arg, "a CUDA tensor (or pinned host memory: pytrt_kv.trt.HostArray)",
+                         f"a CPU tensor {tuple(obj.shape)}")
+    array_like = _is_torch(obj) or _has_cai(obj) or isinstance(obj, np.ndarray)
+    if not array_like and getattr(obj, "handle", None) is None and hasattr(obj, "__dlpack__") \
+            and hasattr(obj, "__dlpack_device__"):
+        array_like = True  # DLPack; a cuda.core Buffer (handle) is bound as a raw address
+    if not array_like:
+        address = _raw_address(obj)
+        if address is None:
+            raise type_error(arg, "a CUDA array (torch, CuPy, PyCUDA, Numba: "
+                                  "__cuda_array_interface__), a pinned host array, a cuda-python "
+                                  "allocation or an address", type(obj).__name__)
+        return BufferView(address, None, None)
+    buf = buffer(arg, obj, opaque_ok=True)
+    if not buf.contiguous:
+        raise value_error(arg, "a C-contiguous CUDA array", f"strides {buf.strides}")
+    if buf.kind == HOST:
+        locate(buf)
+        if buf.kind == HOST:
+            raise type_error(arg, "a device buffer or pinned host memory (pytrt_kv.trt.HostArray)",
+                             "a pageable host array")
+    try:
+        dtype: Optional[str] = name_of(buf.dtype)
+    except TypeError:  # the void dtype of an opaque bfloat16/float8 array
+        dtype = None
+    return BufferView(buf.ptr, buf.shape, dtype, host=buf.kind == PINNED)
+
+
 # --- streams -------------------------------------------------------------------------------
 
 
@@ -322,6 +419,9 @@ def _frameworks_of(objs: Sequence[Any]) -> Tuple[bool, bool]:
     torch_in = any(_is_torch(o) for o in objs)
     cupy_in = any(type(o).__module__.startswith("cupy") for o in objs)
     return torch_in, cupy_in
+
+
+_STREAM_EXPECTED = "None, an int handle or a torch/CuPy/cuda-python stream"
 
 
 def resolve_stream(stream: Any, objs: Sequence[Any], device: int) -> int:
@@ -341,7 +441,7 @@ def resolve_stream(stream: Any, objs: Sequence[Any], device: int) -> int:
             return int(sys.modules["cupy"].cuda.get_current_stream().ptr)
         return 0
     if isinstance(stream, bool):
-        raise type_error("stream", "a stream object, an int handle or None", repr(stream))
+        raise type_error("stream", _STREAM_EXPECTED, repr(stream))
     if isinstance(stream, int):
         return stream
     for attr in ("cuda_stream", "ptr"):
@@ -358,8 +458,13 @@ def resolve_stream(stream: Any, objs: Sequence[Any], device: int) -> int:
     try:
         return int(stream)  # cuda.bindings CUstream / cudaStream_t
     except (TypeError, ValueError):
-        raise type_error("stream", "a torch/CuPy/cuda-python stream, an int handle or None",
-                         type(stream).__name__) from None
+        raise type_error("stream", _STREAM_EXPECTED, type(stream).__name__) from None
+
+
+def stream_handle(stream: Any) -> int:
+    """The ``cudaStream_t`` value of ``stream`` with no arrays to infer it from: None is
+    0 (the legacy default stream); otherwise as :func:`resolve_stream`."""
+    return resolve_stream(stream, (), -1)
 
 
 # --- device memory owned by pytrt_kv -------------------------------------------------------
@@ -367,51 +472,75 @@ def resolve_stream(stream: Any, objs: Sequence[Any], device: int) -> int:
 
 class DeviceArray:
     """Device memory allocated by the kernel library, exposed through
-    ``__cuda_array_interface__`` (used when no framework allocator is at hand).
+    ``__cuda_array_interface__`` (so torch/CuPy can wrap it without copies); used when no
+    framework allocator is at hand, and for the outputs ``pytrt_kv.trt`` allocates.
 
     Parameters
     ----------
     shape : tuple of int
-    dtype : numpy dtype
+    dtype : dtype
+        Any dtype :func:`pytrt_kv.dtypes.name_of` accepts (NumPy/ml_dtypes, torch, name).
     device : int
+        CUDA device; -1 (default): the current one.
     """
 
-    def __init__(self, shape: Tuple[int, ...], dtype: Any, device: int):
+    def __init__(self, shape: Tuple[int, ...], dtype: Any, device: int = -1):
         self.shape = tuple(int(d) for d in shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype = numpy_dtype(dtype)
         self.device = device
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         ptr = ctypes.c_void_p()
-        if self.nbytes:
-            check_status(kernels().pytrt_kv_device_malloc(self.nbytes, device, ctypes.byref(ptr)),
-                         "cudaMalloc")
+        # Zero-element arrays still get a valid address (TensorRT refuses null ones).
+        check_status(kernels().pytrt_kv_device_malloc(max(self.nbytes, 1), device,
+                                                      ctypes.byref(ptr)), "cudaMalloc")
         self.ptr = int(ptr.value or 0)
 
     @classmethod
     def from_numpy(cls, a: np.ndarray, device: int = 0) -> "DeviceArray":
         """A device copy of the NumPy array ``a`` (synchronous)."""
         a = np.ascontiguousarray(a)
-        out = cls(a.shape, a.dtype, device)
-        if out.nbytes:
-            check_status(kernels().pytrt_kv_copy(out.ptr, a.ctypes.data, out.nbytes, 0, device),
-                         "copy to device")
-        return out
+        return cls(a.shape, a.dtype, device).copy_from(a)
+
+    @property
+    def address(self) -> int:
+        return self.ptr
+
+    def view(self) -> BufferView:
+        return BufferView(self.ptr, self.shape, name_of(self.dtype))
 
     @property
     def __cuda_array_interface__(self) -> Dict[str, Any]:
         return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
                 "strides": None, "version": 3}
 
-    def get(self, stream: int = 0) -> np.ndarray:
+    def copy_from(self, host: np.ndarray, stream: Any = 0) -> "DeviceArray":
+        """Host -> device copy of ``host`` (same shape and dtype), ordered on ``stream``;
+        returns when it is done."""
+        host = np.ascontiguousarray(host)
+        if tuple(host.shape) != self.shape or numpy_dtype(host.dtype) != self.dtype:
+            raise value_error("host", f"{name_of(self.dtype)}{list(self.shape)}",
+                              f"{host.dtype}{list(host.shape)}")
+        if self.nbytes:
+            check_status(kernels().pytrt_kv_copy(self.ptr, host.ctypes.data, self.nbytes,
+                                                 stream_handle(stream), self.device),
+                         "copy to device")
+        return self
+
+    def get(self, stream: Any = 0) -> np.ndarray:
         """Copy to a NumPy array (waits for ``stream``)."""
         out = np.empty(self.shape, self.dtype)
-        copy_to_host(out, self.ptr, stream, self.device)
+        copy_to_host(out, self.ptr, stream_handle(stream), self.device)
         return out
 
-    def __del__(self):
+    to_numpy = get
+
+    def free(self) -> None:
         if getattr(self, "ptr", 0) and _KERNELS is not None:
             _KERNELS.pytrt_kv_device_free(self.ptr, self.device)
-            self.ptr = 0
+        self.ptr = 0
+
+    def __del__(self):
+        self.free()
 
 
 def copy_to_host(out: np.ndarray, ptr: int, stream: int, device: int) -> np.ndarray:
@@ -429,24 +558,72 @@ def read_back(buf: Buffer, stream: int) -> np.ndarray:
 
 class PinnedHost:
     """Pins (cudaHostRegister, mapped) a C-contiguous NumPy array for its lifetime, so that
-    it can be passed as a host-resident full cache."""
+    it can be passed as a host-resident full cache (to ``pytrt_kv.ops`` as the array, to
+    TensorRT bindings as this object: its device-side :attr:`address`)."""
 
     def __init__(self, a: np.ndarray):
         if not a.flags.c_contiguous:
             raise TypeError("PinnedHost: expected a C-contiguous NumPy array")
         self.array = a
         self._ptr = int(a.ctypes.data) if a.nbytes else 0
+        self._nbytes = int(a.nbytes)
+        self._device_ptr: Optional[int] = None
         if self._ptr:
             check_status(kernels().pytrt_kv_host_register(self._ptr, a.nbytes, 0),
                          "cudaHostRegister")
+
+    @property
+    def address(self) -> int:
+        """The device-side address of the pinned memory (0 for an empty array)."""
+        if self._device_ptr is None:
+            buf = Buffer("array", self.array, self._ptr, (self._nbytes,), np.dtype(np.uint8),
+                         True, HOST)
+            self._device_ptr = locate(buf).ptr
+        return self._device_ptr
+
+    def view(self) -> BufferView:
+        a = self.array
+        return BufferView(self.address, tuple(a.shape), name_of(a.dtype), host=True)
 
     def close(self) -> None:
         if self._ptr and _KERNELS is not None:
             _KERNELS.pytrt_kv_host_unregister(self._ptr)
         self._ptr = 0
 
+    free = close
+
     def __del__(self):
         self.close()
+
+
+class HostArray(PinnedHost):
+    """Pinned, mapped host memory as a NumPy array: a host-resident full cache the gather
+    kernel reads over PCIe (OPS.md G7).
+
+    ``.array`` is the NumPy view (fill it like any array); bindings use its device-side
+    :attr:`address`. Keep the object alive while an engine may read it.
+
+    Parameters
+    ----------
+    shape : tuple of int
+    dtype : dtype
+        Any dtype :func:`pytrt_kv.dtypes.name_of` accepts.
+    """
+
+    def __init__(self, shape: Tuple[int, ...], dtype: Any):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = numpy_dtype(dtype)
+        nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        # Whole pages of its own (cudaHostRegister refuses a page registered twice), and a
+        # valid address for zero-element arrays too (TensorRT refuses null ones).
+        page = mmap.PAGESIZE
+        size = -(-max(nbytes, 1) // page) * page
+        raw = np.empty(size + page, np.uint8)
+        offset = -int(raw.ctypes.data) % page
+        raw = raw[offset:offset + size]
+        super().__init__(raw)
+        self.array = raw[:nbytes].view(self.dtype).reshape(self.shape)
+        self._raw = raw
 
 
 class WorkspaceCache:

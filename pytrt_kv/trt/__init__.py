@@ -63,6 +63,7 @@ def availability() -> str:
         return f"no CUDA GPU ({detail})"
     try:
         _lib.require(_lib.PLUGINS_LIB)
+        _lib.require(_lib.KERNELS_LIB)  # DeviceArray / HostArray / pinned-host bindings
     except FileNotFoundError as exc:
         return str(exc)
     return ""

@@ -7,9 +7,9 @@ from typing import Any, Dict, Mapping, Optional
 import numpy as np
 
 from .. import dtypes, specs
+from .._cuda import BufferView, DeviceArray, binding_view, stream_handle
 from .._errors import type_error, value_error
 from ._tensorrt import check_cuda, import_cudart, import_tensorrt
-from .buffers import BufferView, DeviceArray, as_buffer, stream_handle
 
 
 def _dtype_name(trt, trt_dtype) -> str:
@@ -122,7 +122,7 @@ class EngineRunner:
             raise value_error("tensors", f"every engine input {self.input_names}", f"missing {missing}")
         shapes = dict(shapes or {})
         for name in self.input_names:
-            view = as_buffer(tensors[name], name)
+            view = binding_view(name, tensors[name])
             engine_shape = tuple(self.engine.get_tensor_shape(name))
             shape = view.shape if view.shape is not None else shapes.get(name)
             if any(d < 0 for d in engine_shape):
@@ -138,7 +138,7 @@ class EngineRunner:
         for name in self.output_names:
             shape = tuple(self.context.get_tensor_shape(name))
             if name in tensors:
-                view = as_buffer(tensors[name], name)
+                view = binding_view(name, tensors[name])
                 self._check(name, view, shape)
             elif name in self.aliases:
                 view = self._bound[self.aliases[name]]
