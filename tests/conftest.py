@@ -68,6 +68,21 @@ def pytest_collection_modifyitems(config, items):
             # Set but wrong is not skipped: the test fails on the missing headers.
 
 
+@pytest.fixture(scope="session")
+def lib():
+    """The kernel library (ctypes), for tests of its host-side code; skipped where it was
+    not built (no nvcc), but a failure when the installation says CUDA was built and the
+    library is missing anyway."""
+    from pytrt_kv import _cuda, _lib
+
+    try:
+        return _cuda.kernels()
+    except FileNotFoundError as exc:
+        if _lib.build_info().get("cuda") == "ON":
+            pytest.fail(f"built with CUDA but the library is missing: {exc}")
+        pytest.skip(str(exc))
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     """Seeded generator: reproducible random data (never zeros, STYLE habit 7)."""

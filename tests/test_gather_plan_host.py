@@ -18,20 +18,6 @@ from hypothesis import strategies as st
 from pytrt_kv._gather import plan_row
 
 
-@pytest.fixture(scope="module")
-def lib():
-    """The kernel library; skipped where it was not built (no nvcc), but a failure when the
-    installation says CUDA was built and the library is missing anyway."""
-    from pytrt_kv import _cuda, _lib
-
-    try:
-        return _cuda.kernels()
-    except FileNotFoundError as exc:
-        if _lib.build_info().get("cuda") == "ON":
-            pytest.fail(f"built with CUDA but the library is missing: {exc}")
-        pytest.skip(str(exc))
-
-
 def _ptr(a: np.ndarray, ctype):
     return a.ctypes.data_as(ctypes.POINTER(ctype))
 

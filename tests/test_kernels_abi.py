@@ -18,20 +18,6 @@ from pytrt_kv._scatter import scatter_pa_kv_cache
 INVALID_VALUE = 1  # cudaErrorInvalidValue
 
 
-@pytest.fixture(scope="module")
-def lib():
-    """The kernel library; skipped where it was not built (no nvcc), but a failure when the
-    installation says CUDA was built and the library is missing anyway."""
-    from pytrt_kv import _cuda, _lib
-
-    try:
-        return _cuda.kernels()
-    except FileNotFoundError as exc:
-        if _lib.build_info().get("cuda") == "ON":
-            pytest.fail(f"built with CUDA but the library is missing: {exc}")
-        pytest.skip(str(exc))
-
-
 @pytest.mark.parametrize("which,struct", [(0, _cuda.ScatterParams),
                                           (1, _cuda.GatherSelectionParams)])
 def test_params_layout_matches_ctypes(lib, which, struct):
