@@ -61,13 +61,15 @@ SCATTER_BREAKS = {
     "negative tokens": lambda p: setattr(p, "numTokens", -1),
     "bad layout": lambda p: setattr(p, "layout", 9),
     "nz misaligned": lambda p: (setattr(p, "layout", 1), setattr(p, "headSizeK", 3)),
-    "compress without lens": lambda p: setattr(p, "compress", True),
+    "compress without lens": lambda p: (setattr(p, "compress", True), setattr(p, "batch", 1),
+                                        setattr(p, "maxSeqLen", 4)),
     "rope on int8": lambda p: (setattr(p, "compress", True), setattr(p, "batch", 1),
                                setattr(p, "compressLens", _ptr()), setattr(p, "seqLens", _ptr()),
                                setattr(p, "compressSeqOffsets", _ptr()), setattr(p, "mode", 0),
                                setattr(p, "keyType", _cuda.DTYPE_CODE["int8"]),
                                setattr(p, "valueType", _cuda.DTYPE_CODE["int8"])),
     "omni without offsets": lambda p: (setattr(p, "compress", True), setattr(p, "mode", 1),
+                                       setattr(p, "batch", 1), setattr(p, "maxSeqLen", 4),
                                        setattr(p, "compressLens", _ptr()),
                                        setattr(p, "seqLens", _ptr())),
 }
@@ -87,6 +89,19 @@ def test_scatter_empty_calls_launch_nothing(lib):
         p = good_scatter()
         setattr(p, field, value)
         assert lib.pytrt_kv_scatter_pa_kv_cache(ctypes.byref(p), None, -1) == 0
+
+
+def test_scatter_empty_calls_accept_null_pointers(lib):
+    # TensorRT passes null for zero-volume tensors: a call that writes nothing needs none.
+    p = good_scatter()
+    p.numTokens, p.key, p.value, p.slotMapping = 0, None, None, None
+    assert lib.pytrt_kv_scatter_pa_kv_cache(ctypes.byref(p), None, -1) == 0
+    p = good_scatter()
+    p.compress, p.mode, p.batch, p.maxSeqLen = True, 0, 0, 4  # rope, B == 0
+    p.key = p.value = p.slotMapping = None
+    assert lib.pytrt_kv_scatter_pa_kv_cache(ctypes.byref(p), None, -1) == 0
+    p.batch, p.key, p.value, p.slotMapping = 1, _ptr(), _ptr(), _ptr()  # B > 0: required again
+    assert lib.pytrt_kv_scatter_pa_kv_cache(ctypes.byref(p), None, -1) == INVALID_VALUE
 
 
 def good_gather() -> _cuda.GatherSelectionParams:
@@ -127,6 +142,17 @@ def test_gather_refuses_on_the_host(lib, name):
     GATHER_BREAKS[name](p)
     assert lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1) == INVALID_VALUE
     assert lib.pytrt_kv_get_last_error().startswith(b"gather:")
+
+
+def test_gather_empty_call_accepts_null_pointers(lib):
+    p = good_gather()
+    p.batch, p.selectionRows = 0, 0
+    for f in ("selectionKvBlockTable", "selectionKvBlockStatus", "selectionTopkIndices",
+              "fullKvBlockTable", "fullKvActualSeq", "selectionKvActualSeq", "workspace"):
+        setattr(p, f, None)
+    assert lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1) == 0
+    p.batch = p.selectionRows = 1  # rows again: the same nulls are refused
+    assert lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1) == INVALID_VALUE
 
 
 @pytest.mark.parametrize("batch,seq,topk", [(0, 1, 8), (1, 1, 1), (3, 2, 2048), (64, 4, 17)])

@@ -459,13 +459,22 @@ cudaError_t checkGather(GatherSelectionParams const& p)
     {
         return invalidArgument("gather: need block counts >= 0, kvDim >= 1, kRopeDim >= 0");
     }
-    if (p.selectionKvCache == nullptr || p.fullKvCache == nullptr || p.selectionKvBlockTable == nullptr
-        || p.selectionKvBlockStatus == nullptr || p.selectionTopkIndices == nullptr || p.fullKvBlockTable == nullptr
-        || p.fullKvActualSeq == nullptr || (p.selectionRows > 0 && p.selectionKvActualSeq == nullptr))
+    // A pointer is required only where its tensor has elements: TensorRT passes null for
+    // zero-volume tensors, and an empty cache is never addressed (every table entry is then
+    // out of range, so its copies are skipped).
+    bool const rows = p.batch > 0;
+    if ((rows && (p.selectionKvBlockStatus == nullptr || p.fullKvActualSeq == nullptr))
+        || (rows && p.topk > 0 && p.selectionTopkIndices == nullptr)
+        || (rows && p.fullMaxBlockNum > 0 && p.fullKvBlockTable == nullptr)
+        || (p.selectionRows > 0 && p.selectionMaxBlockNum > 0 && p.selectionKvBlockTable == nullptr)
+        || (p.selectionRows > 0 && p.selectionKvActualSeq == nullptr)
+        || (p.selectionBlockNum > 0 && p.selectionKvCache == nullptr)
+        || (p.fullBlockNum > 0 && p.fullKvCache == nullptr))
     {
         return invalidArgument("gather: a required pointer is null");
     }
-    if (p.kRopeDim > 0 && (p.selectionKRope == nullptr || p.fullKRope == nullptr))
+    if (p.kRopeDim > 0
+        && ((p.selectionBlockNum > 0 && p.selectionKRope == nullptr) || (p.fullBlockNum > 0 && p.fullKRope == nullptr)))
     {
         return invalidArgument("gather: kRopeDim > 0 needs selectionKRope and fullKRope");
     }

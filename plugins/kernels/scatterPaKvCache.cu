@@ -206,13 +206,21 @@ bool isFloatType(DataType t)
     return t == DataType::kFLOAT32 || t == DataType::kFLOAT16 || t == DataType::kBFLOAT16;
 }
 
+//! True when a call with these sizes writes nothing. Its tensors may then have no elements,
+//! and TensorRT passes null for zero-volume tensors, so no pointer is required.
+bool writesNothing(ScatterParams const& p)
+{
+    return p.numBlocks == 0 || (p.compress ? p.batch == 0 || p.maxSeqLen == 0 : p.numTokens == 0);
+}
+
 cudaError_t checkScatter(ScatterParams const& p)
 {
-    if (p.key == nullptr || p.keyCache == nullptr || p.slotMapping == nullptr)
+    bool const empty = writesNothing(p);
+    if (!empty && (p.key == nullptr || p.keyCache == nullptr || p.slotMapping == nullptr))
     {
         return invalidArgument("scatter: key, keyCache and slotMapping must not be null");
     }
-    if ((p.value == nullptr) != (p.valueCache == nullptr))
+    if (!empty && (p.value == nullptr) != (p.valueCache == nullptr))
     {
         return invalidArgument("scatter: value and valueCache must be both given or both null");
     }
@@ -220,7 +228,7 @@ cudaError_t checkScatter(ScatterParams const& p)
     {
         return invalidArgument("scatter: indexType must be kINT32 or kINT64");
     }
-    bool const hasValue = p.value != nullptr;
+    bool const hasValue = p.value != nullptr || p.valueCache != nullptr;
     if (!isByteMoverType(p.keyType) || (hasValue && !isByteMoverType(p.valueType)))
     {
         return invalidArgument("scatter: keyType/valueType must be a 1-, 2- or 4-byte type");
@@ -257,8 +265,9 @@ cudaError_t checkScatter(ScatterParams const& p)
     {
         return invalidArgument("scatter: mode must be kROPE, kOMNI or kALIBI");
     }
-    if (p.compressLens == nullptr || p.seqLens == nullptr
-        || (p.mode != CompressMode::kALIBI && p.compressSeqOffsets == nullptr))
+    if (!empty
+        && (p.compressLens == nullptr || p.seqLens == nullptr
+            || (p.mode != CompressMode::kALIBI && p.compressSeqOffsets == nullptr)))
     {
         return invalidArgument("scatter: compressLens and seqLens (and compressSeqOffsets for rope/omni) must "
                                "not be null");
@@ -378,9 +387,7 @@ cudaError_t launchScatterPaKvCache(ScatterParams const& params, cudaStream_t str
     {
         return status;
     }
-    bool const empty = params.numBlocks == 0
-        || (params.compress ? params.batch == 0 || params.maxSeqLen == 0 : params.numTokens == 0);
-    if (empty)
+    if (writesNothing(params))
     {
         return cudaSuccess; // nothing can be written
     }
