@@ -150,6 +150,12 @@ PLUGIN_NODE_ATTRIBUTES: Mapping[str, str] = {
     "plugin_version": PLUGIN_VERSION,
 }
 
+#: Shape of the zero-element tensor that stands for an absent optional input where inputs
+#: are positional: TensorRT plugins cannot receive an empty ONNX input, so
+#: ``pytrt_kv.trt.prepare_for_tensorrt`` writes this shape, and the plugins and the CPU
+#: runtime read it as "absent" (``value``, ``value_cache``, ``compress_seq_offsets``).
+ABSENT_INPUT_SHAPE: Tuple[int, ...] = (0,)
+
 _ALIAS_IO = AttrSpec(
     "alias_io", "int", 1, (0, 1),
     "1: declare each *_out as an alias of its input to TensorRT (in place). The plugin "

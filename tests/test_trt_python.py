@@ -350,3 +350,20 @@ def test_prepared_model_runs_on_the_cpu_reference(case):
     if "value_cache" in inputs:
         np.testing.assert_array_equal(got["value_cache_out"].view(np.uint8),
                                       want["value_cache"].view(np.uint8))
+
+
+def test_empty_batch_rope_offsets_are_not_read_as_a_placeholder():
+    # B == 0: a real compress_seq_offsets [B*H] has the placeholder's shape; the model's
+    # explicit rope mode must still see it (reading it as absent would refuse rope).
+    from pytrt_kv.runtime import run
+
+    inputs = _compress_inputs(True, np.int32)
+    for k in ("key", "value"):
+        inputs[k] = inputs[k][:0]
+    for k in ("slot_mapping", "compress_lens"):
+        inputs[k] = inputs[k][:0]
+    inputs["seq_lens"] = inputs["seq_lens"][:0]
+    inputs["compress_seq_offsets"] = inputs["compress_seq_offsets"][:0]
+    m = single_op_model("ScatterPaKvCache", inputs, compress_mode="rope")
+    got = run(m, inputs)
+    np.testing.assert_array_equal(got["key_cache_out"], inputs["key_cache"])

@@ -39,11 +39,22 @@ def _named(op: specs.OpSpec, args) -> Dict[str, Optional[np.ndarray]]:
     return {t.name: (None if v is None else np.asarray(v)) for t, v in zip(op.inputs, vals)}
 
 
-def _placeholder(x: Optional[np.ndarray]) -> bool:
-    """A 1-D zero-element tensor standing for an absent optional input: the form a model
-    takes after ``pytrt_kv.trt.prepare_for_tensorrt`` (TensorRT plugins take inputs by
-    position), so the CPU reference can run the prepared model too."""
-    return x is not None and x.ndim == 1 and x.size == 0
+def _absent_placeholders(x: Dict[str, Optional[np.ndarray]]) -> Dict[str, np.ndarray]:
+    """Move the placeholders of absent optional inputs (``specs.ABSENT_INPUT_SHAPE``, the
+    positional form of ``pytrt_kv.trt.prepare_for_tensorrt``) out of ``x``, so the CPU
+    reference runs prepared models too; returns what was moved."""
+    key = x["key"]
+    # With B*H == 0 a real compress_seq_offsets [B*H] has the placeholder's shape: keep it.
+    no_runs = key is not None and key.ndim == 4 and key.shape[0] * key.shape[2] == 0
+    moved = {}
+    for name in ("value", "value_cache", "compress_seq_offsets"):
+        v = x[name]
+        if v is None or v.shape != specs.ABSENT_INPUT_SHAPE:
+            continue
+        if name == "compress_seq_offsets" and no_runs:
+            continue
+        moved[name], x[name] = v, None
+    return moved
 
 
 class ScatterPaKvCache(OpRun):
@@ -55,10 +66,7 @@ class ScatterPaKvCache(OpRun):
         op = specs.SCATTER_PA_KV_CACHE
         x = _named(op, args)
         a = _attrs(op, kwargs)
-        placeholders = {}
-        for name in ("value", "value_cache", "compress_seq_offsets"):
-            if _placeholder(x[name]):
-                placeholders[name], x[name] = x[name], None
+        placeholders = _absent_placeholders(x)
         key_cache = x["key_cache"].copy()
         value_cache = None if x["value_cache"] is None else x["value_cache"].copy()
         scatter_pa_kv_cache(

@@ -129,7 +129,8 @@ def prepare_for_tensorrt(model):
 
     def empty_initializer(base: str, elem_type: int) -> str:
         name = fresh(base)
-        m.graph.initializer.append(onnx.helper.make_tensor(name, elem_type, [0], b"", raw=True))
+        m.graph.initializer.append(onnx.helper.make_tensor(
+            name, elem_type, list(specs.ABSENT_INPUT_SHAPE), b"", raw=True))
         return name
 
     for idx, node in enumerate(m.graph.node):
