@@ -53,12 +53,14 @@ def _to_numpy(t):
     import numpy as np
 
     torch = _torch()
+    # Always a copy: the eager path runs the in-place reference on the result, and the
+    # caller's tensors must stay untouched (functional semantics).
     t = t.detach().cpu().contiguous()
     name = dtypes.name_of(t.dtype)
     if name in (specs.BFLOAT16, specs.FLOAT8_E4M3, specs.FLOAT8_E5M2):
         # torch cannot hand these to NumPy directly: move the bytes.
         raw = t.view(torch.int16 if name == specs.BFLOAT16 else torch.uint8).numpy()
-        return raw.view(dtypes.numpy_dtype(name))
+        return raw.view(dtypes.numpy_dtype(name)).copy()
     return np.array(t.numpy())
 
 

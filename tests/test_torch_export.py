@@ -101,6 +101,7 @@ def test_eager_bfloat16_and_validation():
     cache = torch.zeros(3, 4, 1, 8, dtype=torch.bfloat16)
     (out,) = pk.scatter_pa_kv_cache(key, None, cache, None, torch.tensor([0, 9]))
     assert out.dtype == torch.bfloat16
+    assert not cache.any(), "functional: the caller's bfloat16 cache must stay untouched"
     assert torch.equal(out[0, 0, 0], key[0, 0]) and torch.equal(out[2, 1, 0], key[1, 0])
     with pytest.raises((TypeError, ValueError), match="key_cache"):
         pk.scatter_pa_kv_cache(key, None, cache.float(), None, torch.tensor([0, 9]))
