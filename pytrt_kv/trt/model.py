@@ -185,6 +185,10 @@ def alias_pairs(model) -> Dict[str, str]:
     input is a graph input: the pairs a runner binds to one address (OPS.md O)."""
     graph_inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
+    readers: Dict[str, List[str]] = {}
+    for idx, node in enumerate(model.graph.node):
+        for name in set(node.input):
+            readers.setdefault(name, []).append(node.name or f"{node.op_type}_{idx}")
     pairs: Dict[str, str] = {}
     for node in pytrt_kv_nodes(model):
         op = specs.OPS[node.op_type]
@@ -193,6 +197,14 @@ def alias_pairs(model) -> Dict[str, str]:
             if not out or src < 0 or src >= len(node.input):
                 continue
             inp = node.input[src]
-            if out in graph_outputs and inp in graph_inputs:
-                pairs[out] = inp
+            if out not in graph_outputs or inp not in graph_inputs:
+                continue
+            # Bound to one address, any other reader would see the updated (or a racing)
+            # cache, while the CPU runtime gives it the old one: refuse, per OPS.md O.
+            if len(readers.get(inp, [])) > 1 or inp in graph_outputs or inp in pairs.values():
+                raise ValueError(
+                    f"{inp}: expected a cache input consumed only by its op and updated only "
+                    f"through {out} (OPS.md O), got readers {readers.get(inp, [])}"
+                    f"{' and it is also a graph output' if inp in graph_outputs else ''}")
+            pairs[out] = inp
     return pairs
