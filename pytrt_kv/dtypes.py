@@ -88,3 +88,24 @@ def numpy_dtype(name_or_dtype: Any) -> np.dtype:
 
 def itemsize(name_or_dtype: Any) -> int:
     return numpy_dtype(name_or_dtype).itemsize
+
+
+def numpy_of_onnx(elem_type: int, arg: str = "dtype") -> np.dtype:
+    """NumPy dtype of an ONNX tensor type: pytrt_kv's own types (bfloat16 and float8 as
+    ml_dtypes), else whatever ONNX maps it to (graphs hold standard ops too).
+
+    Raises
+    ------
+    TypeError
+        Naming ``arg`` when ONNX has no NumPy equivalent for the type.
+    """
+    name = ONNX_TO_NAME.get(int(elem_type))
+    if name is not None:
+        return NUMPY[name]
+    import onnx
+
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(int(elem_type)))
+    except (KeyError, ValueError, TypeError):
+        raise TypeError(f"{arg}: expected an ONNX tensor type with a NumPy equivalent, got "
+                        f"type number {int(elem_type)}") from None

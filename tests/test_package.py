@@ -165,3 +165,13 @@ def test_parser_subcommands_have_runners():
     for name, _, _ in SUBCOMMANDS:
         args = parser.parse_args([name] + (["x.onnx"] if name == "export-example" else []))
         assert callable(args._run)
+
+
+def test_numpy_of_onnx_covers_standard_types_and_names_the_input():
+    import onnx
+
+    assert dtypes.numpy_of_onnx(onnx.TensorProto.BFLOAT16) == dtypes.NUMPY["bfloat16"]
+    assert dtypes.numpy_of_onnx(onnx.TensorProto.BOOL) == np.dtype(bool)
+    assert dtypes.numpy_of_onnx(onnx.TensorProto.DOUBLE) == np.dtype(np.float64)
+    with pytest.raises(TypeError, match="mask: expected an ONNX tensor type .* got type number 0"):
+        dtypes.numpy_of_onnx(onnx.TensorProto.UNDEFINED, "mask")

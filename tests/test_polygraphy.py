@@ -167,3 +167,14 @@ def test_loader_refuses_models_without_room():
     m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
     with pytest.raises(ValueError, match="selection_kv_cache"):
         data_loader.make_feeds(m, 0)
+
+
+def test_data_loader_refuses_a_full_cache_too_small_for_private_blocks():
+    # Shared full blocks would give two batches the same slots (duplicates, OPS.md S7).
+    sk = gather_skeleton(np.dtype(np.float16), B=3, FMAX=4)
+    sk["full_kv_cache"] = np.zeros((3 * 4 - 1, 8, 32), np.float16)
+    sk["full_k_rope"] = np.zeros((3 * 4 - 1, 8, 4), np.float16)
+    m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
+    with pytest.raises(ValueError, match=r"full_kv_cache: expected at least B\*F_MAX_BLOCK_NUM "
+                                         r"= 12 blocks.*got 11 blocks"):
+        data_loader.make_feeds(m, 0)

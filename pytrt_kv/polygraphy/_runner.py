@@ -43,7 +43,7 @@ class PytrtKvRefRunner(BaseRunner):
             tt = vi.type.tensor_type
             shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                      for d in tt.shape.dim]
-            meta.add(vi.name, dtype=dtypes.numpy_dtype(dtypes.ONNX_TO_NAME[tt.elem_type]),
+            meta.add(vi.name, dtype=dtypes.numpy_of_onnx(tt.elem_type, vi.name),
                      shape=shape)
         return meta
 

@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple, Union
 import numpy as np
 
 from pytrt_kv import dtypes, specs
+from pytrt_kv._errors import value_error
 
 _FLOAT = {specs.FLOAT32, specs.FLOAT16, specs.BFLOAT16, specs.FLOAT8_E4M3, specs.FLOAT8_E5M2}
 
@@ -67,7 +68,7 @@ def _inputs(model) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
                 raise ValueError(f"{vi.name}: expected static dims (the data loader reads the "
                                  f"sizes from the model), got a dynamic dim {d.dim_param!r}")
             shape.append(d.dim_value)
-        out[vi.name] = (tuple(shape), dtypes.numpy_dtype(dtypes.ONNX_TO_NAME[tt.elem_type]))
+        out[vi.name] = (tuple(shape), dtypes.numpy_of_onnx(tt.elem_type, vi.name))
     return out
 
 
@@ -139,10 +140,11 @@ def make_feeds(model: Any = None, seed: int = 0) -> Dict[str, np.ndarray]:
         fnb, fbs = shape("full_kv_cache")[:2]
         B = B or shape("full_kv_block_table")[0]
         fmax = shape("full_kv_block_table")[1]
-        if B * fmax <= fnb:
-            table = rng.permutation(fnb)[:B * fmax].reshape(B, fmax)
-        else:
-            table = rng.integers(0, fnb, size=(B, fmax))
+        if B * fmax > fnb:
+            # Shared blocks would make two batches' tokens collide (duplicate slots, S7).
+            raise value_error("full_kv_cache", f"at least B*F_MAX_BLOCK_NUM = {B * fmax} blocks "
+                              "so every batch gets private blocks", f"{fnb} blocks")
+        table = rng.permutation(fnb)[:B * fmax].reshape(B, fmax)
         feeds["full_kv_block_table"] = table.astype(dt("full_kv_block_table"))
         S = S or 1
         cap = fmax * fbs
@@ -175,9 +177,11 @@ def _scatter_indices(model, info, rng, table, kv_len, S) -> Dict[str, np.ndarray
     key_shape = info["key"][0] if "key" in info else None
     cache_name = "key_cache" if "key_cache" in info else "full_kv_cache"
     cshape = info[cache_name][0]
-    if len(sm_shape) == 1 and table is not None and kv_len is not None:
-        # A decode step: token t = b*S + s is position kv_len[b] - S + s of batch b.
-        fbs = info["full_kv_cache"][0][1]
+    if (len(sm_shape) == 1 and table is not None and kv_len is not None
+            and cache_name == "full_kv_cache"):
+        # A decode step writing the full cache: token t = b*S + s is position
+        # kv_len[b] - S + s of batch b.
+        fbs = cshape[1]
         T = sm_shape[0]
         slots = np.empty(T, np.int64)
         for t in range(T):
