@@ -44,7 +44,7 @@ def tensor_info(arg: str, tensor: Any) -> TensorInfo:
     return TensorInfo(shape, dtype_name(tensor.dtype))
 
 
-def _unique_name(graph: gs.Graph, base: str, taken: set) -> str:
+def _unique_name(base: str, taken: set) -> str:
     name, i = base, 1
     while name in taken:
         name = f"{base}_{i}"
@@ -82,7 +82,7 @@ def add_node(graph: gs.Graph, op_type: str, inputs: Mapping[str, Optional[gs.Ten
     node_name = name
     taken_nodes = {n.name for n in graph.nodes}
     if node_name is None:
-        node_name = _unique_name(graph, op.name, taken_nodes)
+        node_name = _unique_name(op.name, taken_nodes)
     attrs, outs = validate_node(op.name, infos, dict(attributes or {}),
                                 where=f"{op.name} node {node_name!r}: ")
     if output_names is not None and len(output_names) != len(outs):
@@ -92,7 +92,7 @@ def add_node(graph: gs.Graph, op_type: str, inputs: Mapping[str, Optional[gs.Ten
     out_vars: List[gs.Variable] = []
     for i, (out_name, info) in enumerate(outs.items()):
         tname = output_names[i] if output_names is not None else _unique_name(
-            graph, out_name, taken)
+            out_name, taken)
         out_vars.append(gs.Variable(tname, dtype=dtypes.numpy_dtype(info.dtype),
                                     shape=list(info.shape) if info.shape is not None else None))
     # ONNX addresses optional inputs by position: absent ones in the middle are empty.

@@ -400,7 +400,7 @@ def binding_view(arg: str, obj: Any) -> BufferView:
     buf = buffer(arg, obj, opaque_ok=True)
     if not buf.contiguous:
         raise value_error(arg, "a C-contiguous CUDA array", f"strides {buf.strides}")
-    if buf.kind == HOST:
+    if buf.kind in (HOST, PINNED):  # pinned: bind the device-side address, as ops do
         locate(buf)
         if buf.kind == HOST:
             raise type_error(arg, "a device buffer or pinned host memory (pytrt_kv.trt.HostArray)",
@@ -454,7 +454,7 @@ def resolve_stream(stream: Any, objs: Sequence[Any], device: int) -> int:
         return int(value[1])
     handle = getattr(stream, "handle", None)
     if handle is not None:
-        return int(handle)
+        return int(getattr(handle, "value", handle) or 0)  # ctypes.c_void_p handles too
     try:
         return int(stream)  # cuda.bindings CUstream / cudaStream_t
     except (TypeError, ValueError):
@@ -496,7 +496,7 @@ class DeviceArray:
         self.ptr = int(ptr.value or 0)
 
     @classmethod
-    def from_numpy(cls, a: np.ndarray, device: int = 0) -> "DeviceArray":
+    def from_numpy(cls, a: np.ndarray, device: int = -1) -> "DeviceArray":
         """A device copy of the NumPy array ``a`` (synchronous)."""
         a = np.ascontiguousarray(a)
         return cls(a.shape, a.dtype, device).copy_from(a)
@@ -563,7 +563,8 @@ class PinnedHost:
 
     def __init__(self, a: np.ndarray):
         if not a.flags.c_contiguous:
-            raise TypeError("PinnedHost: expected a C-contiguous NumPy array")
+            raise type_error("a", "a C-contiguous NumPy array to pin",
+                             f"a strided {describe(a)} with strides {a.strides}")
         self.array = a
         self._ptr = int(a.ctypes.data) if a.nbytes else 0
         self._nbytes = int(a.nbytes)

@@ -303,14 +303,16 @@ def prepare_gather(selection_k_rope: Any, selection_kv_cache: Any,
                         selection_topk_block_size=selection_topk_block_size)
     # full_q_actual_seq is never read: it may live anywhere.
     placed = {k: v for k, v in bufs.items() if k != "full_q_actual_seq"}
+    out_buf = None
+    if out is not None:  # placed with the others: same device, GPU memory
+        out_buf = placed["out"] = _cuda.buffer("out", out)
+        if out_buf.shape != (meta.rows,) or out_buf.dtype != np.dtype(np.int32):
+            raise value_error("out", f"int32[{meta.rows}]", describe(out_buf))
     device = _place(placed, host_ok=("full_k_rope", "full_kv_cache"))
     handle = _cuda.resolve_stream(stream, list(named.values()), device)
-    if out is None:
+    if out_buf is None:
         out = _new_output(bufs["selection_kv_cache"], meta.rows, device)
-    out_buf = _cuda.buffer("out", out)
-    if out_buf.shape != (meta.rows,) or out_buf.dtype != np.dtype(np.int32):
-        raise value_error("out", f"int32[{meta.rows}]", describe(out_buf))
-    _place({"out": out_buf, "selection_kv_cache": bufs["selection_kv_cache"]})
+        out_buf = _cuda.buffer("out", out)
     if validate:
         idx = {k: _cuda.read_back(bufs[k], handle)
                for k in ("selection_kv_block_table", "selection_kv_block_status",
