@@ -3,6 +3,7 @@ plugins' positional form, alias pairs, buffer/stream adapters, CLI. No TensorRT 
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytrt_kv.trt as ptrt
 from onnx_export import single_op_model
 from pytrt_kv import specs
 from pytrt_kv.trt import _tensorrt, buffers, model as trt_model, runner as trt_runner
+from pytrt_kv.trt import build as trt_build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -367,3 +369,263 @@ def test_empty_batch_rope_offsets_are_not_read_as_a_placeholder():
     m = single_op_model("ScatterPaKvCache", inputs, compress_mode="rope")
     got = run(m, inputs)
     np.testing.assert_array_equal(got["key_cache_out"], inputs["key_cache"])
+
+
+# --- EngineRunner / CudaGraph / build_engine with fake TensorRT and CUDA -------------------
+
+_TRT = types.SimpleNamespace(DataType=types.SimpleNamespace(HALF="half", INT32="int32"),
+                             TensorIOMode=types.SimpleNamespace(INPUT="in", OUTPUT="out"))
+
+
+class _FakeContext:
+    def __init__(self, engine):
+        self.engine, self.out_shapes, self.addresses = engine, dict(engine.out_shapes), {}
+        self.fail_at = None  # execute_async_v3 call number that returns False
+        self.executions = 0
+
+    def set_input_shape(self, name, shape):
+        return True
+
+    def get_tensor_shape(self, name):
+        return self.out_shapes[name]
+
+    def set_tensor_address(self, name, address):
+        self.addresses[name] = address
+        return True
+
+    def execute_async_v3(self, stream):
+        self.executions += 1
+        return self.executions != self.fail_at
+
+
+class _FakeEngine:
+    """name -> (mode, dtype, shape); get_tensor_shape calls are counted."""
+
+    def __init__(self, tensors, aliases=None):
+        self.tensors, self.aliases, self.shape_queries = tensors, dict(aliases or {}), 0
+        self.out_shapes = {n: s for n, (m, _, s) in tensors.items() if m == "out"}
+        self.num_io_tensors = len(tensors)
+
+    def get_tensor_name(self, i):
+        return list(self.tensors)[i]
+
+    def get_tensor_mode(self, n):
+        return self.tensors[n][0]
+
+    def get_tensor_dtype(self, n):
+        return self.tensors[n][1]
+
+    def get_tensor_shape(self, n):
+        self.shape_queries += 1
+        return self.tensors[n][2]
+
+    def create_execution_context(self):
+        return _FakeContext(self)
+
+
+class _FakeDeviceArray:
+    freed: list = []
+    _next = [0x10000]
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+        self.ptr = self._next[0]
+        self._next[0] += 0x1000
+
+    def view(self):
+        return buffers.BufferView(self.ptr, self.shape, self.dtype)
+
+    def __del__(self):
+        _FakeDeviceArray.freed.append(self.ptr)
+
+
+class _FakeCudart:
+    class cudaStreamCaptureMode:
+        cudaStreamCaptureModeThreadLocal = 2
+
+    def __init__(self):
+        self.calls, self.end_capture = [], (0, "graph")
+
+    def cudaStreamSynchronize(self, s):
+        return (0,)
+
+    def cudaStreamBeginCapture(self, s, mode):
+        self.calls.append("begin")
+        return (0,)
+
+    def cudaStreamEndCapture(self, s):
+        self.calls.append("end")
+        return self.end_capture
+
+    def cudaGraphInstantiate(self, graph, flags):
+        return (0, "exe")
+
+    def cudaGraphLaunch(self, exe, s):
+        return (0,)
+
+    def cudaGraphExecDestroy(self, exe):
+        self.calls.append(("exec_destroy", exe))
+        return (0,)
+
+    def cudaGraphDestroy(self, graph):
+        self.calls.append(("destroy", graph))
+        return (0,)
+
+
+_SCATTER_IO = {"key": ("in", "half", (3, 16)), "key_cache": ("in", "half", (8, 16)),
+               "slot": ("in", "int32", (-1,)), "key_cache_out": ("out", "half", (8, 16)),
+               "count": ("out", "int32", (4,))}
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    monkeypatch.setattr(trt_runner, "import_tensorrt", lambda: _TRT)
+    monkeypatch.setattr(trt_runner, "DeviceArray", _FakeDeviceArray)
+    cudart = _FakeCudart()
+    monkeypatch.setattr(trt_runner, "import_cudart", lambda: cudart)
+    _FakeDeviceArray.freed.clear()
+    return cudart
+
+
+def _feeds(n_slots=3):
+    return {"key": _Cai(0x100, (3, 16), "<f2"), "key_cache": _Cai(0x200, (8, 16), "<f2"),
+            "slot": _Cai(0x300, (n_slots,), "<i4")}
+
+
+def test_runner_binds_aliases_and_queries_engine_shapes_once(fake_runtime, monkeypatch):
+    eng = _FakeEngine(_SCATTER_IO)
+    runner = trt_runner.EngineRunner(eng)
+    assert runner.aliases == {"key_cache_out": "key_cache"}
+    queries = eng.shape_queries
+    checked = []
+    check = runner._check
+    monkeypatch.setattr(runner, "_check", lambda n, v, s: (checked.append(n), check(n, v, s)))
+    runner.bind(_feeds())
+    runner.bind(_feeds(2))
+    assert eng.shape_queries == queries, "bind() must not re-query the engine's shapes"
+    assert checked == ["key", "key_cache", "slot"] * 2, "one check per input per bind"
+    assert runner.context.addresses["key_cache_out"] == 0x200
+    with pytest.raises(ValueError, match=r"^key: expected shape \[3, 16\], got \[4, 16\]"):
+        runner.bind({**_feeds(), "key": _Cai(0x100, (4, 16), "<f2")})
+    with pytest.raises(TypeError, match=r"^slot: expected dtype int32, got int64"):
+        runner.bind({**_feeds(), "slot": _Cai(0x300, (3,), "<i8")})  # dynamic: dtype still checked
+
+
+def test_runner_refuses_two_outputs_on_one_input(fake_runtime):
+    io = {**_SCATTER_IO, "other_out": ("out", "half", (8, 16))}
+    with pytest.raises(ValueError, match=r"^aliases: expected at most one output per input, got "
+                                         r"'key_cache_out' and 'other_out' both -> 'key_cache'"):
+        trt_runner.EngineRunner(_FakeEngine(io), aliases={"other_out": "key_cache"})
+    with pytest.raises(ValueError, match="'key_cache_out' and 'other_out' both -> 'key_cache'"):
+        trt_runner.EngineRunner(_FakeEngine(io, aliases={"other_out": "key_cache"}))
+
+
+def test_runner_unknown_engine_dtype_names_the_tensor(fake_runtime):
+    io = {**_SCATTER_IO, "weird": ("out", "FP4", (2,))}
+    with pytest.raises(TypeError, match=r"^weird: expected a dtype in \[.*'float16'.*\], got FP4$"):
+        trt_runner.EngineRunner(_FakeEngine(io))
+
+
+def test_cuda_graph_keeps_runner_and_replaced_outputs_alive(fake_runtime):
+    runner = trt_runner.EngineRunner(_FakeEngine(_SCATTER_IO))
+    runner.bind(_feeds())
+    old = runner.output("count").ptr
+    graph = runner.capture_graph(5)
+    assert fake_runtime.calls == ["begin", "end"]
+    runner.context.out_shapes["count"] = (6,)  # a new shape: a new owned output
+    runner.bind(_feeds())
+    assert runner.output("count").ptr != old
+    gc.collect()
+    assert old not in _FakeDeviceArray.freed, "the captured graph still writes it"
+    assert graph.buffers["count"].ptr == old and graph.bindings["count"].address == old
+    del runner
+    gc.collect()
+    assert graph.runner.context.addresses["count"] != old  # the runner (context) is alive
+    graph.launch(5)
+    del graph
+    gc.collect()
+    assert old in _FakeDeviceArray.freed
+    assert {("exec_destroy", "exe"), ("destroy", "graph")} <= set(fake_runtime.calls[2:])
+
+
+@pytest.mark.parametrize("end", ["partial_graph", "invalidated"])
+def test_capture_failure_ends_capture_and_keeps_the_original_error(fake_runtime, end):
+    invalidated = types.SimpleNamespace(value=901, name="cudaErrorStreamCaptureInvalidated")
+    fake_runtime.end_capture = (0, "partial") if end == "partial_graph" else (invalidated, None)
+    runner = trt_runner.EngineRunner(_FakeEngine(_SCATTER_IO))
+    runner.bind(_feeds())
+    runner.context.fail_at = 2  # the warm-up passes, the captured execution fails
+    with pytest.raises(RuntimeError, match="execute_async_v3 failed"):
+        runner.capture_graph(5)
+    assert fake_runtime.calls[:2] == ["begin", "end"]
+    assert (("destroy", "partial") in fake_runtime.calls) == (end == "partial_graph")
+
+
+class _FakeBuildConfig:
+    def __init__(self, accept):
+        self.accept, self.cache = accept, None
+
+    def create_timing_cache(self, data):
+        return types.SimpleNamespace(data=data, serialize=lambda: b"new cache")
+
+    def set_timing_cache(self, cache, ignore_mismatch):
+        assert ignore_mismatch is False
+        self.cache = cache
+        return self.accept
+
+    def get_timing_cache(self):
+        return self.cache
+
+
+def _fake_build_trt(monkeypatch, accept):
+    built = []
+    config = _FakeBuildConfig(accept)
+    network = types.SimpleNamespace(num_inputs=0)
+
+    class Builder:
+        def __init__(self, logger):
+            pass
+
+        def create_network(self, flags):
+            return network
+
+        def create_builder_config(self):
+            return config
+
+        def build_serialized_network(self, net, cfg):
+            built.append(cfg)
+            return b"plan"
+
+    class Logger:
+        WARNING, VERBOSE = "fake-warning", "fake-verbose"
+
+        def __init__(self, level):
+            pass
+
+    trt = types.SimpleNamespace(
+        Logger=Logger, Builder=Builder, NetworkDefinitionCreationFlag=types.SimpleNamespace(),
+        OnnxParser=lambda net, logger: types.SimpleNamespace(parse=lambda data, path: True))
+    monkeypatch.setattr(trt_build, "import_tensorrt", lambda: trt)
+    monkeypatch.setattr(trt_build, "load_plugins", lambda: None)
+    monkeypatch.setattr(trt_build, "_LOGGERS", {})
+    monkeypatch.setattr(trt_build, "load_engine", lambda plan, **kw: (plan, kw))
+    return built
+
+
+@pytest.mark.parametrize("accept", [False, True])
+def test_build_refuses_a_timing_cache_tensorrt_rejects(tmp_path, monkeypatch, accept):
+    built = _fake_build_trt(monkeypatch, accept)
+    src, cache = tmp_path / "m.onnx", tmp_path / "cache.bin"
+    onnx.save(single_op_model("ScatterPaKvCache", _scatter_inputs(False)), src)
+    cache.write_bytes(b"cache from another GPU")
+    call = lambda: ptrt.build_engine(src, timing_cache=cache, aliased_plugin_io=False,  # noqa: E731
+                                     detailed_profile=False)
+    if not accept:
+        with pytest.raises(ValueError, match=r"^timing_cache: expected a timing cache TensorRT "
+                                             r"accepts.*got .*cache\.bin$"):
+            call()
+        assert not built and cache.read_bytes() == b"cache from another GPU"
+    else:
+        plan, kw = call()
+        assert plan == b"plan" and "aliased_plugin_io" not in kw
+        assert built and cache.read_bytes() == b"new cache"

@@ -29,15 +29,12 @@ class Engine:
         The serialized engine (what ``engine_path`` received).
     aliases : dict
         Graph output -> graph input bound to one address (from the ONNX model).
-    aliased_plugin_io : bool
-        Whether the build enabled ``PreviewFeature.ALIASED_PLUGIN_IO_10_03``.
     """
 
     engine: Any
     runtime: Any
     plan: bytes
     aliases: Dict[str, str] = field(default_factory=dict)
-    aliased_plugin_io: bool = False
 
 
 _LOGGERS: Dict[int, Any] = {}
@@ -96,7 +93,9 @@ def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
     engine_path : str or Path, optional
         Where to write the serialized engine.
     timing_cache : str or Path, optional
-        Timing cache file: read when it exists, written back after the build.
+        Timing cache file: read when it exists, written back after the build. A cache
+        TensorRT refuses (another GPU or TensorRT version, corrupt) raises ValueError
+        before the build, so the file is never silently replaced.
     shapes : mapping input name -> shape or (min, opt, max), optional
         Needed for every dynamic input (one optimization profile).
     workspace : int, optional
@@ -119,6 +118,8 @@ def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
         TensorRT is not installed.
     RuntimeError
         The parser or the builder failed (the message carries the parser's errors).
+    ValueError
+        TensorRT refused the ``timing_cache`` file, or a dynamic input has no ``shapes``.
 
     Examples
     --------
@@ -161,7 +162,11 @@ def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
     cache_file = Path(timing_cache) if timing_cache is not None else None
     if cache_file is not None:
         data = cache_file.read_bytes() if cache_file.is_file() else b""
-        config.set_timing_cache(config.create_timing_cache(data), ignore_mismatch=False)
+        cache = config.create_timing_cache(data)
+        # ignore_mismatch=False: a cache from another device is refused, not used.
+        if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
+            raise value_error("timing_cache", "a timing cache TensorRT accepts for this GPU and "
+                              "version (delete the file to start a new one)", str(cache_file))
 
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -174,12 +179,11 @@ def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
         os.replace(tmp, cache_file)  # never leave a half-written cache behind
     if engine_path is not None:
         Path(engine_path).write_bytes(plan_bytes)
-    return load_engine(plan_bytes, aliases=alias_pairs(model), aliased_plugin_io=want_alias,
-                       verbose=verbose)
+    return load_engine(plan_bytes, aliases=alias_pairs(model), verbose=verbose)
 
 
 def load_engine(plan, *, aliases: Optional[Mapping[str, str]] = None,
-                aliased_plugin_io: bool = False, verbose: bool = False) -> Engine:
+                verbose: bool = False) -> Engine:
     """Deserialize ``plan`` (bytes or an engine file path) after loading the plugins.
 
     ``aliases`` (graph output -> graph input) should come from the model
@@ -196,7 +200,7 @@ def load_engine(plan, *, aliases: Optional[Mapping[str, str]] = None,
     if engine is None:
         raise RuntimeError("TensorRT could not deserialize the engine (built by another TensorRT "
                            "version or GPU, or the plugins are missing)")
-    return Engine(engine, runtime, bytes(plan), dict(aliases or {}), aliased_plugin_io)
+    return Engine(engine, runtime, bytes(plan), dict(aliases or {}))
 
 
 def engine_layers(engine) -> Sequence[Dict[str, Any]]:

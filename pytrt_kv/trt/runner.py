@@ -12,11 +12,11 @@ from .._errors import type_error, value_error
 from ._tensorrt import check_cuda, import_cudart, import_tensorrt
 
 
-def _dtype_name(trt, trt_dtype) -> str:
+def _dtype_name(trt, trt_dtype, tensor: str) -> str:
     for name, member in dtypes.TENSORRT.items():
         if getattr(trt.DataType, member, None) == trt_dtype:
             return name
-    raise TypeError(f"engine tensor dtype {trt_dtype} has no pytrt_kv name")
+    raise type_error(tensor, f"a dtype in {sorted(dtypes.TENSORRT)}", trt_dtype)
 
 
 def _default_aliases(output_names, input_names) -> Dict[str, str]:
@@ -64,7 +64,9 @@ class EngineRunner:
         is_input = {n: self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names}
         self.input_names = [n for n in names if is_input[n]]
         self.output_names = [n for n in names if not is_input[n]]
-        self.dtypes = {n: _dtype_name(trt, self.engine.get_tensor_dtype(n)) for n in names}
+        self.dtypes = {n: _dtype_name(trt, self.engine.get_tensor_dtype(n), n) for n in names}
+        self._engine_shapes = {n: tuple(self.engine.get_tensor_shape(n)) for n in self.input_names}
+        self._dynamic = {n: any(d < 0 for d in s) for n, s in self._engine_shapes.items()}
         self.aliases = self._resolve_aliases(engine, aliases)
         self._owned: Dict[str, DeviceArray] = {}
         self._bound: Dict[str, BufferView] = {}
@@ -91,6 +93,12 @@ class EngineRunner:
         for o, i in pairs.items():
             if o not in self.output_names or i not in self.input_names:
                 raise value_error("aliases", "output -> input names of this engine", f"{o!r} -> {i!r}")
+        first: Dict[str, str] = {}
+        for o, i in pairs.items():
+            if i in first:
+                raise value_error("aliases", "at most one output per input",
+                                  f"{first[i]!r} and {o!r} both -> {i!r}")
+            first[i] = o
         return pairs
 
     # --- binding ---------------------------------------------------------------------
@@ -123,9 +131,10 @@ class EngineRunner:
         shapes = dict(shapes or {})
         for name in self.input_names:
             view = binding_view(name, tensors[name])
-            engine_shape = tuple(self.engine.get_tensor_shape(name))
-            shape = view.shape if view.shape is not None else shapes.get(name)
-            if any(d < 0 for d in engine_shape):
+            engine_shape = self._engine_shapes[name]
+            if self._dynamic[name]:
+                self._check(name, view, None)
+                shape = view.shape if view.shape is not None else shapes.get(name)
                 if shape is None:
                     raise value_error(name, f"a shape for the dynamic input {list(engine_shape)}", "none")
                 if not self.context.set_input_shape(name, tuple(shape)):
@@ -133,7 +142,6 @@ class EngineRunner:
                                       list(shape))
             else:
                 self._check(name, view, engine_shape)
-            self._check(name, view, None)
             self._set(name, view)
         for name in self.output_names:
             shape = tuple(self.context.get_tensor_shape(name))
@@ -145,6 +153,8 @@ class EngineRunner:
             else:
                 arr = self._owned.get(name)
                 if arr is None or arr.shape != shape:
+                    # Dropping the replaced array frees it (cudaFree waits for eager
+                    # executions) unless a CudaGraph captured with it still holds it.
                     arr = DeviceArray(shape, self.dtypes[name])
                     self._owned[name] = arr
                 view = arr.view()
@@ -184,6 +194,10 @@ class EngineRunner:
         The current bindings are baked in: replay only while the same buffers hold the
         next step's data (the usual decode-loop pattern). One eager execution is done
         first, as TensorRT requires before capture after shape/binding changes.
+
+        The graph keeps this runner (its execution context) and the runner-owned output
+        buffers it writes alive, also across a later :meth:`bind` that replaces them;
+        buffers you passed to :meth:`bind` stay yours to keep alive.
         """
         handle = stream_handle(stream)
         if handle == 0:
@@ -196,17 +210,39 @@ class EngineRunner:
         check_cuda(cudart.cudaStreamBeginCapture(handle, mode), "cudaStreamBeginCapture")
         try:
             self.execute(handle)
-        finally:
-            graph = check_cuda(cudart.cudaStreamEndCapture(handle), "cudaStreamEndCapture")
-        exe = check_cuda(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
-        return CudaGraph(cudart, graph, exe)
+        except BaseException:
+            # End the capture so the stream is usable again, drop the partial graph, and
+            # let the original error through (not a capture-invalidated one).
+            try:
+                partial = check_cuda(cudart.cudaStreamEndCapture(handle), "cudaStreamEndCapture")
+                if partial is not None:
+                    cudart.cudaGraphDestroy(partial)
+            except Exception:
+                pass
+            raise
+        graph = check_cuda(cudart.cudaStreamEndCapture(handle), "cudaStreamEndCapture")
+        try:
+            exe = check_cuda(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        except BaseException:
+            cudart.cudaGraphDestroy(graph)
+            raise
+        return CudaGraph(cudart, graph, exe, self)
 
 
 class CudaGraph:
-    """An instantiated CUDA graph of one engine execution; :meth:`launch` replays it."""
+    """An instantiated CUDA graph of one engine execution; :meth:`launch` replays it.
 
-    def __init__(self, cudart, graph, exe):
+    Holds the :class:`EngineRunner` it was captured from (``runner``: the execution
+    context the graph runs) and ``buffers``, the runner-owned outputs bound at capture,
+    so neither is freed while the graph may still be launched. ``bindings`` are the
+    addresses baked in (name -> :class:`BufferView`).
+    """
+
+    def __init__(self, cudart, graph, exe, runner: EngineRunner):
         self._cudart, self._graph, self._exe = cudart, graph, exe
+        self.runner = runner
+        self.buffers: Dict[str, DeviceArray] = dict(runner._owned)
+        self.bindings: Dict[str, BufferView] = dict(runner._bound)
 
     def launch(self, stream) -> None:
         check_cuda(self._cudart.cudaGraphLaunch(self._exe, stream_handle(stream)), "cudaGraphLaunch")
