@@ -173,6 +173,9 @@ def _runs():
             yield mode, L, 3, -1
             yield mode, L, 0, min(1, L)
             yield mode, L, 2, L
+            # uncompressed heads write L rows whatever w is, a negative w included
+            yield mode, L, -1, -1
+            yield mode, L, -5, L
             for o, w in itertools.product(range(L + 1), range(1, L + 1)):
                 if o + w <= L and o != L:
                     yield mode, L, w, o
@@ -220,8 +223,8 @@ def test_compress_rows_match_reference(lib, rng, mode):
 @pytest.mark.parametrize("L,w,o", [(9, 1, 0), (-1, 0, 0), (5, 6, 0), (5, 3, 4), (5, -1, 2),
                                    (5, 2, -3)])
 def test_compress_rows_invalid_runs_write_nothing(lib, mode, L, w, o):
-    """Values the reference refuses (L > Smax, w < 0, o + w > L, o < -1) give an empty run
-    on the GPU: in bounds, nothing written."""
+    """Values the reference refuses (L > Smax, w < 0 for alibi or a compressed head,
+    o + w > L, o < -1) give an empty run on the GPU: in bounds, nothing written."""
     source = np.full(8, 99, np.int32)
     rows = lib.pytrt_kv_compress_rows_host(mode, L, w, o, 8,
                                            source.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))

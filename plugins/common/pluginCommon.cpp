@@ -166,16 +166,35 @@ char const* dataTypeName(nvinfer1::DataType type) noexcept
     }
 }
 
+std::ostream& operator<<(std::ostream& os, DimsText const& text)
+{
+    os << '[';
+    for (int32_t i = 0; i < text.dims.nbDims && i < nvinfer1::Dims::MAX_DIMS; ++i)
+    {
+        os << (i ? ", " : "") << text.dims.d[i];
+    }
+    return os << ']';
+}
+
 std::string dimsToString(nvinfer1::Dims const& dims)
 {
-    std::ostringstream os;
-    os << '[';
-    for (int32_t i = 0; i < dims.nbDims && i < nvinfer1::Dims::MAX_DIMS; ++i)
+    return concat(dimsText(dims));
+}
+
+bool sameDims(nvinfer1::Dims const& a, nvinfer1::Dims const& b) noexcept
+{
+    if (a.nbDims != b.nbDims || a.nbDims < 0 || a.nbDims > nvinfer1::Dims::MAX_DIMS)
     {
-        os << (i ? ", " : "") << dims.d[i];
+        return a.nbDims == b.nbDims;
     }
-    os << ']';
-    return os.str();
+    for (int32_t i = 0; i < a.nbDims; ++i)
+    {
+        if (a.d[i] != b.d[i])
+        {
+            return false;
+        }
+    }
+    return true;
 }
 
 int64_t volume(nvinfer1::Dims const& dims) noexcept
@@ -229,16 +248,26 @@ cudaError_t copyIfDistinct(
         cudaMemcpyDefault, stream);
 }
 
+// Messages are built only on failure: these run on every shape check.
 void checkRank(nvinfer1::Dims const& dims, int32_t rank, char const* name)
 {
-    check(dims.nbDims == rank, name, ": expected rank ", rank, ", got ", dimsToString(dims));
+    if (dims.nbDims != rank)
+    {
+        throw PluginError(concat(name, ": expected rank ", rank, ", got ", dimsText(dims)));
+    }
 }
 
 void checkDim(nvinfer1::Dims const& dims, int32_t axis, int64_t expected, char const* name, char const* what)
 {
-    check(axis < dims.nbDims, name, ": expected at least ", axis + 1, " dims, got ", dimsToString(dims));
-    check(sameOrUnknown(dims.d[axis], expected), name, ": expected dim ", axis, " = ", expected, " (", what,
-        "), got ", dimsToString(dims));
+    if (axis >= dims.nbDims)
+    {
+        throw PluginError(concat(name, ": expected at least ", axis + 1, " dims, got ", dimsText(dims)));
+    }
+    if (!sameOrUnknown(dims.d[axis], expected))
+    {
+        throw PluginError(
+            concat(name, ": expected dim ", axis, " = ", expected, " (", what, "), got ", dimsText(dims)));
+    }
 }
 
 int32_t toInt32(int64_t value, char const* name)

@@ -92,6 +92,21 @@ char const* dataTypeName(nvinfer1::DataType type) noexcept;
 //! "[4, -1, 8]".
 std::string dimsToString(nvinfer1::Dims const& dims);
 
+//! \p dims for a check() message, formatted only when the message is built (on failure):
+//! check(ok, "x: expected ..., got ", dimsText(d)).
+struct DimsText
+{
+    nvinfer1::Dims const& dims;
+};
+inline DimsText dimsText(nvinfer1::Dims const& dims) noexcept
+{
+    return DimsText{dims};
+}
+std::ostream& operator<<(std::ostream& os, DimsText const& text);
+
+//! Same rank and dims (what enqueue compares with the shapes onShapeChange validated).
+bool sameDims(nvinfer1::Dims const& a, nvinfer1::Dims const& b) noexcept;
+
 //! Product of the dims; -1 when a dim is unknown (build-time wildcard).
 int64_t volume(nvinfer1::Dims const& dims) noexcept;
 

@@ -63,8 +63,7 @@ GatherSelectionKvCachePlugin::GatherSelectionKvCachePlugin(PluginFields fields)
 {
 }
 
-kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(
-    Dims const* dims, DataType const* types, bool lenient) const
+kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const* dims, DataType const* types) const
 {
     DataType const cacheType = types[kIN_SELECTION_KV_CACHE];
     check(isCacheType(cacheType), "selection_kv_cache: expected kHALF, kBF16, kINT8, kFLOAT or kFP8, got ",
@@ -92,13 +91,19 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(
     int64_t const fullBlockNum = fullKv.d[0];
     int64_t const fullBlockSize = fullKv.d[1];
 
-    // Quantised ("C8") mode: both k_rope tensors zero-element, only kv rows move.
+    // The k_rope pair, as _gather.py check_gather decides it: present when both are
+    // [*, *, K_ROPE] with the same K_ROPE >= 1 (even with zero blocks), and then shaped
+    // like their caches; otherwise both must be zero-element: the quantised ("C8") mode,
+    // where only kv rows move.
     Dims const& rope = dims[kIN_SELECTION_K_ROPE];
     Dims const& fullRope = dims[kIN_FULL_K_ROPE];
-    bool const hasRope = !isEmpty(rope);
-    check(hasRope == !isEmpty(fullRope),
-        "selection_k_rope, full_k_rope: expected both present or both zero-element, got ", dimsToString(rope),
-        " and ", dimsToString(fullRope));
+    bool const ropeEmpty = isEmpty(rope);
+    bool const bothShaped = rope.nbDims == 3 && fullRope.nbDims == 3 && !(known(rope.d[2]) && rope.d[2] < 1)
+        && sameOrUnknown(rope.d[2], fullRope.d[2]);
+    check(bothShaped || ropeEmpty == isEmpty(fullRope),
+        "selection_k_rope, full_k_rope: expected both present or both zero-element, got ", dimsText(rope), " and ",
+        dimsText(fullRope));
+    bool const hasRope = bothShaped || !ropeEmpty;
     int64_t ropeDim = 0;
     if (hasRope)
     {
@@ -127,7 +132,7 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(
     Dims const& status = dims[kIN_SELECTION_KV_BLOCK_STATUS];
     Dims const& topk = dims[kIN_SELECTION_TOPK_INDICES];
     check(status.nbDims == 4 || status.nbDims == 3,
-        "selection_kv_block_status: expected BSND [B, S, H, K+1] or TND [B*S, H, K+1], got ", dimsToString(status));
+        "selection_kv_block_status: expected BSND [B, S, H, K+1] or TND [B*S, H, K+1], got ", dimsText(status));
     checkRank(topk, status.nbDims, "selection_topk_indices");
     int64_t seq{-1};
     int64_t heads{-1};
@@ -148,11 +153,7 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(
         heads = status.d[1];
         checkDim(topk, 0, tokens, "selection_topk_indices", "T of selection_kv_block_status");
         checkDim(topk, 1, heads, "selection_topk_indices", "H of selection_kv_block_status");
-        if (lenient)
-        {
-            seq = tokens; // an upper bound of T / B for any B >= 1
-        }
-        else if (known(tokens) && known(batch))
+        if (known(tokens) && known(batch))
         {
             check(batch > 0 ? tokens % batch == 0 : tokens == 0, "selection_kv_block_status: TND needs T % B == 0, got T=",
                 tokens, " B=", batch);
@@ -161,38 +162,35 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(
     }
     checkDim(status, status.nbDims - 1, known(k) ? k + 1 : -1, "selection_kv_block_status",
         "K+1, K = last dim of selection_topk_indices");
-    check(sameOrUnknown(heads, 1), "selection_kv_block_status: expected H == 1, got ", dimsToString(status));
+    check(sameOrUnknown(heads, 1), "selection_kv_block_status: expected H == 1, got ", dimsText(status));
 
     int64_t const tbs = mTopkBlockSize;
-    if (!lenient)
+    if (known(selBlockSize))
     {
-        if (known(selBlockSize))
-        {
-            check(selBlockSize > 0 && selBlockSize % tbs == 0, "selection_kv_cache: block size SBS=", selBlockSize,
-                " must be a positive multiple of selection_topk_block_size=", tbs);
-        }
-        if (known(fullBlockSize))
-        {
-            check(fullBlockSize > 0 && fullBlockSize % tbs == 0, "full_kv_cache: block size FBS=", fullBlockSize,
-                " must be a positive multiple of selection_topk_block_size=", tbs);
-        }
-        if (known(k))
-        {
-            check(k <= kMAX_TOPK, "selection_topk_indices: expected K <= ", kMAX_TOPK, ", got ", k);
-            check(k <= kMAX_TOPK_BLOCKED || tbs == 1, "selection_topk_indices: K=", k, " > ", kMAX_TOPK_BLOCKED,
-                " needs selection_topk_block_size == 1, got ", tbs);
-        }
-        if (known(table.d[0]) && known(batch) && known(seq))
-        {
-            check(table.d[0] >= batch * seq, "selection_kv_block_table: expected R >= B*S*H = ", batch * seq,
-                ", got ", dimsToString(table));
-        }
-        if (known(table.d[1]) && known(k) && known(selBlockSize) && selBlockSize > 0)
-        {
-            int64_t const need = (k * tbs + selBlockSize - 1) / selBlockSize;
-            check(table.d[1] >= need, "selection_kv_block_table: expected S_MAX_BLOCK_NUM >= ceil(K*TBS/SBS) = ",
-                need, ", got ", dimsToString(table));
-        }
+        check(selBlockSize > 0 && selBlockSize % tbs == 0, "selection_kv_cache: block size SBS=", selBlockSize,
+            " must be a positive multiple of selection_topk_block_size=", tbs);
+    }
+    if (known(fullBlockSize))
+    {
+        check(fullBlockSize > 0 && fullBlockSize % tbs == 0, "full_kv_cache: block size FBS=", fullBlockSize,
+            " must be a positive multiple of selection_topk_block_size=", tbs);
+    }
+    if (known(k))
+    {
+        check(k <= kMAX_TOPK, "selection_topk_indices: expected K <= ", kMAX_TOPK, ", got ", k);
+        check(k <= kMAX_TOPK_BLOCKED || tbs == 1, "selection_topk_indices: K=", k, " > ", kMAX_TOPK_BLOCKED,
+            " needs selection_topk_block_size == 1, got ", tbs);
+    }
+    if (known(table.d[0]) && known(batch) && known(seq))
+    {
+        check(table.d[0] >= batch * seq, "selection_kv_block_table: expected R >= B*S*H = ", batch * seq, ", got ",
+            dimsText(table));
+    }
+    if (known(table.d[1]) && known(k) && known(selBlockSize) && selBlockSize > 0)
+    {
+        int64_t const need = (k * tbs + selBlockSize - 1) / selBlockSize;
+        check(table.d[1] >= need, "selection_kv_block_table: expected S_MAX_BLOCK_NUM >= ceil(K*TBS/SBS) = ", need,
+            ", got ", dimsText(table));
     }
 
     kernels::GatherSelectionParams p{};
@@ -315,16 +313,13 @@ size_t GatherSelectionKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc co
     try
     {
         check(inputs != nullptr && nbInputs == kNB_INPUTS, "getWorkspaceSize: expected 10 inputs, got ", nbInputs);
-        // The profile's maxima, each independently: enough for every shape the profile
-        // allows, provided the kernels' size grows with every dimension.
-        std::array<Dims, kNB_INPUTS> dims{};
-        std::array<DataType, kNB_INPUTS> types{};
-        for (int32_t i = 0; i < kNB_INPUTS; ++i)
-        {
-            dims[i] = inputs[i].max;
-            types[i] = inputs[i].desc.type;
-        }
-        return kernels::getGatherSelectionWorkspaceSize(describe(dims.data(), types.data(), /*lenient=*/true));
+        // The kernels need one int32 per plan entry, B*S*K = the volume of
+        // selection_topk_indices (BSND [B, S, 1, K] and TND [B*S, 1, K] alike): its
+        // profile maximum bounds every run-time shape.
+        Dims const& topkMax = inputs[kIN_SELECTION_TOPK_INDICES].max;
+        int64_t const entries = volume(topkMax);
+        check(entries >= 0, "selection_topk_indices: expected known profile maxima, got ", dimsText(topkMax));
+        return kernels::getGatherPlanWorkspaceSize(entries);
     }
     catch (std::exception const& e)
     {
@@ -351,6 +346,7 @@ int32_t GatherSelectionKvCachePlugin::getAliasedInput(int32_t outputIndex) noexc
 int32_t GatherSelectionKvCachePlugin::onShapeChange(
     PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
+    mShapeReady = false;
     try
     {
         check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
@@ -363,9 +359,12 @@ int32_t GatherSelectionKvCachePlugin::onShapeChange(
             dims[i] = in[i].dims;
             types[i] = in[i].type;
             check(volume(in[i].dims) >= 0, kINPUT_NAMES[i], ": expected known dims at run time, got ",
-                dimsToString(in[i].dims));
+                dimsText(in[i].dims));
         }
-        describe(dims.data(), types.data());
+        mParams = describe(dims.data(), types.data());
+        mDims = dims;
+        mTypes = types;
+        mShapeReady = true;
         return 0;
     }
     catch (std::exception const& e)
@@ -382,14 +381,14 @@ int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc,
     {
         check(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
             "enqueue: null arguments");
-        std::array<Dims, kNB_INPUTS> dims{};
-        std::array<DataType, kNB_INPUTS> types{};
+        check(mShapeReady, "enqueue: called before onShapeChange accepted the input shapes");
+        // The shapes were validated by onShapeChange: only make sure these are the same.
         for (int32_t i = 0; i < kNB_INPUTS; ++i)
         {
-            dims[i] = inputDesc[i].dims;
-            types[i] = inputDesc[i].type;
+            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ",
+                kINPUT_NAMES[i], " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type),
+                ", not the ", dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
         }
-        kernels::GatherSelectionParams p = describe(dims.data(), types.data());
 
         // Functional ONNX form, in-place execution: an output bound elsewhere than its
         // input first receives the input (the kernel then reads the old status there).
@@ -403,6 +402,7 @@ int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc,
                 cudaGetErrorName(st));
         }
 
+        kernels::GatherSelectionParams p = mParams;
         p.selectionKRope = p.kRopeDim > 0 ? outputs[kOUT_SELECTION_K_ROPE] : nullptr;
         p.selectionKvCache = outputs[kOUT_SELECTION_KV_CACHE];
         p.selectionKvBlockTable = static_cast<int32_t const*>(inputs[kIN_SELECTION_KV_BLOCK_TABLE]);
@@ -414,8 +414,9 @@ int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc,
         p.fullKvActualSeq = static_cast<int32_t const*>(inputs[kIN_FULL_KV_ACTUAL_SEQ]);
         p.selectionKvActualSeq = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ]);
         p.workspace = workspace;
-        // Never more than getWorkspaceSize reserved: the size grows with the shapes and
-        // these are within the profile.
+        // TensorRT does not tell a runtime plugin how much it reserved: getWorkspaceSize
+        // reserved at least this much for every shape of the profile (this shape's topk
+        // volume is at most the profile maximum's).
         p.workspaceBytes = kernels::getGatherSelectionWorkspaceSize(p);
         check(p.workspaceBytes == 0 || workspace != nullptr, "enqueue: the kernels need ", p.workspaceBytes,
             " workspace bytes and TensorRT gave none");

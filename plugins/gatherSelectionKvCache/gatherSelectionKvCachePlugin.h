@@ -13,6 +13,7 @@
 #include "pluginBase.h"
 #include "pluginFields.h"
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -58,10 +59,8 @@ public:
 
     //! Kernel parameters for these input dims and dtypes, without pointers. Throws
     //! PluginError for any broken OPS.md G2 rule; dims of -1 (build time) are checked
-    //! only once known. \p lenient skips the cross-tensor rules, for workspace sizing
-    //! from a profile's independent maxima.
-    kernels::GatherSelectionParams describe(
-        nvinfer1::Dims const* dims, nvinfer1::DataType const* types, bool lenient = false) const;
+    //! only once known.
+    kernels::GatherSelectionParams describe(nvinfer1::Dims const* dims, nvinfer1::DataType const* types) const;
 
     // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
@@ -86,6 +85,12 @@ public:
 private:
     int32_t mTopkBlockSize{64};
     bool mAliasIo{true};
+    //! Set by a successful onShapeChange: the shapes it validated and what describe()
+    //! made of them; enqueue only fills in the pointers.
+    bool mShapeReady{false};
+    kernels::GatherSelectionParams mParams{};
+    std::array<nvinfer1::Dims, kNB_INPUTS> mDims{};
+    std::array<nvinfer1::DataType, kNB_INPUTS> mTypes{};
 };
 
 //! The creator registered for GatherSelectionKvCache (registration.cpp).

@@ -638,6 +638,24 @@ std::vector<ShapeCase> shapeCases()
         ""});
     cs.push_back({"gather C8 (zero-element k_rope pair), int8", G, tbs(64),
         with(with(gatherBsnd(kI8), 0, {kI8, {0}}), 5, {kI8, {0}}), true, ""});
+    // The k_rope rule of _gather.py check_gather: a [*, *, K_ROPE] pair is present even
+    // with zero blocks; a zero-element pair is the quantised mode whatever its shapes.
+    cs.push_back({"gather k_rope pair, selection caches with zero blocks", G, tbs(64),
+        with(with(gatherBsnd(), 0, {kF16, {0, 64, 64}}), 1, {kF16, {0, 64, 512}}), true, ""});
+    cs.push_back({"gather k_rope pair, all caches with zero blocks", G, tbs(64),
+        [&] {
+            auto v = gatherBsnd();
+            v[0] = {kF16, {0, 64, 64}};
+            v[1] = {kF16, {0, 64, 512}};
+            v[5] = {kF16, {0, 128, 64}};
+            v[6] = {kF16, {0, 128, 512}};
+            return v;
+        }(),
+        true, ""});
+    cs.push_back({"gather zero-element rank-3 k_rope pair, K_ROPE 0", G, tbs(64),
+        with(with(gatherBsnd(), 0, {kF16, {8, 64, 0}}), 5, {kF16, {16, 128, 0}}), true, ""});
+    cs.push_back({"gather zero-element k_rope pair, K_ROPE differs", G, tbs(64),
+        with(with(gatherBsnd(), 0, {kF16, {0, 64, 64}}), 5, {kF16, {0, 128, 32}}), true, ""});
     cs.push_back({"gather wildcards", G, tbs(64),
         {{kF16, {-1, 64, 64}}, {kF16, {-1, 64, 512}}, {kI32, {-1, 4}}, {kI32, {-1, 2, 1, 5}}, {kI32, {-1, 2, 1, 4}},
             {kF16, {-1, 128, 64}}, {kF16, {-1, 128, 512}}, {kI32, {-1, 8}}, {kI32, {-1}}, {kI32, {-1}}},
@@ -654,6 +672,10 @@ std::vector<ShapeCase> shapeCases()
         "S_MAX_BLOCK_NUM"});
     cs.push_back({"gather one k_rope zero-element", G, tbs(64), with(gatherBsnd(), 0, {kF16, {0}}), false,
         "both present or both zero-element"});
+    cs.push_back({"gather k_rope pair K_ROPE differs", G, tbs(64), with(gatherBsnd(), 5, {kF16, {16, 128, 32}}), false,
+        "full_k_rope"});
+    cs.push_back({"gather zero-block k_rope unlike its cache", G, tbs(64), with(gatherBsnd(), 0, {kF16, {0, 64, 64}}),
+        false, "selection_k_rope"});
     cs.push_back({"gather status K+1", G, tbs(64), with(gatherBsnd(), 3, {kI32, {2, 2, 1, 4}}), false,
         "selection_kv_block_status"});
     cs.push_back({"gather full kv width", G, tbs(64), with(gatherBsnd(), 6, {kF16, {16, 128, 256}}), false,
@@ -1073,6 +1095,68 @@ void checkShapes()
         expectLoggedError(
             [&] { return runtimeOf(p.get())->enqueue(rin.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
             "onShapeChange", "ScatterPaKvCache: enqueue before onShapeChange returns an error");
+        auto with = [](std::vector<T> ts, size_t i, T t) {
+            ts[i] = t;
+            return ts;
+        };
+        // enqueue uses what onShapeChange validated: after a refused onShapeChange, or with
+        // other shapes than it accepted, it fails too.
+        auto rinBad = runtimeDescs(with(scatterNd(), 4, {kI32, {4}}));
+        expectLoggedError([&] { return runtimeOf(p.get())->onShapeChange(rinBad.data(), 5, rout.data(), 2) != 0; },
+            "slot_mapping", "ScatterPaKvCache: onShapeChange refuses a bad slot_mapping");
+        expectLoggedError(
+            [&] { return runtimeOf(p.get())->enqueue(rin.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
+            "onShapeChange", "ScatterPaKvCache: enqueue after a refused onShapeChange returns an error");
+        expect(runtimeOf(p.get())->onShapeChange(rin.data(), 5, rout.data(), 2) == 0,
+            "ScatterPaKvCache: onShapeChange accepts scatter nd");
+        auto rinOther = runtimeDescs(with(with(scatterNd(), 0, {kF16, {4, 2, 8}}), 4, {kI32, {4}}));
+        expectLoggedError(
+            [&] { return runtimeOf(p.get())->enqueue(rinOther.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
+            "onShapeChange accepted", "ScatterPaKvCache: enqueue with other shapes than onShapeChange's fails");
+    }
+    Fields none;
+    PluginPtr g = create("GatherSelectionKvCache", none);
+    if (g)
+    {
+        auto with = [](std::vector<T> ts, size_t i, T t) {
+            ts[i] = t;
+            return ts;
+        };
+        auto rin = runtimeDescs(gatherBsnd());
+        auto rout = runtimeDescs({{kF16, {8, 64, 64}}, {kF16, {8, 64, 512}}, {kI32, {2, 2, 1, 5}}, {kI32, {4}}});
+        void const* ins[10] = {};
+        void* outs[4] = {};
+        expectLoggedError(
+            [&] { return runtimeOf(g.get())->enqueue(rin.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
+            "onShapeChange", "GatherSelectionKvCache: enqueue before onShapeChange returns an error");
+        auto rinBad = runtimeDescs(with(gatherBsnd(), 2, {kI32, {3, 4}}));
+        expectLoggedError([&] { return runtimeOf(g.get())->onShapeChange(rinBad.data(), 10, rout.data(), 4) != 0; },
+            "R >= B*S*H", "GatherSelectionKvCache: onShapeChange refuses R < B*S");
+        expectLoggedError(
+            [&] { return runtimeOf(g.get())->enqueue(rin.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
+            "onShapeChange", "GatherSelectionKvCache: enqueue after a refused onShapeChange returns an error");
+        expect(runtimeOf(g.get())->onShapeChange(rin.data(), 10, rout.data(), 4) == 0,
+            "GatherSelectionKvCache: onShapeChange accepts gather BSND");
+        expectLoggedError(
+            [&] { return runtimeOf(g.get())->enqueue(rinBad.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
+            "onShapeChange accepted", "GatherSelectionKvCache: enqueue with other shapes than onShapeChange's fails");
+        // Workspace: one int32 per plan entry, B*S*K = the topk volume, BSND and TND alike
+        // (B=2, S=2, K=32, TBS=1: 512 bytes, not B*T*K*4 for TND).
+        Fields tbs1;
+        tbs1.i32("selection_topk_block_size", 1);
+        PluginPtr g1 = create("GatherSelectionKvCache", tbs1);
+        for (bool tnd : {false, true})
+        {
+            auto v = gatherBsnd();
+            v[3] = tnd ? T{kI32, {4, 1, 33}} : T{kI32, {2, 2, 1, 33}};
+            v[4] = tnd ? T{kI32, {4, 1, 32}} : T{kI32, {2, 2, 1, 32}};
+            std::vector<T> out;
+            bool const declared = g1 && declaredOutputs(g1.get(), v, out);
+            auto din = dynamicDescs(v);
+            auto dout = dynamicDescs(out);
+            expect(declared && buildOf(g1.get())->getWorkspaceSize(din.data(), 10, dout.data(), 4) == 512,
+                std::string("GatherSelectionKvCache: workspace B*S*K*4 for ") + (tnd ? "TND" : "BSND"));
+        }
     }
 }
 

@@ -6,8 +6,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstddef>
-#include <vector>
+#include <initializer_list>
 
 using pytrt_kv::kernels::GatherSelectionParams;
 using pytrt_kv::kernels::ScatterParams;
@@ -59,19 +60,24 @@ private:
     cudaError_t mStatus{cudaSuccess};
 };
 
-template <typename T>
-int32_t writeLayout(int64_t* out, int32_t capacity, std::vector<int64_t> const& values)
+//! Copies \p values to \p out (no allocation: called from extern "C").
+int32_t writeLayout(int64_t* out, int32_t capacity, std::initializer_list<int64_t> values)
 {
     if (out == nullptr || capacity < static_cast<int32_t>(values.size()))
     {
         return -1;
     }
-    for (size_t i = 0; i < values.size(); ++i)
+    int32_t n = 0;
+    for (int64_t const v : values)
     {
-        out[i] = values[i];
+        out[n++] = v;
     }
-    return static_cast<int32_t>(values.size());
+    return n;
 }
+
+//! Entries of the planning scratch of one row: 2*K + 1 for K <= 2048 (gatherPlan.h).
+constexpr int32_t kMAX_HOST_TOPK = 2048;
+constexpr size_t kPLAN_SCRATCH = 2 * static_cast<size_t>(kMAX_HOST_TOPK) + 1;
 
 //! What both launch entry points do: refuse a null \p params (recording \p nullMessage),
 //! make \p device current (see DeviceGuard), then run \p launch on \p stream.
@@ -119,7 +125,7 @@ int32_t pytrt_kv_params_layout(int32_t which, int64_t* out, int32_t capacity)
     if (which == 0)
     {
         using T = ScatterParams;
-        return writeLayout<T>(out, capacity,
+        return writeLayout(out, capacity,
             {static_cast<int64_t>(sizeof(T)), PYTRT_KV_OFF(T, key), PYTRT_KV_OFF(T, value),
                 PYTRT_KV_OFF(T, keyCache), PYTRT_KV_OFF(T, valueCache), PYTRT_KV_OFF(T, slotMapping),
                 PYTRT_KV_OFF(T, compressLens), PYTRT_KV_OFF(T, compressSeqOffsets), PYTRT_KV_OFF(T, seqLens),
@@ -132,7 +138,7 @@ int32_t pytrt_kv_params_layout(int32_t which, int64_t* out, int32_t capacity)
     if (which == 1)
     {
         using T = GatherSelectionParams;
-        return writeLayout<T>(out, capacity,
+        return writeLayout(out, capacity,
             {static_cast<int64_t>(sizeof(T)), PYTRT_KV_OFF(T, selectionKRope), PYTRT_KV_OFF(T, selectionKvCache),
                 PYTRT_KV_OFF(T, selectionKvBlockTable), PYTRT_KV_OFF(T, selectionKvBlockStatus),
                 PYTRT_KV_OFF(T, selectionTopkIndices), PYTRT_KV_OFF(T, fullKRope), PYTRT_KV_OFF(T, fullKvCache),
@@ -212,7 +218,7 @@ int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPe
     uint8_t* copy, int32_t* actualSeq, uint8_t* skipped)
 {
     pytrt_kv::kernels::clearLastError();
-    if (rows < 0 || topk < 0 || topk > 2048 || seqPerBatch < 1 || topkBlockSize < 1)
+    if (rows < 0 || topk < 0 || topk > kMAX_HOST_TOPK || seqPerBatch < 1 || topkBlockSize < 1)
     {
         return pytrt_kv::kernels::invalidArgument("gather_plan_rows_host: need rows >= 0, 0 <= K <= 2048, S >= 1, TBS >= 1");
     }
@@ -222,7 +228,8 @@ int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPe
     {
         return pytrt_kv::kernels::invalidArgument("gather_plan_rows_host: null array");
     }
-    std::vector<int32_t> scratch(2 * static_cast<size_t>(topk) + 1);
+    // A fixed array (16 KiB), not a heap allocation that could throw across extern "C".
+    std::array<int32_t, kPLAN_SCRATCH> scratch;
     for (int32_t r = 0; r < rows; ++r)
     {
         size_t const k = static_cast<size_t>(topk);

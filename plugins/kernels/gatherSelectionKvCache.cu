@@ -42,7 +42,6 @@ struct PlanArgs
     int32_t topkCount;
     int32_t tbs;
     int32_t rows;                // B*S
-    int32_t tableRows;           // R
 };
 
 __device__ __forceinline__ uint32_t hashId(int32_t v, uint32_t mask)
@@ -489,7 +488,11 @@ cudaError_t checkGather(GatherSelectionParams const& p)
 
 size_t getGatherSelectionWorkspaceSize(GatherSelectionParams const& params)
 {
-    int64_t const entries = planEntries(params);
+    return getGatherPlanWorkspaceSize(planEntries(params));
+}
+
+size_t getGatherPlanWorkspaceSize(int64_t entries)
+{
     if (entries <= 0)
     {
         return 0;
@@ -521,7 +524,6 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
     plan.topkCount = params.topk;
     plan.tbs = params.topkBlockSize;
     plan.rows = rows;
-    plan.tableRows = params.selectionRows;
     gatherPlanKernel<<<static_cast<unsigned>(params.selectionRows), kPLAN_THREADS, 0, stream>>>(plan);
     cudaError_t e = recordLaunch(cudaGetLastError(), "gatherPlanKernel");
     if (e != cudaSuccess || planEntries(params) == 0)

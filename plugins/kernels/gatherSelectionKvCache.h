@@ -53,6 +53,10 @@ struct GatherSelectionParams
 //! on pointers or values), so TensorRT can reserve it at build time.
 size_t getGatherSelectionWorkspaceSize(GatherSelectionParams const& params);
 
+//! The same for \p planEntries = B*S*K plan entries (the volume of the topk indices),
+//! without the other sizes: what the TensorRT plugin reserves from a profile's maxima.
+size_t getGatherPlanWorkspaceSize(int64_t planEntries);
+
 //! Enqueue one gather call on \p stream: no host synchronization, no allocation
 //! (capturable in a CUDA graph). Status rows and selectionKvActualSeq are written after
 //! every copy has read the old status. Ids whose table entries are out of range are

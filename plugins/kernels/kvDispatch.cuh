@@ -140,15 +140,13 @@ inline int groupSize(int64_t vectorsPerRow)
     return g;
 }
 
-//! Blocks for a grid-stride copy over \p tasks groups of \p group threads: enough to fill
-//! every SM (8 blocks of kBLOCK_THREADS each, more than can be resident), no more, so that
-//! tasks with nothing to copy (kept slots, padding) cost a loop iteration, not a block.
-inline int64_t copyGridSize(int64_t tasks, int32_t group);
-
 //! Vectors each lane keeps in flight: loads are all issued before the first store.
 constexpr int kUNROLL = 4;
 constexpr int kBLOCK_THREADS = 256;
 
+//! Blocks for a grid-stride copy over \p tasks groups of \p group threads: enough to fill
+//! every SM (8 blocks of kBLOCK_THREADS each, more than can be resident), no more, so that
+//! tasks with nothing to copy (kept slots, padding) cost a loop iteration, not a block.
 inline int64_t copyGridSize(int64_t tasks, int32_t group)
 {
     int64_t const groupsPerBlock = kBLOCK_THREADS / group;
@@ -156,11 +154,16 @@ inline int64_t copyGridSize(int64_t tasks, int32_t group)
     int device = 0;
     int sms = 0;
     // Both queries are cheap and allowed during stream capture; on failure fall back to a
-    // generous fixed cap (the kernels are grid-stride loops, any size is correct).
+    // generous fixed cap (the kernels are grid-stride loops, any size is correct). Only an
+    // error these queries caused is cleared: a caller's pending error is left for it.
+    bool const nonePending = cudaPeekAtLastError() == cudaSuccess;
     if (cudaGetDevice(&device) != cudaSuccess
         || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
     {
-        cudaGetLastError();
+        if (nonePending)
+        {
+            cudaGetLastError();
+        }
         sms = 256;
     }
     return needed < int64_t{8} * sms ? needed : int64_t{8} * sms;

@@ -190,11 +190,6 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterRunsKernel(RunArgs<Inde
     }
 }
 
-int64_t gridFor(int64_t tasks, int32_t group)
-{
-    return copyGridSize(tasks, group);
-}
-
 bool isByteMoverType(DataType t)
 {
     int32_t const size = dataTypeSize(t);
@@ -323,7 +318,7 @@ cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
     }
     int const width = mirrorRowsAndVectorWidth(a.rows, a.numTensors, &TokenRows::segBytes);
     a.group = groupSize(maxVectorsBytes / width);
-    int64_t const grid = gridFor(a.numTokens * a.numTensors, a.group);
+    int64_t const grid = copyGridSize(a.numTokens * a.numTensors, a.group);
     return dispatchVectorWidth(width, [&](auto w) {
         scatterTokensKernel<IndexT, decltype(w)::value>
             <<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
@@ -361,7 +356,7 @@ cudaError_t launchRuns(ScatterParams const& p, cudaStream_t stream)
     }
     int const width = mirrorRowsAndVectorWidth(a.rows, a.numTensors, &RunRows::rowBytes);
     a.group = groupSize(maxRowBytes / width);
-    int64_t const grid = gridFor(static_cast<int64_t>(a.batch) * a.heads * a.maxSeqLen * a.numTensors, a.group);
+    int64_t const grid = copyGridSize(static_cast<int64_t>(a.batch) * a.heads * a.maxSeqLen * a.numTensors, a.group);
     auto launch = [&](auto w, auto meanTag) {
         using MeanT = typename decltype(meanTag)::Type;
         scatterRunsKernel<IndexT, decltype(w)::value, MeanT>

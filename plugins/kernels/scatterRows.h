@@ -38,20 +38,22 @@ PYTRT_KV_HD CompressRun compressRun(CompressMode mode, int64_t seqLen, int64_t w
 {
     CompressRun run;
     // L > Smax would read past the padded key row: an invalid run writes nothing.
-    if (seqLen < 0 || seqLen > maxSeqLen || width < 0)
+    if (seqLen < 0 || seqLen > maxSeqLen)
     {
         return run;
     }
     run.seqLen = static_cast<int32_t>(seqLen);
-    run.width = static_cast<int32_t>(width);
     if (mode == CompressMode::kALIBI)
     {
-        if (width <= seqLen)
+        if (0 <= width && width <= seqLen)
         {
+            run.width = static_cast<int32_t>(width);
             run.rows = static_cast<int32_t>(width);
         }
         return run;
     }
+    // An uncompressed head (o == -1, w == 0 or o == L) writes L rows whatever w is
+    // (_scatter.py _run_rows; DECISIONS S3): w is only checked for a compressed head.
     run.compressed = !(offset == -1 || width == 0 || offset == seqLen);
     if (!run.compressed)
     {
@@ -59,12 +61,13 @@ PYTRT_KV_HD CompressRun compressRun(CompressMode mode, int64_t seqLen, int64_t w
         return run;
     }
     // Written as width > L - o so that garbage int64 values cannot overflow.
-    if (offset < 0 || width > seqLen - offset)
+    if (offset < 0 || width < 0 || width > seqLen - offset)
     {
         run.compressed = false;
         return run;
     }
     run.offset = static_cast<int32_t>(offset);
+    run.width = static_cast<int32_t>(width);
     run.rows = static_cast<int32_t>(mode == CompressMode::kROPE ? seqLen - width + 1 : seqLen - width);
     return run;
 }

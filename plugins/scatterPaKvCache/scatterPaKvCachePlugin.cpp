@@ -119,21 +119,22 @@ ScatterPaKvCachePlugin::ScatterPaKvCachePlugin(PluginFields fields)
 {
 }
 
-kernels::ScatterParams ScatterPaKvCachePlugin::describe(
-    Dims const* dims, DataType const* types, int32_t nbInputs, bool* hasOffsets) const
+ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
+    Dims const* dims, DataType const* types, int32_t nbInputs) const
 {
     check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS,
         "inputs: expected 5 (key, value, key_cache, value_cache, slot_mapping) or 8 (plus compress_lens, "
         "compress_seq_offsets, seq_lens), got ",
         nbInputs);
-    kernels::ScatterParams p{};
+    Shape shape{};
+    kernels::ScatterParams& p = shape.params;
     Dims const& key = dims[kIN_KEY];
     Dims const& value = dims[kIN_VALUE];
     Dims const& keyCache = dims[kIN_KEY_CACHE];
     Dims const& valueCache = dims[kIN_VALUE_CACHE];
     Dims const& slots = dims[kIN_SLOT_MAPPING];
     check(key.nbDims == 3 || key.nbDims == 4, "key: expected [T, H, Dk] or [B, Smax, H, Dk], got ",
-        dimsToString(key));
+        dimsText(key));
 
     p.keyType = kernelTypeOf(types[kIN_KEY], "key");
     p.indexType = kernelTypeOf(types[kIN_SLOT_MAPPING], "slot_mapping");
@@ -150,16 +151,16 @@ kernels::ScatterParams ScatterPaKvCachePlugin::describe(
     }
 
     // A key-only write passes both value tensors as zero-element placeholders.
-    bool const hasValue = !(isEmpty(value) && isEmpty(valueCache));
+    shape.hasValue = !(isEmpty(value) && isEmpty(valueCache));
+    bool const hasValue = shape.hasValue;
     p.valueType = hasValue ? kernelTypeOf(types[kIN_VALUE], "value") : p.keyType;
     int32_t const keySize = kernels::dataTypeSize(p.keyType);
     int32_t const valueSize = kernels::dataTypeSize(p.valueType);
-    *hasOffsets = false;
 
     if (key.nbDims == 3)
     {
         check(mCompressMode.empty(), "compress_mode: applies to a 4-D key only, got \"", mCompressMode,
-            "\" with key ", dimsToString(key));
+            "\" with key ", dimsText(key));
         p.compress = false;
         p.layout = parseLayout(mCacheLayout);
         int64_t const tokens = key.d[0];
@@ -172,7 +173,7 @@ kernels::ScatterParams ScatterPaKvCachePlugin::describe(
             check(isEmpty(dims[i]), kINPUT_NAMES[i],
                 ": compress tensors apply to a 4-D key; with a 3-D key they may only be zero-element "
                 "placeholders, got ",
-                dimsToString(dims[i]));
+                dimsText(dims[i]));
         }
         CacheGeometry const kg = checkLayoutCache(keyCache, p.layout, heads, headK, keySize, "key_cache");
         int64_t headV = 0;
@@ -187,8 +188,8 @@ kernels::ScatterParams ScatterPaKvCachePlugin::describe(
             headV = value.d[2];
             CacheGeometry const vg = checkLayoutCache(valueCache, p.layout, heads, headV, valueSize, "value_cache");
             check(sameOrUnknown(vg.numBlocks, kg.numBlocks) && sameOrUnknown(vg.blockSize, kg.blockSize),
-                "value_cache: expected NB and BS of key_cache ", dimsToString(keyCache), ", got ",
-                dimsToString(valueCache));
+                "value_cache: expected NB and BS of key_cache ", dimsText(keyCache), ", got ",
+                dimsText(valueCache));
         }
         p.numTokens = tokens;
         p.numHeads = known(heads) ? toInt32(heads, "key dim 1 (H)") : -1;
@@ -196,12 +197,12 @@ kernels::ScatterParams ScatterPaKvCachePlugin::describe(
         p.headSizeV = known(headV) ? toInt32(headV, "value dim 2 (Dv)") : -1;
         p.numBlocks = kg.numBlocks;
         p.blockSize = known(kg.blockSize) ? toInt32(kg.blockSize, "key_cache block size") : -1;
-        return p;
+        return shape;
     }
 
     // 4-D key: the compressing write, OPS.md S6.
     check(mCacheLayout.empty(), "cache_layout: applies to a 3-D key only, got \"", mCacheLayout, "\" with key ",
-        dimsToString(key));
+        dimsText(key));
     check(nbInputs == kNB_INPUTS_COMPRESS,
         "inputs: a 4-D key needs 8 inputs (compress_lens, compress_seq_offsets, seq_lens), got ", nbInputs);
     p.compress = true;
@@ -242,22 +243,23 @@ kernels::ScatterParams ScatterPaKvCachePlugin::describe(
     Dims const& offsets = dims[kIN_COMPRESS_SEQ_OFFSETS];
     checkRank(offsets, 1, "compress_seq_offsets");
     int64_t const pairs = known(batch) && known(heads) ? batch * heads : -1;
-    *hasOffsets = !isEmpty(offsets);
-    if (*hasOffsets)
+    shape.hasOffsets = !isEmpty(offsets);
+    bool const hasOffsets = shape.hasOffsets;
+    if (hasOffsets)
     {
         checkDim(offsets, 0, pairs, "compress_seq_offsets", "B*H, or 0 when absent");
     }
     if (mCompressMode.empty())
     {
-        p.mode = *hasOffsets ? kernels::CompressMode::kROPE : kernels::CompressMode::kALIBI;
+        p.mode = hasOffsets ? kernels::CompressMode::kROPE : kernels::CompressMode::kALIBI;
     }
     else
     {
         p.mode = mCompressMode == "rope" ? kernels::CompressMode::kROPE
             : mCompressMode == "omni"    ? kernels::CompressMode::kOMNI
                                          : kernels::CompressMode::kALIBI;
-        check(p.mode == kernels::CompressMode::kALIBI || *hasOffsets || pairs == 0, "compress_seq_offsets: ",
-            "compress_mode \"", mCompressMode, "\" needs compress_seq_offsets [B*H], got ", dimsToString(offsets));
+        check(p.mode == kernels::CompressMode::kALIBI || hasOffsets || pairs == 0, "compress_seq_offsets: ",
+            "compress_mode \"", mCompressMode, "\" needs compress_seq_offsets [B*H], got ", dimsText(offsets));
     }
     if (p.mode == kernels::CompressMode::kROPE)
     {
@@ -271,7 +273,7 @@ kernels::ScatterParams ScatterPaKvCachePlugin::describe(
     p.headSizeV = known(headV) ? toInt32(headV, "value dim 3 (Dv)") : -1;
     p.numBlocks = keyCache.d[0];
     p.blockSize = known(keyCache.d[1]) ? toInt32(keyCache.d[1], "key_cache dim 1 (BS)") : -1;
-    return p;
+    return shape;
 }
 
 int32_t ScatterPaKvCachePlugin::configurePlugin(
@@ -290,10 +292,9 @@ int32_t ScatterPaKvCachePlugin::configurePlugin(
             dims[i] = in[i].desc.dims;
             types[i] = in[i].desc.type;
         }
-        bool hasOffsets{false};
-        describe(dims.data(), types.data(), nbInputs, &hasOffsets);
+        Shape const shape = describe(dims.data(), types.data(), nbInputs);
         mNbInputs = nbInputs;
-        mValueAbsent = isEmpty(dims[kIN_VALUE]) && isEmpty(dims[kIN_VALUE_CACHE]);
+        mValueAbsent = !shape.hasValue;
         return 0;
     }
     catch (std::exception const& e)
@@ -399,6 +400,7 @@ int32_t ScatterPaKvCachePlugin::getAliasedInput(int32_t outputIndex) noexcept
 int32_t ScatterPaKvCachePlugin::onShapeChange(
     PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
+    mShapeReady = false;
     try
     {
         check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
@@ -412,11 +414,13 @@ int32_t ScatterPaKvCachePlugin::onShapeChange(
             dims[i] = in[i].dims;
             types[i] = in[i].type;
             check(volume(in[i].dims) >= 0, kINPUT_NAMES[i], ": expected known dims at run time, got ",
-                dimsToString(in[i].dims));
+                dimsText(in[i].dims));
         }
-        bool hasOffsets{false};
-        describe(dims.data(), types.data(), nbInputs, &hasOffsets);
+        mShape = describe(dims.data(), types.data(), nbInputs);
+        mDims = dims;
+        mTypes = types;
         mNbInputs = nbInputs;
+        mShapeReady = true;
         return 0;
     }
     catch (std::exception const& e)
@@ -433,18 +437,15 @@ int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
     {
         check(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
             "enqueue: null arguments");
-        check(mNbInputs == kNB_INPUTS_BASIC || mNbInputs == kNB_INPUTS_COMPRESS,
-            "enqueue: called before onShapeChange told the input count");
-        std::array<Dims, kNB_INPUTS_COMPRESS> dims{};
-        std::array<DataType, kNB_INPUTS_COMPRESS> types{};
+        check(mShapeReady, "enqueue: called before onShapeChange accepted the input shapes");
+        // The shapes were validated by onShapeChange: only make sure these are the same.
         for (int32_t i = 0; i < mNbInputs; ++i)
         {
-            dims[i] = inputDesc[i].dims;
-            types[i] = inputDesc[i].type;
+            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ",
+                kINPUT_NAMES[i], " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type),
+                ", not the ", dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
         }
-        bool hasOffsets{false};
-        kernels::ScatterParams p = describe(dims.data(), types.data(), mNbInputs, &hasOffsets);
-        bool const hasValue = !(isEmpty(dims[kIN_VALUE]) && isEmpty(dims[kIN_VALUE_CACHE]));
+        bool const hasValue = mShape.hasValue;
 
         // Functional ONNX form, in-place execution: the outputs must first hold the
         // inputs when TensorRT (or the caller) bound them to different addresses.
@@ -456,6 +457,7 @@ int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
                 cudaGetErrorName(st));
         }
 
+        kernels::ScatterParams p = mShape.params;
         p.key = inputs[kIN_KEY];
         p.value = hasValue ? inputs[kIN_VALUE] : nullptr;
         p.keyCache = outputs[kOUT_KEY_CACHE];
@@ -464,7 +466,7 @@ int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         if (p.compress)
         {
             p.compressLens = inputs[kIN_COMPRESS_LENS];
-            p.compressSeqOffsets = hasOffsets ? inputs[kIN_COMPRESS_SEQ_OFFSETS] : nullptr;
+            p.compressSeqOffsets = mShape.hasOffsets ? inputs[kIN_COMPRESS_SEQ_OFFSETS] : nullptr;
             p.seqLens = inputs[kIN_SEQ_LENS];
         }
         cudaError_t const st = kernels::launchScatterPaKvCache(p, stream);

@@ -18,6 +18,7 @@
 #include "pluginFields.h"
 #include "scatterPaKvCache.h"
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -56,12 +57,18 @@ public:
     ScatterPaKvCachePlugin(ScatterPaKvCachePlugin const&) = default;
     ~ScatterPaKvCachePlugin() override = default;
 
-    //! The kernel parameters for these input dims and dtypes, without pointers. Throws
-    //! PluginError for any broken OPS.md shape/dtype rule; dims of -1 (build time)
-    //! are checked only once known. \p hasOffsets tells whether compress_seq_offsets
-    //! is present (not a zero-element placeholder).
-    kernels::ScatterParams describe(
-        nvinfer1::Dims const* dims, nvinfer1::DataType const* types, int32_t nbInputs, bool* hasOffsets) const;
+    //! What describe() finds: the kernel parameters without pointers, and which optional
+    //! inputs are present (not zero-element placeholders).
+    struct Shape
+    {
+        kernels::ScatterParams params{};
+        bool hasValue{false};   //!< value/value_cache present (else a key-only write)
+        bool hasOffsets{false}; //!< compress_seq_offsets present
+    };
+
+    //! The kernel parameters for these input dims and dtypes. Throws PluginError for any
+    //! broken OPS.md shape/dtype rule; dims of -1 (build time) are checked only once known.
+    Shape describe(nvinfer1::Dims const* dims, nvinfer1::DataType const* types, int32_t nbInputs) const;
 
     // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
@@ -89,6 +96,12 @@ private:
     bool mAliasIo{true};
     //! Input count seen by configurePlugin/onShapeChange (enqueue is not told).
     int32_t mNbInputs{0};
+    //! Set by a successful onShapeChange: the shapes it validated and what describe()
+    //! made of them; enqueue only fills in the pointers.
+    bool mShapeReady{false};
+    Shape mShape{};
+    std::array<nvinfer1::Dims, kNB_INPUTS_COMPRESS> mDims{};
+    std::array<nvinfer1::DataType, kNB_INPUTS_COMPRESS> mTypes{};
     //! configurePlugin saw a key-only write: value_cache is a zero-element placeholder
     //! (often a constant), which is not declared as an alias.
     bool mValueAbsent{false};
