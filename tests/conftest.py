@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,21 @@ def trt_include_dir() -> Path | None:
     if root:
         return Path(root) / "include"
     return None
+
+
+def polygraphy_command() -> list[str]:
+    """The command that runs Polygraphy's CLI with this interpreter's installation.
+
+    Never a ``polygraphy`` found on PATH: that may belong to another environment (or be
+    there only because someone installed it by hand), and the test command does not put
+    its virtual environment on PATH. The console script beside ``sys.executable`` is the
+    one pip installed with the test extra; without it, the same entry point
+    (``polygraphy.tools:main``; Polygraphy has no ``python -m polygraphy``).
+    """
+    script = Path(sys.executable).with_name("polygraphy")
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from polygraphy.tools import main; sys.exit(main())"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from onnx_export.example import ExampleSizes, build_example_model
 from pytrt_kv import runtime
 from pytrt_kv.polygraphy import data_loader
 
+from conftest import polygraphy_command
 from test_onnx_ops import gather_skeleton
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,9 +51,7 @@ def _env(tmp_path: Path) -> dict:
 
 
 def _polygraphy(args, tmp_path):
-    exe = shutil.which("polygraphy")
-    cmd = [exe] if exe else [sys.executable, "-m", "polygraphy"]
-    return subprocess.run(cmd + [str(a) for a in args], cwd=tmp_path, env=_env(tmp_path),
+    return subprocess.run(polygraphy_command() + [str(a) for a in args], cwd=tmp_path, env=_env(tmp_path),
                           capture_output=True, text=True, timeout=120)
 
 

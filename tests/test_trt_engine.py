@@ -19,6 +19,8 @@ from onnx_export import single_op_model
 from pytrt_kv import runtime
 from pytrt_kv.polygraphy.data_loader import make_feeds
 
+from conftest import polygraphy_command
+
 pytestmark = pytest.mark.trt
 
 
@@ -292,7 +294,6 @@ def test_polygraphy_cli_compares_with_the_reference(tmp_path):
     """``polygraphy run --trt --plugins <autoreg> --pytrt-kv-ref`` in its own process
     (the autoreg library must not share a process with the loader one)."""
     import os
-    import shutil
     import subprocess
 
     from pytrt_kv import _lib
@@ -300,9 +301,7 @@ def test_polygraphy_cli_compares_with_the_reference(tmp_path):
 
     model = scatter_model("nd", "float16", "int32")
     path = _save(model, tmp_path)
-    exe = shutil.which("polygraphy")
-    assert exe, "polygraphy is a test dependency (pip install '.[test]')"
-    cmd = [exe, "run", str(path), "--trt", "--strongly-typed", "--pytrt-kv-ref",
+    cmd = [*polygraphy_command(), "run", str(path), "--trt", "--strongly-typed", "--pytrt-kv-ref",
            "--plugins", str(_lib.require(_lib.PLUGINS_AUTOREG_LIB)),
            "--preview-features", "ALIASED_PLUGIN_IO_10_03",
            "--data-loader-script", data_loader.__file__, "--atol", "0", "--rtol", "0"]
