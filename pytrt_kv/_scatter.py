@@ -513,13 +513,16 @@ def check_scatter_values(meta: ScatterMeta, slot_mapping: np.ndarray,
         offsets = _as_index("compress_seq_offsets", compress_seq_offsets,
                             (meta.batch * meta.num_heads,)).reshape(shape_bh)
 
-    bad = np.argwhere(base >= n_slots)
+    rows = _run_rows(meta, base, lens, offsets, seq)
+    # docs/SPEC.md S7: a run of zero rows (omni with L - w == 0, alibi with w == 0,
+    # L == 0) writes nothing, so its base slot is not checked.
+    bad = np.argwhere((rows > 0) & (base >= n_slots))
     if bad.size:
         b, h = (int(i) for i in bad[0])
         raise value_error("slot_mapping", f"every row of a run < NB*BS = {n_slots}",
                           f"slot_mapping[{b}, {h}] = {base[b, h]} for (b, h) = ({b}, {h})")
-    rows = _run_rows(meta, base, lens, offsets, seq)
-    end = base + rows  # base < NB*BS and rows <= Smax + 1: no overflow
+    # Live runs have base < NB*BS and rows <= Smax + 1: no overflow; empty runs end at 0.
+    end = np.where(rows > 0, np.minimum(base, n_slots) + rows, 0)
     bad = np.argwhere((rows > 0) & (end > n_slots))
     if bad.size:
         b, h = (int(i) for i in bad[0])

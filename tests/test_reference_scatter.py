@@ -537,6 +537,42 @@ def test_adjacent_runs_are_allowed(rng):
     assert_same_bytes(cache, want)
 
 
+@pytest.mark.parametrize("mode,seq_len,width,offset", [
+    ("omni", 3, 3, 0),      # L - w == 0
+    ("alibi", 3, 0, 0),     # w == 0
+    ("rope", 0, 0, 0),      # L == 0
+    ("omni", 0, 0, -1),     # L == 0, uncompressed
+])
+@pytest.mark.parametrize("base", [16, 17, 2 ** 62])
+def test_zero_row_run_base_is_not_checked(rng, mode, seq_len, width, offset, base):
+    """docs/SPEC.md S7: a run of zero rows writes nothing, so a base >= NB*BS is no error;
+    the other run is still written as usual."""
+    key = random_floats(rng, (2, 4, 1, 4), "float16")
+    cache = random_bits(rng, (4, 4, 1, 4), "float16")        # NB*BS = 16
+    slots = np.array([[base], [5]], np.int64)
+    lens = np.array([[width], [1]], np.int64)
+    offsets = np.array([offset, 1], np.int64)
+    seq = np.array([seq_len, 3], np.int64)
+    want = expected_runs(mode, key, cache, np.array([[-1], [5]], np.int64), lens,
+                         None if mode == "alibi" else offsets, seq)
+    scatter_pa_kv_cache(key, None, cache, None, slots, compress_lens=lens,
+                        compress_seq_offsets=None if mode == "alibi" else offsets,
+                        seq_lens=seq, compress_mode=mode)
+    assert_same_bytes(cache, want)
+
+
+def test_one_row_run_base_is_still_checked(rng):
+    """The S7 exemption is for empty runs only: one row at NB*BS is refused."""
+    key = random_floats(rng, (1, 4, 1, 4), "float16")
+    cache = random_bits(rng, (4, 4, 1, 4), "float16")
+    before = cache.copy()
+    with pytest.raises(ValueError, match=r"slot_mapping\[0, 0\] = 16"):
+        scatter_pa_kv_cache(key, None, cache, None, np.array([[16]], np.int64),
+                            compress_lens=np.array([[1]], np.int64),
+                            seq_lens=np.array([3], np.int64), compress_mode="alibi")
+    assert_same_bytes(cache, before)
+
+
 # --- validation: one test per rule -----------------------------------------------------------
 
 
