@@ -131,11 +131,28 @@ def kernels() -> ctypes.CDLL:
         return _KERNELS
 
 
+#: cudaErrorStubLibrary, cudaErrorInsufficientDriver, cudaErrorNoDevice: what the runtime
+#: returns when there is no driver or no GPU.
+_NO_GPU_CODES = (34, 35, 100)
+
+
 def check_status(code: int, what: str) -> None:
     """Raise for a non-zero cudaError_t: ValueError for cudaErrorInvalidValue (a refused
-    argument, with the library's reason), RuntimeError otherwise."""
+    argument, with the library's reason), RuntimeError otherwise ("no CUDA driver / GPU"
+    when that is the cause)."""
     if code == 0:
         return
+    if code in _NO_GPU_CODES:
+        # Without a driver the runtime says "driver version is insufficient", which sends
+        # users looking for a driver update; say what is missing instead.
+        from .info import cuda_devices
+
+        names, detail = cuda_devices()
+        if not names:
+            raise RuntimeError(
+                f"{what}: {detail}. pytrt_kv.ops needs an NVIDIA GPU and its driver; the "
+                f"NumPy reference (pytrt_kv.reference) and the CPU runtime "
+                f"(pytrt_kv.runtime) work without one")
     lib = kernels()
     detail = (lib.pytrt_kv_get_last_error() or b"").decode(errors="replace")
     text = (lib.pytrt_kv_error_string(code) or b"").decode(errors="replace")

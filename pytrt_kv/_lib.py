@@ -1,8 +1,14 @@
 """Find the shared libraries that ship inside the package (pytrt_kv/lib).
 
 Search order: the folder named by ``PYTRT_KV_LIB_DIR``, then the package's own ``lib``
-folder (importlib.resources). A miss raises FileNotFoundError that lists every path
-searched and, when the package was built without CUDA or TensorRT headers, why.
+folder (importlib.resources), then the ``lib`` folder of the installed ``pytrt-kv``
+distribution when that is elsewhere. The last one matters when Python imports pytrt_kv
+from a source checkout (the current directory comes first on ``sys.path``, e.g.
+``python -m pytrt_kv info`` in the repository root): the source tree holds no built
+libraries, but the installed ones are still found and used. A miss raises
+FileNotFoundError that lists every path searched, says when the imported package is a
+source tree without libraries, and, when the package was built without CUDA or
+TensorRT headers, why.
 """
 
 from __future__ import annotations
@@ -30,12 +36,34 @@ def _package_lib_dir() -> Path:
     return Path(str(resources.files("pytrt_kv").joinpath("lib")))
 
 
+#: Distribution name of the project (pyproject.toml).
+DIST_NAME = "pytrt-kv"
+
+
+def installed_lib_dir() -> Optional[Path]:
+    """``lib`` folder of the installed ``pytrt-kv`` distribution, or None (not installed,
+    or installed without libraries)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(DIST_NAME)
+    except metadata.PackageNotFoundError:
+        return None
+    path = Path(str(dist.locate_file("pytrt_kv/lib")))
+    return path if path.is_dir() else None
+
+
 def search_dirs() -> List[Path]:
+    """Folders searched for the libraries, in order (see the module docstring)."""
     dirs = []
     env = os.environ.get(LIB_DIR_ENV)
     if env:
         dirs.append(Path(env))
-    dirs.append(_package_lib_dir())
+    own = _package_lib_dir()
+    dirs.append(own)
+    installed = installed_lib_dir()
+    if installed is not None and installed.resolve() != own.resolve():
+        dirs.append(installed)
     return dirs
 
 
@@ -72,6 +100,10 @@ def require(filename: str) -> Path:
         why = f" This installation was built without CUDA: {info['no_cuda_reason']}."
     elif filename != KERNELS_LIB and info.get("no_plugins_reason"):
         why = f" The plugins were not built: {info['no_plugins_reason']}."
+    own = _package_lib_dir()
+    if not own.is_dir():
+        why += (f" The imported pytrt_kv ({own.parent}) has no lib folder: it is a source "
+                f"tree, and no installed {DIST_NAME} with libraries was found.")
     raise FileNotFoundError(
         f"{filename} not found; searched {searched}.{why} Reinstall with nvcc on PATH "
         f"(and -DTensorRT_INCLUDE_DIR for the plugins), or point {LIB_DIR_ENV} at a "

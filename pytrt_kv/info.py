@@ -38,17 +38,26 @@ def package_versions() -> Dict[str, str]:
     return out
 
 
+#: Start of every "no driver or no GPU" detail of :func:`cuda_devices`, also used in the
+#: errors of ``pytrt_kv.ops`` (instead of the runtime's "driver version is insufficient").
+NO_GPU = "no CUDA driver / GPU"
+
+
 def cuda_devices() -> Tuple[List[str], str]:
-    """Names of the CUDA GPUs, through the driver API alone (no toolkit needed)."""
+    """Names of the CUDA GPUs, through the driver API alone (no toolkit needed), and a
+    one-line detail: the driver version, or why there is no GPU (starting with
+    :data:`NO_GPU`)."""
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return [], "no CUDA driver (libcuda.so.1 not found)"
-    if cuda.cuInit(0) != 0:
-        return [], "CUDA driver present but cuInit failed (no usable GPU)"
+        return [], f"{NO_GPU}: libcuda.so.1 (the NVIDIA driver) not found"
+    rc = cuda.cuInit(0)
+    if rc != 0:
+        return [], f"{NO_GPU}: the driver is installed but cuInit failed with CUresult " \
+                   f"{rc} (no usable GPU)"
     count = ctypes.c_int(0)
     if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return [], "cuDeviceGetCount failed"
+        return [], f"{NO_GPU}: cuDeviceGetCount failed"
     names = []
     for i in range(count.value):
         dev = ctypes.c_int(0)
@@ -58,7 +67,10 @@ def cuda_devices() -> Tuple[List[str], str]:
         names.append(buf.value.decode(errors="replace"))
     drv = ctypes.c_int(0)
     cuda.cuDriverGetVersion(ctypes.byref(drv))
-    return names, f"driver API {drv.value // 1000}.{drv.value % 1000 // 10}"
+    version = f"driver API {drv.value // 1000}.{drv.value % 1000 // 10}"
+    if not names:
+        return [], f"{NO_GPU}: the driver ({version}) reports no GPU"
+    return names, version
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
     for lib in (_lib.KERNELS_LIB, _lib.PLUGINS_LIB, _lib.PLUGINS_AUTOREG_LIB):
         p = _lib.find(lib)
         print(f"  {lib:<34} {p if p else 'not found'}")
+    own = _lib._package_lib_dir()
+    if not own.is_dir():
+        installed = _lib.installed_lib_dir()
+        print(f"  note: pytrt_kv is imported from the source tree {own.parent}; "
+              + (f"libraries come from the installed distribution ({installed})" if installed
+                 else f"no installed {_lib.DIST_NAME} with libraries was found"))
 
     print("\nGPU:")
     names, detail = cuda_devices()
