@@ -53,6 +53,13 @@ Decisions where OPS.md is silent (the reference raises ``ValueError`` unless not
     selected); only then is slot n-1 reserved. A processed row with no valid id ends
     with status all -1 and ``status[K] = 0`` (and returns 0).
 12. Rows are planned from the old status of every row before anything is written.
+13. An argument that shares memory with a tensor the op writes (``selection_k_rope``,
+    ``selection_kv_cache``, ``selection_kv_block_status``; the eager GPU API's ``out``
+    too), e.g. a status overlapping the top-k table or a full cache overlapping the
+    selection cache, is refused up front naming both (``pytrt_kv._alias``).
+    ``full_q_actual_seq`` is never read and is exempt.
+14. Every range rule is checked per id and per slot before any array of per-token
+    indices is built, so a refused call allocates nothing in proportion to TBS.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import specs
+from ._alias import array_range, check_no_alias
 from ._errors import describe, type_error, value_error
 from .dtypes import name_of
 
@@ -76,6 +84,12 @@ _ARG_NAMES = (
     "selection_kv_block_status", "selection_topk_indices", "full_k_rope", "full_kv_cache",
     "full_kv_block_table", "full_kv_actual_seq", "full_q_actual_seq",
 )
+
+#: The arguments a gather writes in place (the eager GPU API adds its ``out``).
+GATHER_WRITTEN = ("selection_k_rope", "selection_kv_cache", "selection_kv_block_status")
+#: Every argument the op reads or writes: full_q_actual_seq is never read, so it may
+#: share memory with anything.
+GATHER_READ_OR_WRITTEN = tuple(n for n in _ARG_NAMES if n != "full_q_actual_seq")
 
 
 @dataclass(frozen=True)
@@ -540,24 +554,28 @@ def check_gather_values(meta: GatherMeta, *, selection_kv_block_table: np.ndarra
         plans.append(plan)
         if plan.skipped:
             continue
-        eff = kv_lens[b] - (meta.seq - 1 - s)
-        slot, src_pos, dst_q = _row_tokens(plan, eff, tbs)
-
-        src_col = src_pos // fbs
+        # SBS and FBS are multiples of TBS (G2), so the tokens of one id lie in one column
+        # of full_kv_block_table and those of one slot in one column of its selection
+        # table row: the ranges are checked per id, before any per-token array exists
+        # (a huge TBS must not allocate for tokens that are refused anyway).
+        slot = np.flatnonzero(plan.copy).astype(np.int64)
+        ids = plan.status[slot].astype(np.int64)
+        src_col = ids * tbs // fbs
         bad = np.flatnonzero(src_col >= meta.full_max_block_num)
         if bad.size:  # unreachable after the capacity rule; kept as a guard
             k = bad[0]
             raise value_error(f"selection_topk_indices row {r}", f"ids whose tokens lie in "
                               f"the {meta.full_max_block_num} columns of full_kv_block_table",
-                              f"id {src_pos[k] // tbs} needing column {src_col[k]}")
+                              f"id {ids[k]} needing column {src_col[k]}")
         src_blk = full_table[b, src_col]
         bad = np.flatnonzero((src_blk < 0) | (src_blk >= meta.full_block_num))
         if bad.size:
             k = bad[0]
             raise value_error(f"full_kv_block_table[{b}, {src_col[k]}]",
                               f"a block in [0, F_BLOCK_NUM = {meta.full_block_num}) (read "
-                              f"for id {src_pos[k] // tbs} of row {r})", int(src_blk[k]))
+                              f"for id {ids[k]} of row {r})", int(src_blk[k]))
 
+        dst_q = slot * tbs
         dst_col = dst_q // sbs
         dst_blk = sel_table[r, dst_col]
         bad = np.flatnonzero((dst_blk < 0) | (dst_blk >= meta.sel_block_num))
@@ -566,6 +584,8 @@ def check_gather_values(meta: GatherMeta, *, selection_kv_block_table: np.ndarra
             raise value_error(f"selection_kv_block_table[{r}, {dst_col[k]}]",
                               f"a block in [0, S_BLOCK_NUM = {meta.sel_block_num}) (written "
                               f"for slot {slot[k]})", int(dst_blk[k]))
+        # A slot writes at most TBS tokens from a TBS-aligned offset of its block: two
+        # slots' writes overlap exactly when their first tokens share an address.
         written.append((r, slot, dst_blk.astype(np.int64) * sbs + dst_q % sbs))
 
     _check_no_write_collision(written)
@@ -639,7 +659,14 @@ def gather_selection_kv_cache(selection_k_rope: np.ndarray, selection_kv_cache: 
     Raises
     ------
     TypeError, ValueError
-        See :func:`check_gather` and :func:`check_gather_values`.
+        See :func:`check_gather` and :func:`check_gather_values`; also ValueError for
+        an argument sharing memory with one the op writes (naming both).
+
+    Notes
+    -----
+    Not synchronized: calls that update the same selection caches and status (from
+    several threads, or interleaved with GPU work on the same memory) must be
+    serialized by the caller.
 
     Examples
     --------
@@ -675,6 +702,9 @@ def gather_selection_kv_cache(selection_k_rope: np.ndarray, selection_kv_cache: 
     for name, x in outputs:
         if not x.flags.writeable:
             raise value_error(name, "a writeable array (updated in place)", "read-only")
+    named = dict(zip(_ARG_NAMES, args))
+    check_no_alias({name: array_range(named[name]) for name in GATHER_READ_OR_WRITTEN},
+                   GATHER_WRITTEN, named)
     plans = check_gather_values(
         meta, selection_kv_block_table=selection_kv_block_table,
         selection_kv_block_status=selection_kv_block_status,

@@ -22,6 +22,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import specs
+from ._alias import array_range, check_no_alias
 from ._errors import describe, type_error, value_error
 from .dtypes import name_of, numpy_dtype
 
@@ -32,6 +33,9 @@ __all__ = ["ScatterMeta", "check_scatter", "check_scatter_values", "scatter_pa_k
 _BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 
 _COMPRESS_ARGS = ("compress_lens", "compress_seq_offsets", "seq_lens")
+
+#: The arguments a scatter writes: no other argument may share their memory.
+SCATTER_WRITTEN = ("key_cache", "value_cache")
 
 
 @dataclass(frozen=True)
@@ -568,10 +572,7 @@ def _check_numpy(args: dict) -> None:
         if not x.flags.writeable:
             raise value_error(arg, "a writeable NumPy array (it is updated in place)",
                               f"a read-only {describe(x)}")
-    kc, vc = args["key_cache"], args["value_cache"]
-    if vc is not None and np.may_share_memory(kc, vc):
-        raise value_error("value_cache", "memory separate from key_cache",
-                          "an array overlapping key_cache")
+    check_no_alias({arg: array_range(x) for arg, x in args.items()}, SCATTER_WRITTEN, args)
 
 
 def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray,
@@ -675,7 +676,14 @@ def scatter_pa_kv_cache(key: np.ndarray, value: Optional[np.ndarray], key_cache:
         An argument is not a NumPy array or has an unsupported dtype.
     ValueError
         Any other rule of OPS.md S (shapes, slots out of range or duplicated, S6
-        constraints, overlapping runs, caches not writeable or not C-contiguous).
+        constraints, overlapping runs, caches not writeable or not C-contiguous), or an
+        argument sharing memory with a cache (e.g. a ``value`` that views
+        ``value_cache``, or the two caches overlapping); the message names both.
+
+    Notes
+    -----
+    Not synchronized: calls that update the same caches (from several threads, or
+    interleaved with a GPU op on the same memory) must be serialized by the caller.
 
     Examples
     --------

@@ -43,9 +43,10 @@ import numpy as np
 
 from . import _cuda
 from ._cuda import Buffer
+from ._alias import buffer_range, check_no_alias
 from ._errors import describe, value_error
-from ._gather import check_gather, check_gather_values
-from ._scatter import check_scatter, check_scatter_values
+from ._gather import GATHER_WRITTEN, check_gather, check_gather_values
+from ._scatter import SCATTER_WRITTEN, check_scatter, check_scatter_values
 
 __all__ = ["scatter_pa_kv_cache", "gather_selection_kv_cache", "gather_workspace_size",
            "prepare_scatter", "prepare_gather", "Launch"]
@@ -91,6 +92,13 @@ def _place(bufs: Dict[str, Optional[Buffer]], host_ok: tuple = ()) -> int:
     return device
 
 
+def _check_alias(bufs: Dict[str, Optional[Buffer]], written: tuple) -> None:
+    """The reference's aliasing rule (pytrt_kv._alias) on the addresses the kernel uses:
+    placed buffers are dense, so their byte ranges are exact."""
+    check_no_alias({k: (None if b is None else buffer_range(b.ptr, b.nbytes))
+                    for k, b in bufs.items()}, written)
+
+
 def _ptr(buf: Optional[Buffer]) -> Optional[int]:
     return None if buf is None or buf.nbytes == 0 else buf.ptr
 
@@ -122,9 +130,17 @@ def scatter_pa_kv_cache(key: Any, value: Any, key_cache: Any, value_cache: Any,
     Raises
     ------
     ValueError, TypeError
-        Shapes, dtypes, placement or contiguity (and index values with validate=True).
+        Shapes, dtypes, placement or contiguity (and index values with validate=True);
+        ValueError naming both arguments when an argument shares memory with a cache.
     FileNotFoundError
         The kernel library is not installed.
+    RuntimeError
+        No CUDA driver or GPU (the message says so), or another CUDA error.
+
+    Notes
+    -----
+    Not synchronized: calls on the same caches from several threads or streams must be
+    serialized by the caller (one stream, or events between them).
     """
     launch = prepare_scatter(key, value, key_cache, value_cache, slot_mapping,
                              compress_lens=compress_lens,
@@ -171,6 +187,7 @@ def prepare_scatter(key: Any, value: Any, key_cache: Any, value_cache: Any,
                          bufs["compress_seq_offsets"], bufs["seq_lens"], cache_layout,
                          compress_mode)
     device = _place(bufs)
+    _check_alias(bufs, SCATTER_WRITTEN)
     handle = _cuda.resolve_stream(stream, list(named.values()), device)
     if validate:
         idx = {k: (None if bufs[k] is None else _cuda.read_back(bufs[k], handle))
@@ -276,6 +293,17 @@ def gather_selection_kv_cache(selection_k_rope: Any, selection_kv_cache: Any,
     Returns
     -------
     GPU int32 ``[R]``: selection_kv_actual_seq (``out`` when given).
+
+    Raises
+    ------
+    ValueError, TypeError
+        As :func:`scatter_pa_kv_cache`; an ``out`` or a selection cache/status that
+        shares memory with another argument is refused naming both.
+
+    Notes
+    -----
+    Not synchronized: calls on the same selection caches and status from several threads
+    or streams must be serialized by the caller.
     """
     return prepare_gather(selection_k_rope, selection_kv_cache, selection_kv_block_table,
                           selection_kv_block_status, selection_topk_indices, full_k_rope,
@@ -309,6 +337,7 @@ def prepare_gather(selection_k_rope: Any, selection_kv_cache: Any,
         if out_buf.shape != (meta.rows,) or out_buf.dtype != np.dtype(np.int32):
             raise value_error("out", f"int32[{meta.rows}]", describe(out_buf))
     device = _place(placed, host_ok=("full_k_rope", "full_kv_cache"))
+    _check_alias(placed, GATHER_WRITTEN + ("out",))
     handle = _cuda.resolve_stream(stream, list(named.values()), device)
     if out_buf is None:
         out = _new_output(bufs["selection_kv_cache"], meta.rows, device)
