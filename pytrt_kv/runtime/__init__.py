@@ -6,6 +6,11 @@ cache inputs, so every ``*_out`` is the updated copy and the feeds are never mod
 (functional semantics, the same results a TensorRT engine gives with aliased
 bindings). Importing this module registers the op schemas with ``onnx.defs``.
 
+Every ``pytrt_kv`` node is validated against its schema before anything runs (the rules
+of the TensorRT plugin creators: attribute names, types and values, input and output
+counts), and every feed against the dtype and shape its graph input declares. Errors
+are ValueError or TypeError naming the node, the op argument and the graph tensor.
+
 Example
 -------
 >>> import numpy as np
@@ -19,6 +24,8 @@ Example
 (3.0, 0.0)
 """
 
-from ._evaluator import GatherSelectionKvCacheOp, ScatterPaKvCacheOp, make_evaluator, run
+from ._evaluator import (GatherSelectionKvCacheOp, ScatterPaKvCacheOp, check_feeds,
+                         make_evaluator, run, validate_model, validate_node)
 
-__all__ = ["run", "make_evaluator", "ScatterPaKvCacheOp", "GatherSelectionKvCacheOp"]
+__all__ = ["run", "make_evaluator", "validate_model", "validate_node", "check_feeds",
+           "ScatterPaKvCacheOp", "GatherSelectionKvCacheOp"]
