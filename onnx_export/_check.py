@@ -183,12 +183,12 @@ def _scatter(given: Mapping[str, TensorInfo], attrs: Dict[str, Any], static: boo
         attrs["cache_layout"] = meta.layout or ""
         attrs["compress_mode"] = meta.mode or ""
         return attrs
-    # Dynamic shapes: the kernels need the layout written down (it cannot be detected).
+    # Dynamic shapes: the kernels need the layout written down. It depends only on H, D
+    # and the cache dims after NB, so it is still detected when only T (key, value,
+    # slot_mapping dim 0) and NB (cache dim 0) are dynamic.
     rank = None if key.shape is None else len(key.shape)
     if rank == 3 and not attrs["cache_layout"]:
-        raise ValueError(f"{where}cache_layout: expected one of {list(specs.CACHE_LAYOUTS)} "
-                         f"(key {key.describe()} has dynamic dims, so the layout cannot be "
-                         f"detected from the shapes), got nothing")
+        attrs["cache_layout"] = _layout_with_dynamic_tokens(given, attrs, where)
     if rank is not None and rank not in (3, 4):
         raise ValueError(f"{where}key: expected rank 3 [T, H, Dk] or 4 [B, Smax, H, Dk], "
                          f"got {key.describe()}")
@@ -196,6 +196,53 @@ def _scatter(given: Mapping[str, TensorInfo], attrs: Dict[str, Any], static: boo
         raise ValueError(f"{where}cache_layout: expected nothing for a 4-D key "
                          f"(compressing write), got {attrs['cache_layout']!r}")
     return attrs
+
+
+#: Dims of a 3-D scatter that never decide the layout: T and NB (docs/SPEC.md S2).
+_LAYOUT_FREE_DIMS = {"key": (0,), "value": (0,), "slot_mapping": (0,), "key_cache": (0,),
+                     "value_cache": (0,)}
+
+
+def _layout_with_dynamic_tokens(given: Mapping[str, TensorInfo], attrs: Dict[str, Any],
+                                where: str) -> str:
+    """cache_layout of a 3-D scatter whose only dynamic dims are T and NB: detected by
+    check_scatter on stand-ins with T = NB = 1; otherwise a ValueError saying what to
+    pass."""
+    from pytrt_kv._scatter import check_scatter
+
+    dynamic = []
+    for name, info in given.items():
+        free = _LAYOUT_FREE_DIMS.get(name, ())
+        if info.shape is None:
+            dynamic.append(f"{name} {info.describe()}")
+            continue
+        for axis, d in enumerate(info.shape):
+            if not isinstance(d, int) and axis not in free:
+                dynamic.append(f"{name} {info.describe()} (dim {axis})")
+    if dynamic:
+        raise ValueError(
+            f"{where}cache_layout: expected one of {list(specs.CACHE_LAYOUTS)}, because the "
+            f"layout cannot be detected from dynamic dims other than T and NB: "
+            f"{', '.join(dynamic)}; pass cache_layout='nd', 'nz' or 'hnd', got nothing")
+    # A dynamic T or NB takes the value a static counterpart has (else 1), so that the
+    # stand-ins agree with each other wherever the model is static.
+    groups = (("key", "value", "slot_mapping"), ("key_cache", "value_cache"))
+    fill = {}
+    for group in groups:
+        static = [given[n].shape[0] for n in group
+                  if n in given and isinstance(given[n].shape[0], int)]
+        fill.update({n: static[0] if static else 1 for n in group})
+    stand = {}
+    for name, info in given.items():
+        shape = tuple(d if isinstance(d, int) else fill.get(name, 1) for d in info.shape)
+        stand[name] = _Stand(TensorInfo(shape, info.dtype))
+    meta = check_scatter(
+        stand["key"], stand.get("value"), stand["key_cache"], stand.get("value_cache"),
+        stand["slot_mapping"], compress_lens=stand.get("compress_lens"),
+        compress_seq_offsets=stand.get("compress_seq_offsets"),
+        seq_lens=stand.get("seq_lens"), cache_layout=None,
+        compress_mode=attrs["compress_mode"] or None)
+    return meta.layout
 
 
 def _gather(given: Mapping[str, TensorInfo], attrs: Dict[str, Any], static: bool,

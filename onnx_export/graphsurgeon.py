@@ -139,7 +139,9 @@ def add_scatter_pa_kv_cache(graph: gs.Graph, key: gs.Tensor, value: Optional[gs.
     slot_mapping : [T] or [B, H], int32 or int64
     compress_lens, compress_seq_offsets, seq_lens : 4-D key only
     cache_layout : "nd" | "nz" | "hnd", optional
-        Detected from the shapes when not given (required when the shapes are dynamic).
+        Detected from the shapes when not given, also when only T (key, value,
+        slot_mapping dim 0) and NB (cache dim 0) are dynamic; required when another dim
+        is dynamic or the shapes fit several layouts (the error says so).
     compress_mode : "rope" | "omni" | "alibi", optional
     alias_io : 0 or 1
 

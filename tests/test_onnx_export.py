@@ -110,10 +110,14 @@ def test_hand_model_ok_and_runs():
 def test_bad_models_fail_check(kwargs, pattern):
     m = _hand_model(**kwargs)
     if kwargs == dict(cache_layout=None):
-        # Shapes static: the layout is detected, so only a dynamic model needs it.
+        # Shapes static, or only T dynamic: the layout is detected, so only a model with
+        # other dynamic dims needs it.
         onnx.checker.check_model(m, full_check=True)
-        m.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "T"
-        m.graph.input[0].type.tensor_type.shape.dim[0].ClearField("dim_value")
+        for axis, name in ((0, "T"), (1, "H")):
+            m.graph.input[0].type.tensor_type.shape.dim[axis].dim_param = name
+            m.graph.input[0].type.tensor_type.shape.dim[axis].ClearField("dim_value")
+            if axis == 0:
+                onnx.checker.check_model(m, full_check=True)
     with pytest.raises((onnx.checker.ValidationError, onnx.shape_inference.InferenceError,
                         ValueError, TypeError), match=pattern):
         onnx.checker.check_model(m, full_check=True)
@@ -193,11 +197,14 @@ def test_graphsurgeon_validates_at_export_time():
 
 def test_graphsurgeon_dynamic_shapes_need_layout():
     g = gs.Graph(opset=17)
-    key = gs.Variable("key", np.float16, ("T", 1, 32))
+    key = gs.Variable("key", np.float16, ("T", "H", 32))
     cache = gs.Variable("kc", np.float16, (6, 4, 1, 32))
     slots = gs.Variable("slot_mapping", np.int32, ("T",))
-    with pytest.raises(ValueError, match="cache_layout"):
+    with pytest.raises(ValueError, match=r"cache_layout: expected one of \['nd', 'nz', 'hnd'\]"
+                                         r".*key float16\[T, H, 32\] \(dim 1\).*pass "
+                                         r"cache_layout="):
         add_scatter_pa_kv_cache(g, key, None, cache, None, slots)
+    key = gs.Variable("key", np.float16, ("T", 1, 32))
     (out,) = add_scatter_pa_kv_cache(g, key, None, cache, None, slots, cache_layout="nd")
     g.inputs, g.outputs = [key, cache, slots], [out]
     m = export_model(g)
@@ -205,3 +212,61 @@ def test_graphsurgeon_dynamic_shapes_need_layout():
              "slot_mapping": np.array([0, 7, -1], np.int32)}
     res = runtime.run(m, feeds)["key_cache_out"]
     assert res[0, 0, 0, 0] == 1 and res[1, 3, 0, 0] == 1 and res.sum() == 64
+
+
+@pytest.mark.parametrize("cache_shape,value_shape,layout", [
+    (("NB", 4, 2, 32), None, "nd"),        # NB dynamic too
+    ((6, 2, 4, 32), None, "hnd"),
+    ((6, 4, 4, 16), None, "nz"),           # H*Dk/L = 2*32/16 = 4 columns of L = 16
+    ((6, 4, 2, 32), ("T", 2, 8), "nd"),    # value [T, H, Dv] with its own cache
+])
+def test_graphsurgeon_layout_inferred_when_only_t_is_dynamic(cache_shape, value_shape,
+                                                             layout):
+    g = gs.Graph(opset=17)
+    key = gs.Variable("key", np.float16, ("T", 2, 32))
+    cache = gs.Variable("kc", np.float16, cache_shape)
+    slots = gs.Variable("slot_mapping", np.int32, ("T",))
+    value = vcache = None
+    if value_shape is not None:
+        value = gs.Variable("value", np.float16, value_shape)
+        vcache = gs.Variable("vc", np.float16, cache_shape[:3] + (8,))
+    outs = add_scatter_pa_kv_cache(g, key, value, cache, vcache, slots)
+    assert g.nodes[0].attrs["cache_layout"] == layout
+    g.inputs = [x for x in (key, value, cache, vcache, slots) if x is not None]
+    g.outputs = outs
+    m = export_model(g)
+    rng = np.random.default_rng(3)
+    for T in (1, 3):          # two token counts through one model
+        nb = 6 if isinstance(cache_shape[0], int) else 5
+        feeds = {"key": rng.standard_normal((T, 2, 32)).astype(np.float16),
+                 "kc": np.full((nb,) + tuple(cache_shape[1:]), 7, np.float16),
+                 "slot_mapping": np.arange(T, dtype=np.int32) * 3}
+        if value is not None:
+            feeds["value"] = rng.standard_normal((T, 2, 8)).astype(np.float16)
+            feeds["vc"] = np.full((nb,) + tuple(cache_shape[1:3]) + (8,), 7, np.float16)
+        got = runtime.run(m, feeds)
+        want = reference_scatter(feeds, layout)
+        assert np.array_equal(got["key_cache_out"], want[0])
+        if value is not None:
+            assert np.array_equal(got["value_cache_out"], want[1])
+
+
+def reference_scatter(feeds, layout):
+    from pytrt_kv.reference import scatter_pa_kv_cache
+
+    kc = feeds["kc"].copy()
+    vc = feeds["vc"].copy() if "vc" in feeds else None
+    scatter_pa_kv_cache(feeds["key"], feeds.get("value"), kc, vc, feeds["slot_mapping"],
+                        cache_layout=layout)
+    return kc, vc
+
+
+def test_graphsurgeon_ambiguous_layout_with_dynamic_t_asks_for_it():
+    """H = BS: nd [NB, BS, H, D] and hnd [NB, H, BS, D] both fit."""
+    g = gs.Graph(opset=17)
+    key = gs.Variable("key", np.float16, ("T", 4, 32))
+    cache = gs.Variable("kc", np.float16, (6, 4, 4, 32))
+    slots = gs.Variable("slot_mapping", np.int32, ("T",))
+    with pytest.raises(ValueError, match="cache_layout: expected one of .*'nd', 'hnd'.* to be "
+                                         "given"):
+        add_scatter_pa_kv_cache(g, key, None, cache, None, slots)
