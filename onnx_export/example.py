@@ -25,6 +25,13 @@ cache ``*_out``: ``full_kv_cache_out``, ``full_k_rope_out``, ``selection_k_rope_
 ``selection_kv_cache_out``, ``selection_kv_block_status_out``, ``selection_kv_actual_seq``.
 Feeding each ``*_out`` back as the next step's input runs a decode loop (``pytrt-kv demo``).
 
+``build_example_model(sizes, dynamic=True)`` (``pytrt-kv export-example --dynamic``) is
+the dynamic-batch variant: every ``B`` above is the symbolic dim ``batch`` (so T, the
+scatter's token count, is dynamic too: one new token per sequence), while the caches keep
+the static sizes made for ``sizes.batch`` sequences; one model serves any batch from 1 to
+``sizes.batch``. Feed it with ``make_feeds(model, seed, shapes={"kv": [b, 1, KV]})`` or
+Polygraphy's ``--input-shapes kv:[b,1,KV]``.
+
 The full caches are 4-D ``[NB, FBS, 1, D]`` because ScatterPaKvCache ("nd" layout) writes
 them; GatherSelectionKvCache reads the same memory as ``[NB, FBS, D]`` through a Reshape of
 the scatter's ``*_out`` (a view in TensorRT, so no copy).
@@ -103,14 +110,26 @@ class ExampleSizes:
         return self
 
 
-def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int = 1):
-    """The example as an onnx-graphsurgeon graph (see the module docstring)."""
+#: Name of the symbolic batch dim of the dynamic variant.
+BATCH_DIM = "batch"
+
+
+def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int = 1,
+                        dynamic: bool = False):
+    """The example as an onnx-graphsurgeon graph (see the module docstring).
+
+    With ``dynamic``, every per-sequence dim is the symbolic :data:`BATCH_DIM` (so the
+    scatter's token count T, one new token per sequence, is dynamic too); the caches
+    keep static sizes, made for ``sizes.batch`` sequences at most.
+    """
     import onnx_graphsurgeon as gs
 
     from .graphsurgeon import add_gather_selection_kv_cache, add_scatter_pa_kv_cache
 
     z = sizes.validate()
-    B, Hq, KV, R = z.batch, z.heads, z.kv_dim, z.rope_dim
+    B = BATCH_DIM if dynamic else z.batch
+    Bc = -1 if dynamic else z.batch  # the batch dim in Reshape targets
+    Hq, KV, R = z.heads, z.kv_dim, z.rope_dim
     NB, FBS, FMAX, K = z.num_blocks, z.block_size, z.max_blocks_per_seq, z.topk
     SBS, SMAX, SNB, P = (z.selection_block_size, z.selection_max_blocks,
                          z.selection_num_blocks, z.max_tokens)
@@ -160,12 +179,13 @@ def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int =
 
     # 2. Indexer: one score per cached position, from the updated cache.
     tokens = op("Gather", [full_kv3, inp["full_kv_block_table"]], cdt, (B, FMAX, FBS, KV), axis=0)
-    tokens = op("Reshape", [tokens, const("shape", np.array([B, P, KV], np.int64))], cdt, (B, P, KV))
+    tokens = op("Reshape", [tokens, const("shape", np.array([Bc, P, KV], np.int64))], cdt,
+                (B, P, KV))
     tokens = op("Cast", [tokens], f32, (B, P, KV), to=onnx.TensorProto.FLOAT)
     iq = op("Cast", [inp["index_q"]], f32, (B, KV), to=onnx.TensorProto.FLOAT)
     iq = op("Unsqueeze", [iq, const("axes", np.array([2], np.int64))], f32, (B, KV, 1))
     scores = op("MatMul", [tokens, iq], f32, (B, P, 1))
-    scores = op("Reshape", [scores, const("shape", np.array([B, P], np.int64))], f32, (B, P))
+    scores = op("Reshape", [scores, const("shape", np.array([Bc, P], np.int64))], f32, (B, P))
 
     # 3. Top-K over the visible positions p < kv_len.
     kv_len = op("Unsqueeze", [inp["full_kv_actual_seq"], const("axes", np.array([1], np.int64))],
@@ -182,7 +202,7 @@ def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int =
     padding = op("Equal", [top_vals, neg_inf], np.dtype(bool), (B, K))
     topk = op("Where", [padding, const("pad", np.array(-1, np.int32)), idx32], i32, (B, K))
     topk = g.layer(op="Reshape", name="topk_bsnd",
-                   inputs=[topk, const("shape", np.array([B, 1, 1, K], np.int64))],
+                   inputs=[topk, const("shape", np.array([Bc, 1, 1, K], np.int64))],
                    outputs=[V("topk_indices", i32, (B, 1, 1, K))])[0]
 
     # 4. Gather the selected tokens into the selection cache (reusing resident ones).
@@ -198,7 +218,7 @@ def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int =
     def slots(cache: gs.Variable, width: int) -> gs.Variable:
         x = op("Gather", [cache, inp["selection_kv_block_table"]], cdt, (B, SMAX, SBS, width),
                axis=0)
-        x = op("Reshape", [x, const("shape", np.array([B, SMAX * SBS, width], np.int64))], cdt,
+        x = op("Reshape", [x, const("shape", np.array([Bc, SMAX * SBS, width], np.int64))], cdt,
                (B, SMAX * SBS, width))
         x = op("Slice", [x, const("starts", np.array([0], np.int64)),
                          const("ends", np.array([K], np.int64)),
@@ -216,7 +236,8 @@ def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int =
     s = op("Add", [s_nope, s_rope], f32, (B, Hq, K))
     s = op("Mul", [s, const("scale", np.array(1.0 / math.sqrt(KV + R), np.float32))], f32,
            (B, Hq, K))
-    n_sel = op("Reshape", [actual, const("shape", np.array([B, 1, 1], np.int64))], i32, (B, 1, 1))
+    n_sel = op("Reshape", [actual, const("shape", np.array([Bc, 1, 1], np.int64))], i32,
+               (B, 1, 1))
     keep = op("Less", [const("slots", np.arange(K, dtype=np.int32)[None, None]), n_sel],
               np.dtype(bool), (B, 1, K))
     s = op("Where", [keep, s, neg_inf], f32, (B, Hq, K))
@@ -229,12 +250,16 @@ def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int =
     return g
 
 
-def build_example_model(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int = 1
-                        ) -> onnx.ModelProto:
-    """The example model: IR 10, opset 17 + pytrt_kv 1, checked with ``full_check``."""
+def build_example_model(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int = 1,
+                        dynamic: bool = False) -> onnx.ModelProto:
+    """The example model: IR 10, opset 17 + pytrt_kv 1, checked with ``full_check``.
+
+    ``dynamic``: the dynamic-batch variant (see :func:`build_example_graph`); one model
+    then serves 1 to ``sizes.batch`` sequences per step.
+    """
     from .graphsurgeon import export_model
 
-    return export_model(build_example_graph(sizes, alias_io=alias_io))
+    return export_model(build_example_graph(sizes, alias_io=alias_io, dynamic=dynamic))
 
 
 # --- CLI: pytrt-kv export-example PATH ----------------------------------------------
@@ -273,12 +298,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="where to write the .onnx file")
     parser.add_argument("--alias-io", type=int, choices=(0, 1), default=1,
                         help="alias_io attribute of both nodes (default 1: declare in-place I/O)")
+    parser.add_argument("--dynamic", action="store_true",
+                        help=f"dynamic-batch variant: per-sequence dims (and the token count "
+                             f"T) are the symbolic {BATCH_DIM!r}; --batch sizes the caches "
+                             f"for that many sequences at most")
     add_size_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     sizes = sizes_from_args(args)
-    model = build_example_model(sizes, alias_io=args.alias_io)
+    model = build_example_model(sizes, alias_io=args.alias_io,
+                                dynamic=getattr(args, "dynamic", False))
     path = Path(args.path)
     if path.parent and not path.parent.exists():
         raise FileNotFoundError(f"path: directory {path.parent} does not exist")

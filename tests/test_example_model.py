@@ -97,3 +97,72 @@ def test_export_example_module_entry(tmp_path):
     assert example.run(p.parse_args([str(tmp_path / "a.onnx")])) == 0
     with pytest.raises(FileNotFoundError, match="path"):
         example.run(p.parse_args([str(tmp_path / "missing" / "a.onnx")]))
+
+
+# --- the dynamic-batch variant -----------------------------------------------------------
+
+
+def test_dynamic_variant_declares_symbolic_batch():
+    z = ExampleSizes(batch=3)
+    m = build_example_model(z, dynamic=True)
+    onnx.checker.check_model(m, full_check=True)
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+            for i in m.graph.input}
+    assert dims["kv"] == ["batch", 1, z.kv_dim]
+    assert dims["slot_mapping"] == ["batch"]                      # T = batch (S = 1)
+    assert dims["selection_kv_block_status"] == ["batch", 1, 1, z.topk + 1]
+    assert dims["full_kv_cache"] == [z.num_blocks, z.block_size, 1, z.kv_dim]   # static
+    assert dims["selection_kv_cache"][0] == z.selection_num_blocks
+    static = build_example_model(z)
+    assert all(d.HasField("dim_value") for i in static.graph.input
+               for d in i.type.tensor_type.shape.dim)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_dynamic_variant_runs_two_batch_sizes_on_the_cpu_runtime(batch):
+    """One dynamic model, decode steps at two batch sizes, each verified against the
+    independent NumPy computation of ``pytrt-kv demo``."""
+    import dataclasses
+
+    from pytrt_kv import demo
+
+    z = ExampleSizes(batch=3)
+    m = runtime.make_evaluator(build_example_model(z, dynamic=True))
+    zb = dataclasses.replace(z, batch=batch)
+    rng = np.random.default_rng(batch)
+    state = demo.initial_state(zb, prompt_len=10, rng=rng)
+    for name in ("selection_k_rope", "selection_kv_cache"):   # the model's static pool
+        x = state[name]
+        pad = np.full((z.selection_num_blocks - x.shape[0],) + x.shape[1:], demo.SENTINEL,
+                      x.dtype)
+        state[name] = np.concatenate([x, pad])
+    for _ in range(2):
+        feeds = demo.step_feeds(zb, state, rng)
+        out = runtime.run(m, feeds)
+        assert out["attn_out"].shape == (batch, z.heads, z.kv_dim)
+        fails, _ = demo.verify_step(zb, feeds, out, demo.expected_step(zb, feeds))
+        assert not fails, fails
+        state.update({k: out[k + "_out"] for k in CACHE_OUTPUTS})
+        state["kv_len"] = feeds["full_kv_actual_seq"]
+
+
+def test_dynamic_variant_matches_the_static_model():
+    """Same feeds through the dynamic model and the static one of that batch size."""
+    z = ExampleSizes(batch=2)
+    dyn, static = build_example_model(z, dynamic=True), build_example_model(z)
+    feeds = make_feeds(static, 4)
+    a, b = runtime.run(dyn, feeds), runtime.run(static, feeds)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert np.array_equal(a[name], b[name], equal_nan=True), name
+
+
+def test_export_example_cli_dynamic(tmp_path):
+    from pytrt_kv.__main__ import main
+
+    path = tmp_path / "dyn.onnx"
+    assert main(["export-example", str(path), "--dynamic", "--batch", "4",
+                 "--num-blocks", "16"]) == 0
+    m = onnx.load(str(path))
+    kv = next(i for i in m.graph.input if i.name == "kv")
+    assert kv.type.tensor_type.shape.dim[0].dim_param == "batch"
