@@ -176,3 +176,200 @@ def test_data_loader_refuses_a_full_cache_too_small_for_private_blocks():
     with pytest.raises(ValueError, match=r"full_kv_cache: expected at least B\*F_MAX_BLOCK_NUM "
                                          r"= 12 blocks.*got 11 blocks"):
         data_loader.make_feeds(m, 0)
+
+
+# --- the runner takes the model in any form, like Polygraphy's runners ----------------
+
+
+def test_runner_accepts_paths_bytes_and_loaders(example_path):
+    from polygraphy.backend.onnx import OnnxFromPath
+    from polygraphy.comparator import Comparator
+
+    from pytrt_kv.polygraphy import PytrtKvRefRunner
+
+    model = onnx.load(str(example_path))
+    feeds = list(data_loader.load_data(model, iterations=1, seed=2))
+    want = runtime.run(model, feeds[0])
+    for source in (str(example_path), example_path, model.SerializeToString(),
+                   OnnxFromPath(str(example_path))):
+        runner = PytrtKvRefRunner(source)
+        results = Comparator.run([runner], data_loader=feeds)
+        ((_, (got,)),) = results.items()
+        for name, w in want.items():
+            assert np.array_equal(np.asarray(got[name]), w, equal_nan=True), (source, name)
+        with runner:
+            assert "kv" in runner.get_input_metadata(use_numpy_dtypes=False)
+
+
+def test_runner_missing_file_is_a_clear_error(tmp_path):
+    from pytrt_kv.polygraphy import PytrtKvRefRunner
+
+    runner = PytrtKvRefRunner(str(tmp_path / "nope.onnx"))
+    with pytest.raises(FileNotFoundError, match="nope.onnx"):
+        runner.activate()
+
+
+# --- a run without the data loader fails instead of checking nothing -------------------
+
+
+def test_polygraphy_run_without_data_loader_fails(example_path, tmp_path):
+    res = _polygraphy(["run", example_path, "--pytrt-kv-ref"], tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode != 0, log[-4000:]
+    assert "--data-loader-script" in log and "slot_mapping" in log
+    assert "Traceback" not in log
+
+
+def test_polygraphy_run_without_index_inputs_needs_no_loader(tmp_path):
+    """A model whose op inputs are all computed in the graph is fine with the default."""
+    from pytrt_kv.polygraphy._args import index_inputs_fed_by_graph
+
+    path = tmp_path / "gather.onnx"
+    sk = gather_skeleton(np.dtype(np.float16), tbs=1)
+    onnx.save(single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1),
+              str(path))
+    assert any("full_kv_actual_seq" in x for x in index_inputs_fed_by_graph(str(path)))
+    plain = tmp_path / "plain.onnx"
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    onnx.save(onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])), str(plain))
+    assert index_inputs_fed_by_graph(str(plain)) == []
+
+
+# --- the loader reads Polygraphy's options ------------------------------------------
+
+
+def test_loader_takes_seed_and_iterations_from_polygraphy_options(example_path, monkeypatch):
+    model = onnx.load(str(example_path))
+    monkeypatch.delenv("PYTRT_KV_SEED", raising=False)
+    monkeypatch.setenv("PYTRT_KV_ITERATIONS", "5")
+    monkeypatch.setattr(sys, "argv", ["polygraphy", "run", str(example_path), "--pytrt-kv-ref",
+                                      "--seed", "7", "--iterations", "2"])
+    got = list(data_loader.load_data())
+    assert len(got) == 2
+    for i, feeds in enumerate(got):
+        want = data_loader.make_feeds(model, 7 + i)
+        assert all(np.array_equal(feeds[n], want[n]) for n in want)
+    # Explicit arguments win over the command line; --iters is Polygraphy's alias.
+    assert len(list(data_loader.load_data(iterations=1))) == 1
+    monkeypatch.setattr(sys, "argv", ["polygraphy", "run", str(example_path), "--iters", "4"])
+    assert len(list(data_loader.load_data())) == 4
+    monkeypatch.setattr(sys, "argv", ["polygraphy", "run", str(example_path)])
+    assert len(list(data_loader.load_data())) == 5                 # the environment
+
+
+def test_polygraphy_run_dynamic_example_with_input_shapes(tmp_path):
+    path = tmp_path / "dyn.onnx"
+    onnx.save(build_example_model(ExampleSizes(batch=3), dynamic=True), str(path))
+    res = _polygraphy(["run", path, "--pytrt-kv-ref", "--pytrt-kv-ref", "--data-loader-script",
+                       LOADER, "--input-shapes", "kv:[3,1,64]", "--iterations", "2",
+                       "--seed", "3"], tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert "Passed: 2/2 iterations" in log
+    assert "attn_out [dtype=float32, shape=(3, 4, 64)]" in log
+
+
+# --- dynamic dims -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dynamic_model():
+    return build_example_model(ExampleSizes(batch=3), dynamic=True)
+
+
+def test_loader_dynamic_dims_from_shapes_argv_and_default(dynamic_model, monkeypatch):
+    m = dynamic_model
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    for b in (2, 3):
+        f = data_loader.make_feeds(m, 1, shapes={"kv": [b, 1, 64]})
+        assert f["kv"].shape == (b, 1, 64) and f["selection_kv_block_status"].shape[0] == b
+        assert f["full_kv_block_table"].shape == (b, 4)            # every "batch" dim bound
+        out = runtime.run(m, f)
+        assert out["attn_out"].shape == (b, 4, 64)
+    monkeypatch.setattr(sys, "argv", ["polygraphy", "run", "m.onnx", "--input-shapes",
+                                      "slot_mapping:[2]", "index_q:[2,64]"])
+    assert data_loader.make_feeds(m, 0)["q_nope"].shape == (2, 4, 64)
+    monkeypatch.setattr(sys, "argv", ["polygraphy", "run", "m.onnx", "--trt-min-shapes",
+                                      "kv:[1,1,64]", "--trt-opt-shapes", "kv:[3,1,64]",
+                                      "--trt-max-shapes", "kv:[3,1,64]"])
+    assert data_loader.make_feeds(m, 0)["kv"].shape == (3, 1, 64)  # the opt profile
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    f = data_loader.make_feeds(m, 0)                                # Polygraphy's default 1
+    assert f["kv"].shape == (1, 1, 64)
+    runtime.run(m, f)
+
+
+@pytest.mark.parametrize("shapes,match", [
+    ({"kv": [2, 1, 64], "slot_mapping": [3]}, r"slot_mapping: expected dim 0 = batch = 2"),
+    ({"kv": [2, 1, 65]}, r"kv: expected dim 2 = 64 \(static in the model\)"),
+    ({"kv": [2, 64]}, r"kv: expected a shape of rank 3"),
+    ({"nope": [1]}, r"'nope' is not a graph input"),
+])
+def test_loader_refuses_inconsistent_shapes(dynamic_model, shapes, match):
+    with pytest.raises(ValueError, match=match):
+        data_loader.make_feeds(dynamic_model, 0, shapes=shapes)
+
+
+# --- models the loader cannot serve: clear errors naming the input ----------------------
+
+
+def _rename_input(model, old, new):
+    for vi in model.graph.input:
+        if vi.name == old:
+            vi.name = new
+    for node in model.graph.node:
+        for i, name in enumerate(node.input):
+            if name == old:
+                node.input[i] = new
+    return model
+
+
+def test_loader_refuses_an_index_input_under_another_name():
+    sk = gather_skeleton(np.dtype(np.float16), tbs=1)
+    m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
+    _rename_input(m, "selection_topk_indices", "topk")
+    with pytest.raises(ValueError, match=r"^topk: expected the graph input to be named "
+                                         r"'selection_topk_indices'"):
+        data_loader.make_feeds(m, 0)
+
+
+def test_loader_needs_the_cache_it_sizes_tables_from():
+    sk = gather_skeleton(np.dtype(np.float16), tbs=1)
+    m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
+    _rename_input(m, "full_kv_cache", "fkv")                   # not an index input
+    with pytest.raises(ValueError, match=r"^full_kv_cache: expected a graph input named "
+                                         r"'full_kv_cache'"):
+        data_loader.make_feeds(m, 0)
+
+
+def test_loader_refuses_a_table_without_columns():
+    sk = gather_skeleton(np.dtype(np.float16), tbs=1, FMAX=0)
+    m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
+    with pytest.raises(ValueError, match=r"^full_kv_block_table: expected F_MAX_BLOCK_NUM "
+                                         r">= 1, got 0"):
+        data_loader.make_feeds(m, 0)
+
+
+def test_loader_refuses_a_compressing_write_without_tokens():
+    feeds = {"key": np.zeros((2, 0, 1, 8), np.float16),
+             "key_cache": np.zeros((4, 4, 1, 8), np.float16),
+             "slot_mapping": np.zeros((2, 1), np.int32),
+             "compress_lens": np.zeros((2, 1), np.int32),
+             "seq_lens": np.zeros(2, np.int32)}
+    m = single_op_model("ScatterPaKvCache", feeds)
+    with pytest.raises(ValueError, match=r"^key: expected Smax \(dim 1\) >= 1, got 0"):
+        data_loader.make_feeds(m, 0)
+
+
+def test_loader_refuses_a_gather_without_kv_len_source():
+    """Status and topk as graph inputs but no full_kv_block_table to derive kv_len."""
+    sk = gather_skeleton(np.dtype(np.float16), tbs=1)
+    m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
+    table = next(vi for vi in m.graph.input if vi.name == "full_kv_block_table")
+    m.graph.input.remove(table)
+    init = onnx.numpy_helper.from_array(np.zeros((2, 4), np.int32), "full_kv_block_table")
+    m.graph.initializer.append(init)
+    with pytest.raises(ValueError, match=r"^full_kv_block_table: expected a graph input"):
+        data_loader.make_feeds(m, 0)

@@ -13,9 +13,12 @@ from polygraphy.common import TensorMetadata
 class PytrtKvRefRunner(BaseRunner):
     """Runs an ONNX model with pytrt_kv ops on the CPU reference runtime.
 
+    Like Polygraphy's own runners it takes the model in any form its loaders do.
+
     Parameters
     ----------
-    model : onnx.ModelProto or callable returning one (a Polygraphy loader)
+    model : onnx.ModelProto, path (str or os.PathLike), serialized bytes, or a callable
+        returning one of these (a Polygraphy loader such as ``OnnxFromPath``)
     name : str, optional
     """
 
@@ -25,14 +28,31 @@ class PytrtKvRefRunner(BaseRunner):
 
     @util.check_called_by("activate")
     def activate_impl(self):
+        import os
+
+        import onnx
+
         from pytrt_kv.runtime import make_evaluator
 
         model, _ = util.invoke_if_callable(self._model)
+        if isinstance(model, (bytes, bytearray)):
+            model = onnx.load_model_from_string(bytes(model))
+        elif isinstance(model, (str, os.PathLike)):
+            path = os.fspath(model)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"model: expected an ONNX file, got {path!r} (no "
+                                        f"such file)")
+            model = onnx.load(path)
+        elif not isinstance(model, onnx.ModelProto):
+            raise TypeError(f"model: expected an onnx.ModelProto, a path, bytes or a loader "
+                            f"returning one, got {type(model).__name__}")
         self.model = model
         self.evaluator = make_evaluator(model)
 
     @util.check_called_by("get_input_metadata")
     def get_input_metadata_impl(self):
+        from polygraphy.datatype import DataType
+
         from pytrt_kv import dtypes
 
         inits = {i.name for i in self.model.graph.initializer}
@@ -43,8 +63,12 @@ class PytrtKvRefRunner(BaseRunner):
             tt = vi.type.tensor_type
             shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                      for d in tt.shape.dim]
-            meta.add(vi.name, dtype=dtypes.numpy_of_onnx(tt.elem_type, vi.name),
-                     shape=shape)
+            # Polygraphy's own DataType (NumPy dtypes are deprecated there); it knows the
+            # ONNX types, bfloat16 and float8 included.
+            dtype = DataType.from_dtype(tt.elem_type, "onnx")
+            if dtype is None or not isinstance(dtype, DataType):
+                dtype = dtypes.numpy_of_onnx(tt.elem_type, vi.name)
+            meta.add(vi.name, dtype=dtype, shape=shape)
         return meta
 
     @util.check_called_by("infer")
