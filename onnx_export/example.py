@@ -305,13 +305,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_size_arguments(parser)
 
 
+def output_path(arg: str, value: str) -> Path:
+    """``value`` as the path of an .onnx file to write, checked up front so that a CLI
+    error is one line: not a directory, in a directory that exists.
+
+    Raises
+    ------
+    ValueError
+        ``value`` is an existing directory.
+    FileNotFoundError
+        Its parent directory does not exist.
+    """
+    path = Path(value)
+    if path.is_dir():
+        raise ValueError(f"{arg}: expected the path of an .onnx file to write, got the "
+                         f"directory {value!r}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{arg}: directory {str(path.parent)!r} does not exist")
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     sizes = sizes_from_args(args)
+    path = output_path("path", args.path)
     model = build_example_model(sizes, alias_io=args.alias_io,
                                 dynamic=getattr(args, "dynamic", False))
-    path = Path(args.path)
-    if path.parent and not path.parent.exists():
-        raise FileNotFoundError(f"path: directory {path.parent} does not exist")
     onnx.save(model, str(path))
     ops = sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node
                   if n.domain == specs.DOMAIN})

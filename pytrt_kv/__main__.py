@@ -45,7 +45,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:  # OSError: paths
         print(f"pytrt-kv {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

@@ -239,7 +239,9 @@ def run(args: argparse.Namespace) -> int:
                          f"max_blocks_per_seq * block_size = {z.max_tokens}, got {last}")
     tmp = None
     if args.model:
-        path = Path(args.model)
+        from onnx_export.example import output_path
+
+        path = output_path("--model", args.model)
     else:
         tmp = tempfile.TemporaryDirectory(prefix="pytrt_kv_demo_")
         path = Path(tmp.name) / "sparse_decode_step.onnx"

@@ -166,3 +166,30 @@ def test_export_example_cli_dynamic(tmp_path):
     m = onnx.load(str(path))
     kv = next(i for i in m.graph.input if i.name == "kv")
     assert kv.type.tensor_type.shape.dim[0].dim_param == "batch"
+
+
+@pytest.mark.parametrize("argv", [["export-example", "{dir}"], ["export-example", "{dir}/no/x.onnx"],
+                                  ["demo", "--model", "{dir}", "--no-trt", "--steps", "1"],
+                                  ["demo", "--model", "{dir}/no/x.onnx", "--no-trt"]])
+def test_cli_bad_model_paths_are_one_line_errors(tmp_path, capsys, argv):
+    from pytrt_kv.__main__ import main
+
+    argv = [a.replace("{dir}", str(tmp_path)) for a in argv]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"pytrt-kv {argv[0]}: error: ") and err.count("\n") == 1, err
+    assert ("directory" in err) and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []          # nothing written
+
+
+def test_cli_os_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    """Any other OSError of a subcommand (e.g. a read-only folder) is one line too."""
+    from pytrt_kv.__main__ import main
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "m.onnx"))
+
+    monkeypatch.setattr(onnx, "save", denied)
+    assert main(["export-example", str(tmp_path / "m.onnx")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pytrt-kv export-example: error: ") and "Permission denied" in err
