@@ -36,15 +36,23 @@ TARGETS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--op", choices=("scatter", "gather", "all"), default="all")
+    parser.add_argument("--op", choices=("scatter", "gather", "all"), default="all",
+                        help="which kernels to time (default all)")
     parser.add_argument("--quick", action="store_true",
                         help="fewer sizes and iterations (a smoke run, not for BENCHMARKS.md)")
-    parser.add_argument("--iters", type=int, default=200, help="calls per timed run")
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the median is kept")
-    parser.add_argument("--output", help="write the Markdown results here")
-    parser.add_argument("--json", help="write the raw results here")
-    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--iters", type=int, default=200,
+                        help="calls per timed run (default 200)")
+    parser.add_argument("--warmup", type=int, default=20,
+                        help="untimed calls before each timed run (default 20)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs; the median is kept (default 5)")
+    parser.add_argument("--output", metavar="PATH",
+                        help="write the Markdown results (with device, driver, CUDA and date) "
+                             "to this file")
+    parser.add_argument("--json", metavar="PATH", help="write the raw results as JSON to "
+                                                       "this file")
+    parser.add_argument("--device", type=int, default=0,
+                        help="CUDA device index to run on (default 0)")
 
 
 class Timer:
