@@ -202,3 +202,61 @@ def test_huge_tbs_with_zero_block_caches_is_refused_without_allocating():
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, f"peak {peak} bytes traced for a call on empty caches"
+
+
+# --- the eager GPU API applies the same rule before any launch (no GPU needed) -----------
+
+
+class _DeviceLike:
+    """An object with ``__cuda_array_interface__`` at a made-up device address."""
+
+    def __init__(self, ptr, shape, dtype):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": np.dtype(dtype).str,
+                                         "data": (ptr, False), "strides": None, "version": 3}
+
+
+def _no_placement(monkeypatch):
+    import pytrt_kv.ops as ops
+
+    # Placement asks the driver where memory lives; the addresses here are made up, and
+    # the aliasing rule runs right after placement.
+    monkeypatch.setattr(ops, "_place", lambda bufs, host_ok=(): 0)
+    return ops
+
+
+def test_ops_scatter_refuses_value_inside_value_cache(monkeypatch):
+    ops = _no_placement(monkeypatch)
+    base = 1 << 40
+    key = _DeviceLike(base, (4, 2, 8), np.float16)
+    kc = _DeviceLike(base + 4096, (3, 4, 2, 8), np.float16)
+    vc = _DeviceLike(base + 8192, (3, 4, 2, 8), np.float16)
+    value = _DeviceLike(base + 8192 + 256, (4, 2, 8), np.float16)     # inside value_cache
+    slots = _DeviceLike(base + 16384, (4,), np.int32)
+    with pytest.raises(ValueError, match=r"^value_cache: expected memory separate from value"):
+        ops.prepare_scatter(key, value, kc, vc, slots)
+
+
+def test_ops_gather_refuses_out_on_the_status(monkeypatch):
+    ops = _no_placement(monkeypatch)
+    i32 = np.int32
+    addr = iter(range(1 << 40, 1 << 41, 1 << 20))
+    args = [_DeviceLike(next(addr), (0,), np.float16),                 # selection_k_rope
+            _DeviceLike(next(addr), (4, 8, 16), np.float16),
+            _DeviceLike(next(addr), (2, 1), i32),
+            _DeviceLike(next(addr), (2, 1, 1, 5), i32),
+            _DeviceLike(next(addr), (2, 1, 1, 4), i32),
+            _DeviceLike(next(addr), (0,), np.float16),
+            _DeviceLike(next(addr), (6, 8, 16), np.float16),
+            _DeviceLike(next(addr), (2, 3), i32),
+            _DeviceLike(next(addr), (2,), i32),
+            _DeviceLike(next(addr), (2,), i32)]
+    status_ptr = args[3].__cuda_array_interface__["data"][0]
+    out = _DeviceLike(status_ptr + 8, (2,), i32)
+    with pytest.raises(ValueError, match=r"^out: expected memory separate from "
+                                         r"selection_kv_block_status"):
+        ops.prepare_gather(*args, selection_topk_block_size=1, out=out)
+    table_ptr = args[7].__cuda_array_interface__["data"][0]
+    args[3] = _DeviceLike(table_ptr, (2, 1, 1, 5), i32)                # status on the table
+    with pytest.raises(ValueError, match=r"^selection_kv_block_status: expected memory "
+                                         r"separate from full_kv_block_table"):
+        ops.prepare_gather(*args, selection_topk_block_size=1)
