@@ -15,6 +15,12 @@ class PytrtKvRefRunner(BaseRunner):
 
     Like Polygraphy's own runners it takes the model in any form its loaders do.
 
+    Feed it with :func:`pytrt_kv.polygraphy.data_loader.load_data` (or data of your own)
+    when graph inputs feed the index inputs of our ops: Polygraphy's default data loader
+    makes index values for which every row is skipped or refused, so a comparison would
+    check nothing. ``polygraphy run --pytrt-kv-ref`` refuses to run such a model without
+    ``--data-loader-script`` or ``--load-inputs``.
+
     Parameters
     ----------
     model : onnx.ModelProto, path (str or os.PathLike), serialized bytes, or a callable
