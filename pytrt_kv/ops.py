@@ -21,6 +21,11 @@ addressing.
   call with a given size. Make one call with the largest sizes on the capture stream
   before capturing; pass ``out=`` so that the gather allocates no output during capture.
 
+- Thread safety: nothing here locks the caches. Calls (and :class:`Launch` replays) that
+  update the same caches from several threads or streams must be serialized by the
+  caller (one stream, or events between streams); an argument that shares memory with
+  a cache the call writes is refused up front (ValueError naming both).
+
 Importing this module needs neither torch nor CuPy; the kernel library is loaded on first
 use, with ``pytrt_kv._lib``'s error (which lists the searched paths) if it is missing.
 

@@ -2,7 +2,11 @@
 
 Exactly shared/spec/OPS.md. Every argument is validated before the first write; a broken
 rule raises ValueError (TypeError for a wrong type) naming the argument, what was expected
-and what came, and leaves every argument untouched.
+and what came, and leaves every argument untouched. An argument that shares memory with
+a cache the op writes is refused the same way, naming both.
+
+Thread safety: the functions take no lock; calls that update the same caches must be
+serialized by the caller.
 """
 
 from ._gather import gather_selection_kv_cache
