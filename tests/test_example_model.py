@@ -168,7 +168,8 @@ def test_export_example_cli_dynamic(tmp_path):
     assert kv.type.tensor_type.shape.dim[0].dim_param == "batch"
 
 
-@pytest.mark.parametrize("argv", [["export-example", "{dir}"], ["export-example", "{dir}/no/x.onnx"],
+@pytest.mark.parametrize("argv", [["export-example", "{dir}"],
+                                  ["export-example", "{dir}/no/x.onnx"],
                                   ["demo", "--model", "{dir}", "--no-trt", "--steps", "1"],
                                   ["demo", "--model", "{dir}/no/x.onnx", "--no-trt"]])
 def test_cli_bad_model_paths_are_one_line_errors(tmp_path, capsys, argv):

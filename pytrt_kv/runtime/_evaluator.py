@@ -119,9 +119,9 @@ def validate_node(node: onnx.NodeProto) -> Dict[str, Any]:
     for name in required:
         i = op.output_index(name)
         if i >= n_out or not node.output[i]:
-            raise ValueError(f"{where}{name}: expected a graph tensor (output {i}"
-                             + (", the updated value_cache" if name == "value_cache_out"
-                                else "") + f"), got none")
+            what = ", the updated value_cache" if name == "value_cache_out" else ""
+            raise ValueError(f"{where}{name}: expected a graph tensor (output {i}{what}), "
+                             f"got none")
     return attrs
 
 
