@@ -228,6 +228,21 @@ def test_repository_cites_only_documents_it_contains():
                           + "\n".join(problems))
 
 
+def pyproject_extras(text: str) -> Set[str]:
+    """Names of ``[project.optional-dependencies]`` (no tomllib: Python 3.10 has none)."""
+    m = re.search(r"^\[project\.optional-dependencies\]\n(.*?)(?=^\[)", text, re.M | re.S)
+    return set(re.findall(r"^([A-Za-z0-9][\w.-]*)\s*=", m.group(1), re.M)) if m else set()
+
+
+def test_readme_lists_exactly_the_extras_pyproject_declares():
+    declared = pyproject_extras((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `\[([\w-]+)\]` \|", readme, re.M))
+    assert declared, "pyproject.toml: no [project.optional-dependencies]"
+    assert listed == declared, (f"README extras table {sorted(listed)} != pyproject.toml "
+                                f"extras {sorted(declared)}")
+
+
 def _tree(tmp_path: Path, files: Dict[str, str]) -> Path:
     (tmp_path / "docs").mkdir(exist_ok=True)
     (tmp_path / "docs" / "SPEC.md").write_text(
