@@ -1,16 +1,16 @@
-"""Build a TensorRT engine for a model with pytrt_kv ops, then run it against the CPU
-runtime.
+"""Build a TensorRT engine for a model with pytrt_kv ops, run it in place, and compare
+it with the CPU runtime.
 
 ``pytrt_kv.trt.build_engine`` loads the plugin library into TensorRT's registry, rewrites
 the model into the plugins' positional form, builds a strongly typed network with
-aliased plugin I/O, and can write the engine file and a timing cache. Running needs a
-CUDA GPU; ``pytrt_kv.trt.run_model_steps`` binds every ``*_out`` cache to its input's
-buffer (in place, docs/SPEC.md O).
+aliased plugin I/O, and writes the engine file when asked. ``EngineRunner`` binds every
+``*_out`` cache to its input's buffer, so the caches are updated in place
+(docs/SPEC.md O); ``DeviceArray`` holds device buffers when no torch/CuPy is at hand.
 
-Where this machine cannot build an engine (no TensorRT Python package of any flavour, no
-GPU, or the plugin library was not built), the script says why and exits 0:
-``pytrt-kv info`` tells what the installation has. Install TensorRT with
-``pip install 'pytrt-kv[trt]'``.
+Where this machine cannot build and run an engine (no TensorRT Python package of any
+flavour, no cuda-python, no GPU, or the plugin library was not built), the script says
+why and exits 0; ``pytrt-kv info`` tells what the installation has. Install TensorRT
+with ``pip install 'pytrt-kv[trt]'``.
 
     python examples/build_engine.py [OUT.plan]      # default example.plan
 """
@@ -24,7 +24,7 @@ import onnx
 from onnx_export.example import build_example_model
 from pytrt_kv import runtime
 from pytrt_kv.polygraphy.data_loader import make_feeds
-from pytrt_kv.trt import availability, build_engine, plugin_layers, run_model_steps
+from pytrt_kv.trt import DeviceArray, EngineRunner, availability, build_engine, plugin_layers
 
 
 def main(argv):
@@ -40,16 +40,21 @@ def main(argv):
         print(f"skipped: no engine can be built on this machine: {reason}")
         return 0
 
-    cache = plan_path.with_suffix(".timing-cache")
-    engine = build_engine(onnx_path, engine_path=plan_path, timing_cache=cache)
-    names = [layer.get("Name", "?") for layer in plugin_layers(engine)]
+    engine = build_engine(onnx_path, engine_path=plan_path)
+    names = [str(layer.get("Name", "?")) for layer in plugin_layers(engine)]
     print(f"engine written: {plan_path} ({plan_path.stat().st_size} bytes), "
           f"plugin layers {names}")
 
     feeds = make_feeds(model, seed=0)
     feeds["selection_kv_block_status"][...] = -1    # fresh rows: attention sees real tokens
-    (got,) = run_model_steps(onnx_path, [feeds], timing_cache=cache)
-    want = runtime.run(model, feeds)
+    want = runtime.run(model, feeds)                # functional: feeds stay as they are
+
+    runner = EngineRunner(engine)
+    device = {n: DeviceArray(a.shape, a.dtype).copy_from(a) for n, a in feeds.items()}
+    runner.run(device)                              # legacy default stream
+    # An aliased output lives in its input's buffer: the cache was updated in place.
+    got = {n: (device[runner.aliases[n]] if n in runner.aliases else runner.output(n)).get()
+           for n in runner.output_names}
     for name, expected in want.items():
         if name == "attn_out":                          # float math: rounding may differ
             ok = np.allclose(got[name], expected, atol=1e-3, rtol=1e-3)
