@@ -9,7 +9,8 @@
   ``gpu`` (a CUDA GPU and the kernels), ``trt`` (TensorRT and a GPU), ``torch`` (the
   torch extra). Any other tag is an error, so a misspelt tag cannot hide a snippet.
 
-Other shell blocks (installs, builds, trtexec) are instructions, not run here.
+Other shell blocks (installs, builds, trtexec) are instructions: they are only checked to
+be valid bash (``bash -n``).
 """
 
 from __future__ import annotations
@@ -97,6 +98,17 @@ def test_snippets_are_found_and_tagged_correctly():
     assert not bad, f"python blocks must be programs, not console sessions: {bad}"
     bad = [s.id for s in ALL if s.lang in PYTHON and "run" in s.tags]
     assert not bad, f"'run' is for shell blocks (every python block runs): {bad}"
+
+
+@pytest.mark.parametrize("snippet", [s for s in ALL if s.lang in SHELL], ids=lambda s: s.id)
+def test_shell_block_parses(snippet: Snippet, tmp_path):
+    """Shell blocks that are not run here (installs, builds, trtexec) are at least valid
+    bash, as a reader would paste them."""
+    script = tmp_path / "snippet.sh"
+    script.write_text(snippet.code + "\n")
+    r = subprocess.run(["/bin/bash", "-n", str(script)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, f"{snippet.id}: not valid bash:\n{r.stderr}\n{snippet.code}"
 
 
 def _venv(tmp_path: Path) -> dict:
