@@ -115,7 +115,7 @@ _OUTSIDE = [
 _DOC_PATH = re.compile(r"(?<![\w./-])((?:\.{1,2}/)*(?:[\w.-]+/)*[\w.-]+\.md)\b")
 _CAPS_MD = re.compile(r"^[A-Z][A-Z0-9_]*\.md$")
 _SPEC_CITE = re.compile(
-    r"docs/SPEC\.md[,:]?\s+(?:sections?\s+)?"
+    r"\bSPEC\.md[,:]?\s+(?:sections?\s+)?"
     r"((?:[A-Z]\d+|[SGODR])\b(?:(?:\s*[-\u2013/,]\s*|\s+and\s+)(?:[A-Z]?\d+|[SGODR])\b)*)")
 
 
@@ -264,6 +264,7 @@ def _tree(tmp_path: Path, files: Dict[str, str]) -> Path:
     ("a.py", "# docs/SPEC.md S9\n", "no section S9"),
     ("a.py", "# docs/SPEC.md S1-S3\n", "no section S3"),
     ("a.py", "# docs/SPEC.md S1/G2\n", "no section G2"),
+    ("docs/a.md", "see SPEC.md G3\n", "no section G3"),
     ("README.md", "[x](docs/none.md)\n", "no such file"),
     ("README.md", "[x](docs/SPEC.md#s9-nothing)\n", "no heading"),
     ("docs/a.md", "[x](#nowhere)\n", "no heading"),
