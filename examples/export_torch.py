@@ -66,7 +66,7 @@ def main(argv):
     module = DecodeStep().eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")           # the exporter's own progress warnings
-        program = torch.onnx.export(module, example_inputs(), dynamo=True)
+        program = torch.onnx.export(module, example_inputs(), dynamo=True, verbose=False)
     program.save(path)
     model = onnx.load(path)
     onnx.checker.check_model(model, full_check=True)
