@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator, List, Tuple
@@ -94,29 +95,46 @@ def _resolves(path: str, file: Path, root: Path) -> bool:
     return (root / path).is_file() or (file.parent / path).is_file()
 
 
+def _candidates(root: Path) -> Iterator[Path]:
+    """Files of the checkout: git's tracked and untracked-but-not-ignored files when
+    ``root`` is a git work tree, else every file; never inside the skipped folders."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "-co",
+                              "--exclude-standard"], capture_output=True, timeout=60)
+        names = out.stdout.decode("utf-8", "replace").split("\0") if out.returncode == 0 \
+            else None
+    except (OSError, subprocess.SubprocessError):
+        names = None
+    if names is None:
+        names = [str((Path(d) / f).relative_to(root)) for d, _, files in os.walk(root)
+                 for f in files]
+    for name in sorted(n for n in names if n):
+        parts = Path(name).parts
+        if any(p in SKIP_DIRS or p.startswith(SKIP_DIR_PREFIXES) or p.endswith(".egg-info")
+               for p in parts[:-1]):
+            continue
+        yield root / name
+
+
 def text_files(root: Path) -> Iterator[Tuple[Path, str]]:
-    """(path, text) of every UTF-8 file under ``root`` outside the skipped folders."""
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS
-                             and not d.startswith(SKIP_DIR_PREFIXES)
-                             and not d.endswith(".egg-info"))
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            rel = path.relative_to(root).as_posix()
-            if rel in SKIP_FILES or path.is_symlink():
+    """(path, text) of every UTF-8 file of the checkout at ``root`` (see
+    :func:`_candidates`), except :data:`SKIP_FILES`, links and binaries."""
+    for path in _candidates(root):
+        rel = path.relative_to(root).as_posix()
+        if rel in SKIP_FILES or path.is_symlink() or not path.is_file():
+            continue
+        try:
+            if path.stat().st_size > MAX_BYTES:
                 continue
-            try:
-                if path.stat().st_size > MAX_BYTES:
-                    continue
-                data = path.read_bytes()
-            except OSError:
-                continue
-            if b"\0" in data:
-                continue
-            try:
-                yield path, data.decode("utf-8")
-            except UnicodeDecodeError:
-                continue
+            data = path.read_bytes()
+        except OSError:
+            continue
+        if b"\0" in data:
+            continue
+        try:
+            yield path, data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
 
 
 def main(argv: List[str] | None = None) -> int:
