@@ -100,6 +100,16 @@ def spec_sections(root: Path) -> Set[str]:
     return ids
 
 
+def style_habits(root: Path) -> Set[int]:
+    """Numbers of the house-style habits in docs/ARCHITECTURE.md ("## House style")."""
+    path = root / "docs" / "ARCHITECTURE.md"
+    if not path.is_file():
+        return set()
+    text = path.read_text(encoding="utf-8")
+    section = text.split("## House style", 1)[1] if "## House style" in text else ""
+    return {int(n) for n in re.findall(r"^(\d+)\. ", section, re.M)}
+
+
 # --- the checks --------------------------------------------------------------------------
 
 #: Documents that exist only outside the repository (the old design notes).
@@ -117,6 +127,9 @@ _CAPS_MD = re.compile(r"^[A-Z][A-Z0-9_]*\.md$")
 _SPEC_CITE = re.compile(
     r"\bSPEC\.md[,:]?\s+(?:sections?\s+)?"
     r"((?:[A-Z]\d+|[SGODR])\b(?:(?:\s*[-\u2013/,]\s*|\s+and\s+)(?:[A-Z]?\d+|[SGODR])\b)*)")
+
+
+_HABIT_CITE = re.compile(r"\bARCHITECTURE\.md,?\s+habits?\s+(\d+)")
 
 
 def _doc_exists(token: str, file: Path, root: Path) -> bool:
@@ -150,7 +163,8 @@ def _cited_ids(span: str) -> List[str]:
     return ids
 
 
-def reference_problems(path: Path, text: str, root: Path, sections: Set[str]) -> List[str]:
+def reference_problems(path: Path, text: str, root: Path, sections: Set[str],
+                       habits: Set[int] = frozenset()) -> List[str]:
     """Citations in ``text`` of documents or sections that do not exist."""
     rel = path.relative_to(root).as_posix()
     out = []
@@ -167,6 +181,10 @@ def reference_problems(path: Path, text: str, root: Path, sections: Set[str]) ->
                 continue  # a lowercase file name is an output (summary.md), not a document
             if not _doc_exists(token, path, root):
                 out.append(f"{rel}:{lineno}: {token!r}: no such document in the repository")
+        for m in _HABIT_CITE.finditer(line):
+            if int(m.group(1)) not in habits:
+                out.append(f"{rel}:{lineno}: {m.group(0)!r}: docs/ARCHITECTURE.md has no "
+                           f"habit {m.group(1)}")
         for m in _SPEC_CITE.finditer(line):
             for sid in _cited_ids(m.group(1)):
                 if sid not in sections:
@@ -202,11 +220,12 @@ def link_problems(path: Path, text: str, root: Path) -> List[str]:
 def all_problems(root: Path) -> List[str]:
     root = root.resolve()
     sections = spec_sections(root)
+    habits = style_habits(root)
     out = []
     if not sections:
         out.append("docs/SPEC.md: missing, or without section headings")
     for path, text in fix.text_files(root):
-        out += reference_problems(path, text, root, sections)
+        out += reference_problems(path, text, root, sections, habits)
         if path.suffix == ".md":
             out += link_problems(path, text, root)
     return out
@@ -265,6 +284,7 @@ def _tree(tmp_path: Path, files: Dict[str, str]) -> Path:
     ("a.py", "# docs/SPEC.md S1-S3\n", "no section S3"),
     ("a.py", "# docs/SPEC.md S1/G2\n", "no section G2"),
     ("docs/a.md", "see SPEC.md G3\n", "no section G3"),
+    ("a.cpp", "// docs/ARCHITECTURE.md habit 13\n", "no habit 13"),
     ("README.md", "[x](docs/none.md)\n", "no such file"),
     ("README.md", "[x](docs/SPEC.md#s9-nothing)\n", "no heading"),
     ("docs/a.md", "[x](#nowhere)\n", "no heading"),
@@ -292,7 +312,7 @@ def test_fix_script_output_passes_the_checker(tmp_path):
                     'House style (shared/design/STYLE.md habit 3; ARCHITECTURE.md)."""\n',
         "tests/t.py": '"""reference/001 single-op example; never zeros (STYLE habit 7)."""\n',
         "docs/ops/X.md": "the contract is [OPS.md section S](../../shared/spec/OPS.md)\n",
-        "docs/ARCHITECTURE.md": "# Arch\n",
+        "docs/ARCHITECTURE.md": "# Arch\n\n## House style\n\n3. Errors.\n7. Random.\n",
     })
     before = all_problems(root)
     assert {p.split(":")[0] for p in before} == {"pkg/a.py", "tests/t.py", "docs/ops/X.md"}
