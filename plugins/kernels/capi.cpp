@@ -76,6 +76,20 @@ int32_t writeLayout(int64_t* out, int32_t capacity, std::initializer_list<int64_
     return n;
 }
 
+//! The result of a helper's own CUDA call: recorded, returned, and cleared from the
+//! runtime's last error (this library links cudart statically, so that state holds only
+//! this library's calls; the caller learns of the failure from the return value). Left
+//! pending, it would make the next launch refuse to run (kvError.h refusePendingError).
+//! Sticky errors stay whatever we do.
+int32_t ownError(cudaError_t e, char const* where)
+{
+    if (e != cudaSuccess)
+    {
+        cudaGetLastError();
+    }
+    return pytrt_kv::kernels::recordLaunch(e, where);
+}
+
 //! What both launch entry points do: refuse a null \p params (recording \p nullMessage),
 //! make \p device current (see DeviceGuard), then run \p launch on \p stream.
 template <typename Params>
@@ -331,7 +345,7 @@ int32_t pytrt_kv_device_malloc(size_t bytes, int32_t device, void** ptr)
     {
         return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
     }
-    return pytrt_kv::kernels::recordLaunch(cudaMalloc(ptr, bytes), "cudaMalloc");
+    return ownError(cudaMalloc(ptr, bytes), "cudaMalloc");
 }
 
 int32_t pytrt_kv_device_free(void* ptr, int32_t device)
@@ -342,7 +356,7 @@ int32_t pytrt_kv_device_free(void* ptr, int32_t device)
     {
         return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
     }
-    return pytrt_kv::kernels::recordLaunch(cudaFree(ptr), "cudaFree");
+    return ownError(cudaFree(ptr), "cudaFree");
 }
 
 int32_t pytrt_kv_copy(void* dst, void const* src, size_t bytes, void* stream, int32_t device)
@@ -359,7 +373,7 @@ int32_t pytrt_kv_copy(void* dst, void const* src, size_t bytes, void* stream, in
     {
         e = cudaStreamSynchronize(s);
     }
-    return pytrt_kv::kernels::recordLaunch(e, "pytrt_kv_copy");
+    return ownError(e, "pytrt_kv_copy");
 }
 
 int32_t pytrt_kv_host_register(void* ptr, size_t bytes, uint32_t extraFlags)
