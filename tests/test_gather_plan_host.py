@@ -423,7 +423,7 @@ def test_miss_list_is_proportional_to_misses(lib, rng):
 def test_call_plan_skips_out_of_range_table_entries(lib, rng):
     """An id whose full or selection table entry is out of range (the reference raises)
     is still placed (status as G5) but its entry is marked skipped: nothing is copied."""
-    B, S, K, tbs, sbs, fbs = 1, 1, 6, 2, 4, 4
+    S, K, tbs, sbs, fbs = 1, 6, 2, 4, 4
     sel_table = np.array([[0, -1, 5]], np.int32)  # slot 2-3 -> column 1: invalid
     full_table = np.array([[1, 99, 0, 2]], np.int32)  # column 1 (ids 2, 3) -> invalid
     full_cache = rng.standard_normal((3, fbs, 4)).astype(np.float16)
