@@ -113,8 +113,8 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterTokensKernel(TokenArgs<
             Divider const vps = r.vectorsPerSegment;
             copyVectors<W, LoadPolicy::kREADONLY>(static_cast<int32_t>(r.nseg * vps.divisor), lane, a.group, source,
                 [&](int32_t idx) {
-                    int64_t const seg = vps.div(idx);
-                    return dstBase + seg * segStride + (idx - seg * vps.divisor) * W;
+                    int32_t const seg = vps.div32(idx);
+                    return dstBase + seg * segStride + static_cast<int64_t>(idx - seg * static_cast<int32_t>(vps.divisor)) * W;
                 },
                 ready);
         }
