@@ -114,7 +114,9 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) gatherCopyKernel(CopyArgs cons
     for (int64_t task = static_cast<int64_t>(blockIdx.x) * groupsPerBlock + threadIdx.x / a.group; task < tasks;
          task += stride)
     {
-        int64_t const m = a.tbs.div(task);
+        // A shift for power-of-two TBS, else a 32-bit division while the index fits.
+        int64_t const m
+            = (a.tbs.shift >= 0 || task > INT_MAX) ? a.tbs.div(task) : a.tbs.div32(static_cast<int32_t>(task));
         int32_t const i = static_cast<int32_t>(task - m * a.tbs.divisor);
         MissEntry const* entry = a.misses + m;
         int64_t const srcRow = entry->srcRow;

@@ -114,7 +114,8 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterTokensKernel(TokenArgs<
             copyVectors<W, LoadPolicy::kREADONLY>(static_cast<int32_t>(r.nseg * vps.divisor), lane, a.group, source,
                 [&](int32_t idx) {
                     int32_t const seg = vps.div32(idx);
-                    return dstBase + seg * segStride + static_cast<int64_t>(idx - seg * static_cast<int32_t>(vps.divisor)) * W;
+                    int32_t const within = idx - seg * static_cast<int32_t>(vps.divisor);
+                    return dstBase + seg * segStride + static_cast<int64_t>(within) * W;
                 },
                 ready);
         }
