@@ -1,5 +1,5 @@
 """A small, framework-free run of every kernel path, checked bit-exactly against the
-reference: the workload of ``compute-sanitizer`` (memcheck, racecheck) in
+reference: the workload of ``compute-sanitizer`` (memcheck, racecheck, synccheck, initcheck) in
 scripts/gpu_check.sh. Uses only NumPy and the kernel library (device buffers are
 ``pytrt_kv._cuda.DeviceArray``, host-resident full caches are pinned NumPy arrays), so the
 sanitizer sees our kernels and nothing of torch or CuPy.
@@ -37,9 +37,10 @@ def rand(rng, shape, dtype):
 
 
 def scatter_cases(rng):
-    for layout in ("nd", "hnd", "nz"):
+    # hnd with D = 24 bf16: 3 vectors per segment, the kernel's non-power-of-two path.
+    for layout, D in (("nd", 32), ("hnd", 32), ("nz", 32), ("hnd", 24)):
         for dtype in ("bfloat16", "int8", "float32"):
-            T, H, D, NB, BS = 37, 2, 32, 7, 9
+            T, H, NB, BS = 37, 2, 7, 9
             L = nz_last_dim(numpy_dtype(dtype))
             shape = {"nd": (NB, BS, H, D), "hnd": (NB, H, BS, D),
                      "nz": (NB, H * D // L, BS, L)}[layout]
@@ -54,7 +55,7 @@ def scatter_cases(rng):
                         cache_layout=layout)
             dk, dc, dv, dvc = dev(key), dev(cache), dev(key), dev(cache)
             ops.scatter_pa_kv_cache(dk, dv, dc, dvc, dev(slots), cache_layout=layout)
-            same(dc.get(), want, f"scatter {layout} {dtype}")
+            same(dc.get(), want, f"scatter {layout} D={D} {dtype}")
     for mode, dtype in (("rope", "bfloat16"), ("omni", "float16"), ("alibi", "int8")):
         B, Smax, H, D, NB, BS = 2, 9, 2, 64, 12, 5
         key = rand(rng, (B, Smax, H, D), "float32").astype(numpy_dtype(dtype))
@@ -142,6 +143,11 @@ def main() -> int:
         gather_case(rng, K=2048, tbs=1, sbs=64, fbs=64, S=1, rope=16, host=host)
         gather_case(rng, K=8, tbs=4, sbs=8, fbs=12, S=2, rope=0, host=host)
     gather_case(rng, K=33, tbs=1, sbs=5, fbs=7, S=3, rope=8, host=False)
+    from pytrt_kv import _gather
+    if getattr(_gather, "MAX_TOPK_BLOCKED", 2048) >= 40:  # K > 32 with TBS > 1 (G2)
+        gather_case(rng, K=40, tbs=4, sbs=16, fbs=8, S=2, rope=8, host=True)
+    else:
+        print("sanitize_smoke: K > 32 with TBS > 1 not run: the reference still refuses it")
     print("sanitize_smoke: all kernel paths match the reference")
     return 0
 

@@ -104,6 +104,7 @@ _SIGNATURES = {
     "pytrt_kv_host_unregister": (_I32, [_P]),
     "pytrt_kv_gather_plan_rows_host": (_I32, [_I32, _I32, _I32, _I32, _I32P, _I32P, _I32P, _I32P,
                                               _I32P, _U8P, _I32P, _U8P]),
+    "pytrt_kv_gather_plan_host": (_I32, [ctypes.POINTER(GatherSelectionParams)]),
     "pytrt_kv_compress_rows_host": (_I32, [_I32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                            _I32, _I32P]),
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a GPU machine: build the kernels, run the GPU tests and the CPU tests,
-# compute-sanitizer (memcheck + racecheck) over a small workload of every kernel path, and
-# the benchmarks. Writes everything under the output folder (default ./out):
+# compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over a small workload of
+# every kernel path, and the benchmarks. Writes everything under the output folder
+# (default ./out):
 #   summary.md        step results, device, driver, date (exit status = any failure)
 #   benchmarks.md     the Markdown table to paste into BENCHMARKS.md (+ benchmarks.json)
 #   *.log             full logs of each step
@@ -128,7 +129,9 @@ fi
 
 # --- compute-sanitizer ---------------------------------------------------------------------
 if command -v compute-sanitizer >/dev/null 2>&1; then
-  for tool in memcheck racecheck; do
+  # synccheck: the planning kernel's barriers and warp shuffles (block scan) must be
+  # reached by every thread of a CTA.
+  for tool in memcheck racecheck synccheck; do
     step "compute-sanitizer $tool" 600 "sanitizer_$tool.log" \
       compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 50 \
         "$PY" "$ROOT/benchmarks/sanitize_smoke.py"

@@ -1,6 +1,16 @@
 """The gather planning code of the kernels (plugins/kernels/gatherPlan.h), compiled for
-the host and run through ``pytrt_kv_gather_plan_rows_host``, against the reference's
-``plan_row`` (OPS.md G5): same status, actual_seq, copy flags and skipped rows.
+the host, against the reference (pytrt_kv/_gather.py, docs/SPEC.md G3-G5).
+
+gatherPlan.h holds the planning kernel's phases once, for the GPU and the host: the host
+entry points run the very same code (hash, scan, miss-list compaction) for every virtual
+thread in turn. Two entry points are tested:
+
+* ``pytrt_kv_gather_plan_rows_host``: independent rows against ``plan_row`` (status,
+  actual_seq, copy flags, skipped rows);
+* ``pytrt_kv_gather_plan_host``: the planning step of a whole call (same checks as the
+  launch) against the reference op over multi-step decodes: status, actual_seq of every
+  table row, the compacted miss list the copy kernel walks (equal to the reference's
+  copied set, addresses included) and the bytes that list moves.
 
 Needs libpytrt_kv_kernels.so (no GPU): skipped, with pytrt_kv._lib's reason, where the
 package was built without nvcc.
@@ -15,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pytrt_kv import _cuda, _gather
 from pytrt_kv._gather import plan_row
 
 
@@ -193,3 +204,256 @@ def test_refuses_bad_sizes(lib):
     for rows, K, S, tbs in [(1, 2049, 1, 1), (1, 2, 0, 1), (1, 2, 1, 0), (-1, 2, 1, 1)]:
         assert lib.pytrt_kv_gather_plan_rows_host(rows, K, S, tbs, p, p, p, p, p, u, p, u) == 1
         assert lib.pytrt_kv_get_last_error()
+
+
+# --- the whole planning step of a call: status, actual_seq and the miss list ----------
+
+#: One miss-list entry (plugins/kernels/gatherPlan.h MissEntry): the copy kernel moves
+#: ``size`` token rows from full-cache row ``src`` to selection-cache row ``dst``.
+MISS_DTYPE = np.dtype([("src", "<i8"), ("dst", "<i8"), ("size", "<i4"), ("row", "<i4"),
+                       ("slot", "<i4"), ("id", "<i4")])
+MISS_LIST_OFFSET = 256
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.ctypes.data if a.size else 0
+
+
+def host_gather_plan(lib, *, status, topk, sel_table, full_table, kv_len, S, tbs,
+                     sel_cache, full_cache):
+    """Run ``pytrt_kv_gather_plan_host`` (the planning kernel's code on the CPU).
+
+    ``status`` int32 ``[B*S, K+1]`` is updated in place like the kernel's output. Returns
+    ``(actual_seq [R], misses)`` with ``misses`` a MISS_DTYPE array in list order.
+    """
+    B = kv_len.shape[0]
+    K = topk.shape[-1]
+    p = _cuda.GatherSelectionParams()
+    p.selectionKvCache, p.fullKvCache = _addr(sel_cache), _addr(full_cache)
+    p.selectionKvBlockTable, p.selectionKvBlockStatus = _addr(sel_table), _addr(status)
+    p.selectionTopkIndices, p.fullKvBlockTable = _addr(topk), _addr(full_table)
+    p.fullKvActualSeq = _addr(kv_len)
+    actual = np.full(sel_table.shape[0], -7, np.int32)
+    p.selectionKvActualSeq = _addr(actual)
+    p.cacheType = _cuda.DTYPE_CODE["float16"]
+    p.batch, p.seqPerBatch, p.topk, p.topkBlockSize = B, S, K, tbs
+    p.selectionRows = sel_table.shape[0]
+    p.selectionBlockNum, p.selectionBlockSize = sel_cache.shape[0], sel_cache.shape[1]
+    p.selectionMaxBlockNum = sel_table.shape[1]
+    p.fullBlockNum, p.fullBlockSize = full_cache.shape[0], full_cache.shape[1]
+    p.fullMaxBlockNum = full_table.shape[1]
+    p.kvDim = sel_cache.shape[2]
+    size = lib.pytrt_kv_gather_workspace_size(ctypes.byref(p))
+    # Garbage, not zeros: the plan must zero the count and write every entry it lists.
+    workspace = np.full(max(size // 8, 1), -0x0123456789ABCDE, np.int64)
+    p.workspace, p.workspaceBytes = workspace.ctypes.data, size
+    rc = lib.pytrt_kv_gather_plan_host(ctypes.byref(p))
+    assert rc == 0, lib.pytrt_kv_get_last_error()
+    raw = workspace.view(np.uint8)
+    count = int(raw[:4].view(np.int32)[0]) if size else 0
+    assert 0 <= count <= B * S * K
+    misses = raw[MISS_LIST_OFFSET:MISS_LIST_OFFSET + count * MISS_DTYPE.itemsize].view(MISS_DTYPE)
+    return actual, misses.copy()
+
+
+def expected_misses(plans, kv_len, S, tbs, sel_table, full_table, sbs, fbs):
+    """The reference's copied set as miss entries: for every copied slot of every row,
+    (row, slot, id, size) and the token rows of docs/SPEC.md G4."""
+    out = []
+    for r, plan in enumerate(plans):
+        if plan.skipped:
+            continue
+        b, s = divmod(r, S)
+        eff = int(kv_len[b]) - (S - 1 - s)
+        for j in np.flatnonzero(plan.copy):
+            v = int(plan.status[j])
+            p, q = v * tbs, int(j) * tbs
+            src = int(full_table[b, p // fbs]) * fbs + p % fbs
+            dst = int(sel_table[r, q // sbs]) * sbs + q % sbs
+            out.append((src, dst, _gather.id_size(v, eff, tbs), r, int(j), v))
+    return np.array(out, MISS_DTYPE)
+
+
+def _by_row_slot(m: np.ndarray) -> np.ndarray:
+    return np.sort(m, order=["row", "slot"])
+
+
+def apply_misses(misses, sel_cache, full_cache):
+    """What the copy kernel does with the list: every token row of every entry."""
+    sel = sel_cache.reshape(-1, sel_cache.shape[-1])
+    full = full_cache.reshape(-1, full_cache.shape[-1])
+    for m in misses:
+        if m["src"] >= 0 and m["dst"] >= 0:
+            sel[m["dst"]:m["dst"] + m["size"]] = full[m["src"]:m["src"] + m["size"]]
+
+
+def _reference_accepts(K: int, tbs: int) -> bool:
+    # The Python reference may still carry the Ascend limit (K > 32 needs TBS 1) that the
+    # kernels lift (docs/SPEC.md G2); there the bytes are checked through the miss list's
+    # G4 addresses only.
+    limit = getattr(_gather, "MAX_TOPK_BLOCKED", None)
+    return limit is None or K <= limit or tbs == 1
+
+
+def run_call_steps(lib, rng, *, B, S, K, tbs, sbs, fbs, extra_rows, layout, steps, reuse,
+                   pad=0.15, beyond=0.1, kv_dim=8):
+    """Multi-step decode through the host planner of a whole call, against the reference:
+    new status, actual_seq of all R rows, the miss list (as a set per row, in topk order
+    inside a row) and the bytes the list moves."""
+    R = B * S + extra_rows
+    smax = -(-K * tbs // sbs) + int(rng.integers(0, 2))
+    sel_blocks = R * smax
+    sel_table = rng.permutation(sel_blocks).astype(np.int32).reshape(R, smax)
+    fmax = int(rng.integers(4, 12))
+    full_blocks = B * fmax + 3
+    full_table = np.stack([rng.permutation(full_blocks)[:fmax] for _ in range(B)]).astype(np.int32)
+    full_cache = rng.standard_normal((full_blocks, fbs, kv_dim)).astype(np.float16)
+    sel_cache = np.full((sel_blocks, sbs, kv_dim), -3.5, np.float16)
+    status = np.full((B * S, K + 1), -1, np.int32)
+    capacity = fmax * fbs
+    kv_len = rng.integers(-1, capacity // 2, B).astype(np.int32)
+    prev = None
+    total_copied = total_slots = 0
+    for _ in range(steps):
+        kv_len = np.minimum(kv_len + rng.integers(0, S + 2, B), capacity).astype(np.int32)
+        topk = np.empty((B * S, K), np.int32)
+        for r in range(B * S):
+            b, s = divmod(r, S)
+            eff = int(kv_len[b]) - (S - 1 - s)
+            max_id = max((eff + tbs - 1) // tbs - 1, 0)
+            row = random_topk(rng, K, max(max_id, K + 2), pad, beyond)
+            if prev is not None and eff > 0:
+                keep = [int(v) for v in prev[r] if 0 <= v <= max_id and rng.random() < reuse]
+                fresh = [int(v) for v in row if int(v) not in keep]
+                row = np.array((keep + fresh)[:K], np.int32)
+                rng.shuffle(row)
+            topk[r] = row
+        shape = (B, S, 1) if layout == "BSND" else (B * S, 1)
+        meta = _gather.GatherMeta(
+            cache_dtype="float16", layout=layout, batch=B, seq=S, heads=1, topk=K, tbs=tbs,
+            rows=R, sel_block_num=sel_blocks, sel_block_size=sbs, sel_max_block_num=smax,
+            full_block_num=full_blocks, full_block_size=fbs, full_max_block_num=fmax,
+            k_rope_dim=0, kv_dim=kv_dim)
+        plans = _gather.check_gather_values(
+            meta, selection_kv_block_table=sel_table,
+            selection_kv_block_status=status.reshape(shape + (K + 1,)),
+            selection_topk_indices=topk.reshape(shape + (K,)), full_kv_block_table=full_table,
+            full_kv_actual_seq=kv_len)
+        want = expected_misses(plans, kv_len, S, tbs, sel_table, full_table, sbs, fbs)
+
+        ref_cache, ref_status = sel_cache.copy(), status.reshape(shape + (K + 1,)).copy()
+        if _reference_accepts(K, tbs):
+            ref_actual = _gather.gather_selection_kv_cache(
+                np.zeros(0, np.float16), ref_cache, sel_table, ref_status,
+                topk.reshape(shape + (K,)), np.zeros(0, np.float16), full_cache, full_table,
+                kv_len, np.ones(B, np.int32), selection_topk_block_size=tbs)
+        else:
+            apply_misses(want, ref_cache, full_cache)
+            ref_status = np.stack([p.status for p in plans])
+            ref_actual = np.array([p.actual_seq for p in plans] + [0] * extra_rows, np.int32)
+
+        got_status = status.copy()
+        actual, misses = host_gather_plan(
+            lib, status=got_status, topk=topk, sel_table=sel_table, full_table=full_table,
+            kv_len=kv_len, S=S, tbs=tbs, sel_cache=sel_cache, full_cache=full_cache)
+        ctx = f"B={B} S={S} K={K} tbs={tbs} sbs={sbs} fbs={fbs} R={R} {layout}"
+        assert got_status.tolist() == ref_status.reshape(B * S, K + 1).tolist(), ctx
+        assert actual.tolist() == ref_actual.tolist(), ctx
+        assert _by_row_slot(misses).tolist() == _by_row_slot(want).tolist(), ctx
+        for r in np.unique(misses["row"]):
+            # Inside a row the list is in topk order (the CTA's scan order).
+            ids = misses["id"][misses["row"] == r].tolist()
+            order = [int(v) for v in topk[r] if int(v) in ids]
+            assert ids == order, ctx
+        got_cache = sel_cache.copy()
+        apply_misses(misses, got_cache, full_cache)
+        assert np.array_equal(got_cache.view(np.uint16), ref_cache.view(np.uint16)), ctx
+        total_copied += int(misses["size"].sum())
+        total_slots += int(sum(p.actual_seq for p in plans))
+        status, sel_cache, prev = got_status, got_cache, topk
+    return total_copied, total_slots
+
+
+CALL_GRID = [
+    # (B, S, K, tbs, sbs, fbs, extra_rows, layout)
+    (1, 1, 4, 1, 4, 8, 0, "BSND"),
+    (2, 1, 33, 1, 16, 16, 1, "TND"),
+    (3, 2, 300, 1, 64, 32, 2, "BSND"),
+    (2, 3, 8, 4, 8, 16, 0, "TND"),
+    (1, 4, 5, 2, 6, 4, 3, "BSND"),
+    (2, 2, 7, 3, 9, 12, 1, "TND"),
+    (2, 1, 32, 64, 128, 64, 0, "BSND"),
+    (1, 2, 40, 4, 16, 32, 1, "BSND"),     # K > 32 with TBS > 1 (docs/SPEC.md G2)
+    (2, 1, 190, 128, 128, 256, 0, "TND"),  # the retrieval shape: ~190 blocks of 128
+]
+
+
+@pytest.mark.parametrize("B,S,K,tbs,sbs,fbs,extra,layout", CALL_GRID)
+def test_call_plan_matches_reference(lib, rng, B, S, K, tbs, sbs, fbs, extra, layout):
+    run_call_steps(lib, rng, B=B, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, extra_rows=extra,
+                   layout=layout, steps=4, reuse=0.8)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_call_plan_random(lib, data):
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    tbs = data.draw(st.sampled_from([1, 1, 2, 3, 4, 8, 16]))
+    K = data.draw(st.integers(1, 48))
+    B = data.draw(st.integers(1, 3))
+    S = data.draw(st.integers(1, 3))
+    sbs = tbs * data.draw(st.integers(1, 4))
+    fbs = tbs * data.draw(st.integers(1, 4))
+    run_call_steps(lib, np.random.default_rng(seed), B=B, S=S, K=K, tbs=tbs, sbs=sbs,
+                   fbs=fbs, extra_rows=data.draw(st.integers(0, 2)),
+                   layout=data.draw(st.sampled_from(["BSND", "TND"])),
+                   steps=data.draw(st.integers(1, 4)), reuse=data.draw(st.floats(0, 1)),
+                   pad=data.draw(st.floats(0, 0.4)), beyond=data.draw(st.floats(0, 0.3)))
+
+
+def test_miss_list_is_proportional_to_misses(lib, rng):
+    """With heavy reuse the list holds only the copied ids: far fewer tokens than the
+    selected ones (what makes the copy kernel's work proportional to misses)."""
+    copied, selected = run_call_steps(lib, rng, B=2, S=1, K=64, tbs=1, sbs=64, fbs=64,
+                                      extra_rows=0, layout="BSND", steps=6, reuse=0.95,
+                                      pad=0.0, beyond=0.0)
+    assert 0 < copied < 0.4 * selected
+
+
+def test_call_plan_skips_out_of_range_table_entries(lib, rng):
+    """An id whose full or selection table entry is out of range (the reference raises)
+    is still placed (status as G5) but its entry is marked skipped: nothing is copied."""
+    S, K, tbs, sbs, fbs = 1, 6, 2, 4, 4
+    sel_table = np.array([[0, -1, 5]], np.int32)  # slot 2-3 -> column 1: invalid
+    full_table = np.array([[1, 99, 0, 2]], np.int32)  # column 1 (ids 2, 3) -> invalid
+    full_cache = rng.standard_normal((3, fbs, 4)).astype(np.float16)
+    sel_cache = np.full((6, sbs, 4), -3.5, np.float16)
+    status = np.full((1, K + 1), -1, np.int32)
+    topk = np.array([[0, 2, 4, 1, -1, 9]], np.int32)
+    kv_len = np.array([10], np.int32)
+    actual, misses = host_gather_plan(lib, status=status, topk=topk, sel_table=sel_table,
+                                      full_table=full_table, kv_len=kv_len, S=S, tbs=tbs,
+                                      sel_cache=sel_cache, full_cache=full_cache)
+    want = plan_row(np.full(K + 1, -1), topk[0], 10, 1, 0, tbs)
+    assert status[0].tolist() == want.status.tolist() and actual[0] == want.actual_seq
+    by_slot = {int(m["slot"]): m for m in misses}
+    assert sorted(by_slot) == np.flatnonzero(want.copy).tolist()
+    for j, m in by_slot.items():
+        v = int(m["id"])
+        full_bad = full_table[0, v * tbs // fbs] == 99
+        sel_bad = sel_table[0, j * tbs // sbs] < 0
+        assert (m["src"] < 0) == (full_bad or sel_bad), (j, m)
+
+
+def test_empty_batch_plans_nothing(lib, rng):
+    """B*S == 0: nothing is planned or copied; every table row's actual_seq is 0."""
+    p = _cuda.GatherSelectionParams()
+    sel_table = np.zeros((3, 2), np.int32)
+    actual = np.full(3, -7, np.int32)
+    p.selectionKvBlockTable, p.selectionKvActualSeq = _addr(sel_table), _addr(actual)
+    p.cacheType = _cuda.DTYPE_CODE["float16"]
+    p.batch, p.seqPerBatch, p.topk, p.topkBlockSize, p.selectionRows = 0, 0, 8, 4, 3
+    p.selectionBlockSize, p.selectionMaxBlockNum, p.fullBlockSize, p.kvDim = 16, 2, 16, 8
+    assert lib.pytrt_kv_gather_workspace_size(ctypes.byref(p)) == 0
+    assert lib.pytrt_kv_gather_plan_host(ctypes.byref(p)) == 0, lib.pytrt_kv_get_last_error()
+    assert actual.tolist() == [0, 0, 0]

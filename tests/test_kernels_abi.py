@@ -121,7 +121,6 @@ def good_gather() -> _cuda.GatherSelectionParams:
 
 GATHER_BREAKS = {
     "topk over 2048": lambda p: (setattr(p, "topk", 2049), setattr(p, "topkBlockSize", 1)),
-    "topk > 32 with tbs > 1": lambda p: setattr(p, "topk", 33),
     "sbs % tbs": lambda p: setattr(p, "selectionBlockSize", 6),
     "fbs % tbs": lambda p: setattr(p, "fullBlockSize", 10),
     "rows < B*S": lambda p: setattr(p, "selectionRows", 3),
@@ -133,6 +132,8 @@ GATHER_BREAKS = {
     "small workspace": lambda p: setattr(p, "workspaceBytes", 4),
     "no workspace": lambda p: setattr(p, "workspace", None),
     "S = 0": lambda p: setattr(p, "seqPerBatch", 0),
+    "misaligned workspace": lambda p: setattr(p, "workspace", _ptr(0x10004)),
+    "negative S": lambda p: (setattr(p, "batch", 0), setattr(p, "seqPerBatch", -1)),
 }
 
 
@@ -144,6 +145,17 @@ def test_gather_refuses_on_the_host(lib, name):
     assert lib.pytrt_kv_get_last_error().startswith(b"gather:")
 
 
+@pytest.mark.parametrize("name", list(GATHER_BREAKS))
+def test_gather_host_plan_refuses_like_the_launch(lib, name):
+    """pytrt_kv_gather_plan_host runs the launch's own checks before planning."""
+    p = good_gather()
+    GATHER_BREAKS[name](p)
+    assert lib.pytrt_kv_gather_plan_host(ctypes.byref(p)) == INVALID_VALUE
+    assert lib.pytrt_kv_get_last_error().startswith(b"gather:")
+    assert lib.pytrt_kv_gather_plan_host(None) == INVALID_VALUE
+    assert lib.pytrt_kv_get_last_error() == b"gather_plan_host: params is null"
+
+
 def test_gather_empty_call_accepts_null_pointers(lib):
     p = good_gather()
     p.batch, p.selectionRows = 0, 0
@@ -151,6 +163,9 @@ def test_gather_empty_call_accepts_null_pointers(lib):
               "fullKvBlockTable", "fullKvActualSeq", "selectionKvActualSeq", "workspace"):
         setattr(p, f, None)
     assert lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1) == 0
+    p.seqPerBatch = 0  # B*S == 0 either way (TND with T == 0)
+    assert lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1) == 0
+    p.seqPerBatch = 2
     p.batch = p.selectionRows = 1  # rows again: the same nulls are refused
     assert lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1) == INVALID_VALUE
 

@@ -1,5 +1,5 @@
 """pytrt_kv.ops.gather_selection_kv_cache on the GPU, bit-exact against the reference
-(OPS.md G): parameter grids over dtype, TBS, S, K, block sizes, BSND/TND, padding, the
+(docs/SPEC.md G): parameter grids over dtype, TBS, S, K, block sizes, BSND/TND, padding, the
 quantised (no k_rope) mode, host-resident full caches and multi-step reuse; CUDA-graph
 capture and replay; out-of-range table entries skipped. Caches start as a sentinel byte
 pattern so untouched rows are checked too. All tests need a GPU (marker ``gpu``) except
@@ -355,6 +355,168 @@ def test_gather_rejects_pageable_full_cache(rng):
     dev[6] = to_torch(case.full_kv, device="cpu")  # not pinned
     with pytest.raises(ValueError, match="full_kv_cache: expected GPU memory or pinned host"):
         ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
+
+
+def _reference_accepts(K: int, tbs: int) -> bool:
+    from pytrt_kv import _gather
+
+    limit = getattr(_gather, "MAX_TOPK_BLOCKED", None)
+    return limit is None or K <= limit or tbs == 1
+
+
+@gpu
+@pytest.mark.parametrize("grid", [(40, 4, 16, 32, 2), (190, 128, 128, 256, 1)], ids=str)
+def test_gather_large_topk_with_blocks(rng, grid):
+    """K > 32 with TBS > 1 (docs/SPEC.md G2 lifts the Ascend limit; retrieval needs ~190
+    blocks of 128 tokens), multi-step with reuse, bit-exact."""
+    K, tbs, sbs, fbs, S = grid
+    if not _reference_accepts(K, tbs):
+        pytest.skip("pytrt_kv._gather still refuses K > 32 with TBS > 1 (the retrieval "
+                    "work lifts it); the kernels' plan for it is tested on the CPU in "
+                    "test_gather_plan_host.py")
+    fmax = max(-(-K * tbs * 2 // fbs), 4)
+    case = Case(rng, B=2, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv=64, rope=8, fmax=fmax)
+    dev = to_device_args(case, host_full=False)
+    for step, reuse in enumerate((0.0, 0.9, 0.5)):
+        if step:
+            case.advance()
+        case.new_topk(reuse)
+        run_step(case, dev, host_full=False)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["HostArray", "PinnedHost"])
+def test_gather_from_the_projects_pinned_memory(rng, kind):
+    """Full caches in pinned host memory from pytrt_kv's own allocator (HostArray) or
+    registered by it (PinnedHost over a NumPy array), passed as the NumPy arrays."""
+    from pytrt_kv import _cuda, ops
+
+    torch = torch_mod()
+    case = Case(rng, B=2, S=1, K=64, tbs=1, sbs=16, fbs=32, kv=256, rope=32, fmax=8)
+    dev = to_device_args(case, host_full=False)
+    keep = []
+    for i in (5, 6):
+        a = case.args()[i]
+        if kind == "HostArray":
+            h = _cuda.HostArray(a.shape, a.dtype)
+            h.array[...] = a
+        else:
+            h = _cuda.PinnedHost(np.ascontiguousarray(a).copy())
+        keep.append(h)
+        dev[i] = h.array
+    for step, reuse in enumerate((0.0, 0.9)):
+        if step:
+            case.advance()
+            for i, h in zip((5, 6), keep):
+                h.array[...] = case.args()[i]
+        case.new_topk(reuse)
+        for i in (4, 8):
+            dev[i].copy_(to_torch(case.args()[i]))
+        want = ref_gather(*case.args(), selection_topk_block_size=case.tbs)
+        got = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=case.tbs)
+        torch.cuda.synchronize()
+        assert to_numpy(got).tolist() == want.tolist()
+        assert to_numpy(dev[3]).tolist() == case.status.tolist()
+        assert_same_bits(to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
+        assert_same_bits(to_numpy(dev[0]), case.sel_rope, "selection_k_rope")
+    for h in keep:
+        h.close()
+
+
+@gpu
+@pytest.mark.parametrize("where", ["valid address", "address 0"])
+def test_gather_zero_element_rope(rng, where):
+    """C8 mode: the k_rope pair is zero-element, bound at a valid (non-null, aligned)
+    device address or at 0; nothing is read or written through it."""
+    torch = torch_mod()
+    case = Case(rng, B=2, S=1, K=16, tbs=2, sbs=8, fbs=8, kv=64, rope=0, dtype="int8", fmax=8)
+    dev = to_device_args(case, host_full=False)
+    if where == "valid address":
+        backing = torch.empty(64, dtype=torch.int8, device="cuda")
+        dev[0], dev[5] = backing[:0], backing[16:16]
+        assert dev[5].data_ptr() != 0
+    else:
+        dev[0] = torch.empty(0, dtype=torch.int8, device="cuda")
+        dev[5] = torch.empty(0, dtype=torch.int8, device="cuda")
+    for step, reuse in enumerate((0.0, 0.8)):
+        if step:
+            case.advance()
+        case.new_topk(reuse)
+        run_step(case, dev, host_full=False)
+
+
+def _raw_gather_params(case, dev, workspace, out):
+    from pytrt_kv import _cuda
+
+    p = _cuda.GatherSelectionParams()
+    p.selectionKvCache, p.selectionKvBlockTable = dev[1].data_ptr(), dev[2].data_ptr()
+    p.selectionKvBlockStatus, p.selectionTopkIndices = dev[3].data_ptr(), dev[4].data_ptr()
+    p.fullKvCache, p.fullKvBlockTable = dev[6].data_ptr(), dev[7].data_ptr()
+    p.fullKvActualSeq, p.selectionKvActualSeq = dev[8].data_ptr(), out.data_ptr()
+    p.cacheType = _cuda.DTYPE_CODE[case.dtype]
+    p.batch, p.seqPerBatch, p.topk, p.topkBlockSize = case.B, case.S, case.K, case.tbs
+    p.selectionRows = case.R
+    p.selectionBlockNum, p.selectionBlockSize = case.sbn, case.sbs
+    p.selectionMaxBlockNum = case.smax
+    p.fullBlockNum, p.fullBlockSize, p.fullMaxBlockNum = case.fbn, case.fbs, case.fmax
+    p.kvDim = case.sel_kv.shape[2]
+    p.workspace, p.workspaceBytes = workspace.data_ptr(), workspace.numel()
+    return p
+
+
+@gpu
+def test_kernel_empty_batch_writes_only_actual_seq(rng):
+    """B*S == 0 through the C ABI: success, status and caches untouched, every table
+    row's actual_seq 0 (rows >= B*S are 0)."""
+    import ctypes
+
+    from pytrt_kv import _cuda
+
+    torch = torch_mod()
+    case = Case(rng, B=1, S=1, K=8, tbs=1, sbs=8, fbs=8, kv=16, rope=0, dtype="float16",
+                fmax=4, extra_rows=2)
+    case.new_topk(0.0)
+    dev = to_device_args(case, host_full=False)
+    out = torch.full((case.R,), 77, dtype=torch.int32, device="cuda")
+    workspace = torch.empty(1 << 16, dtype=torch.uint8, device="cuda")
+    lib = _cuda.kernels()
+    for batch, seq in ((0, 1), (0, 0)):
+        p = _raw_gather_params(case, dev, workspace, out)
+        p.batch, p.seqPerBatch = batch, seq
+        rc = lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1)
+        torch.cuda.synchronize()
+        assert rc == 0, lib.pytrt_kv_get_last_error()
+        assert to_numpy(out).tolist() == [0] * case.R
+        assert to_numpy(dev[3]).tolist() == case.status.tolist()
+        assert_same_bits(to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
+        out.fill_(77)
+
+
+@gpu
+def test_failed_helper_call_is_not_blamed_on_the_next_launch(rng):
+    """A failed CUDA call of the library (an impossible cudaMalloc) is reported by its
+    own return value and does not make the next launch fail or carry its message."""
+    import ctypes
+
+    from pytrt_kv import _cuda
+
+    torch = torch_mod()
+    lib = _cuda.kernels()
+    ptr = ctypes.c_void_p()
+    assert lib.pytrt_kv_device_malloc(1 << 60, 0, ctypes.byref(ptr)) != 0
+    case = Case(rng, B=2, S=1, K=8, tbs=1, sbs=8, fbs=8, kv=16, rope=0, dtype="float16",
+                fmax=4)
+    case.new_topk(0.0)
+    dev = to_device_args(case, host_full=False)
+    out = torch.empty(case.R, dtype=torch.int32, device="cuda")
+    workspace = torch.empty(1 << 16, dtype=torch.uint8, device="cuda")
+    p = _raw_gather_params(case, dev, workspace, out)
+    rc = lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1)
+    torch.cuda.synchronize()
+    assert rc == 0, lib.pytrt_kv_get_last_error()
+    want = ref_gather(*case.args(), selection_topk_block_size=1)
+    assert to_numpy(out).tolist() == want.tolist()
+    assert_same_bits(to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
 
 
 # --- CPU ------------------------------------------------------------------------------------

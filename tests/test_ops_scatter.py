@@ -1,5 +1,5 @@
 """pytrt_kv.ops.scatter_pa_kv_cache on the GPU, bit-exact against the reference
-(OPS.md S), plus the host-side behaviour of pytrt_kv.ops that needs no GPU.
+(docs/SPEC.md S), plus the host-side behaviour of pytrt_kv.ops that needs no GPU.
 
 GPU tests (marker ``gpu``) use torch CUDA tensors (CuPy where installed). Caches are
 pre-filled with a sentinel byte pattern so that every byte outside the addressed rows is
@@ -187,7 +187,7 @@ def test_scatter_unaligned_buffers_fall_back(rng, layout, offset):
 
 @gpu
 def test_scatter_nz_mixed_dtypes(rng):
-    """nz: key and value may differ in dtype (OPS.md S8)."""
+    """nz: key and value may differ in dtype (docs/SPEC.md S8)."""
     T, H, NB, BS = 10, 2, 4, 16
     kw = dict(key=random_data(rng, (T, H, 32), "bfloat16"),
               value=random_data(rng, (T, H, 64), "int8"),
@@ -234,6 +234,33 @@ def test_scatter_key_only_and_empty(rng):
                slot_mapping=np.zeros(0, np.int32))
     want, got = run_both(kw0)
     assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
+
+
+@gpu
+@pytest.mark.parametrize("where", ["valid address", "address 0"])
+def test_scatter_zero_tokens_at_any_address(rng, where):
+    """T == 0: key, value and slot_mapping zero-element, bound at a valid (non-null)
+    device address or at 0; the caches are untouched and the call succeeds."""
+    from pytrt_kv import ops
+
+    torch = torch_mod()
+    H, D, NB, BS = 2, 16, 3, 4
+    cache = to_torch(sentinel((NB, BS, H, D), "bfloat16"))
+    vcache = cache.clone()
+    before = to_numpy(cache)
+    if where == "valid address":
+        backing = torch.empty((8, H, D), dtype=torch.bfloat16, device="cuda")
+        key, value = backing[:0], backing[4:4]
+        slots = torch.empty(8, dtype=torch.int32, device="cuda")[3:3]
+        assert key.data_ptr() != 0 and slots.data_ptr() != 0
+    else:
+        key = torch.empty((0, H, D), dtype=torch.bfloat16, device="cuda")
+        value = torch.empty((0, H, D), dtype=torch.bfloat16, device="cuda")
+        slots = torch.empty(0, dtype=torch.int32, device="cuda")
+    ops.scatter_pa_kv_cache(key, value, cache, vcache, slots)
+    torch.cuda.synchronize()
+    assert_same_bits(to_numpy(cache), before, "key_cache")
+    assert_same_bits(to_numpy(vcache), before, "value_cache")
 
 
 # --- GPU: 4-D key (compressing write) ------------------------------------------------------

@@ -48,7 +48,7 @@ public:
     static constexpr int32_t kNB_OUTPUTS{4};
     //! OPS.md G2: K <= 2048; K > 32 needs TBS == 1.
     static constexpr int64_t kMAX_TOPK{2048};
-    static constexpr int64_t kMAX_TOPK_BLOCKED{32};
+    static constexpr int64_t kMAX_TOPK_BLOCKED{kMAX_TOPK}; // any TBS with K <= 2048 (docs/SPEC.md G2)
 
     //! The plugin's fields: selection_topk_block_size, alias_io (ints).
     static std::vector<FieldSpec> const& fieldSpecs();

@@ -665,8 +665,10 @@ std::vector<ShapeCase> shapeCases()
     cs.push_back({"gather TND T % B", G, tbs(64), with(with(gatherBsnd(), 3, {kI32, {3, 1, 5}}), 4, {kI32, {3, 1, 4}}),
         false, "T % B"});
     cs.push_back({"gather SBS % TBS", G, tbs(48), gatherBsnd(), false, "selection_topk_block_size"});
-    cs.push_back({"gather K > 32 needs TBS 1", G, tbs(64),
-        with(with(gatherBsnd(), 3, {kI32, {2, 2, 1, 41}}), 4, {kI32, {2, 2, 1, 40}}), false, "K=40"});
+    // docs/SPEC.md G2: any TBS with K <= 2048 (the Ascend limit K > 32 => TBS 1 is lifted).
+    cs.push_back({"gather K > 32 with TBS > 1", G, tbs(64),
+        with(with(with(gatherBsnd(), 2, {kI32, {4, 40}}), 3, {kI32, {2, 2, 1, 41}}), 4, {kI32, {2, 2, 1, 40}}),
+        true, ""});
     cs.push_back({"gather R < B*S", G, tbs(64), with(gatherBsnd(), 2, {kI32, {3, 4}}), false, "R >= B*S*H"});
     cs.push_back({"gather S_MAX_BLOCK_NUM too small", G, tbs(64), with(gatherBsnd(), 2, {kI32, {4, 3}}), false,
         "S_MAX_BLOCK_NUM"});
@@ -1140,8 +1142,8 @@ void checkShapes()
         expectLoggedError(
             [&] { return runtimeOf(g.get())->enqueue(rinBad.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
             "onShapeChange accepted", "GatherSelectionKvCache: enqueue with other shapes than onShapeChange's fails");
-        // Workspace: one int32 per plan entry, B*S*K = the topk volume, BSND and TND alike
-        // (B=2, S=2, K=32, TBS=1: 512 bytes, not B*T*K*4 for TND).
+        // Workspace: the kernels' size for B*S*K plan entries = the topk volume, BSND and
+        // TND alike (B=2, S=2, K=32: 128 entries, not B*T*K for TND).
         Fields tbs1;
         tbs1.i32("selection_topk_block_size", 1);
         PluginPtr g1 = create("GatherSelectionKvCache", tbs1);
@@ -1154,8 +1156,9 @@ void checkShapes()
             bool const declared = g1 && declaredOutputs(g1.get(), v, out);
             auto din = dynamicDescs(v);
             auto dout = dynamicDescs(out);
-            expect(declared && buildOf(g1.get())->getWorkspaceSize(din.data(), 10, dout.data(), 4) == 512,
-                std::string("GatherSelectionKvCache: workspace B*S*K*4 for ") + (tnd ? "TND" : "BSND"));
+            expect(declared && buildOf(g1.get())->getWorkspaceSize(din.data(), 10, dout.data(), 4)
+                        == pytrt_kv::kernels::getGatherPlanWorkspaceSize(2 * 2 * 32),
+                std::string("GatherSelectionKvCache: workspace of B*S*K plan entries for ") + (tnd ? "TND" : "BSND"));
         }
     }
 }

@@ -6,9 +6,10 @@
 
 #include <cuda_runtime_api.h>
 
-#include <array>
 #include <cstddef>
 #include <initializer_list>
+#include <memory>
+#include <new>
 
 using pytrt_kv::kernels::GatherSelectionParams;
 using pytrt_kv::kernels::ScatterParams;
@@ -75,9 +76,19 @@ int32_t writeLayout(int64_t* out, int32_t capacity, std::initializer_list<int64_
     return n;
 }
 
-//! Entries of the planning scratch of one row: 2*K + 1 for K <= 2048 (gatherPlan.h).
-constexpr int32_t kMAX_HOST_TOPK = 2048;
-constexpr size_t kPLAN_SCRATCH = 2 * static_cast<size_t>(kMAX_HOST_TOPK) + 1;
+//! The result of a helper's own CUDA call: recorded, returned, and cleared from the
+//! runtime's last error (this library links cudart statically, so that state holds only
+//! this library's calls; the caller learns of the failure from the return value). Left
+//! pending, it would make the next launch refuse to run (kvError.h refusePendingError).
+//! Sticky errors stay whatever we do.
+int32_t ownError(cudaError_t e, char const* where)
+{
+    if (e != cudaSuccess)
+    {
+        cudaGetLastError();
+    }
+    return pytrt_kv::kernels::recordLaunch(e, where);
+}
 
 //! What both launch entry points do: refuse a null \p params (recording \p nullMessage),
 //! make \p device current (see DeviceGuard), then run \p launch on \p stream.
@@ -217,29 +228,90 @@ int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPe
     int32_t const* oldStatus, int32_t const* topkIndices, int32_t const* kvLen, int32_t const* s, int32_t* newStatus,
     uint8_t* copy, int32_t* actualSeq, uint8_t* skipped)
 {
-    pytrt_kv::kernels::clearLastError();
-    if (rows < 0 || topk < 0 || topk > kMAX_HOST_TOPK || seqPerBatch < 1 || topkBlockSize < 1)
+    namespace k = pytrt_kv::kernels;
+    k::clearLastError();
+    if (rows < 0 || topk < 0 || topk > k::kMAX_TOPK || seqPerBatch < 1 || topkBlockSize < 1)
     {
-        return pytrt_kv::kernels::invalidArgument("gather_plan_rows_host: need rows >= 0, 0 <= K <= 2048, S >= 1, TBS >= 1");
+        return k::invalidArgument("gather_plan_rows_host: need rows >= 0, 0 <= K <= 2048, S >= 1, TBS >= 1");
     }
     if (rows > 0
         && (oldStatus == nullptr || (topk > 0 && topkIndices == nullptr) || kvLen == nullptr || s == nullptr
             || newStatus == nullptr || (topk > 0 && copy == nullptr) || actualSeq == nullptr || skipped == nullptr))
     {
-        return pytrt_kv::kernels::invalidArgument("gather_plan_rows_host: null array");
+        return k::invalidArgument("gather_plan_rows_host: null array");
     }
-    // A fixed array (16 KiB), not a heap allocation that could throw across extern "C".
-    std::array<int32_t, kPLAN_SCRATCH> scratch;
     for (int32_t r = 0; r < rows; ++r)
     {
-        size_t const k = static_cast<size_t>(topk);
-        pytrt_kv::kernels::HostRowPlan plan{newStatus + r * (k + 1), copy + r * k, 0, false};
-        pytrt_kv::kernels::planRowHost(oldStatus + r * (k + 1), topkIndices + r * k, topk, kvLen[r], seqPerBatch, s[r],
-            topkBlockSize, scratch.data(), plan);
-        actualSeq[r] = plan.actualSeq;
-        skipped[r] = plan.skipped ? 1 : 0;
+        if (s[r] < 0 || s[r] >= seqPerBatch)
+        {
+            return k::invalidArgument("gather_plan_rows_host: need 0 <= s[r] < S");
+        }
+    }
+    // Scratch of one planning CTA and one row's miss list, from the heap (nothrow: nothing
+    // is thrown across extern "C").
+    struct Scratch
+    {
+        k::PlanShared shared;
+        k::PlanThread threads[k::kPLAN_THREADS];
+        k::MissEntry misses[k::kMAX_TOPK];
+    };
+    std::unique_ptr<Scratch> scratch(new (std::nothrow) Scratch);
+    if (!scratch)
+    {
+        return k::recordLaunch(cudaErrorMemoryAllocation, "gather_plan_rows_host");
+    }
+    size_t const kk = static_cast<size_t>(topk);
+    for (int32_t r = 0; r < rows; ++r)
+    {
+        // The planner works in place, like the kernel on the status tensor.
+        int32_t* status = newStatus + r * (kk + 1);
+        for (size_t j = 0; j <= kk; ++j)
+        {
+            status[j] = oldStatus[r * (kk + 1) + j];
+        }
+        // One row as a call of its own (B = S rows, this one at s[r]); no tables, so every
+        // miss entry is "skipped" but keeps its slot: the copy flags are the miss slots.
+        int32_t missCount = 0;
+        k::PlanArgs a{};
+        a.status = status;
+        a.topk = topkIndices + r * kk;
+        a.kvLen = kvLen + r;
+        a.actualSeq = actualSeq + r;
+        a.missCount = &missCount;
+        a.misses = scratch->misses;
+        a.fullBlockSize = k::Divider::make(1);
+        a.selectionBlockSize = k::Divider::make(1);
+        a.seqPerBatch = seqPerBatch;
+        a.topkCount = topk;
+        a.tbs = topkBlockSize;
+        a.rows = 1;
+        k::PlanRow probe{};
+        skipped[r] = k::planBeginAt(a, 0, 0, s[r], 1, probe) ? 0 : 1;
+        k::planRowOnHost(a, 0, 0, s[r], scratch->shared, scratch->threads);
+        for (size_t j = 0; j < kk; ++j)
+        {
+            copy[r * kk + j] = 0;
+        }
+        for (int32_t m = 0; m < missCount; ++m)
+        {
+            int32_t const slot = scratch->misses[m].slot;
+            if (slot >= 0 && slot < topk)
+            {
+                copy[r * kk + static_cast<size_t>(slot)] = 1;
+            }
+        }
     }
     return 0;
+}
+
+int32_t pytrt_kv_gather_plan_host(GatherSelectionParams const* params)
+{
+    if (params == nullptr)
+    {
+        pytrt_kv::kernels::clearLastError();
+        return pytrt_kv::kernels::invalidArgument("gather_plan_host: params is null");
+    }
+    return pytrt_kv::kernels::planGatherOnHost(*params);
 }
 
 int32_t pytrt_kv_compress_rows_host(
@@ -273,7 +345,7 @@ int32_t pytrt_kv_device_malloc(size_t bytes, int32_t device, void** ptr)
     {
         return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
     }
-    return pytrt_kv::kernels::recordLaunch(cudaMalloc(ptr, bytes), "cudaMalloc");
+    return ownError(cudaMalloc(ptr, bytes), "cudaMalloc");
 }
 
 int32_t pytrt_kv_device_free(void* ptr, int32_t device)
@@ -284,7 +356,7 @@ int32_t pytrt_kv_device_free(void* ptr, int32_t device)
     {
         return pytrt_kv::kernels::recordLaunch(guard.status(), "cudaSetDevice");
     }
-    return pytrt_kv::kernels::recordLaunch(cudaFree(ptr), "cudaFree");
+    return ownError(cudaFree(ptr), "cudaFree");
 }
 
 int32_t pytrt_kv_copy(void* dst, void const* src, size_t bytes, void* stream, int32_t device)
@@ -301,7 +373,7 @@ int32_t pytrt_kv_copy(void* dst, void const* src, size_t bytes, void* stream, in
     {
         e = cudaStreamSynchronize(s);
     }
-    return pytrt_kv::kernels::recordLaunch(e, "pytrt_kv_copy");
+    return ownError(e, "pytrt_kv_copy");
 }
 
 int32_t pytrt_kv_host_register(void* ptr, size_t bytes, uint32_t extraFlags)

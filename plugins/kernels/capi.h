@@ -66,13 +66,21 @@ PYTRT_KV_API int32_t pytrt_kv_host_register(void* ptr, size_t bytes, uint32_t ex
 //! cudaHostUnregister.
 PYTRT_KV_API int32_t pytrt_kv_host_unregister(void* ptr);
 
-//! Host run of the planning code (gatherPlan.h) over \p rows rows, for the CPU tests.
-//! oldStatus/newStatus [rows, K+1], topk [rows, K], kvLen and s [rows] (per row), copy
-//! [rows, K] (0/1), actualSeq and skipped [rows]. Returns 0, or cudaErrorInvalidValue
-//! for K outside [0, 2048], S < 1 or TBS < 1.
+//! Host run of the planning kernel's code (gatherPlan.h) over \p rows independent rows,
+//! for the CPU tests. oldStatus/newStatus [rows, K+1], topk [rows, K], kvLen and s [rows]
+//! (per row), copy [rows, K] (0/1: the slots of the row's miss list), actualSeq and
+//! skipped [rows]. Returns 0, or cudaErrorInvalidValue for K outside [0, 2048], S < 1,
+//! TBS < 1 or s[r] outside [0, S).
 PYTRT_KV_API int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPerBatch,
     int32_t topkBlockSize, int32_t const* oldStatus, int32_t const* topkIndices, int32_t const* kvLen,
     int32_t const* s, int32_t* newStatus, uint8_t* copy, int32_t* actualSeq, uint8_t* skipped);
+
+//! The planning step of pytrt_kv_gather_selection_kv_cache run on the host with HOST
+//! addresses in \p params (kernels::planGatherOnHost: the same checks and the same phase
+//! code as the planning kernel): writes the status rows, selectionKvActualSeq and the
+//! miss list in \p params->workspace (int32 count at byte 0, 32-byte entries
+//! {int64 srcRow, int64 dstRow, int32 size, row, slot, id} from byte 256). No copy.
+PYTRT_KV_API int32_t pytrt_kv_gather_plan_host(pytrt_kv::kernels::GatherSelectionParams const* params);
 
 //! Host run of scatterRows.h for one (b, h) run: source token of each of the \p maxSeqLen
 //! possible rows (-1 none, -2 the rope mean); returns the number of rows written.

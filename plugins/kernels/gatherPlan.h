@@ -1,23 +1,45 @@
 /*
- * OPS.md G3-G5: the per-row decisions of GatherSelectionKvCache (visible length, valid
- * ids, which ids stay in place, which slot each id takes). Compiled for the GPU (the
- * planning kernel uses the predicates below in parallel) and for the host: planRowHost()
- * is the same placement written sequentially, exported as
- * pytrt_kv_gather_plan_rows_host() and compared with pytrt_kv._gather.plan_row in the
- * CPU tests.
+ * docs/SPEC.md G3-G5: the planning step of GatherSelectionKvCache, written ONCE for both
+ * the GPU and the host. The planning kernel runs the phases below with one CTA per
+ * selection-table row (kPLAN_THREADS threads, __syncthreads() between phases); the host
+ * entry points of capi.cpp run the very same phase functions for every virtual thread in
+ * turn, which is one of the interleavings the GPU may execute. Only the four primitives
+ * marked "interleaving" differ (atomics on the GPU, plain read-modify-writes on the host)
+ * and the exclusive scan between two phases (warp shuffles on the GPU, a loop on the
+ * host); both compute the same values, so the CPU tests check the kernel's algorithm
+ * (shared-memory hash, block scan, miss-list compaction), not a second implementation.
+ *
+ * Output of the plan: the new status row, selection_kv_actual_seq, and a compacted miss
+ * list (one MissEntry per id that is copied, addresses resolved), which the copy kernel
+ * walks: its work is proportional to the copied tokens, not to B*S*K*TBS.
  */
 #pragma once
 
 #include "kvHostDevice.h"
 
+#include <climits>
+#include <cstddef>
 #include <cstdint>
+
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
+#endif
 
 namespace pytrt_kv
 {
 namespace kernels
 {
 
-//! OPS.md G3/G4 quantities of one row.
+//! docs/SPEC.md G2: largest K (any TBS).
+constexpr int32_t kMAX_TOPK = 2048;
+//! Threads of one planning CTA; each owns kPLAN_ITEMS consecutive topk positions and slots.
+constexpr int32_t kPLAN_THREADS = 256;
+constexpr int32_t kPLAN_ITEMS = kMAX_TOPK / kPLAN_THREADS;
+//! Open-addressing hash of the old status row (load factor <= 1/2).
+constexpr int32_t kHASH_SLOTS = 2 * kMAX_TOPK;
+constexpr int32_t kHASH_EMPTY = -1;
+
+//! docs/SPEC.md G3/G4 quantities of one row.
 struct RowGeometry
 {
     bool skipped{true}; //!< kv_len <= 0 or eff <= 0: status untouched, output 0
@@ -39,7 +61,7 @@ PYTRT_KV_HD RowGeometry rowGeometry(int64_t kvLen, int32_t seqPerBatch, int32_t 
     return g;
 }
 
-//! OPS.md G4: 0 <= v <= max_id (negative entries are padding, larger ones are dropped).
+//! docs/SPEC.md G4: 0 <= v <= max_id (negative entries are padding, larger ones are dropped).
 PYTRT_KV_HD bool isValidId(int64_t v, RowGeometry const& g)
 {
     return !g.skipped && v >= 0 && v <= g.maxId;
@@ -51,22 +73,22 @@ PYTRT_KV_HD int64_t idSize(int64_t v, RowGeometry const& g, int32_t tbs)
     return v == g.maxId ? g.eff - g.maxId * tbs : static_cast<int64_t>(tbs);
 }
 
-//! OPS.md G5.1: the old row's partial-tail slot, or -1. \p oldN = non-negative entries
-//! of old[0..K-1]; \p oldTotal = old[K].
+//! docs/SPEC.md G5.1: the old row's partial-tail slot, or -1. \p oldN = non-negative
+//! entries of old[0..K-1]; \p oldTotal = old[K].
 PYTRT_KV_HD int32_t oldTailSlot(int32_t oldN, int32_t oldTotal, int32_t tbs)
 {
     // Only the zero test of the remainder matters, so C++ and Python modulo agree.
     return (tbs > 1 && oldTotal % tbs != 0) ? oldN - 1 : -1;
 }
 
-//! OPS.md G5.3: whether slot n-1 is reserved for max_id.
+//! docs/SPEC.md G5.3: whether slot n-1 is reserved for max_id.
 PYTRT_KV_HD bool reservesLastSlot(int32_t tbs, bool maxIdPresent)
 {
     return tbs > 1 && maxIdPresent;
 }
 
-//! OPS.md G5.2: may valid id \p v, found at old slot \p oldSlot (-1: absent), keep it?
-//! \p n = valid ids of the row.
+//! docs/SPEC.md G5.2: may valid id \p v, found at old slot \p oldSlot (-1: absent), keep
+//! it? \p n = valid ids of the row.
 PYTRT_KV_HD bool keepInPlace(int64_t v, int32_t oldSlot, int32_t n, int32_t oldTail, RowGeometry const& g,
     int32_t seqPerBatch, int32_t tbs, bool reserveLast)
 {
@@ -82,116 +104,495 @@ PYTRT_KV_HD bool keepInPlace(int64_t v, int32_t oldSlot, int32_t n, int32_t oldT
     return !(reserveLast && (oldSlot == n - 1 || v == g.maxId));
 }
 
-//! Result of planning one row on the host (the same fields as pytrt_kv._gather.RowPlan).
-struct HostRowPlan
+//! One id copied into one slot: written by the plan, read by the copy kernel. Token i
+//! (i < size) of the id goes from full-cache token row srcRow + i to selection-cache token
+//! row dstRow + i (an id never straddles a block: FBS and SBS are multiples of TBS).
+struct MissEntry
 {
-    int32_t* status;   //!< [K+1] new status (left as the old one for a skipped row)
-    uint8_t* copy;     //!< [K] slot j receives size(status[j]) tokens from the full cache
-    int32_t actualSeq; //!< status[K], 0 for skipped rows
-    bool skipped;
+    int64_t srcRow; //!< full block * FBS + offset of the id's first token; -1: skipped (G4)
+    int64_t dstRow; //!< selection block * SBS + offset of the slot's first token; -1: skipped
+    int32_t size;   //!< tokens of the id, size(v) of G4
+    int32_t row;    //!< r = b*S + s
+    int32_t slot;   //!< j
+    int32_t id;     //!< v
+};
+static_assert(sizeof(MissEntry) == 32, "MissEntry is read with aligned 16-byte loads");
+
+//! Workspace layout: the miss count, then (at kMISS_LIST_OFFSET) up to B*S*K MissEntry.
+constexpr size_t kMISS_LIST_OFFSET = 256;
+
+//! Workspace bytes for \p planEntries = B*S*K (0 when there is nothing to plan).
+PYTRT_KV_HD size_t gatherWorkspaceBytes(int64_t planEntries)
+{
+    return planEntries <= 0 ? 0 : kMISS_LIST_OFFSET + static_cast<size_t>(planEntries) * sizeof(MissEntry);
+}
+
+//! Everything the plan reads and writes (device addresses on the GPU, host ones on the CPU).
+struct PlanArgs
+{
+    int32_t* status;               //!< [B*S, K+1]
+    int32_t const* topk;           //!< [B*S, K]
+    int32_t const* kvLen;          //!< [B]
+    int32_t* actualSeq;            //!< [R]
+    int32_t const* fullTable;      //!< [B, F_MAX_BLOCK_NUM]
+    int32_t const* selectionTable; //!< [R, S_MAX_BLOCK_NUM]
+    int32_t* missCount;            //!< workspace header; 0 before the plan runs
+    MissEntry* misses;             //!< [B*S*K], filled in [0, *missCount)
+    int64_t fullBlockNum;
+    int64_t selectionBlockNum;
+    Divider fullBlockSize;
+    Divider selectionBlockSize;
+    int32_t fullMaxBlockNum;
+    int32_t selectionMaxBlockNum;
+    int32_t seqPerBatch;
+    int32_t topkCount;
+    int32_t tbs;
+    int32_t rows; //!< B*S
 };
 
-//! Sequential OPS.md G5 placement of one row (host reference of the planning kernel).
-//! \p oldStatus [K+1], \p topk [K]; \p scratch needs 2*K ints. \p out.status may alias
-//! nothing else. Duplicated ids stay in bounds with an unspecified placement.
-inline void planRowHost(int32_t const* oldStatus, int32_t const* topk, int32_t topkCount, int64_t kvLen,
-    int32_t seqPerBatch, int32_t s, int32_t tbs, int32_t* scratch, HostRowPlan& out)
+//! The CTA's shared state (a __shared__ variable on the GPU). No initializers: the
+//! phases initialize what they use.
+struct PlanShared
 {
-    int32_t const k = topkCount;
-    for (int32_t j = 0; j <= k; ++j)
+    int32_t keys[kHASH_SLOTS];
+    int16_t vals[kHASH_SLOTS];
+    int32_t topk[kMAX_TOPK];
+    int32_t pinnedBy[kMAX_TOPK];
+    int16_t freeSlot[kMAX_TOPK];
+    int32_t warpTotals[kPLAN_THREADS / 32];
+    int32_t oldN;
+    int32_t validN;
+    int32_t reservedOwner;
+    int32_t missBase;
+    unsigned long long total;
+};
+
+//! One thread's registers that live across phases.
+struct PlanThread
+{
+    int32_t pinnedAt[kPLAN_ITEMS]; //!< old slot an item tries to keep, -1 none
+    int32_t n;                     //!< valid ids of the row
+    int32_t reservedOwner;         //!< topk position of the first max_id, INT_MAX none
+    bool reserveLast;
+    int32_t needyRank;             //!< rank (row-wide, topk order) of the next needy item
+    int32_t missRank;              //!< rank of this thread's next miss entry
+    int32_t freeCount;
+};
+
+//! One row of the plan.
+struct PlanRow
+{
+    int32_t r;
+    int32_t b;
+    int32_t s;
+    RowGeometry g;
+    uint32_t hashSlots; //!< power of two >= 2*K (>= 32)
+};
+
+// --- interleaving primitives --------------------------------------------------------
+
+PYTRT_KV_HD int32_t planAtomicCas(int32_t* p, int32_t expected, int32_t desired)
+{
+#if defined(__CUDA_ARCH__)
+    return atomicCAS(p, expected, desired);
+#else
+    int32_t const old = *p;
+    if (old == expected)
     {
-        out.status[j] = oldStatus[j];
+        *p = desired;
     }
-    for (int32_t j = 0; j < k; ++j)
+    return old;
+#endif
+}
+
+PYTRT_KV_HD int32_t planAtomicAdd(int32_t* p, int32_t x)
+{
+#if defined(__CUDA_ARCH__)
+    return atomicAdd(p, x);
+#else
+    int32_t const old = *p;
+    *p = old + x;
+    return old;
+#endif
+}
+
+PYTRT_KV_HD void planAtomicAdd64(unsigned long long* p, unsigned long long x)
+{
+#if defined(__CUDA_ARCH__)
+    atomicAdd(p, x);
+#else
+    *p += x;
+#endif
+}
+
+PYTRT_KV_HD void planAtomicMin(int32_t* p, int32_t x)
+{
+#if defined(__CUDA_ARCH__)
+    atomicMin(p, x);
+#else
+    *p = x < *p ? x : *p;
+#endif
+}
+
+PYTRT_KV_HD uint32_t hashId(int32_t v, uint32_t mask)
+{
+    return (static_cast<uint32_t>(v) * 2654435761U) & mask;
+}
+
+// --- phases -------------------------------------------------------------------------
+
+//! Phase 0 (every thread): the geometry of row \p r, query token \p s of batch \p b.
+//! Returns false when the row plans nothing (r >= B*S, or skipped by G3); thread 0 then
+//! writes actual_seq = 0 and the CTA is done.
+PYTRT_KV_HD bool planBeginAt(PlanArgs const& a, int32_t r, int32_t b, int32_t s, int32_t tid, PlanRow& row)
+{
+    row.r = r;
+    row.b = b;
+    row.s = s;
+    row.g = RowGeometry{};
+    row.hashSlots = 32;
+    if (r < a.rows)
     {
-        out.copy[j] = 0;
+        row.g = rowGeometry(a.kvLen[b], a.seqPerBatch, s, a.tbs);
     }
-    RowGeometry const g = rowGeometry(kvLen, seqPerBatch, s, tbs);
-    out.skipped = g.skipped;
-    out.actualSeq = 0;
-    if (g.skipped)
+    if (r >= a.rows || row.g.skipped)
     {
-        return;
-    }
-    int32_t oldN = 0;
-    for (int32_t j = 0; j < k; ++j)
-    {
-        oldN += oldStatus[j] >= 0 ? 1 : 0;
-    }
-    int32_t const oldTail = oldTailSlot(oldN, oldStatus[k], tbs);
-    int32_t n = 0;
-    int64_t total = 0;
-    int32_t reservedOwner = -1; // first topk position holding max_id
-    for (int32_t e = 0; e < k; ++e)
-    {
-        if (isValidId(topk[e], g))
+        if (tid == 0)
         {
-            ++n;
-            total += idSize(topk[e], g, tbs);
-            if (topk[e] == g.maxId && reservedOwner < 0)
+            a.actualSeq[r] = 0; // rows past B*S are not addressed; skipped rows return 0
+        }
+        return false;
+    }
+    while (row.hashSlots < 2U * static_cast<uint32_t>(a.topkCount))
+    {
+        row.hashSlots *= 2;
+    }
+    return true;
+}
+
+//! Phase 0 of table row \p r (r = b*S + s, docs/SPEC.md G3).
+PYTRT_KV_HD bool planBegin(PlanArgs const& a, int32_t r, int32_t tid, PlanRow& row)
+{
+    int32_t const b = r < a.rows ? r / a.seqPerBatch : 0;
+    return planBeginAt(a, r, b, r < a.rows ? r - b * a.seqPerBatch : 0, tid, row);
+}
+
+//! Phase 1: empty hash and counters.
+PYTRT_KV_HD void planInit(PlanRow const& row, PlanShared& sh, int32_t tid)
+{
+    for (uint32_t i = static_cast<uint32_t>(tid); i < row.hashSlots; i += kPLAN_THREADS)
+    {
+        sh.keys[i] = kHASH_EMPTY;
+    }
+    if (tid == 0)
+    {
+        sh.oldN = 0;
+        sh.validN = 0;
+        sh.reservedOwner = INT_MAX;
+        sh.total = 0;
+        sh.missBase = 0;
+    }
+}
+
+//! Phase 2: read the old status row and the topk row (all of a thread's loads issued
+//! before the first is used), index id -> old slot, count old and valid ids, the total
+//! size, and find the first max_id. Every read of the old status happens here.
+PYTRT_KV_HD void planLoad(PlanArgs const& a, PlanRow const& row, PlanShared& sh, int32_t tid)
+{
+    int32_t const k = a.topkCount;
+    int32_t const* status = a.status + static_cast<int64_t>(row.r) * (k + 1);
+    int32_t const* topk = a.topk + static_cast<int64_t>(row.r) * k;
+    uint32_t const mask = row.hashSlots - 1;
+    int32_t oldIds[kPLAN_ITEMS];
+    int32_t newIds[kPLAN_ITEMS];
+    // Strided by kPLAN_THREADS: each of the 2*kPLAN_ITEMS loads is coalesced over the CTA
+    // and none waits for another (they used to be one dependent load per hash insert).
+PYTRT_KV_UNROLL
+    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
+    {
+        int32_t const j = tid + i * kPLAN_THREADS;
+        oldIds[i] = j < k ? status[j] : -1;
+        newIds[i] = j < k ? topk[j] : -1;
+    }
+    int32_t localOld = 0;
+    int32_t localValid = 0;
+    long long localTotal = 0;
+PYTRT_KV_UNROLL
+    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
+    {
+        int32_t const j = tid + i * kPLAN_THREADS;
+        if (j >= k)
+        {
+            continue;
+        }
+        sh.pinnedBy[j] = -1;
+        sh.topk[j] = newIds[i];
+        int32_t const v = oldIds[i];
+        if (v >= 0)
+        {
+            ++localOld;
+            for (uint32_t h = hashId(v, mask), probe = 0; probe < row.hashSlots; h = (h + 1) & mask, ++probe)
             {
-                reservedOwner = e;
+                int32_t const prev = planAtomicCas(&sh.keys[h], kHASH_EMPTY, v);
+                if (prev == kHASH_EMPTY)
+                {
+                    sh.vals[h] = static_cast<int16_t>(j);
+                    break;
+                }
+                if (prev == v)
+                {
+                    break; // a duplicated old id (corrupted status): either slot is in bounds
+                }
+            }
+        }
+        int32_t const e = j;
+        int32_t const nv = newIds[i];
+        if (isValidId(nv, row.g))
+        {
+            ++localValid;
+            localTotal += idSize(nv, row.g, a.tbs);
+            if (nv == row.g.maxId)
+            {
+                planAtomicMin(&sh.reservedOwner, e);
             }
         }
     }
-    bool const reserveLast = reservesLastSlot(tbs, reservedOwner >= 0);
-    int32_t* pinnedBy = scratch;   // [K] topk position pinned at each slot, -1 = none
-    int32_t* slotOf = scratch + k; // [K] slot of each topk position, -1 = not placed yet
-    for (int32_t j = 0; j < k; ++j)
+    planAtomicAdd(&sh.oldN, localOld);
+    planAtomicAdd(&sh.validN, localValid);
+    planAtomicAdd64(&sh.total, static_cast<unsigned long long>(localTotal));
+}
+
+//! Phase 3: which ids stay in place (G5.2). Thread tid owns topk positions and slots
+//! [tid*kPLAN_ITEMS, (tid+1)*kPLAN_ITEMS), so "topk order" is thread order + item order.
+PYTRT_KV_HD void planPin(PlanArgs const& a, PlanRow const& row, PlanShared& sh, PlanThread& t, int32_t tid,
+    int32_t oldTotal)
+{
+    int32_t const k = a.topkCount;
+    uint32_t const mask = row.hashSlots - 1;
+    t.n = sh.validN;
+    t.reservedOwner = sh.reservedOwner;
+    t.reserveLast = reservesLastSlot(a.tbs, t.reservedOwner != INT_MAX);
+    int32_t const oldTail = oldTailSlot(sh.oldN, oldTotal, a.tbs);
+    int32_t const first = tid * kPLAN_ITEMS;
+PYTRT_KV_UNROLL
+    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
-        pinnedBy[j] = -1;
-        slotOf[j] = -1;
-    }
-    for (int32_t e = 0; e < k; ++e)
-    {
-        int64_t const v = topk[e];
-        if (!isValidId(v, g) || (reserveLast && e == reservedOwner))
+        int32_t const e = first + i;
+        t.pinnedAt[i] = -1;
+        if (e >= k)
+        {
+            continue;
+        }
+        int32_t const v = sh.topk[e];
+        if (!isValidId(v, row.g) || (t.reserveLast && e == t.reservedOwner))
         {
             continue;
         }
         int32_t oldSlot = -1;
-        for (int32_t j = 0; j < k && oldSlot < 0; ++j)
+        for (uint32_t h = hashId(v, mask), probe = 0; probe < row.hashSlots; h = (h + 1) & mask, ++probe)
         {
-            oldSlot = oldStatus[j] == v ? j : -1;
+            int32_t const key = sh.keys[h];
+            if (key == v)
+            {
+                oldSlot = sh.vals[h];
+                break;
+            }
+            if (key == kHASH_EMPTY)
+            {
+                break;
+            }
         }
-        if (keepInPlace(v, oldSlot, n, oldTail, g, seqPerBatch, tbs, reserveLast) && pinnedBy[oldSlot] < 0)
+        if (keepInPlace(v, oldSlot, t.n, oldTail, row.g, a.seqPerBatch, a.tbs, t.reserveLast))
         {
-            pinnedBy[oldSlot] = e;
-            slotOf[e] = oldSlot;
+            t.pinnedAt[i] = oldSlot;
+            planAtomicCas(&sh.pinnedBy[oldSlot], -1, e); // a duplicated id pins once
         }
     }
-    if (reserveLast)
+}
+
+PYTRT_KV_HD bool planIsKept(PlanShared const& sh, PlanThread const& t, int32_t i, int32_t e)
+{
+    return t.pinnedAt[i] >= 0 && sh.pinnedBy[t.pinnedAt[i]] == e;
+}
+
+PYTRT_KV_HD bool planIsFreeSlot(PlanShared const& sh, PlanThread const& t, int32_t j)
+{
+    return j < t.n && sh.pinnedBy[j] < 0 && !(t.reserveLast && j == t.n - 1);
+}
+
+//! Phase 4a: this thread's ids that need a free slot and its free slots, packed as
+//! (needy << 16) | free for one exclusive scan (both counts are <= 2048).
+PYTRT_KV_HD int32_t planCount(PlanArgs const& a, PlanRow const& row, PlanShared const& sh, PlanThread const& t,
+    int32_t tid)
+{
+    int32_t const k = a.topkCount;
+    int32_t const first = tid * kPLAN_ITEMS;
+    int32_t needy = 0;
+    int32_t freeSlots = 0;
+PYTRT_KV_UNROLL
+    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
-        slotOf[reservedOwner] = n - 1;
+        int32_t const e = first + i;
+        if (e < k)
+        {
+            bool const owner = t.reserveLast && e == t.reservedOwner;
+            needy += (isValidId(sh.topk[e], row.g) && !planIsKept(sh, t, i, e) && !owner) ? 1 : 0;
+        }
+        freeSlots += planIsFreeSlot(sh, t, first + i) ? 1 : 0;
     }
-    int32_t nextFree = 0;
-    for (int32_t e = 0; e < k; ++e)
+    return (needy << 16) | freeSlots;
+}
+
+//! Phase 4b, after the exclusive scan of planCount (\p before for this thread, \p total
+//! over the CTA): list the free slots in ascending order, reserve the row's range of the
+//! miss list (one atomic per row) and rank this thread's misses inside it.
+PYTRT_KV_HD void planFree(PlanArgs const& a, PlanShared& sh, PlanThread& t, int32_t tid, int32_t before,
+    int32_t total)
+{
+    int32_t const first = tid * kPLAN_ITEMS;
+    int32_t freeRank = before & 0xFFFF;
+    t.needyRank = before >> 16;
+    t.freeCount = total & 0xFFFF;
+PYTRT_KV_UNROLL
+    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
-        if (!isValidId(topk[e], g) || slotOf[e] >= 0)
+        if (planIsFreeSlot(sh, t, first + i))
+        {
+            sh.freeSlot[freeRank++] = static_cast<int16_t>(first + i);
+        }
+    }
+    // Copied ids = the needy ones plus max_id in its reserved slot; in topk order, this
+    // thread's first miss follows the needy ids of earlier threads and max_id if an
+    // earlier thread holds it.
+    t.missRank = t.needyRank + ((t.reserveLast && t.reservedOwner < first) ? 1 : 0);
+    int32_t const rowMisses = (total >> 16) + (t.reserveLast ? 1 : 0);
+    if (tid == 0 && rowMisses > 0)
+    {
+        sh.missBase = planAtomicAdd(a.missCount, rowMisses);
+    }
+}
+
+//! Resolve the addresses of id \p v copied into \p slot of \p row (docs/SPEC.md G4):
+//! srcRow/dstRow stay -1 when a column or a table entry is out of range (skipped).
+PYTRT_KV_HD MissEntry planResolve(PlanArgs const& a, PlanRow const& row, int32_t slot, int32_t v)
+{
+    MissEntry m{-1, -1, static_cast<int32_t>(idSize(v, row.g, a.tbs)), row.r, slot, v};
+    int64_t const p = static_cast<int64_t>(v) * a.tbs;
+    int64_t const q = static_cast<int64_t>(slot) * a.tbs;
+    int64_t const fullCol = a.fullBlockSize.div(p);
+    int64_t const selCol = a.selectionBlockSize.div(q);
+    if (fullCol >= a.fullMaxBlockNum || selCol >= a.selectionMaxBlockNum)
+    {
+        return m; // an id past the tables: skipped, never read
+    }
+    int64_t const fullBlock = a.fullTable[static_cast<int64_t>(row.b) * a.fullMaxBlockNum + fullCol];
+    int64_t const selBlock = a.selectionTable[static_cast<int64_t>(row.r) * a.selectionMaxBlockNum + selCol];
+    if (fullBlock < 0 || fullBlock >= a.fullBlockNum || selBlock < 0 || selBlock >= a.selectionBlockNum)
+    {
+        return m;
+    }
+    m.srcRow = fullBlock * a.fullBlockSize.divisor + a.fullBlockSize.mod(p);
+    m.dstRow = selBlock * a.selectionBlockSize.divisor + a.selectionBlockSize.mod(q);
+    return m;
+}
+
+//! Phase 5: write the new status row, actual_seq and this thread's miss entries. Slots
+//! n..K-1 become -1; slots 0..n-1 are each written by exactly one id (for well-formed
+//! input). Every reserved miss rank is written, so the copy kernel never reads an entry
+//! the plan did not write (an id that found no slot, possible only with duplicated ids,
+//! writes a skipped entry).
+PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared const& sh, PlanThread& t, int32_t tid)
+{
+    int32_t const k = a.topkCount;
+    int32_t* status = a.status + static_cast<int64_t>(row.r) * (k + 1);
+    for (int32_t j = t.n + tid; j < k; j += kPLAN_THREADS)
+    {
+        status[j] = -1;
+    }
+    int32_t const first = tid * kPLAN_ITEMS;
+PYTRT_KV_UNROLL
+    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
+    {
+        int32_t const e = first + i;
+        if (e >= k)
         {
             continue;
         }
-        while (nextFree < n && (pinnedBy[nextFree] >= 0 || (reserveLast && nextFree == n - 1)))
+        int32_t const v = sh.topk[e];
+        if (!isValidId(v, row.g))
         {
-            ++nextFree;
+            continue;
         }
-        slotOf[e] = nextFree++;
-    }
-    for (int32_t j = 0; j < k; ++j)
-    {
-        out.status[j] = -1;
-    }
-    for (int32_t e = 0; e < k; ++e)
-    {
-        int32_t const j = slotOf[e];
-        if (j >= 0 && j < n)
+        if (planIsKept(sh, t, i, e))
         {
-            out.status[j] = topk[e];
-            out.copy[j] = pinnedBy[j] == e ? 0 : 1;
+            status[t.pinnedAt[i]] = v;
+            continue;
         }
+        int32_t slot = -1;
+        if (t.reserveLast && e == t.reservedOwner)
+        {
+            slot = t.n - 1;
+        }
+        else if (t.needyRank < t.freeCount)
+        {
+            slot = sh.freeSlot[t.needyRank++];
+        }
+        MissEntry m{-1, -1, 0, row.r, slot, v};
+        if (slot >= 0 && slot < k)
+        {
+            status[slot] = v;
+            m = planResolve(a, row, slot, v);
+        }
+        a.misses[sh.missBase + t.missRank++] = m;
     }
-    out.actualSeq = static_cast<int32_t>(total);
-    out.status[k] = out.actualSeq;
+    if (tid == 0)
+    {
+        int32_t const total = static_cast<int32_t>(sh.total);
+        status[k] = total;
+        a.actualSeq[row.r] = total;
+    }
+}
+
+//! The whole plan of table row \p r (query token \p s of batch \p b) on the host: the
+//! phases above for every virtual thread in turn, the scan as a loop. \p sh and
+//! \p threads (kPLAN_THREADS entries) are caller-provided scratch (about 57 KiB).
+inline void planRowOnHost(
+    PlanArgs const& a, int32_t r, int32_t b, int32_t s, PlanShared& sh, PlanThread* threads)
+{
+    PlanRow row{};
+    if (!planBeginAt(a, r, b, s, 0, row))
+    {
+        return;
+    }
+    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    {
+        planInit(row, sh, tid);
+    }
+    int32_t const oldTotal = a.status[static_cast<int64_t>(r) * (a.topkCount + 1) + a.topkCount];
+    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    {
+        planLoad(a, row, sh, tid);
+    }
+    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    {
+        planPin(a, row, sh, threads[tid], tid, oldTotal);
+    }
+    int32_t packed[kPLAN_THREADS];
+    int32_t total = 0;
+    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    {
+        int32_t const x = planCount(a, row, sh, threads[tid], tid);
+        packed[tid] = total;
+        total += x;
+    }
+    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    {
+        planFree(a, sh, threads[tid], tid, packed[tid], total);
+    }
+    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    {
+        planWrite(a, row, sh, threads[tid], tid);
+    }
 }
 
 } // namespace kernels

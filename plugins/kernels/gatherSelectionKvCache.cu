@@ -1,13 +1,19 @@
 /*
- * GatherSelectionKvCache (OPS.md G). Two launches on one stream, both graph-capturable:
- *  1. gatherPlanKernel, one CTA per selection-table row: reads the old status row,
- *     places the row's ids (gatherPlan.h predicates, run in parallel: a shared-memory
- *     hash finds each id's old slot, a block scan hands out free slots in topk order),
- *     writes the copy plan into the workspace, then the new status row and actual_seq.
- *  2. gatherCopyKernel, over (row, slot, token) tasks on the whole GPU: groups of G
- *     threads move one token's kv (and k_rope) row with W-byte vectors. The copies read
- *     the plan and the full cache only, never the status, so writing the status in
- *     launch 1 is safe; the full cache may be pinned host memory (unified addressing).
+ * GatherSelectionKvCache (docs/SPEC.md G). One memset and two launches on one stream, all
+ * graph-capturable:
+ *  0. the miss counter at the head of the workspace is zeroed;
+ *  1. gatherPlanKernel, one CTA per selection-table row, runs the phases of gatherPlan.h
+ *     (shared with the host tests): reads the old status row, places the row's ids (a
+ *     shared-memory hash finds each id's old slot, a block scan hands out free slots in
+ *     topk order), appends one MissEntry per copied id to the workspace's miss list with
+ *     its source and destination token rows resolved, then writes the new status row
+ *     and actual_seq;
+ *  2. gatherCopyKernel, a resident grid over (miss, token) tasks: groups of G threads move
+ *     one token's kv (and k_rope) row with W-byte vectors. It reads the miss list and the
+ *     full cache only, never the status, so writing the status in launch 1 is safe; the
+ *     full cache may be pinned host memory (unified addressing). Its work is
+ *     proportional to the copied tokens: kept slots, padding and unused slots cost
+ *     nothing there.
  */
 #include "gatherSelectionKvCache.h"
 
@@ -17,6 +23,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <new>
 
 namespace pytrt_kv
 {
@@ -25,31 +32,7 @@ namespace kernels
 namespace
 {
 
-constexpr int32_t kMAX_TOPK = 2048;
-constexpr int32_t kPLAN_THREADS = 256;
-constexpr int32_t kPLAN_ITEMS = kMAX_TOPK / kPLAN_THREADS; // entries (and slots) per thread
-constexpr int32_t kHASH_SLOTS = 2 * kMAX_TOPK;             // load factor <= 1/2
-constexpr int32_t kHASH_EMPTY = -1;
-
-struct PlanArgs
-{
-    int32_t* status;             // [B*S, K+1]
-    int32_t const* topk;         // [B*S, K]
-    int32_t const* kvLen;        // [B]
-    int32_t* actualSeq;          // [R]
-    int32_t* plan;               // [B*S, K]: id to copy into each slot, -1 = no copy
-    int32_t seqPerBatch;
-    int32_t topkCount;
-    int32_t tbs;
-    int32_t rows;                // B*S
-};
-
-__device__ __forceinline__ uint32_t hashId(int32_t v, uint32_t mask)
-{
-    return (static_cast<uint32_t>(v) * 2654435761U) & mask;
-}
-
-//! Exclusive prefix sum over the CTA of one int per thread (thread order).
+//! Exclusive prefix sum over the CTA of one int per thread (thread order), and the total.
 __device__ int32_t blockExclusiveScan(int32_t x, int32_t* warpTotals, int32_t& total)
 {
     int32_t const lane = threadIdx.x % 32;
@@ -68,352 +51,96 @@ __device__ int32_t blockExclusiveScan(int32_t x, int32_t* warpTotals, int32_t& t
     __syncthreads();
     int32_t before = 0;
     total = 0;
+#pragma unroll
     for (int32_t w = 0; w < kPLAN_THREADS / 32; ++w)
     {
         before += w < warp ? warpTotals[w] : 0;
         total += warpTotals[w];
     }
-    __syncthreads(); // warpTotals may be reused by the caller
     return before + inclusive - x;
 }
 
 __global__ void __launch_bounds__(kPLAN_THREADS) gatherPlanKernel(PlanArgs const a)
 {
-    __shared__ int32_t sKeys[kHASH_SLOTS];
-    __shared__ int16_t sVals[kHASH_SLOTS];
-    __shared__ int32_t sTopk[kMAX_TOPK];
-    __shared__ int32_t sPinnedBy[kMAX_TOPK];
-    __shared__ int16_t sFreeSlot[kMAX_TOPK];
-    __shared__ int32_t sWarpTotals[kPLAN_THREADS / 32];
-    __shared__ int32_t sOldN;
-    __shared__ int32_t sValidN;
-    __shared__ int32_t sReservedOwner;
-    __shared__ unsigned long long sTotal;
-
-    int32_t const r = blockIdx.x;
-    int32_t const k = a.topkCount;
+    __shared__ PlanShared sh;
     int32_t const tid = threadIdx.x;
-    if (r >= a.rows)
+    PlanRow row;
+    if (!planBegin(a, blockIdx.x, tid, row))
     {
-        if (tid == 0)
-        {
-            a.actualSeq[r] = 0; // table rows past B*S are not addressed
-        }
         return;
     }
-    int32_t const s = r % a.seqPerBatch;
-    int32_t const b = r / a.seqPerBatch;
-    RowGeometry const g = rowGeometry(a.kvLen[b], a.seqPerBatch, s, a.tbs);
-    int32_t* plan = a.plan + static_cast<int64_t>(r) * k;
-    if (g.skipped)
-    {
-        for (int32_t j = tid; j < k; j += kPLAN_THREADS)
-        {
-            plan[j] = -1;
-        }
-        if (tid == 0)
-        {
-            a.actualSeq[r] = 0;
-        }
-        return;
-    }
-    int32_t* status = a.status + static_cast<int64_t>(r) * (k + 1);
-    int32_t const* topk = a.topk + static_cast<int64_t>(r) * k;
-    uint32_t hashSlots = 32;
-    while (hashSlots < 2U * static_cast<uint32_t>(k))
-    {
-        hashSlots *= 2;
-    }
-    uint32_t const mask = hashSlots - 1;
-    for (uint32_t i = tid; i < hashSlots; i += kPLAN_THREADS)
-    {
-        sKeys[i] = kHASH_EMPTY;
-    }
-    if (tid == 0)
-    {
-        sOldN = 0;
-        sValidN = 0;
-        sReservedOwner = INT_MAX;
-        sTotal = 0;
-    }
+    planInit(row, sh, tid);
+    // Issued with the phase-2 loads; every read of the old status row precedes the
+    // barrier after planLoad, every write follows it.
+    int32_t const oldTotal = a.status[static_cast<int64_t>(row.r) * (a.topkCount + 1) + a.topkCount];
     __syncthreads();
-
-    // Old status: count entries, index id -> old slot.
-    int32_t const oldTotal = status[k];
-    int32_t localOld = 0;
-    for (int32_t j = tid; j < k; j += kPLAN_THREADS)
-    {
-        int32_t const v = status[j];
-        sPinnedBy[j] = -1;
-        if (v < 0)
-        {
-            continue;
-        }
-        ++localOld;
-        for (uint32_t h = hashId(v, mask), probe = 0; probe < hashSlots; h = (h + 1) & mask, ++probe)
-        {
-            int32_t const prev = atomicCAS(&sKeys[h], kHASH_EMPTY, v);
-            if (prev == kHASH_EMPTY)
-            {
-                sVals[h] = static_cast<int16_t>(j);
-                break;
-            }
-            if (prev == v)
-            {
-                break; // a duplicated old id (corrupted status): either slot is in bounds
-            }
-        }
-    }
-    // New ids: count valid ones, their total size and the first max_id.
-    int32_t localValid = 0;
-    long long localTotal = 0;
-    for (int32_t e = tid; e < k; e += kPLAN_THREADS)
-    {
-        int32_t const v = topk[e];
-        sTopk[e] = v;
-        if (isValidId(v, g))
-        {
-            ++localValid;
-            localTotal += idSize(v, g, a.tbs);
-            if (v == g.maxId)
-            {
-                atomicMin(&sReservedOwner, e);
-            }
-        }
-    }
-    atomicAdd(&sOldN, localOld);
-    atomicAdd(&sValidN, localValid);
-    atomicAdd(&sTotal, static_cast<unsigned long long>(localTotal));
-    __syncthreads(); // every read of the old status row is done past this point
-
-    int32_t const n = sValidN;
-    int32_t const oldTail = oldTailSlot(sOldN, oldTotal, a.tbs);
-    int32_t const reservedOwner = sReservedOwner;
-    bool const reserveLast = reservesLastSlot(a.tbs, reservedOwner != INT_MAX);
-
-    // Each thread owns a contiguous range of topk positions and of slots, so that
-    // "in topk order" and "ascending slots" are thread order plus item order.
-    int32_t const first = tid * kPLAN_ITEMS;
-    int32_t pinnedAt[kPLAN_ITEMS];
-#pragma unroll
-    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
-    {
-        int32_t const e = first + i;
-        pinnedAt[i] = -1;
-        if (e >= k)
-        {
-            continue;
-        }
-        int32_t const v = sTopk[e];
-        if (!isValidId(v, g) || (reserveLast && e == reservedOwner))
-        {
-            continue;
-        }
-        int32_t oldSlot = -1;
-        for (uint32_t h = hashId(v, mask), probe = 0; probe < hashSlots; h = (h + 1) & mask, ++probe)
-        {
-            int32_t const key = sKeys[h];
-            if (key == v)
-            {
-                oldSlot = sVals[h];
-                break;
-            }
-            if (key == kHASH_EMPTY)
-            {
-                break;
-            }
-        }
-        if (keepInPlace(v, oldSlot, n, oldTail, g, a.seqPerBatch, a.tbs, reserveLast))
-        {
-            pinnedAt[i] = oldSlot;
-            atomicCAS(&sPinnedBy[oldSlot], -1, e); // a duplicated id pins once
-        }
-    }
+    planLoad(a, row, sh, tid);
     __syncthreads();
-
-    // Count the ids that need a free slot and the free slots, in thread order.
-    int32_t needy = 0;
-    int32_t freeSlots = 0;
-#pragma unroll
-    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
-    {
-        int32_t const e = first + i;
-        if (e < k)
-        {
-            bool const kept = pinnedAt[i] >= 0 && sPinnedBy[pinnedAt[i]] == e;
-            needy += (isValidId(sTopk[e], g) && !kept && !(reserveLast && e == reservedOwner)) ? 1 : 0;
-        }
-        int32_t const j = first + i;
-        freeSlots += (j < n && sPinnedBy[j] < 0 && !(reserveLast && j == n - 1)) ? 1 : 0;
-    }
-    // Both counts are <= 2048: one scan of the packed pair.
-    int32_t totalPacked = 0;
-    int32_t const before = blockExclusiveScan((needy << 16) | freeSlots, sWarpTotals, totalPacked);
-    int32_t needyRank = before >> 16;
-    int32_t freeRank = before & 0xFFFF;
-    int32_t const freeCount = totalPacked & 0xFFFF;
-#pragma unroll
-    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
-    {
-        int32_t const j = first + i;
-        if (j < n && sPinnedBy[j] < 0 && !(reserveLast && j == n - 1))
-        {
-            sFreeSlot[freeRank++] = static_cast<int16_t>(j);
-        }
-    }
+    PlanThread t;
+    planPin(a, row, sh, t, tid, oldTotal);
     __syncthreads();
-
-    // Slots n..K-1 are unused; slots 0..n-1 are each written by exactly one id below.
-    for (int32_t j = n + tid; j < k; j += kPLAN_THREADS)
-    {
-        status[j] = -1;
-        plan[j] = -1;
-    }
-#pragma unroll
-    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
-    {
-        int32_t const e = first + i;
-        if (e >= k)
-        {
-            continue;
-        }
-        int32_t const v = sTopk[e];
-        if (!isValidId(v, g))
-        {
-            continue;
-        }
-        int32_t slot = -1;
-        bool copy = true;
-        if (reserveLast && e == reservedOwner)
-        {
-            slot = n - 1;
-        }
-        else if (pinnedAt[i] >= 0 && sPinnedBy[pinnedAt[i]] == e)
-        {
-            slot = pinnedAt[i];
-            copy = false;
-        }
-        else if (needyRank < freeCount)
-        {
-            slot = sFreeSlot[needyRank++];
-        }
-        if (slot >= 0 && slot < k)
-        {
-            status[slot] = v;
-            plan[slot] = copy ? v : -1;
-        }
-    }
-    if (tid == 0)
-    {
-        int32_t const total = static_cast<int32_t>(sTotal);
-        status[k] = total;
-        a.actualSeq[r] = total;
-    }
+    int32_t total = 0;
+    int32_t const before = blockExclusiveScan(planCount(a, row, sh, t, tid), sh.warpTotals, total);
+    planFree(a, sh, t, tid, before, total);
+    __syncthreads();
+    planWrite(a, row, sh, t, tid);
 }
 
 struct CopyArgs
 {
-    int32_t const* plan;             // [B*S, K]
-    int32_t const* kvLen;            // [B]
-    int32_t const* fullTable;        // [B, F_MAX_BLOCK_NUM]
-    int32_t const* selectionTable;   // [R, S_MAX_BLOCK_NUM]
+    int32_t const* missCount;   // written by gatherPlanKernel
+    MissEntry const* misses;    // [*missCount]
     char const* fullKv;
     char const* fullRope;
     char* selectionKv;
     char* selectionRope;
-    int64_t kvBytes;                 // per token row
-    int64_t ropeBytes;               // per token row, 0 in quantised mode
-    int64_t fullBlockNum;
-    int64_t selectionBlockNum;
-    int32_t fullBlockSize;
-    int32_t fullMaxBlockNum;
-    int32_t selectionBlockSize;
-    int32_t selectionMaxBlockNum;
-    int32_t seqPerBatch;
-    int32_t topkCount;
-    int32_t tbs;
-    int32_t rows;                    // B*S
+    int64_t kvBytes;            // per token row
+    int64_t ropeBytes;          // per token row, 0 in quantised mode
+    Divider tbs;                // tasks per miss entry
     int32_t group;
 };
 
 template <int W>
 __global__ void __launch_bounds__(kBLOCK_THREADS) gatherCopyKernel(CopyArgs const a)
 {
-    using V = typename VecOf<W>::Type;
     int32_t const groupsPerBlock = kBLOCK_THREADS / a.group;
     int32_t const lane = threadIdx.x % a.group;
     int64_t const stride = static_cast<int64_t>(gridDim.x) * groupsPerBlock;
-    int64_t const tasks = static_cast<int64_t>(a.rows) * a.topkCount * a.tbs;
+    // The list the plan just wrote: tasks are (miss, token), token fastest, so
+    // neighbouring groups read neighbouring rows of one full block.
+    int64_t const tasks = static_cast<int64_t>(*a.missCount) * a.tbs.divisor;
     int32_t const kvVectors = static_cast<int32_t>(a.kvBytes / W);
     int32_t const allVectors = kvVectors + static_cast<int32_t>(a.ropeBytes / W);
     for (int64_t task = static_cast<int64_t>(blockIdx.x) * groupsPerBlock + threadIdx.x / a.group; task < tasks;
          task += stride)
     {
-        // Token fastest: neighbouring groups read neighbouring rows of one full block.
-        int64_t const slotTask = task / a.tbs;
-        int64_t const i = task - slotTask * a.tbs;
-        int64_t const r = slotTask / a.topkCount;
-        int64_t const j = slotTask - r * a.topkCount;
-        int64_t const v = a.plan[slotTask];
-        if (v < 0)
+        // A shift for power-of-two TBS, else a 32-bit division while the index fits.
+        int64_t const m
+            = (a.tbs.shift >= 0 || task > INT_MAX) ? a.tbs.div(task) : a.tbs.div32(static_cast<int32_t>(task));
+        int32_t const i = static_cast<int32_t>(task - m * a.tbs.divisor);
+        MissEntry const* entry = a.misses + m;
+        int64_t const srcRow = entry->srcRow;
+        int64_t const dstRow = entry->dstRow;
+        if (i >= entry->size || srcRow < 0 || dstRow < 0)
         {
-            continue; // kept in place, unused slot or skipped row
+            continue; // past a partial id, or an id whose table entries are out of range
         }
-        int64_t const b = r / a.seqPerBatch;
-        RowGeometry const g = rowGeometry(a.kvLen[b], a.seqPerBatch, static_cast<int32_t>(r - b * a.seqPerBatch), a.tbs);
-        if (!isValidId(v, g) || i >= idSize(v, g, a.tbs))
-        {
-            continue;
-        }
-        int64_t const p = v * a.tbs + i;
-        int64_t const fullCol = p / a.fullBlockSize;
-        int64_t const q = j * a.tbs + i;
-        int64_t const selCol = q / a.selectionBlockSize;
-        if (fullCol >= a.fullMaxBlockNum || selCol >= a.selectionMaxBlockNum)
-        {
-            continue; // an id past the tables: skipped, never read
-        }
-        int64_t const fullBlock = a.fullTable[b * a.fullMaxBlockNum + fullCol];
-        int64_t const selBlock = a.selectionTable[r * a.selectionMaxBlockNum + selCol];
-        if (fullBlock < 0 || fullBlock >= a.fullBlockNum || selBlock < 0 || selBlock >= a.selectionBlockNum)
-        {
-            continue;
-        }
-        int64_t const srcRow = fullBlock * a.fullBlockSize + (p - fullCol * a.fullBlockSize);
-        int64_t const dstRow = selBlock * a.selectionBlockSize + (q - selCol * a.selectionBlockSize);
-        char const* kvSrc = a.fullKv + srcRow * a.kvBytes;
-        char* kvDst = a.selectionKv + dstRow * a.kvBytes;
-        char const* ropeSrc = a.fullRope + srcRow * a.ropeBytes;
-        char* ropeDst = a.selectionRope + dstRow * a.ropeBytes;
-        // kv vectors then rope vectors, all loads of a lane in flight before its stores
-        // (the host path needs many outstanding PCIe reads per thread).
-        for (int32_t base = lane; base < allVectors; base += a.group * kUNROLL)
-        {
-            V buf[kUNROLL];
-#pragma unroll
-            for (int u = 0; u < kUNROLL; ++u)
-            {
-                int32_t const idx = base + u * a.group;
-                if (idx < allVectors)
-                {
-                    V const* src = idx < kvVectors
-                        ? reinterpret_cast<V const*>(kvSrc) + idx
-                        : reinterpret_cast<V const*>(ropeSrc) + (idx - kvVectors);
-                    buf[u] = __ldcs(src);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < kUNROLL; ++u)
-            {
-                int32_t const idx = base + u * a.group;
-                if (idx < allVectors)
-                {
-                    V* dst = idx < kvVectors ? reinterpret_cast<V*>(kvDst) + idx
-                                             : reinterpret_cast<V*>(ropeDst) + (idx - kvVectors);
-                    *dst = buf[u];
-                }
-            }
-        }
+        char const* kvSrc = a.fullKv + (srcRow + i) * a.kvBytes;
+        char* kvDst = a.selectionKv + (dstRow + i) * a.kvBytes;
+        char const* ropeSrc = a.fullRope + (srcRow + i) * a.ropeBytes;
+        char* ropeDst = a.selectionRope + (dstRow + i) * a.ropeBytes;
+        // kv vectors, then rope vectors, as one row of allVectors.
+        copyVectors<W, LoadPolicy::kSTREAM>(
+            allVectors, lane, a.group,
+            [&](int32_t idx) {
+                return idx < kvVectors ? kvSrc + static_cast<int64_t>(idx) * W
+                                       : ropeSrc + static_cast<int64_t>(idx - kvVectors) * W;
+            },
+            [&](int32_t idx) {
+                return idx < kvVectors ? kvDst + static_cast<int64_t>(idx) * W
+                                       : ropeDst + static_cast<int64_t>(idx - kvVectors) * W;
+            },
+            AlwaysReady{});
     }
 }
 
@@ -429,13 +156,17 @@ cudaError_t checkGather(GatherSelectionParams const& p)
     {
         return invalidArgument("gather: cacheType must be a 1-, 2- or 4-byte type");
     }
-    if (p.batch < 0 || p.seqPerBatch < 1 || p.topk < 0 || p.topk > kMAX_TOPK || p.topkBlockSize < 1)
+    // B*S == 0 (an empty batch) is accepted: nothing is planned or copied (docs/SPEC.md
+    // G2 allows any TBS with K <= 2048; the Ascend kernel's K > 32 => TBS == 1 is lifted).
+    if (p.batch < 0 || p.seqPerBatch < 0 || (p.batch > 0 && p.seqPerBatch < 1) || p.topk < 0
+        || p.topk > kMAX_TOPK || p.topkBlockSize < 1)
     {
-        return invalidArgument("gather: need batch >= 0, seqPerBatch >= 1, 0 <= topk <= 2048, topkBlockSize >= 1");
+        return invalidArgument("gather: need batch >= 0, seqPerBatch >= 1 (>= 0 when batch == 0), 0 <= topk <= 2048, "
+                               "topkBlockSize >= 1");
     }
-    if (p.topk > 32 && p.topkBlockSize != 1)
+    if (static_cast<int64_t>(p.batch) * p.seqPerBatch > INT_MAX)
     {
-        return invalidArgument("gather: topk > 32 requires topkBlockSize == 1");
+        return invalidArgument("gather: batch * seqPerBatch must fit in int32");
     }
     if (p.selectionBlockSize < 1 || p.fullBlockSize < 1 || p.selectionBlockSize % p.topkBlockSize != 0
         || p.fullBlockSize % p.topkBlockSize != 0)
@@ -461,7 +192,7 @@ cudaError_t checkGather(GatherSelectionParams const& p)
     // A pointer is required only where its tensor has elements: TensorRT passes null for
     // zero-volume tensors, and an empty cache is never addressed (every table entry is then
     // out of range, so its copies are skipped).
-    bool const rows = p.batch > 0;
+    bool const rows = static_cast<int64_t>(p.batch) * p.seqPerBatch > 0;
     if ((rows && (p.selectionKvBlockStatus == nullptr || p.fullKvActualSeq == nullptr))
         || (rows && p.topk > 0 && p.selectionTopkIndices == nullptr)
         || (rows && p.fullMaxBlockNum > 0 && p.fullKvBlockTable == nullptr)
@@ -481,6 +212,10 @@ cudaError_t checkGather(GatherSelectionParams const& p)
     {
         return invalidArgument("gather: workspace missing or smaller than getGatherSelectionWorkspaceSize()");
     }
+    if (reinterpret_cast<uintptr_t>(p.workspace) % alignof(MissEntry) != 0)
+    {
+        return invalidArgument("gather: workspace must be 8-byte aligned");
+    }
     return cudaSuccess;
 }
 
@@ -493,15 +228,39 @@ size_t getGatherSelectionWorkspaceSize(GatherSelectionParams const& params)
 
 size_t getGatherPlanWorkspaceSize(int64_t entries)
 {
-    if (entries <= 0)
-    {
-        return 0;
-    }
-    size_t const bytes = static_cast<size_t>(entries) * sizeof(int32_t);
+    size_t const bytes = gatherWorkspaceBytes(entries);
     return (bytes + 255) / 256 * 256;
 }
 
-cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cudaStream_t stream)
+namespace
+{
+PlanArgs makePlanArgs(GatherSelectionParams const& params)
+{
+    PlanArgs a{};
+    a.status = params.selectionKvBlockStatus;
+    a.topk = params.selectionTopkIndices;
+    a.kvLen = params.fullKvActualSeq;
+    a.actualSeq = params.selectionKvActualSeq;
+    a.fullTable = params.fullKvBlockTable;
+    a.selectionTable = params.selectionKvBlockTable;
+    bool const list = planEntries(params) > 0;
+    a.missCount = list ? static_cast<int32_t*>(params.workspace) : nullptr;
+    a.misses = list ? reinterpret_cast<MissEntry*>(static_cast<char*>(params.workspace) + kMISS_LIST_OFFSET) : nullptr;
+    a.fullBlockNum = params.fullBlockNum;
+    a.selectionBlockNum = params.selectionBlockNum;
+    a.fullBlockSize = Divider::make(params.fullBlockSize);
+    a.selectionBlockSize = Divider::make(params.selectionBlockSize);
+    a.fullMaxBlockNum = params.fullMaxBlockNum;
+    a.selectionMaxBlockNum = params.selectionMaxBlockNum;
+    a.seqPerBatch = params.seqPerBatch;
+    a.topkCount = params.topk;
+    a.tbs = params.topkBlockSize;
+    a.rows = params.batch * params.seqPerBatch;
+    return a;
+}
+} // namespace
+
+cudaError_t planGatherOnHost(GatherSelectionParams const& params)
 {
     clearLastError();
     cudaError_t const status = checkGather(params);
@@ -509,33 +268,67 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
     {
         return status;
     }
-    if (params.selectionRows == 0)
+    PlanArgs const a = makePlanArgs(params);
+    if (a.missCount != nullptr)
     {
-        return cudaSuccess;
+        *a.missCount = 0;
     }
-    int32_t const rows = params.batch * params.seqPerBatch;
-    PlanArgs plan{};
-    plan.status = params.selectionKvBlockStatus;
-    plan.topk = params.selectionTopkIndices;
-    plan.kvLen = params.fullKvActualSeq;
-    plan.actualSeq = params.selectionKvActualSeq;
-    plan.plan = static_cast<int32_t*>(params.workspace);
-    plan.seqPerBatch = params.seqPerBatch;
-    plan.topkCount = params.topk;
-    plan.tbs = params.topkBlockSize;
-    plan.rows = rows;
+    // Scratch of one planning CTA (about 57 KiB): from the heap, never thrown across the
+    // C ABI.
+    struct Scratch
+    {
+        PlanShared shared;
+        PlanThread threads[kPLAN_THREADS];
+    };
+    Scratch* scratch = new (std::nothrow) Scratch;
+    if (scratch == nullptr)
+    {
+        return recordLaunch(cudaErrorMemoryAllocation, "gather plan on the host");
+    }
+    for (int32_t r = 0; r < params.selectionRows; ++r)
+    {
+        int32_t const b = r < a.rows ? r / a.seqPerBatch : 0;
+        planRowOnHost(a, r, b, r < a.rows ? r - b * a.seqPerBatch : 0, scratch->shared, scratch->threads);
+    }
+    delete scratch;
+    return cudaSuccess;
+}
+
+cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cudaStream_t stream)
+{
+    clearLastError();
+    cudaError_t const status = checkGather(params);
+    if (status != cudaSuccess || params.selectionRows == 0)
+    {
+        return status;
+    }
+    cudaError_t e = refusePendingError("gather");
+    if (e != cudaSuccess)
+    {
+        return e;
+    }
+    PlanArgs const plan = makePlanArgs(params);
+    int64_t const entries = planEntries(params);
+    if (entries > 0)
+    {
+        e = recordLaunch(cudaMemsetAsync(plan.missCount, 0, sizeof(int32_t), stream), "gather: zeroing the miss count");
+        if (e != cudaSuccess)
+        {
+            cudaGetLastError(); // ours: nothing was pending before (refusePendingError)
+            return e;
+        }
+    }
+    // Rows past B*S (and every row of an empty batch) get actual_seq = 0 from the plan.
     gatherPlanKernel<<<static_cast<unsigned>(params.selectionRows), kPLAN_THREADS, 0, stream>>>(plan);
-    cudaError_t e = recordLaunch(cudaGetLastError(), "gatherPlanKernel");
-    if (e != cudaSuccess || planEntries(params) == 0)
+    e = recordLaunch(cudaGetLastError(), "gatherPlanKernel");
+    if (e != cudaSuccess || entries == 0)
     {
         return e;
     }
 
     CopyArgs c{};
-    c.plan = plan.plan;
-    c.kvLen = params.fullKvActualSeq;
-    c.fullTable = params.fullKvBlockTable;
-    c.selectionTable = params.selectionKvBlockTable;
+    c.missCount = plan.missCount;
+    c.misses = plan.misses;
     c.fullKv = static_cast<char const*>(params.fullKvCache);
     c.fullRope = static_cast<char const*>(params.fullKRope);
     c.selectionKv = static_cast<char*>(params.selectionKvCache);
@@ -543,16 +336,7 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
     int64_t const item = dataTypeSize(params.cacheType);
     c.kvBytes = params.kvDim * item;
     c.ropeBytes = params.kRopeDim * item;
-    c.fullBlockNum = params.fullBlockNum;
-    c.selectionBlockNum = params.selectionBlockNum;
-    c.fullBlockSize = params.fullBlockSize;
-    c.fullMaxBlockNum = params.fullMaxBlockNum;
-    c.selectionBlockSize = params.selectionBlockSize;
-    c.selectionMaxBlockNum = params.selectionMaxBlockNum;
-    c.seqPerBatch = params.seqPerBatch;
-    c.topkCount = params.topk;
-    c.tbs = params.topkBlockSize;
-    c.rows = rows;
+    c.tbs = Divider::make(params.topkBlockSize);
     int const width = c.ropeBytes > 0
         ? vectorWidth({reinterpret_cast<uint64_t>(c.fullKv), reinterpret_cast<uint64_t>(c.selectionKv),
             static_cast<uint64_t>(c.kvBytes), reinterpret_cast<uint64_t>(c.fullRope),
@@ -560,10 +344,13 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
         : vectorWidth({reinterpret_cast<uint64_t>(c.fullKv), reinterpret_cast<uint64_t>(c.selectionKv),
             static_cast<uint64_t>(c.kvBytes)});
     c.group = groupSize((c.kvBytes + c.ropeBytes) / width);
-    int64_t const tasks = planEntries(params) * params.topkBlockSize;
-    int64_t const grid = copyGridSize(tasks, c.group);
+    // Sized for the worst case (every slot of every row copied), capped at one resident
+    // wave; the kernel reads the real miss count, so blocks beyond the misses exit at once.
+    int64_t const worstTasks = entries * params.topkBlockSize;
     return dispatchVectorWidth(width, [&](auto w) {
-        gatherCopyKernel<decltype(w)::value><<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(c);
+        auto kernel = gatherCopyKernel<decltype(w)::value>;
+        int64_t const grid = residentGridSize(kernel, worstTasks, c.group);
+        kernel<<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(c);
         return recordLaunch(cudaGetLastError(), "gatherCopyKernel");
     });
 }

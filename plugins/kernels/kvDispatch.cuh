@@ -12,7 +12,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 namespace pytrt_kv
@@ -144,29 +146,127 @@ inline int groupSize(int64_t vectorsPerRow)
 constexpr int kUNROLL = 4;
 constexpr int kBLOCK_THREADS = 256;
 
-//! Blocks for a grid-stride copy over \p tasks groups of \p group threads: enough to fill
-//! every SM (8 blocks of kBLOCK_THREADS each, more than can be resident), no more, so that
-//! tasks with nothing to copy (kept slots, padding) cost a loop iteration, not a block.
-inline int64_t copyGridSize(int64_t tasks, int32_t group)
+//! How copyVectors loads: kSTREAM (__ldcs, data read once and evicted first: the gather's
+//! full cache, possibly pinned host memory) or kREADONLY (__ldg: the scatter's sources).
+enum class LoadPolicy
+{
+    kSTREAM,
+    kREADONLY,
+};
+
+template <LoadPolicy P, typename V>
+__device__ __forceinline__ V loadVector(V const* p)
+{
+    if constexpr (P == LoadPolicy::kSTREAM)
+    {
+        return __ldcs(p);
+    }
+    else
+    {
+        return __ldg(p);
+    }
+}
+
+//! The one copy primitive of both operators: a group of \p group lanes moves \p nv
+//! W-byte vectors, vector idx from src(idx) to dst(idx). Each lane issues kUNROLL loads
+//! before its first store (many outstanding reads per thread, as pinned host memory needs).
+//! ready() is called once, after the first loads are issued and before the first store:
+//! a caller whose destination depends on a value still in flight (the scatter's slot)
+//! tests it there, so that the source loads overlap the slot load; returning false drops
+//! the row (the loaded values are discarded: sources must be readable either way).
+template <int W, LoadPolicy P, typename SrcFn, typename DstFn, typename ReadyFn>
+__device__ __forceinline__ void copyVectors(
+    int32_t nv, int32_t lane, int32_t group, SrcFn src, DstFn dst, ReadyFn ready)
+{
+    using V = typename VecOf<W>::Type;
+    int32_t base = lane;
+    bool first = true;
+    for (; base < nv; base += group * kUNROLL)
+    {
+        V buf[kUNROLL];
+#pragma unroll
+        for (int u = 0; u < kUNROLL; ++u)
+        {
+            int32_t const idx = base + u * group;
+            if (idx < nv)
+            {
+                buf[u] = loadVector<P>(reinterpret_cast<V const*>(src(idx)));
+            }
+        }
+        if (first)
+        {
+            first = false;
+            if (!ready())
+            {
+                return;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUNROLL; ++u)
+        {
+            int32_t const idx = base + u * group;
+            if (idx < nv)
+            {
+                *reinterpret_cast<V*>(dst(idx)) = buf[u];
+            }
+        }
+    }
+}
+
+//! ready() for copies whose destination is known up front.
+struct AlwaysReady
+{
+    __device__ __forceinline__ bool operator()() const
+    {
+        return true;
+    }
+};
+
+//! Blocks for a grid-stride kernel over \p tasks groups of \p group threads: at most as
+//! many as can be resident at once (the occupancy API, for this kernel's registers and
+//! shared memory), no more, so that a grid never queues a second wave of blocks.
+//!
+//! Pending-error policy: the launch entry points refuse to run while a CUDA error is
+//! pending (refusePendingError, kvError.h), so an error raised by these queries is ours
+//! and is cleared here (the kernels are grid-stride loops: any grid size is correct, so
+//! a failed query falls back to a generous fixed size).
+template <typename Kernel>
+int64_t residentGridSize(Kernel kernel, int64_t tasks, int32_t group)
 {
     int64_t const groupsPerBlock = kBLOCK_THREADS / group;
     int64_t const needed = (tasks + groupsPerBlock - 1) / groupsPerBlock;
+    // Resident blocks per device, computed once per kernel and device (the occupancy
+    // query costs microseconds; eager calls should not pay it every time).
+    constexpr int kCACHED_DEVICES = 16;
+    static std::atomic<int32_t> cache[kCACHED_DEVICES]{};
     int device = 0;
     int sms = 0;
-    // Both queries are cheap and allowed during stream capture; on failure fall back to a
-    // generous fixed cap (the kernels are grid-stride loops, any size is correct). Only an
-    // error these queries caused is cleared: a caller's pending error is left for it.
-    bool const nonePending = cudaPeekAtLastError() == cudaSuccess;
-    if (cudaGetDevice(&device) != cudaSuccess
-        || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
+    int perSm = 0;
+    int64_t resident = 0;
+    bool const known = cudaGetDevice(&device) == cudaSuccess;
+    if (known && device >= 0 && device < kCACHED_DEVICES)
     {
-        if (nonePending)
+        resident = cache[device].load(std::memory_order_relaxed);
+    }
+    if (resident <= 0)
+    {
+        if (!known || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess
+            || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, kBLOCK_THREADS, 0) != cudaSuccess
+            || sms <= 0 || perSm <= 0)
         {
             cudaGetLastError();
+            resident = int64_t{132} * 8;
         }
-        sms = 256;
+        else
+        {
+            resident = static_cast<int64_t>(sms) * perSm;
+            if (device >= 0 && device < kCACHED_DEVICES)
+            {
+                cache[device].store(static_cast<int32_t>(resident), std::memory_order_relaxed);
+            }
+        }
     }
-    return needed < int64_t{8} * sms ? needed : int64_t{8} * sms;
+    return needed < resident ? (needed > 0 ? needed : 1) : resident;
 }
 
 } // namespace kernels

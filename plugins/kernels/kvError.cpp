@@ -27,6 +27,19 @@ cudaError_t recordLaunch(cudaError_t e, char const* where) noexcept
     return e;
 }
 
+cudaError_t refusePendingError(char const* op) noexcept
+{
+    cudaError_t const pending = cudaPeekAtLastError();
+    if (pending != cudaSuccess)
+    {
+        std::snprintf(tLastError, sizeof(tLastError),
+            "%s: not launched: CUDA reports an error from before this call: %s (%s) (an earlier failure on "
+            "this thread, or a CUDA runtime that cannot start); it is left pending for its owner",
+            op, cudaGetErrorName(pending), cudaGetErrorString(pending));
+    }
+    return pending;
+}
+
 char const* lastErrorMessage() noexcept
 {
     return tLastError;

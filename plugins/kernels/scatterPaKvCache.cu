@@ -1,5 +1,5 @@
 /*
- * ScatterPaKvCache (OPS.md S3-S7). One launch per call; groups of G threads move one
+ * ScatterPaKvCache (docs/SPEC.md S3-S7). One launch per call; groups of G threads move one
  * cache row (a token's bytes for one tensor) with W-byte vector accesses, W the widest
  * width that every address and row size allows.
  */
@@ -18,7 +18,7 @@ namespace kernels
 namespace
 {
 
-//! OPS.md S3-S5 for one tensor: a token row of the source is nseg segments of segBytes;
+//! docs/SPEC.md S3-S5 for one tensor: a token row of the source is nseg segments of segBytes;
 //! segment seg of the token in slot (blk, off) goes to byte
 //! ((blk*nseg + seg)*BS + off)*segBytes of the cache, which is nd (nseg = 1), hnd
 //! (nseg = H) and nz (32-byte segments, nseg = H*D*itemsize/32) alike.
@@ -28,9 +28,10 @@ struct TokenRows
     char* dst{nullptr};
     int64_t segBytes{0};
     int32_t nseg{0};
+    Divider vectorsPerSegment{1, 0}; //!< segBytes / W (set at launch)
 };
 
-//! OPS.md S6 for one tensor: [B, Smax, H, D] into [NB, BS, 1, D].
+//! docs/SPEC.md S6 for one tensor: [B, Smax, H, D] into [NB, BS, 1, D].
 struct RunRows
 {
     char const* src{nullptr};
@@ -47,7 +48,7 @@ struct TokenArgs
     int32_t numTensors;
     int64_t numTokens;
     int64_t cacheRows; // NB * BS
-    int32_t blockSize;
+    Divider blockSize;
     int32_t group;
 };
 
@@ -68,63 +69,56 @@ struct RunArgs
     int32_t group;
 };
 
-//! Copy \p nv W-byte vectors from \p src; vector idx lands at dst(idx). All of a lane's
-//! loads are issued before its stores so that kUNROLL vectors per lane are in flight.
-template <int W, typename DstFn>
-__device__ __forceinline__ void copyVectors(char const* src, int32_t nv, int32_t lane, int32_t group, DstFn dst)
-{
-    using V = typename VecOf<W>::Type;
-    for (int32_t base = lane; base < nv; base += group * kUNROLL)
-    {
-        V buf[kUNROLL];
-#pragma unroll
-        for (int u = 0; u < kUNROLL; ++u)
-        {
-            int32_t const idx = base + u * group;
-            if (idx < nv)
-            {
-                buf[u] = __ldg(reinterpret_cast<V const*>(src + static_cast<int64_t>(idx) * W));
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kUNROLL; ++u)
-        {
-            int32_t const idx = base + u * group;
-            if (idx < nv)
-            {
-                *reinterpret_cast<V*>(dst(idx)) = buf[u];
-            }
-        }
-    }
-}
-
 template <typename IndexT, int W>
 __global__ void __launch_bounds__(kBLOCK_THREADS) scatterTokensKernel(TokenArgs<IndexT> const a)
 {
     int32_t const groupsPerBlock = kBLOCK_THREADS / a.group;
     int32_t const lane = threadIdx.x % a.group;
     int64_t const stride = static_cast<int64_t>(gridDim.x) * groupsPerBlock;
-    int64_t const tasks = a.numTokens * a.numTensors;
+    int32_t const tensorShift = a.numTensors - 1; // numTensors is 1 or 2
+    int64_t const tasks = a.numTokens << tensorShift;
     for (int64_t task = static_cast<int64_t>(blockIdx.x) * groupsPerBlock + threadIdx.x / a.group; task < tasks;
          task += stride)
     {
-        int64_t const t = task / a.numTensors;
-        TokenRows const r = (task % a.numTensors) == 0 ? a.rows[0] : a.rows[1];
-        int64_t const slot = static_cast<int64_t>(a.slots[t]);
-        if (slot < 0 || slot >= a.cacheRows)
-        {
-            continue; // padding, or a row outside the cache: never written
-        }
-        int64_t const blk = slot / a.blockSize;
-        int64_t const off = slot - blk * a.blockSize;
-        int32_t const vps = static_cast<int32_t>(r.segBytes / W);
-        int64_t const segStride = a.blockSize * r.segBytes;
+        int64_t const t = task >> tensorShift;
+        TokenRows const& r = (task & tensorShift) == 0 ? a.rows[0] : a.rows[1];
+        // The slot load is issued first; copyVectors issues the source loads (always in
+        // bounds: key[t]) before the slot is tested in ready(), so both latencies overlap.
+        IndexT const rawSlot = a.slots[t];
         char const* src = r.src + t * (r.nseg * r.segBytes);
-        char* dstBase = r.dst + (blk * r.nseg * a.blockSize + off) * r.segBytes;
-        copyVectors<W>(src, r.nseg * vps, lane, a.group, [&](int32_t idx) {
-            int32_t const seg = idx / vps;
-            return dstBase + seg * segStride + static_cast<int64_t>(idx - seg * vps) * W;
-        });
+        char* dstBase = nullptr;
+        auto ready = [&]() {
+            int64_t const slot = static_cast<int64_t>(rawSlot);
+            if (slot < 0 || slot >= a.cacheRows)
+            {
+                return false; // padding, or a row outside the cache: never written
+            }
+            int64_t const blk = a.blockSize.div(slot);
+            int64_t const off = slot - blk * a.blockSize.divisor;
+            dstBase = r.dst + (blk * r.nseg * a.blockSize.divisor + off) * r.segBytes;
+            return true;
+        };
+        auto source = [&](int32_t idx) { return src + static_cast<int64_t>(idx) * W; };
+        if (r.nseg == 1)
+        {
+            // nd (and any single-segment row): the destination row is contiguous.
+            copyVectors<W, LoadPolicy::kREADONLY>(static_cast<int32_t>(r.segBytes / W), lane, a.group, source,
+                [&](int32_t idx) { return dstBase + static_cast<int64_t>(idx) * W; }, ready);
+        }
+        else
+        {
+            // hnd/nz: segment seg of the row is segStride bytes after the previous one;
+            // vectors per segment is a power of two for every usual head size (a shift).
+            int64_t const segStride = a.blockSize.divisor * r.segBytes;
+            Divider const vps = r.vectorsPerSegment;
+            copyVectors<W, LoadPolicy::kREADONLY>(static_cast<int32_t>(r.nseg * vps.divisor), lane, a.group, source,
+                [&](int32_t idx) {
+                    int32_t const seg = vps.div32(idx);
+                    int32_t const within = idx - seg * static_cast<int32_t>(vps.divisor);
+                    return dstBase + seg * segStride + static_cast<int64_t>(within) * W;
+                },
+                ready);
+        }
     }
 }
 
@@ -185,8 +179,10 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterRunsKernel(RunArgs<Inde
             }
             continue;
         }
-        copyVectors<W>(tokenRow(source), static_cast<int32_t>(r.rowBytes / W), lane, a.group,
-            [&](int32_t idx) { return dst + static_cast<int64_t>(idx) * W; });
+        char const* src = tokenRow(source);
+        copyVectors<W, LoadPolicy::kREADONLY>(static_cast<int32_t>(r.rowBytes / W), lane, a.group,
+            [&](int32_t idx) { return src + static_cast<int64_t>(idx) * W; },
+            [&](int32_t idx) { return dst + static_cast<int64_t>(idx) * W; }, AlwaysReady{});
     }
 }
 
@@ -298,7 +294,7 @@ cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
     a.numTensors = p.value != nullptr ? 2 : 1;
     a.numTokens = p.numTokens;
     a.cacheRows = p.numBlocks * p.blockSize;
-    a.blockSize = p.blockSize;
+    a.blockSize = Divider::make(p.blockSize);
     int64_t maxVectorsBytes = 0;
     for (int32_t k = 0; k < a.numTensors; ++k)
     {
@@ -317,11 +313,15 @@ cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
         maxVectorsBytes = std::max(maxVectorsBytes, rowBytes);
     }
     int const width = mirrorRowsAndVectorWidth(a.rows, a.numTensors, &TokenRows::segBytes);
+    for (TokenRows& r : a.rows)
+    {
+        r.vectorsPerSegment = Divider::make(r.segBytes / width);
+    }
     a.group = groupSize(maxVectorsBytes / width);
-    int64_t const grid = copyGridSize(a.numTokens * a.numTensors, a.group);
     return dispatchVectorWidth(width, [&](auto w) {
-        scatterTokensKernel<IndexT, decltype(w)::value>
-            <<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
+        auto kernel = scatterTokensKernel<IndexT, decltype(w)::value>;
+        int64_t const grid = residentGridSize(kernel, a.numTokens * a.numTensors, a.group);
+        kernel<<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
         return recordLaunch(cudaGetLastError(), "scatterTokensKernel");
     });
 }
@@ -356,11 +356,12 @@ cudaError_t launchRuns(ScatterParams const& p, cudaStream_t stream)
     }
     int const width = mirrorRowsAndVectorWidth(a.rows, a.numTensors, &RunRows::rowBytes);
     a.group = groupSize(maxRowBytes / width);
-    int64_t const grid = copyGridSize(static_cast<int64_t>(a.batch) * a.heads * a.maxSeqLen * a.numTensors, a.group);
+    int64_t const tasks = static_cast<int64_t>(a.batch) * a.heads * a.maxSeqLen * a.numTensors;
     auto launch = [&](auto w, auto meanTag) {
         using MeanT = typename decltype(meanTag)::Type;
-        scatterRunsKernel<IndexT, decltype(w)::value, MeanT>
-            <<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
+        auto kernel = scatterRunsKernel<IndexT, decltype(w)::value, MeanT>;
+        int64_t const grid = residentGridSize(kernel, tasks, a.group);
+        kernel<<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
         return recordLaunch(cudaGetLastError(), "scatterRunsKernel");
     };
     return dispatchVectorWidth(width, [&](auto w) {
@@ -385,6 +386,11 @@ cudaError_t launchScatterPaKvCache(ScatterParams const& params, cudaStream_t str
     if (writesNothing(params))
     {
         return cudaSuccess; // nothing can be written
+    }
+    cudaError_t const pending = refusePendingError("scatter");
+    if (pending != cudaSuccess)
+    {
+        return pending;
     }
     return dispatchIndexType(params.indexType, [&](auto indexTag) {
         using IndexT = typename decltype(indexTag)::Type;

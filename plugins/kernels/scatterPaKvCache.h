@@ -1,5 +1,5 @@
 /*
- * ScatterPaKvCache kernels (shared/spec/OPS.md section S). No TensorRT types.
+ * ScatterPaKvCache kernels (docs/SPEC.md section S). No TensorRT types.
  */
 #pragma once
 
@@ -13,7 +13,7 @@ namespace pytrt_kv
 namespace kernels
 {
 
-//! OPS.md S2: which write a 3-D key performs. A 4-D key always performs S6.
+//! docs/SPEC.md S2: which write a 3-D key performs. A 4-D key always performs S6.
 enum class CacheLayout : int32_t
 {
     kND = 0,  //!< [NB, BS, H, D]
@@ -21,7 +21,7 @@ enum class CacheLayout : int32_t
     kHND = 2, //!< [NB, H, BS, D]
 };
 
-//! OPS.md S6 compress modes (4-D key).
+//! docs/SPEC.md S6 compress modes (4-D key).
 enum class CompressMode : int32_t
 {
     kROPE = 0,
@@ -30,7 +30,7 @@ enum class CompressMode : int32_t
 };
 
 //! All arguments of one scatter call. Pointers are device (or unified) addresses of
-//! dense row-major tensors. Shapes in the comments use OPS.md's letters.
+//! dense row-major tensors. Shapes in the comments use docs/SPEC.md's letters.
 struct ScatterParams
 {
     void const* key{nullptr};          //!< [T, H, Dk] (3-D) | [B, Smax, H, Dk] (4-D)
@@ -46,7 +46,7 @@ struct ScatterParams
     DataType valueType{DataType::kFLOAT16}; //!< dtype of value and valueCache
     DataType indexType{DataType::kINT32};   //!< kINT32 or kINT64, shared by all index tensors
 
-    bool compress{false};                   //!< true: 4-D key, OPS.md S6
+    bool compress{false};                   //!< true: 4-D key, docs/SPEC.md S6
     CacheLayout layout{CacheLayout::kND};   //!< 3-D key only
     CompressMode mode{CompressMode::kALIBI}; //!< 4-D key only
 
@@ -63,10 +63,10 @@ struct ScatterParams
 //! Enqueue one scatter call on \p stream: a single launch, no host synchronization, no
 //! allocation (capturable in a CUDA graph). Never writes outside the caches: negative
 //! slots and rows >= NB*BS are skipped. Returns cudaErrorInvalidValue for parameters
-//! that break OPS.md's shape/dtype rules (checked on the host, before any launch), else
+//! that break docs/SPEC.md's shape/dtype rules (checked on the host, before any launch), else
 //! the launch status. T == 0 or B == 0 launches nothing and returns cudaSuccess.
 //!
-//! Details: duplicated slots give an unspecified winner. An S6 run with values OPS.md
+//! Details: duplicated slots give an unspecified winner. An S6 run with values docs/SPEC.md
 //! forbids (L > Smax, w < 0, or a compressed head with o < 0 or o + w > L) writes nothing
 //! (scatterRows.h); rows of a run past NB*BS are skipped one by one. Copies use the
 //! widest of 16/8/4/2/1-byte vectors that every address and row size allows. Why a call

@@ -1,5 +1,5 @@
 /*
- * OPS.md S6 (compressing write): which source token each cache row of one (b, h) run
+ * docs/SPEC.md S6 (compressing write): which source token each cache row of one (b, h) run
  * receives. Shared by the scatter kernel and the host test entry point
  * pytrt_kv_compress_rows_host(), so the CPU tests check exactly what the GPU runs.
  */
@@ -20,7 +20,7 @@ constexpr int32_t kROW_NONE = -1;
 //! Source of the "rope" mean row: mean(x_o .. x_{o+w-1}).
 constexpr int32_t kROW_MEAN = -2;
 
-//! One (b, h) run of OPS.md S6, with its raw index values. Values that break OPS.md's
+//! One (b, h) run of docs/SPEC.md S6, with its raw index values. Values that break docs/SPEC.md's
 //! constraints make an empty run (the kernels stay in bounds; the reference raises).
 struct CompressRun
 {
