@@ -223,6 +223,38 @@ bool isEmpty(nvinfer1::Dims const& dims) noexcept
     return false;
 }
 
+bool isEmpty(nvinfer1::DimsExprs const& dims) noexcept
+{
+    for (int32_t i = 0; i < dims.nbDims && i < nvinfer1::Dims::MAX_DIMS; ++i)
+    {
+        if (dims.d[i] != nullptr && dims.d[i]->isConstant() && dims.d[i]->getConstantValue() == 0)
+        {
+            return true;
+        }
+    }
+    return false;
+}
+
+uint32_t emptyInputMask(nvinfer1::DimsExprs const* inputs, int32_t nbInputs) noexcept
+{
+    uint32_t mask = 0;
+    for (int32_t i = 0; inputs != nullptr && i < nbInputs && i < 32; ++i)
+    {
+        mask |= isEmpty(inputs[i]) ? (1U << i) : 0U;
+    }
+    return mask;
+}
+
+uint32_t emptyInputMask(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs) noexcept
+{
+    uint32_t mask = 0;
+    for (int32_t i = 0; inputs != nullptr && i < nbInputs && i < 32; ++i)
+    {
+        mask |= isEmpty(inputs[i].desc.dims) ? (1U << i) : 0U;
+    }
+    return mask;
+}
+
 cudaError_t copyIfDistinct(
     void* dst, void const* src, nvinfer1::PluginTensorDesc const& desc, cudaStream_t stream) noexcept
 {

@@ -227,6 +227,7 @@ int32_t GatherSelectionKvCachePlugin::configurePlugin(
             types[i] = in[i].desc.type;
         }
         describe(dims.data(), types.data());
+        mEmptyInputs = emptyInputMask(in, nbInputs);
         return 0;
     }
     catch (std::exception const& e)
@@ -298,6 +299,8 @@ int32_t GatherSelectionKvCachePlugin::getOutputShapes(DimsExprs const* inputs, i
         outputs[kOUT_SELECTION_KV_BLOCK_STATUS] = inputs[kIN_SELECTION_KV_BLOCK_STATUS];
         outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].nbDims = 1;
         outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].d[0] = inputs[kIN_SELECTION_KV_BLOCK_TABLE].d[0];
+        // getAliasedInput may come next, before configurePlugin (pluginCommon.h).
+        mEmptyInputs = emptyInputMask(inputs, nbInputs);
         return 0;
     }
     catch (std::exception const& e)
@@ -336,9 +339,9 @@ int32_t GatherSelectionKvCachePlugin::getAliasedInput(int32_t outputIndex) noexc
     }
     switch (outputIndex)
     {
-    case kOUT_SELECTION_K_ROPE: return kIN_SELECTION_K_ROPE;
-    case kOUT_SELECTION_KV_CACHE: return kIN_SELECTION_KV_CACHE;
-    case kOUT_SELECTION_KV_BLOCK_STATUS: return kIN_SELECTION_KV_BLOCK_STATUS;
+    case kOUT_SELECTION_K_ROPE: return aliasUnlessEmpty(kIN_SELECTION_K_ROPE, mEmptyInputs);
+    case kOUT_SELECTION_KV_CACHE: return aliasUnlessEmpty(kIN_SELECTION_KV_CACHE, mEmptyInputs);
+    case kOUT_SELECTION_KV_BLOCK_STATUS: return aliasUnlessEmpty(kIN_SELECTION_KV_BLOCK_STATUS, mEmptyInputs);
     default: return -1;
     }
 }

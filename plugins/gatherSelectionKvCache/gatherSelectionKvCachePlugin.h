@@ -91,6 +91,9 @@ private:
     kernels::GatherSelectionParams mParams{};
     std::array<nvinfer1::Dims, kNB_INPUTS> mDims{};
     std::array<nvinfer1::DataType, kNB_INPUTS> mTypes{};
+    //! emptyInputMask() of the inputs (getOutputShapes, then configurePlugin): C8 mode's
+    //! zero-element selection_k_rope is not declared as an alias.
+    uint32_t mEmptyInputs{0};
 };
 
 //! The creator registered for GatherSelectionKvCache (registration.cpp).

@@ -292,9 +292,9 @@ int32_t ScatterPaKvCachePlugin::configurePlugin(
             dims[i] = in[i].desc.dims;
             types[i] = in[i].desc.type;
         }
-        Shape const shape = describe(dims.data(), types.data(), nbInputs);
+        describe(dims.data(), types.data(), nbInputs);
         mNbInputs = nbInputs;
-        mValueAbsent = !shape.hasValue;
+        mEmptyInputs = emptyInputMask(in, nbInputs);
         return 0;
     }
     catch (std::exception const& e)
@@ -368,6 +368,8 @@ int32_t ScatterPaKvCachePlugin::getOutputShapes(DimsExprs const* inputs, int32_t
         // In place: each output is its cache, shape included.
         outputs[kOUT_KEY_CACHE] = inputs[kIN_KEY_CACHE];
         outputs[kOUT_VALUE_CACHE] = inputs[kIN_VALUE_CACHE];
+        // getAliasedInput may come next, before configurePlugin (pluginCommon.h).
+        mEmptyInputs = emptyInputMask(inputs, nbInputs);
         return 0;
     }
     catch (std::exception const& e)
@@ -391,8 +393,8 @@ int32_t ScatterPaKvCachePlugin::getAliasedInput(int32_t outputIndex) noexcept
     }
     switch (outputIndex)
     {
-    case kOUT_KEY_CACHE: return kIN_KEY_CACHE;
-    case kOUT_VALUE_CACHE: return mValueAbsent ? -1 : kIN_VALUE_CACHE;
+    case kOUT_KEY_CACHE: return aliasUnlessEmpty(kIN_KEY_CACHE, mEmptyInputs);
+    case kOUT_VALUE_CACHE: return aliasUnlessEmpty(kIN_VALUE_CACHE, mEmptyInputs);
     default: return -1;
     }
 }

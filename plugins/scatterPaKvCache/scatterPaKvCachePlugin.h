@@ -102,9 +102,9 @@ private:
     Shape mShape{};
     std::array<nvinfer1::Dims, kNB_INPUTS_COMPRESS> mDims{};
     std::array<nvinfer1::DataType, kNB_INPUTS_COMPRESS> mTypes{};
-    //! configurePlugin saw a key-only write: value_cache is a zero-element placeholder
-    //! (often a constant), which is not declared as an alias.
-    bool mValueAbsent{false};
+    //! emptyInputMask() of the inputs (getOutputShapes, then configurePlugin): a
+    //! key-only write's zero-element value_cache is not declared as an alias.
+    uint32_t mEmptyInputs{0};
 };
 
 //! The creator registered for ScatterPaKvCache (registration.cpp).
