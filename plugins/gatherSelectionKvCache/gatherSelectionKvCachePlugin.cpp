@@ -63,7 +63,7 @@ GatherSelectionKvCachePlugin::GatherSelectionKvCachePlugin(PluginFields fields)
 {
 }
 
-kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const* dims, DataType const* types) const
+void GatherSelectionKvCachePlugin::checkTypes(DataType const* types) const
 {
     DataType const cacheType = types[kIN_SELECTION_KV_CACHE];
     check(isCacheType(cacheType), "selection_kv_cache: expected kHALF, kBF16, kINT8, kFLOAT or kFP8, got ",
@@ -80,6 +80,11 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const
             check(types[i] == DataType::kINT32, kINPUT_NAMES[i], ": expected kINT32, got ", dataTypeName(types[i]));
         }
     }
+}
+
+kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const* dims, DataType const* types) const
+{
+    checkTypes(types);
 
     Dims const& kv = dims[kIN_SELECTION_KV_CACHE];
     Dims const& fullKv = dims[kIN_FULL_KV_CACHE];
@@ -194,7 +199,7 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const
     }
 
     kernels::GatherSelectionParams p{};
-    p.cacheType = kernelTypeOf(cacheType, "selection_kv_cache");
+    p.cacheType = kernelTypeOf(types[kIN_SELECTION_KV_CACHE], "selection_kv_cache");
     p.batch = narrow(batch, "B");
     p.seqPerBatch = narrow(seq, "S");
     p.topk = narrow(k, "K");
@@ -270,6 +275,9 @@ int32_t GatherSelectionKvCachePlugin::getOutputDataTypes(
         check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
         check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
+        // Checked here, where TensorRT first shows all input types: supportsFormatCombination
+        // can only say no, and a builder then reports "no supported formats", not why.
+        checkTypes(inputTypes);
         outputTypes[kOUT_SELECTION_K_ROPE] = inputTypes[kIN_SELECTION_K_ROPE];
         outputTypes[kOUT_SELECTION_KV_CACHE] = inputTypes[kIN_SELECTION_KV_CACHE];
         outputTypes[kOUT_SELECTION_KV_BLOCK_STATUS] = inputTypes[kIN_SELECTION_KV_BLOCK_STATUS];

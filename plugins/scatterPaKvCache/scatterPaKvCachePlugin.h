@@ -70,6 +70,10 @@ public:
     //! broken OPS.md shape/dtype rule; dims of -1 (build time) are checked only once known.
     Shape describe(nvinfer1::Dims const* dims, nvinfer1::DataType const* types, int32_t nbInputs) const;
 
+    //! The dtype rules of describe() that need no dims (docs/SPEC.md S8): run from
+    //! getOutputDataTypes too, so a wrong dtype fails the build with this message.
+    void checkTypes(nvinfer1::DataType const* types, int32_t nbInputs) const;
+
     // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
