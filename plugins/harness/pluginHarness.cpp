@@ -951,7 +951,14 @@ void checkFormats()
     // Refusals: types TensorRT cannot hand a plugin or the spec forbids, mixed groups,
     // non-linear formats.
     auto refusedAt = [&](IPluginV3* p, std::vector<T> in, int32_t pos, std::string const& what) {
-        declaredOutputs(p, in, out);
+        if (!declaredOutputs(p, in, out))
+        {
+            // getOutputDataTypes refused first (the dtype rules that need no dims, with a
+            // message); supportsFormatCombination must refuse as well, with the outputs
+            // typed as it would have declared them (the caches', and kINT32 lengths).
+            out = in.size() == 10 ? std::vector<T>{in[0], in[1], in[3], T{kI32, {in[2].dims[0]}}}
+                                  : std::vector<T>{in[2], in[3]};
+        }
         int32_t refused = -1;
         bool const all = formatsAccepted(p, in, out, TensorFormat::kLINEAR, &refused);
         expect(!all && refused == pos, what + " (refused at " + std::to_string(refused) + ", expected "
