@@ -11,7 +11,7 @@ from typing import Dict, List, Tuple
 from . import _lib
 
 _PACKAGES = ("numpy", "ml_dtypes", "onnx", "onnx_graphsurgeon", "onnxruntime", "polygraphy",
-             "onnxscript", "torch", "cupy", "cuda", "tensorrt")
+             "onnxscript", "torch", "cupy", "cuda", "tensorrt", "tensorrt_rtx")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +82,14 @@ def run(args: argparse.Namespace) -> int:
     for lib in (_lib.KERNELS_LIB, _lib.PLUGINS_LIB, _lib.PLUGINS_AUTOREG_LIB):
         p = _lib.find(lib)
         print(f"  {lib:<34} {p if p else 'not found'}")
+
+    print("\nTensorRT flavours (engines: pytrt-kv build):")
+    from .trt._tensorrt import installed_flavours
+
+    for flavour, state in installed_flavours().items():
+        label = "TensorRT-RTX" if flavour == "rtx" else "TensorRT"
+        extra = " (builds without a GPU: --target)" if flavour == "rtx" and state[:1].isdigit() else ""
+        print(f"  {label:<18} {state}{extra}")
 
     print("\nGPU:")
     names, detail = cuda_devices()
