@@ -654,7 +654,7 @@ def test_prepare_refuses_an_unnamed_cache_update():
 
 
 def test_prepared_key_only_write_passes_checker_and_shape_inference():
-    import onnx_export.schemas  # noqa: F401
+    import onnx_export.schemas  # noqa: F401 - registers the schemas for the checker
 
     p = trt_model.prepare_for_tensorrt(single_op_model("ScatterPaKvCache", _scatter_inputs(False)))
     onnx.checker.check_model(p, full_check=True)

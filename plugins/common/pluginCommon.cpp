@@ -3,8 +3,11 @@
  */
 #include "pluginCommon.h"
 
+#include "NvInferVersion.h"
+
 #include <atomic>
 #include <cstdio>
+#include <dlfcn.h>
 #include <limits>
 #include <mutex>
 
@@ -32,10 +35,41 @@ char const* severityName(nvinfer1::ILogger::Severity severity) noexcept
     return "?";
 }
 
+// ILoggerFinder derives from IVersionedInterface since TensorRT 11 (and in TensorRT-RTX
+// 1.x), so findLogger sits in another vtable slot than in TensorRT 10. A library built
+// against one layout must not call a finder of the other: that would run an unrelated
+// virtual. The TensorRT that loaded this library is the one whose library is loaded.
+bool finderMatchesHeaders() noexcept
+{
+    auto loaded = [](char const* soname) {
+        void* h = dlopen(soname, RTLD_LAZY | RTLD_NOLOAD);
+        if (h != nullptr)
+        {
+            dlclose(h);
+        }
+        return h != nullptr;
+    };
+    bool const v11 = loaded("libnvinfer.so.11") || loaded("libtensorrt_rtx.so.1");
+    bool const v10 = loaded("libnvinfer.so.10");
+    if (v11 == v10)
+    {
+        return true; // neither (a static TensorRT) or both: trust the headers
+    }
+    return (NV_TENSORRT_MAJOR >= 11) == v11;
+}
+
 } // namespace
 
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
 {
+    if (finder != nullptr && !finderMatchesHeaders())
+    {
+        std::fprintf(stderr,
+            "[pytrt_kv] WARNING: built against TensorRT %d headers, loaded by a TensorRT with the other "
+            "ILoggerFinder layout: plugin messages go to stderr instead of TensorRT's logger\n",
+            static_cast<int>(NV_TENSORRT_MAJOR));
+        return;
+    }
     std::lock_guard<std::mutex> lock(gLoggerMutex);
     // TensorRT may call this once per loadLibrary; the first finder stays valid for the
     // library's lifetime, so later calls are ignored rather than racing a reader.

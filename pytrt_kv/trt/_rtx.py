@@ -13,7 +13,11 @@ does not resolve here, builds run in one long-lived child process whose
 
 Protocol: one JSON request per line on the child's stdin; one JSON answer per line on a
 pipe of its own (TensorRT's log and the plugins' messages go to stderr, and native code
-may print to stdout, so neither can carry answers).
+may print to stdout, so neither can carry answers). The child's stdout and stderr come
+back through one more pipe: a thread relays them to this process's stderr and keeps the
+plugins' own lines (``[pytrt_kv] ...``, what a plugin prints when it has no TensorRT
+logger) so that a failed build's exception carries them too. The child ends each answer's
+output with a marker line, so the relay has seen everything before the answer is used.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 UNVERSIONED = "libtensorrt_rtx.so"
+#: Line the child writes to its stderr after each request (see the module docstring).
+_DONE = "\x00pytrt_kv-rtx-request-done"
 #: Set in the helper process (so that it never starts one of its own).
 CHILD_ENV = "PYTRT_KV_RTX_CHILD"
 
@@ -76,18 +82,38 @@ class _Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from pytrt_kv.trt._rtx import serve; serve(int(sys.argv[1]))",
              str(write_fd)],
-            stdin=subprocess.PIPE, stdout=sys.stderr.fileno() if _has_fileno(sys.stderr) else None,
-            env=env, pass_fds=(write_fd,), text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=env, pass_fds=(write_fd,), text=True, errors="replace")
         os.close(write_fd)
         self.answers = os.fdopen(read_fd, "r")
+        self.plugin_lines: List[str] = []
+        self.done = threading.Event()
+        self.relay = threading.Thread(target=self._relay, daemon=True)
+        self.relay.start()
+
+    def _relay(self):
+        for line in self.proc.stdout:
+            if line.rstrip("\n") == _DONE:
+                self.done.set()
+                continue
+            if line.startswith("[pytrt_kv]"):
+                self.plugin_lines.append(line.rstrip("\n"))
+            try:
+                sys.stderr.write(line)
+            except (OSError, ValueError):
+                pass
+        self.done.set()
 
     def request(self, payload: Dict[str, Any]) -> Dict[str, Any]:
+        self.plugin_lines = []
+        self.done.clear()
         try:
             self.proc.stdin.write(json.dumps(payload) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # the answer read below reports how the child ended
         line = self.answers.readline()
+        self.done.wait(timeout=30)
         if not line:
             code = self.proc.wait()
             raise RuntimeError(f"the TensorRT-RTX build process ended (exit status {code}) while "
@@ -103,14 +129,6 @@ class _Worker:
             self.proc.kill()
         self.answers.close()
         self.dir.cleanup()
-
-
-def _has_fileno(stream) -> bool:
-    try:
-        stream.fileno()
-    except (AttributeError, OSError, ValueError):
-        return False
-    return True
 
 
 def _close_worker():
@@ -147,7 +165,11 @@ def build_in_worker(onnx_path: str, kwargs: Dict[str, Any]) -> bytes:
                 _worker = None
                 raise
             if not answer.get("ok"):
-                raise _ERRORS.get(answer.get("type"), RuntimeError)(answer.get("message", ""))
+                message = answer.get("message", "")
+                extra = [ln for ln in _worker.plugin_lines if ln not in message]
+                if extra:
+                    message += "; " + "; ".join(extra)
+                raise _ERRORS.get(answer.get("type"), RuntimeError)(message)
             return Path(out).read_bytes()
         finally:
             Path(out).unlink(missing_ok=True)
@@ -166,5 +188,7 @@ def serve(answer_fd: int) -> None:
                 answer = {"ok": True}
             except Exception as exc:  # every error goes back to the caller, typed
                 answer = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+            sys.stdout.flush()
+            print(_DONE, file=sys.stderr, flush=True)
             answers.write(json.dumps(answer) + "\n")
             answers.flush()
