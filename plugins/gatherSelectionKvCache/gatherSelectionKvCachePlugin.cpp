@@ -414,6 +414,17 @@ int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc,
         }
 
         kernels::GatherSelectionParams p = mParams;
+        // An empty batch (B*S == 0) gathers nothing: the caches and the status keep their
+        // contents, every selection_kv_actual_seq row is 0 (rows past B*S always are),
+        // and no kernel is launched (docs/SPEC.md G3).
+        if (static_cast<int64_t>(p.batch) * p.seqPerBatch == 0)
+        {
+            size_t const bytes = static_cast<size_t>(p.selectionRows) * sizeof(int32_t);
+            cudaError_t const st
+                = bytes == 0 ? cudaSuccess : cudaMemsetAsync(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ], 0, bytes, stream);
+            check(st == cudaSuccess, "enqueue: clearing selection_kv_actual_seq failed: ", cudaGetErrorName(st));
+            return 0;
+        }
         p.selectionKRope = p.kRopeDim > 0 ? outputs[kOUT_SELECTION_K_ROPE] : nullptr;
         p.selectionKvCache = outputs[kOUT_SELECTION_KV_CACHE];
         p.selectionKvBlockTable = static_cast<int32_t const*>(inputs[kIN_SELECTION_KV_BLOCK_TABLE]);

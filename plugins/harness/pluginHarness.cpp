@@ -1018,6 +1018,60 @@ void checkFormats()
     }
 }
 
+// An empty batch writes nothing and succeeds: enqueue must return before any CUDA call
+// (no GPU here; every output is bound to its input, so nothing is copied either, and the
+// actual-length output has no rows to clear). Without the plugins' early return the
+// kernel launch fails on this machine.
+void checkEmptyBatch()
+{
+    auto run = [&](std::string const& plugin, Fields& f, std::vector<T> const& in, std::string const& what) {
+        PluginPtr p = create(plugin, f);
+        std::vector<T> out;
+        if (!p || !declaredOutputs(p.get(), in, out))
+        {
+            expect(false, what + ": outputs declared");
+            return;
+        }
+        int32_t const nbIn = static_cast<int32_t>(in.size());
+        int32_t const nbOut = static_cast<int32_t>(out.size());
+        auto rin = runtimeDescs(in);
+        auto rout = runtimeDescs(out);
+        expect(runtimeOf(p.get())->onShapeChange(rin.data(), nbIn, rout.data(), nbOut) == 0, what + ": onShapeChange");
+        std::vector<std::array<char, 64>> storage(in.size() + out.size());
+        std::vector<void const*> ins;
+        for (size_t i = 0; i < in.size(); ++i)
+        {
+            ins.push_back(storage[i].data());
+        }
+        std::vector<int32_t> const natural
+            = plugin == "ScatterPaKvCache" ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{0, 1, 3, -1};
+        std::vector<void*> outs;
+        for (int32_t o = 0; o < nbOut; ++o)
+        {
+            outs.push_back(natural[o] >= 0 ? storage[natural[o]].data() : storage[in.size() + o].data());
+        }
+        int32_t const before = gLogger.mErrors;
+        expect(runtimeOf(p.get())->enqueue(rin.data(), rout.data(), ins.data(), outs.data(), nullptr, nullptr) == 0
+                && gLogger.mErrors == before,
+            what + ": enqueue succeeds without a launch");
+    };
+    Fields nd;
+    nd.str("cache_layout", "nd");
+    run("ScatterPaKvCache", nd,
+        {{kF16, {0, 2, 8}}, {kF16, {0, 2, 4}}, {kF16, {4, 16, 2, 8}}, {kF16, {4, 16, 2, 4}}, {kI32, {0}}},
+        "ScatterPaKvCache: T = 0");
+    Fields compress;
+    run("ScatterPaKvCache", compress,
+        {{kF16, {0, 6, 3, 8}}, {kF16, {0, 6, 3, 8}}, {kF16, {10, 16, 1, 8}}, {kF16, {10, 16, 1, 8}}, {kI32, {0, 3}},
+            {kI32, {0, 3}}, {kI32, {0}}, {kI32, {0}}},
+        "ScatterPaKvCache: B = 0 (4-D key)");
+    Fields gather;
+    run("GatherSelectionKvCache", gather,
+        {{kF16, {8, 64, 64}}, {kF16, {8, 64, 512}}, {kI32, {0, 4}}, {kI32, {2, 0, 1, 5}}, {kI32, {2, 0, 1, 4}},
+            {kF16, {16, 128, 64}}, {kF16, {16, 128, 512}}, {kI32, {2, 8}}, {kI32, {2}}, {kI32, {2}}},
+        "GatherSelectionKvCache: S = 0");
+}
+
 void checkShapes()
 {
     for (auto const& c : shapeCases())
@@ -1184,6 +1238,7 @@ int32_t commandCheck()
     checkBadFields();
     checkFormats();
     checkShapes();
+    checkEmptyBatch();
     std::cout << "harness check: " << gChecks << " checks, " << gFailures << " failed\n";
     return gFailures == 0 ? 0 : 1;
 }

@@ -471,6 +471,12 @@ int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         }
 
         kernels::ScatterParams p = mShape.params;
+        // An empty batch (T == 0, or B*H == 0 for a 4-D key) writes nothing: success
+        // without a launch, whatever the kernels make of it (docs/SPEC.md S7).
+        if (p.compress ? (p.batch == 0 || p.numHeads == 0) : p.numTokens == 0)
+        {
+            return 0;
+        }
         p.key = inputs[kIN_KEY];
         p.value = hasValue ? inputs[kIN_VALUE] : nullptr;
         p.keyCache = outputs[kOUT_KEY_CACHE];
