@@ -694,3 +694,15 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
                         str(tmp_path / "o.onnx")], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": REPO})
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "no such file" in r.stderr, r.stderr
+
+
+def test_runner_binds_zero_element_tensors_at_address_0_to_a_valid_buffer(fake_runtime):
+    runner = trt_runner.EngineRunner(_FakeEngine(_SCATTER_IO))
+    feeds = _feeds(0)
+    feeds["slot"] = _Cai(0, (0,), "<i4")  # torch.empty(0, dtype=torch.int32).data_ptr() == 0
+    runner.bind(feeds)
+    bound = runner.context.addresses["slot"]
+    assert bound != 0 and bound % 256 == 0
+    feeds["key"] = _Cai(0, (3, 16), "<f2")
+    with pytest.raises(ValueError, match=r"^key: expected a buffer with a non-null address for shape \[3, 16\]"):
+        runner.bind(feeds)
