@@ -214,3 +214,20 @@ def test_timing_cache_is_refused_with_rtx(tmp_path):
 def test_engine_path_receives_the_plan(tmp_path):
     plan = _build(scatter_model("nd", "float16", "int32"), tmp_path, engine_path=tmp_path / "m.plan")
     assert (tmp_path / "m.plan").read_bytes() == plan
+
+
+def test_self_registering_library_registers_under_tensorrt_rtx():
+    """libpytrt_kv_plugins_autoreg.so finds getPluginRegistry in libtensorrt_rtx.so.1
+    (what `polygraphy --plugins` / ctypes.CDLL users get with TensorRT-RTX)."""
+    import os
+    import subprocess
+    import sys
+
+    if _lib.find(_lib.PLUGINS_AUTOREG_LIB) is None:
+        pytest.fail(f"{_lib.PLUGINS_AUTOREG_LIB} missing beside {_lib.find(_lib.PLUGINS_LIB)}")
+    code = ("from pytrt_kv.trt.plugins import load_plugins\n"
+            "print(load_plugins('autoreg', flavour='rtx').name)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTRT_KV_TENSORRT": "rtx"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == _lib.PLUGINS_AUTOREG_LIB, r.stdout + r.stderr
