@@ -706,3 +706,26 @@ def test_runner_binds_zero_element_tensors_at_address_0_to_a_valid_buffer(fake_r
     feeds["key"] = _Cai(0, (3, 16), "<f2")
     with pytest.raises(ValueError, match=r"^key: expected a buffer with a non-null address for shape \[3, 16\]"):
         runner.bind(feeds)
+
+
+@pytest.mark.parametrize("version,ok", [("1.7.1.116", True), ("1.0.0", True), ("0.9.1", False)])
+def test_tensorrt_rtx_version_gate(monkeypatch, version, ok):
+    """TensorRT-RTX numbers its releases 1.x: its gate is its own, not TensorRT's 10.3."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    monkeypatch.delenv("PYTRT_KV_TENSORRT", raising=False)
+    mod = types.ModuleType("tensorrt_rtx")
+    mod.__version__ = version
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", mod)
+    if ok:
+        assert _tensorrt.import_tensorrt() is mod and _tensorrt.flavour_of(mod) == "rtx"
+    else:
+        with pytest.raises(ImportError, match=r"TensorRT-RTX >= 1\.0, got 0\.9\.1"):
+            _tensorrt.import_tensorrt("rtx")
+
+
+def test_flavour_choice_is_checked(monkeypatch):
+    with pytest.raises(ValueError, match=r"^flavour: expected one of \['rtx', 'tensorrt'\], got 'trt'"):
+        _tensorrt.import_tensorrt("trt")
+    monkeypatch.setenv("PYTRT_KV_TENSORRT", "full")
+    with pytest.raises(ValueError, match=r"^PYTRT_KV_TENSORRT: expected one of"):
+        _tensorrt.import_tensorrt()
