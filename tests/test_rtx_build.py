@@ -231,3 +231,20 @@ def test_self_registering_library_registers_under_tensorrt_rtx():
                        env={**os.environ, "PYTRT_KV_TENSORRT": "rtx"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == _lib.PLUGINS_AUTOREG_LIB, r.stdout + r.stderr
+
+
+def test_build_cli_prints_progress_and_writes_the_plan(tmp_path, capsys):
+    from pytrt_kv.__main__ import main
+
+    path = tmp_path / "m.onnx"
+    onnx.save(scatter_model("nd", "float16", "int32", value=False), path)
+    assert main(["build", str(path), "--flavour", "rtx", "--target", "sm89", "sm120",
+                 "-o", str(tmp_path / "m.plan")]) == 0
+    out, _ = capsys.readouterr()
+    assert (tmp_path / "m.plan").stat().st_size > 1000
+    assert "wrote" in out and " s" in out
+    bad = tmp_path / "bad.onnx"
+    onnx.save(_set_attr(scatter_model("nd", "float16", "int32"), "cache_layout", "ndz"), bad)
+    assert main(["build", str(bad), "--flavour", "rtx", "--target", "sm89"]) == 1
+    err = capsys.readouterr().err
+    assert "pytrt-kv build: error:" in err and "cache_layout" in err
