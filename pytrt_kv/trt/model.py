@@ -239,17 +239,6 @@ def _check_node_dtypes(tag: str, op, ins: List[str], types) -> None:
                          f"(TensorRT passes one index dtype to the plugin)")
 
 
-def check_tensorrt_dtypes(model) -> None:
-    """Raise ValueError for a pytrt_kv node whose tensors TensorRT cannot pass to the
-    plugin (uint8 / float8_e5m2 caches, mixed int32/int64 index tensors)."""
-    types = _tensor_types(model)
-    for idx, node in enumerate(model.graph.node):
-        if node.domain == specs.DOMAIN and node.op_type in specs.OPS:
-            op = specs.OPS[node.op_type]
-            ins = list(node.input)[:len(op.inputs)]
-            _check_node_dtypes(node.name or f"{node.op_type}_{idx}", op, ins, types)
-
-
 def alias_pairs(model) -> Dict[str, str]:
     """Graph output name -> graph input name, for every ``*_out`` of a pytrt_kv node whose
     input is a graph input: the pairs a runner binds to one address (OPS.md O)."""
