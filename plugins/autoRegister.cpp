@@ -14,6 +14,7 @@
  * When none works the library loads anyway, registers nothing, and says why on stderr
  * (pytrt_kv_registered_creators() then returns -1): a load never aborts a process.
  */
+#include "NvInferVersion.h"
 #include "pluginCommon.h"
 #include "pluginCreators.h"
 
@@ -69,6 +70,17 @@ struct AutoRegistrar
     AutoRegistrar() noexcept
     {
         auto getRegistry = reinterpret_cast<GetRegistryFn>(findNvinferSymbol("getPluginRegistry"));
+        if (getRegistry != nullptr && !pytrt_kv::plugin::abiMatchesHeaders(pytrt_kv::plugin::loadedTensorRtAbi()))
+        {
+            // Its registry and logger have the other vtable layout: calling them would run
+            // unrelated virtuals (a crash, seen with TensorRT-RTX and 10.x headers).
+            std::fprintf(stderr,
+                "[pytrt_kv] libpytrt_kv_plugins_autoreg.so: built against TensorRT %d headers, but the loaded "
+                "TensorRT has the other interface layout; no plugin was registered. Use libpytrt_kv_plugins.so "
+                "with IPluginRegistry::loadLibrary, or build against the headers of this TensorRT.\n",
+                static_cast<int>(NV_TENSORRT_MAJOR));
+            return;
+        }
         gGetLogger = reinterpret_cast<GetLoggerFn>(findNvinferSymbol("getLogger"));
         if (gGetLogger != nullptr)
         {

@@ -35,11 +35,9 @@ char const* severityName(nvinfer1::ILogger::Severity severity) noexcept
     return "?";
 }
 
-// ILoggerFinder derives from IVersionedInterface since TensorRT 11 (and in TensorRT-RTX
-// 1.x), so findLogger sits in another vtable slot than in TensorRT 10. A library built
-// against one layout must not call a finder of the other: that would run an unrelated
-// virtual. The TensorRT that loaded this library is the one whose library is loaded.
-bool finderMatchesHeaders() noexcept
+} // namespace
+
+int32_t loadedTensorRtAbi() noexcept
 {
     auto loaded = [](char const* soname) {
         void* h = dlopen(soname, RTLD_LAZY | RTLD_NOLOAD);
@@ -51,18 +49,17 @@ bool finderMatchesHeaders() noexcept
     };
     bool const v11 = loaded("libnvinfer.so.11") || loaded("libtensorrt_rtx.so.1");
     bool const v10 = loaded("libnvinfer.so.10");
-    if (v11 == v10)
-    {
-        return true; // neither (a static TensorRT) or both: trust the headers
-    }
-    return (NV_TENSORRT_MAJOR >= 11) == v11;
+    return v11 == v10 ? 0 : (v11 ? 11 : 10);
 }
 
-} // namespace
+bool abiMatchesHeaders(int32_t abi) noexcept
+{
+    return abi == 0 || (abi >= 11) == (NV_TENSORRT_MAJOR >= 11);
+}
 
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
 {
-    if (finder != nullptr && !finderMatchesHeaders())
+    if (finder != nullptr && !abiMatchesHeaders(loadedTensorRtAbi()))
     {
         std::fprintf(stderr,
             "[pytrt_kv] WARNING: built against TensorRT %d headers, loaded by a TensorRT with the other "

@@ -55,7 +55,21 @@ void check(bool condition, Parts const&... parts)
     }
 }
 
-//! Keeps the finder TensorRT hands over through setLoggerFinder (first one wins).
+//! The interface layout of the TensorRT library loaded in this process: 11 when
+//! libnvinfer.so.11 or TensorRT-RTX's libtensorrt_rtx.so.1 is loaded, 10 for
+//! libnvinfer.so.10, 0 when neither or both (unknown). TensorRT 11 (and TensorRT-RTX 1.x)
+//! made ILogger, ILoggerFinder and IPluginRegistry derive from IVersionedInterface and
+//! dropped deprecated methods, so their vtables differ from TensorRT 10's; the plugin
+//! interfaces (IPluginV3, IPluginCreatorV3One) kept theirs.
+int32_t loadedTensorRtAbi() noexcept;
+
+//! True when \p abi (from loadedTensorRtAbi) is unknown or the one of the headers this
+//! library was compiled with: only then may TensorRT's ILogger, ILoggerFinder and
+//! IPluginRegistry objects be called (docs/TENSORRT.md, "Header version vs TensorRT ABI").
+bool abiMatchesHeaders(int32_t abi) noexcept;
+
+//! Keeps the finder TensorRT hands over through setLoggerFinder (first one wins); a
+//! finder of the other layout (abiMatchesHeaders) is not kept: messages go to stderr.
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept;
 
 //! A second way to find a logger, used by the self-registering library, which has no
