@@ -7,7 +7,10 @@
 #   TensorRT_ROOT         a TensorRT install; its include/ folder is searched
 # Outputs:
 #   TensorRT_FOUND, TensorRT_INCLUDE_DIRS, TensorRT_VERSION (from NvInferVersion.h),
-#   TensorRT_VERSION_MAJOR/MINOR/PATCH, and the imported target TensorRT::Headers.
+#   TensorRT_VERSION_MAJOR/MINOR/PATCH, and the imported target TensorRT::Headers;
+#   TensorRT_NOT_FOUND_REASON (why not, when not found) and TensorRT_REQUESTED (TRUE when
+#   TensorRT_INCLUDE_DIR or TensorRT_ROOT was given: then a failure is the caller's error,
+#   which CMakeLists.txt reports as fatal instead of building without plugins).
 # TensorRT 10.3 or newer is required (IPluginV3OneBuildV2, aliased plugin I/O).
 
 set(_trt_min_version 10.3)
@@ -17,6 +20,11 @@ foreach(_v TensorRT_INCLUDE_DIR TensorRT_ROOT)
     set(${_v} "$ENV{${_v}}")
   endif()
 endforeach()
+
+set(TensorRT_REQUESTED FALSE)
+if(TensorRT_INCLUDE_DIR OR TensorRT_ROOT)
+  set(TensorRT_REQUESTED TRUE)
+endif()
 
 set(_trt_hints)
 if(TensorRT_INCLUDE_DIR)
@@ -64,6 +72,8 @@ if(TensorRT_INCLUDE_DIR AND EXISTS "${TensorRT_INCLUDE_DIR}/NvInferVersion.h")
       set(_trt_why "${TensorRT_INCLUDE_DIR} has NvInferVersion.h but no NvInferRuntime.h")
     endif()
   endif()
+elseif(_trt_why STREQUAL "" AND TensorRT_ROOT)
+  set(_trt_why "TensorRT_ROOT=${TensorRT_ROOT} has no include/NvInferVersion.h")
 elseif(_trt_why STREQUAL "")
   set(_trt_why "TensorRT headers not found")
 endif()
@@ -72,7 +82,16 @@ if(NOT _trt_why STREQUAL "")
   set(_trt_ok FALSE)
 else()
   set(_trt_ok TRUE)
+  if(TensorRT_ROOT)
+    # TensorRT_ROOT given but the headers came from elsewhere: not what was asked for.
+    string(FIND "${TensorRT_INCLUDE_DIR}" "${TensorRT_ROOT}" _trt_pos)
+    if(NOT _trt_pos EQUAL 0)
+      set(_trt_ok FALSE)
+      set(_trt_why "TensorRT_ROOT=${TensorRT_ROOT} has no include/NvInferVersion.h")
+    endif()
+  endif()
 endif()
+set(TensorRT_NOT_FOUND_REASON "${_trt_why}")
 
 include(FindPackageHandleStandardArgs)
 find_package_handle_standard_args(TensorRT

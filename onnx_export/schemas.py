@@ -110,8 +110,17 @@ def _make_inference(op: specs.OpSpec):
             outs = {t.name: shapes_known[op.aliases[t.name]] for t in op.outputs
                     if t.name in op.aliases and op.aliases[t.name] in shapes_known}
         else:
-            _, outs = validate_node(op.name, inputs, attributes,
+            # The plugins' positional form (pytrt_kv.trt.prepare_for_tensorrt) passes absent
+            # optional inputs as zero-element placeholders: check the node without them.
+            absent = specs.absent_placeholders({k: v.shape for k, v in inputs.items()}) \
+                if op is specs.SCATTER_PA_KV_CACHE else ()
+            present = {k: v for k, v in inputs.items() if k not in absent}
+            _, outs = validate_node(op.name, present, attributes,
                                     where=f"{ctx.get_display_name()}: ")
+            for name in absent:  # an absent cache's output is its placeholder
+                out_name = next((o for o, i in op.aliases.items() if i == name), None)
+                if out_name is not None and out_name not in outs:
+                    outs[out_name] = inputs[name]
         for i, t in enumerate(op.outputs):
             if i < ctx.get_num_outputs() and ctx.has_output(i) and t.name in outs:
                 ctx.set_output_type(i, _type_proto(outs[t.name]))

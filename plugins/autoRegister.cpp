@@ -7,12 +7,14 @@
  * one TensorRT major version and fail to load where the Python wheel ships it under
  * another path), the symbol is found at load time with dlsym:
  *   1. in the global scope (trtexec and C++ applications link libnvinfer);
- *   2. in an already loaded libnvinfer.so.{11,10} (the tensorrt Python module loads it
- *      with RTLD_LOCAL, so only RTLD_NOLOAD by soname finds it);
- *   3. by loading libnvinfer.so.{11,10} from the default search path.
+ *   2. in an already loaded libnvinfer.so.{11,10} or TensorRT-RTX's libtensorrt_rtx.so.1
+ *      (the tensorrt / tensorrt_rtx Python modules load them with RTLD_LOCAL, so only
+ *      RTLD_NOLOAD by soname finds them);
+ *   3. by loading one of them from the default search path (full TensorRT first).
  * When none works the library loads anyway, registers nothing, and says why on stderr
  * (pytrt_kv_registered_creators() then returns -1): a load never aborts a process.
  */
+#include "NvInferVersion.h"
 #include "pluginCommon.h"
 #include "pluginCreators.h"
 
@@ -25,7 +27,8 @@ namespace
 using GetRegistryFn = nvinfer1::IPluginRegistry* (*) () noexcept;
 using GetLoggerFn = nvinfer1::ILogger* (*) () noexcept;
 
-char const* const kNVINFER_SONAMES[] = {"libnvinfer.so.11", "libnvinfer.so.10", "libnvinfer.so"};
+char const* const kNVINFER_SONAMES[]
+    = {"libnvinfer.so.11", "libnvinfer.so.10", "libnvinfer.so", "libtensorrt_rtx.so.1", "libtensorrt_rtx.so"};
 
 void* findNvinferSymbol(char const* name) noexcept
 {
@@ -67,6 +70,17 @@ struct AutoRegistrar
     AutoRegistrar() noexcept
     {
         auto getRegistry = reinterpret_cast<GetRegistryFn>(findNvinferSymbol("getPluginRegistry"));
+        if (getRegistry != nullptr && !pytrt_kv::plugin::abiMatchesHeaders(pytrt_kv::plugin::loadedTensorRtAbi()))
+        {
+            // Its registry and logger have the other vtable layout: calling them would run
+            // unrelated virtuals (a crash, seen with TensorRT-RTX and 10.x headers).
+            std::fprintf(stderr,
+                "[pytrt_kv] libpytrt_kv_plugins_autoreg.so: built against TensorRT %d headers, but the loaded "
+                "TensorRT has the other interface layout; no plugin was registered. Use libpytrt_kv_plugins.so "
+                "with IPluginRegistry::loadLibrary, or build against the headers of this TensorRT.\n",
+                static_cast<int>(NV_TENSORRT_MAJOR));
+            return;
+        }
         gGetLogger = reinterpret_cast<GetLoggerFn>(findNvinferSymbol("getLogger"));
         if (gGetLogger != nullptr)
         {
@@ -76,8 +90,9 @@ struct AutoRegistrar
         if (registry == nullptr)
         {
             std::fprintf(stderr,
-                "[pytrt_kv] libpytrt_kv_plugins_autoreg.so: getPluginRegistry not found (libnvinfer.so.11/.10 is "
-                "neither loaded nor on the library path); no plugin was registered. Import tensorrt first, or use "
+                "[pytrt_kv] libpytrt_kv_plugins_autoreg.so: getPluginRegistry not found (neither libnvinfer.so.11/.10 "
+                "nor libtensorrt_rtx.so.1 is loaded or on the library path); no plugin was registered. Import "
+                "tensorrt (or tensorrt_rtx) first, or use "
                 "libpytrt_kv_plugins.so with IPluginRegistry::loadLibrary.\n");
             return;
         }

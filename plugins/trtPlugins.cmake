@@ -43,7 +43,7 @@ file(WRITE "${_pytrt_kv_autoreg_map}"
   "{\n  global:\n    pytrt_kv_registered_creators;\n  local:\n    *;\n};\n")
 
 add_library(pytrt_kv_plugins SHARED $<TARGET_OBJECTS:pytrt_kv_plugin_objects>)
-target_link_libraries(pytrt_kv_plugins PRIVATE pytrt_kv_kernels_impl CUDA::cudart_static)
+target_link_libraries(pytrt_kv_plugins PRIVATE pytrt_kv_kernels_impl CUDA::cudart_static ${CMAKE_DL_LIBS})
 set_target_properties(pytrt_kv_plugins PROPERTIES
   OUTPUT_NAME pytrt_kv_plugins
   LINK_DEPENDS "${_pytrt_kv_plugins_map}")
@@ -72,6 +72,7 @@ add_executable(pytrt_kv_plugin_harness
   harness/harnessIo.cpp
   $<TARGET_OBJECTS:pytrt_kv_plugin_objects>)
 target_include_directories(pytrt_kv_plugin_harness PRIVATE ${_pytrt_kv_plugin_includes})
-target_link_libraries(pytrt_kv_plugin_harness PRIVATE TensorRT::Headers pytrt_kv_kernels_impl CUDA::cudart_static)
+target_link_libraries(pytrt_kv_plugin_harness PRIVATE TensorRT::Headers pytrt_kv_kernels_impl CUDA::cudart_static
+  ${CMAKE_DL_LIBS})
 target_compile_options(pytrt_kv_plugin_harness PRIVATE ${_pytrt_kv_plugin_warn})
 target_link_options(pytrt_kv_plugin_harness PRIVATE "LINKER:--no-undefined")

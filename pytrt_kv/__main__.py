@@ -17,6 +17,8 @@ SUBCOMMANDS = (
     ("demo", "pytrt_kv.demo", "export the example sparse-attention decode model and run it step by step, verified"),
     ("export-example", "onnx_export.example", "write the example model (ScatterPaKvCache + GatherSelectionKvCache) to an .onnx file"),
     ("bench", "pytrt_kv.bench", "benchmark the CUDA kernels against same-run baselines (needs a GPU)"),
+    ("build", "pytrt_kv.trt.cli_build", "build a TensorRT engine (plan) from an ONNX model; with TensorRT-RTX also without a GPU, for --target compute capabilities"),
+    ("prepare", "pytrt_kv.trt.cli_prepare", "rewrite pytrt_kv nodes into the TensorRT plugins' positional form (for polygraphy/trtexec)"),
 )
 
 
@@ -45,7 +47,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except (ValueError, TypeError, OSError, RuntimeError) as exc:  # OSError: paths
+    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as exc:
+        # One line, no traceback: what went wrong and with which argument (OSError covers
+        # a directory or an unreadable file given where a file was expected).
         print(f"pytrt-kv {args.command}: error: {exc}", file=sys.stderr)
         return 1
 

@@ -11,7 +11,7 @@ from typing import Dict, List, Tuple
 from . import _lib
 
 _PACKAGES = ("numpy", "ml_dtypes", "onnx", "onnx_graphsurgeon", "onnxruntime", "polygraphy",
-             "onnxscript", "torch", "cupy", "cuda", "tensorrt")
+             "onnxscript", "torch", "cupy", "cuda", "tensorrt", "tensorrt_rtx")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,6 +100,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"  note: pytrt_kv is imported from the source tree {own.parent}; "
               + (f"libraries come from the installed distribution ({installed})" if installed
                  else f"no installed {_lib.DIST_NAME} with libraries was found"))
+
+    print("\nTensorRT flavours (engines: pytrt-kv build):")
+    from .trt._tensorrt import installed_flavours
+
+    for flavour, state in installed_flavours().items():
+        label = "TensorRT-RTX" if flavour == "rtx" else "TensorRT"
+        extra = " (builds without a GPU: --target)" if flavour == "rtx" and state[:1].isdigit() else ""
+        print(f"  {label:<18} {state}{extra}")
 
     print("\nGPU:")
     names, detail = cuda_devices()

@@ -156,6 +156,25 @@ PLUGIN_NODE_ATTRIBUTES: Mapping[str, str] = {
 #: runtime read it as "absent" (``value``, ``value_cache``, ``compress_seq_offsets``).
 ABSENT_INPUT_SHAPE: Tuple[int, ...] = (0,)
 
+
+def absent_placeholders(shapes) -> Tuple[str, ...]:
+    """Names of the ScatterPaKvCache inputs that are placeholders for absent optional
+    inputs (:data:`ABSENT_INPUT_SHAPE`) in ``shapes`` (input name -> shape or None).
+
+    ``value``, ``value_cache`` and ``compress_seq_offsets`` qualify; with ``B*H == 0`` a
+    real ``compress_seq_offsets [B*H]`` has the placeholder's shape and stays.
+    """
+    key = shapes.get("key")
+    no_runs = key is not None and len(key) == 4 and key[0] is not None and key[2] is not None \
+        and key[0] * key[2] == 0
+    out = []
+    for name in ("value", "value_cache", "compress_seq_offsets"):
+        if shapes.get(name) is not None and tuple(shapes[name]) == ABSENT_INPUT_SHAPE:
+            if name == "compress_seq_offsets" and no_runs:
+                continue
+            out.append(name)
+    return tuple(out)
+
 _ALIAS_IO = AttrSpec(
     "alias_io", "int", 1, (0, 1),
     "1: declare each *_out as an alias of its input to TensorRT (in place). The plugin "

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh checkout: makes its own virtual environment
 # (.venv-test), installs the package with its test extras (building the CUDA kernels when
-# nvcc is on PATH, and the TensorRT plugins when TensorRT_INCLUDE_DIR or TensorRT_ROOT is
-# set), then runs pytest. GPU and TensorRT tests skip themselves where those are absent.
+# nvcc is on PATH, and the TensorRT plugins against TensorRT headers, see below) and the
+# pinned TensorRT-RTX wheel (real engine builds on a CPU), then runs pytest. GPU tests
+# skip themselves where there is no GPU.
+#
+# TensorRT headers: TensorRT_INCLUDE_DIR or TensorRT_ROOT when set; otherwise the
+# TensorRT 10.14 headers (NVIDIA's Apache-2.0 OSS headers) that the `kernel-lens` wheel on
+# PyPI carries are unpacked into .venv-test (never committed, never installed as a
+# package). PYTRT_KV_TEST_TRT_HEADERS=0 skips that (the plugins are then not built and
+# their tests skip, saying why).
 #   PYTHON=python3.12 bash scripts/test.sh     # another interpreter
 #   PYTRT_KV_TEST_TORCH=0 bash scripts/test.sh # skip installing torch (its tests skip)
+#   PYTRT_KV_TEST_RTX=0 bash scripts/test.sh   # skip TensorRT-RTX (its build tests skip)
 #   bash scripts/test.sh -k gather -x          # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +31,35 @@ if [ "${PYTRT_KV_TEST_TORCH:-1}" != 0 ]; then
   # 2.13.0 exactly: the CPU build when one is on the machine's find-links, and never a
   # newer multi-GB CUDA build pulled in by a range.
   pins+=("torch==2.13.0")
+fi
+
+if [ "${PYTRT_KV_TEST_RTX:-1}" != 0 ]; then
+  extras=$extras,rtx
+  # The TensorRT-RTX release the RTX build tests were verified with (docs/TENSORRT.md).
+  pins+=("tensorrt-rtx-cu13==1.7.1.116")
+fi
+
+if [ -z "${TensorRT_INCLUDE_DIR:-}${TensorRT_ROOT:-}" ] && [ "${PYTRT_KV_TEST_TRT_HEADERS:-1}" != 0 ]; then
+  echo "== fetching TensorRT headers (kernel-lens 2.0.1 wheel from PyPI, unpacked into $venv)"
+  hdr="$PWD/$venv/trt-headers"
+  "$venv/bin/python" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
+    "kernel-lens==2.0.1" -d "$hdr/wheel"
+  "$venv/bin/python" - "$hdr" <<'PY'
+import pathlib, sys, zipfile
+root = pathlib.Path(sys.argv[1])
+wheel = next((root / "wheel").glob("kernel_lens-*.whl"))
+prefix = "kernel_lens/include/tensorrt/"
+out = root / "include"
+out.mkdir(parents=True, exist_ok=True)
+with zipfile.ZipFile(wheel) as z:
+    names = [n for n in z.namelist() if n.startswith(prefix) and n.endswith(".h")]
+    for n in names:
+        (out / n[len(prefix):]).write_bytes(z.read(n))
+if not (out / "NvInferRuntime.h").is_file():
+    sys.exit(f"{wheel.name} has no NvInferRuntime.h under {prefix}")
+print(f"   {len(names)} headers in {out}")
+PY
+  export TensorRT_INCLUDE_DIR="$hdr/include"
 fi
 
 cmake_args=()

@@ -163,7 +163,8 @@ def test_module_entry_point():
 def test_parser_subcommands_have_runners():
     parser = build_parser()
     for name, _, _ in SUBCOMMANDS:
-        args = parser.parse_args([name] + (["x.onnx"] if name == "export-example" else []))
+        positional = {"export-example": ["x.onnx"], "build": ["x.onnx"], "prepare": ["x.onnx", "y.onnx"]}
+        args = parser.parse_args([name] + positional.get(name, []))
         assert callable(args._run)
 
 

@@ -86,3 +86,26 @@ def test_variable_wins_over_environment(tmp_path):
     b = _headers(tmp_path / "b", V10, (10, 9, 0))
     out = _configure(tmp_path, [f"-DTensorRT_INCLUDE_DIR={a}"], {"TensorRT_INCLUDE_DIR": str(b)})
     assert f"version=11.0.0 dirs={a}" in out, out
+
+
+def test_root_without_headers_is_not_replaced_by_other_headers(tmp_path):
+    out = _configure(tmp_path, [f"-DTensorRT_ROOT={tmp_path / 'empty-root'}"])
+    assert "RESULT found=FALSE" in out and "TensorRT_ROOT=" in out, out
+
+
+@pytest.mark.parametrize("variable", ["TensorRT_INCLUDE_DIR", "TensorRT_ROOT"])
+@pytest.mark.parametrize("how", ["cmake", "environment"])
+def test_project_refuses_a_given_path_without_headers(tmp_path, variable, how):
+    """`pip install . -C cmake.define.TensorRT_INCLUDE_DIR=<wrong>` must fail, not install
+    a package without plugins (the project's configure step is what pip runs)."""
+    wrong = tmp_path / "no-headers-here"
+    wrong.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("TensorRT_ROOT", "TensorRT_INCLUDE_DIR")}
+    args = ["cmake", "-S", str(REPO), "-B", str(tmp_path / "b")]
+    if how == "cmake":
+        args.append(f"-D{variable}={wrong}")
+    else:
+        env[variable] = str(wrong)
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert f"{variable}={wrong}" in r.stderr and "Fix or unset" in r.stderr, r.stderr

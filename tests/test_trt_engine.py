@@ -20,6 +20,7 @@ from pytrt_kv import runtime
 from pytrt_kv.polygraphy.data_loader import make_feeds
 
 from conftest import polygraphy_command
+from trt_models import compress_model, gather_model, scatter_model
 
 pytestmark = pytest.mark.trt
 
@@ -35,54 +36,6 @@ def assert_bit_exact(got: dict, want: dict, where: str):
         assert g.shape == w.shape and g.dtype == w.dtype, f"{where}: {name} {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
         diff = np.flatnonzero(_bits(g) != _bits(w))
         assert diff.size == 0, f"{where}: {name} differs at {diff.size} bytes, first {diff[0]}"
-
-
-def _np(name):
-    from pytrt_kv import dtypes
-
-    return dtypes.numpy_dtype(name)
-
-
-def scatter_model(layout, dt, idx, value=True, alias_io=1, T=9, H=2, Dk=16, NB=6, BS=8):
-    Dv = 16 if layout == "nz" else 8
-
-    def cache(d, t):
-        L = 32 // _np(t).itemsize
-        return {"nd": (NB, BS, H, d), "hnd": (NB, H, BS, d), "nz": (NB, H * d // L, BS, L)}[layout]
-    shapes = {"key": np.zeros((T, H, Dk), _np(dt)), "key_cache": np.zeros(cache(Dk, dt), _np(dt)),
-              "slot_mapping": np.zeros((T,), _np(idx))}
-    if value:
-        shapes["value"] = np.zeros((T, H, Dv), _np(dt))
-        shapes["value_cache"] = np.zeros(cache(Dv, dt), _np(dt))
-    return single_op_model("ScatterPaKvCache", shapes, cache_layout=layout, alias_io=alias_io)
-
-
-def compress_model(dt, idx, mode, offsets=True, B=2, Smax=9, H=3, D=16, NB=12, BS=8):
-    shapes = {"key": np.zeros((B, Smax, H, D), _np(dt)), "value": np.zeros((B, Smax, H, D), _np(dt)),
-              "key_cache": np.zeros((NB, BS, 1, D), _np(dt)), "value_cache": np.zeros((NB, BS, 1, D), _np(dt)),
-              "slot_mapping": np.zeros((B, H), _np(idx)), "compress_lens": np.zeros((B, H), _np(idx)),
-              "seq_lens": np.zeros((B,), _np(idx))}
-    if offsets:
-        shapes["compress_seq_offsets"] = np.zeros((B * H,), _np(idx))
-    attrs = {"compress_mode": mode} if mode else {}
-    return single_op_model("ScatterPaKvCache", shapes, **attrs)
-
-
-def gather_model(dt, tnd, tbs, rope=True, alias_io=1, B=2, S=2, K=4, SBS=16, FBS=16, KV=32, KR=8,
-                 FBN=24, FMAX=6):
-    smax = -(-K * tbs // SBS)
-    lead = (B * S, 1) if tnd else (B, S, 1)
-    shapes = {"selection_k_rope": np.zeros((B * S * smax + 2, SBS, KR) if rope else (0,), _np(dt)),
-              "selection_kv_cache": np.zeros((B * S * smax + 2, SBS, KV), _np(dt)),
-              "selection_kv_block_table": np.zeros((B * S + 1, smax), np.int32),
-              "selection_kv_block_status": np.zeros(lead + (K + 1,), np.int32),
-              "selection_topk_indices": np.zeros(lead + (K,), np.int32),
-              "full_k_rope": np.zeros((FBN, FBS, KR) if rope else (0,), _np(dt)),
-              "full_kv_cache": np.zeros((FBN, FBS, KV), _np(dt)),
-              "full_kv_block_table": np.zeros((B, FMAX), np.int32),
-              "full_kv_actual_seq": np.zeros((B,), np.int32),
-              "full_q_actual_seq": np.zeros((B,), np.int32)}
-    return single_op_model("GatherSelectionKvCache", shapes, selection_topk_block_size=tbs, alias_io=alias_io)
 
 
 def _save(model, tmp_path, name="m.onnx"):

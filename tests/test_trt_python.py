@@ -25,11 +25,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def no_tensorrt(monkeypatch):
-    """Make `import tensorrt` fail whatever is installed."""
+    """Make `import tensorrt` and `import tensorrt_rtx` fail whatever is installed."""
     monkeypatch.setitem(sys.modules, "tensorrt", None)
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
+    monkeypatch.delenv("PYTRT_KV_TENSORRT", raising=False)
 
 
 def _fake_trt(monkeypatch, version):
+    monkeypatch.delenv("PYTRT_KV_TENSORRT", raising=False)
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)  # no fallback to TensorRT-RTX
     mod = types.ModuleType("tensorrt")
     mod.__version__ = version
     monkeypatch.setitem(sys.modules, "tensorrt", mod)
@@ -84,6 +88,8 @@ def test_broken_tensorrt_import_is_reported(monkeypatch):
 
     # A module whose attribute access fails like the stub wheel's lazy loader.
     monkeypatch.setitem(sys.modules, "tensorrt", Broken("tensorrt"))
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
+    monkeypatch.delenv("PYTRT_KV_TENSORRT", raising=False)
     with pytest.raises(ImportError, match="import tensorrt. failed: RuntimeError: libnvinfer"):
         _tensorrt.import_tensorrt()
 
@@ -479,7 +485,7 @@ _SCATTER_IO = {"key": ("in", "half", (3, 16)), "key_cache": ("in", "half", (8, 1
 
 @pytest.fixture
 def fake_runtime(monkeypatch):
-    monkeypatch.setattr(trt_runner, "import_tensorrt", lambda: _TRT)
+    monkeypatch.setattr(trt_runner, "import_tensorrt", lambda *a, **k: _TRT)
     monkeypatch.setattr(trt_runner, "DeviceArray", _FakeDeviceArray)
     cudart = _FakeCudart()
     monkeypatch.setattr(trt_runner, "import_cudart", lambda: cudart)
@@ -605,8 +611,8 @@ def _fake_build_trt(monkeypatch, accept):
     trt = types.SimpleNamespace(
         Logger=Logger, Builder=Builder, NetworkDefinitionCreationFlag=types.SimpleNamespace(),
         OnnxParser=lambda net, logger: types.SimpleNamespace(parse=lambda data, path: True))
-    monkeypatch.setattr(trt_build, "import_tensorrt", lambda: trt)
-    monkeypatch.setattr(trt_build, "load_plugins", lambda: None)
+    monkeypatch.setattr(trt_build, "import_tensorrt", lambda *a, **k: trt)
+    monkeypatch.setattr(trt_build, "load_plugins", lambda *a, **k: None)
     monkeypatch.setattr(trt_build, "_LOGGERS", {})
     monkeypatch.setattr(trt_build, "load_engine", lambda plan, **kw: (plan, kw))
     return built
@@ -629,3 +635,97 @@ def test_build_refuses_a_timing_cache_tensorrt_rejects(tmp_path, monkeypatch, ac
         plan, kw = call()
         assert plan == b"plan" and "aliased_plugin_io" not in kw
         assert built and cache.read_bytes() == b"new cache"
+
+
+# --- prepare_for_tensorrt refusals (issue: bad inputs found by fuzzing) -------------------
+
+def test_prepare_refuses_a_ninth_scatter_input():
+    m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
+    m.graph.node[0].input.extend(["", "", "", "extra"])
+    with pytest.raises(ValueError, match=r"inputs: expected at most 8 .*got 9"):
+        trt_model.prepare_for_tensorrt(m)
+
+
+def test_prepare_refuses_an_unnamed_cache_update():
+    m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
+    m.graph.node[0].output[0] = ""
+    with pytest.raises(ValueError, match=r"key_cache_out: expected a name for the updated 'key_cache'"):
+        trt_model.prepare_for_tensorrt(m)
+
+
+def test_prepared_key_only_write_passes_checker_and_shape_inference():
+    import onnx_export.schemas  # noqa: F401 - registers the schemas for the checker
+
+    p = trt_model.prepare_for_tensorrt(single_op_model("ScatterPaKvCache", _scatter_inputs(False)))
+    onnx.checker.check_model(p, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(p, strict_mode=True)
+    assert inferred.graph.node[0].input[1].endswith("absent_value")
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float8_e5m2"])
+def test_prepare_refuses_dtypes_tensorrt_cannot_pass(dtype):
+    from pytrt_kv import dtypes
+
+    d = dtypes.numpy_dtype(dtype)
+    m = single_op_model("ScatterPaKvCache", {"key": np.ones((3, 2, 16), d), "key_cache": np.ones((4, 8, 2, 16), d),
+                                             "slot_mapping": np.arange(3, dtype=np.int32)}, cache_layout="nd")
+    with pytest.raises(ValueError, match=rf"key: expected a dtype TensorRT can pass to a plugin.*got {dtype}"):
+        trt_model.prepare_for_tensorrt(m)
+
+
+def test_prepare_refuses_mixed_index_dtypes():
+    m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
+    for inp in m.graph.input:
+        if inp.name == "slot_mapping":
+            inp.type.tensor_type.elem_type = onnx.TensorProto.INT64
+    m.graph.node[0].input.extend(["lens"])
+    m.graph.input.append(onnx.helper.make_tensor_value_info("lens", onnx.TensorProto.INT32, [3]))
+    with pytest.raises(ValueError, match=r"compress_lens: expected the index dtype of slot_mapping \(int64"):
+        trt_model.prepare_for_tensorrt(m)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from pytrt_kv.__main__ import main
+
+    assert main(["prepare", str(tmp_path), str(tmp_path / "o.onnx")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "expected an ONNX file, got the directory" in err
+    r = subprocess.run([sys.executable, "-m", "pytrt_kv.trt", "prepare", str(tmp_path / "missing.onnx"),
+                        str(tmp_path / "o.onnx")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "no such file" in r.stderr, r.stderr
+
+
+def test_runner_binds_zero_element_tensors_at_address_0_to_a_valid_buffer(fake_runtime):
+    runner = trt_runner.EngineRunner(_FakeEngine(_SCATTER_IO))
+    feeds = _feeds(0)
+    feeds["slot"] = _Cai(0, (0,), "<i4")  # torch.empty(0, dtype=torch.int32).data_ptr() == 0
+    runner.bind(feeds)
+    bound = runner.context.addresses["slot"]
+    assert bound != 0 and bound % 256 == 0
+    feeds["key"] = _Cai(0, (3, 16), "<f2")
+    with pytest.raises(ValueError, match=r"^key: expected a buffer with a non-null address for shape \[3, 16\]"):
+        runner.bind(feeds)
+
+
+@pytest.mark.parametrize("version,ok", [("1.7.1.116", True), ("1.0.0", True), ("0.9.1", False)])
+def test_tensorrt_rtx_version_gate(monkeypatch, version, ok):
+    """TensorRT-RTX numbers its releases 1.x: its gate is its own, not TensorRT's 10.3."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    monkeypatch.delenv("PYTRT_KV_TENSORRT", raising=False)
+    mod = types.ModuleType("tensorrt_rtx")
+    mod.__version__ = version
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", mod)
+    if ok:
+        assert _tensorrt.import_tensorrt() is mod and _tensorrt.flavour_of(mod) == "rtx"
+    else:
+        with pytest.raises(ImportError, match=r"TensorRT-RTX >= 1\.0, got 0\.9\.1"):
+            _tensorrt.import_tensorrt("rtx")
+
+
+def test_flavour_choice_is_checked(monkeypatch):
+    with pytest.raises(ValueError, match=r"^flavour: expected one of \['rtx', 'tensorrt'\], got 'trt'"):
+        _tensorrt.import_tensorrt("trt")
+    monkeypatch.setenv("PYTRT_KV_TENSORRT", "full")
+    with pytest.raises(ValueError, match=r"^PYTRT_KV_TENSORRT: expected one of"):
+        _tensorrt.import_tensorrt()

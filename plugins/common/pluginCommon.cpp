@@ -3,8 +3,11 @@
  */
 #include "pluginCommon.h"
 
+#include "NvInferVersion.h"
+
 #include <atomic>
 #include <cstdio>
+#include <dlfcn.h>
 #include <limits>
 #include <mutex>
 
@@ -34,8 +37,36 @@ char const* severityName(nvinfer1::ILogger::Severity severity) noexcept
 
 } // namespace
 
+int32_t loadedTensorRtAbi() noexcept
+{
+    auto loaded = [](char const* soname) {
+        void* h = dlopen(soname, RTLD_LAZY | RTLD_NOLOAD);
+        if (h != nullptr)
+        {
+            dlclose(h);
+        }
+        return h != nullptr;
+    };
+    bool const v11 = loaded("libnvinfer.so.11") || loaded("libtensorrt_rtx.so.1");
+    bool const v10 = loaded("libnvinfer.so.10");
+    return v11 == v10 ? 0 : (v11 ? 11 : 10);
+}
+
+bool abiMatchesHeaders(int32_t abi) noexcept
+{
+    return abi == 0 || (abi >= 11) == (NV_TENSORRT_MAJOR >= 11);
+}
+
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
 {
+    if (finder != nullptr && !abiMatchesHeaders(loadedTensorRtAbi()))
+    {
+        std::fprintf(stderr,
+            "[pytrt_kv] WARNING: built against TensorRT %d headers, loaded by a TensorRT with the other "
+            "ILoggerFinder layout: plugin messages go to stderr instead of TensorRT's logger\n",
+            static_cast<int>(NV_TENSORRT_MAJOR));
+        return;
+    }
     std::lock_guard<std::mutex> lock(gLoggerMutex);
     // TensorRT may call this once per loadLibrary; the first finder stays valid for the
     // library's lifetime, so later calls are ignored rather than racing a reader.
@@ -221,6 +252,38 @@ bool isEmpty(nvinfer1::Dims const& dims) noexcept
         }
     }
     return false;
+}
+
+bool isEmpty(nvinfer1::DimsExprs const& dims) noexcept
+{
+    for (int32_t i = 0; i < dims.nbDims && i < nvinfer1::Dims::MAX_DIMS; ++i)
+    {
+        if (dims.d[i] != nullptr && dims.d[i]->isConstant() && dims.d[i]->getConstantValue() == 0)
+        {
+            return true;
+        }
+    }
+    return false;
+}
+
+uint32_t emptyInputMask(nvinfer1::DimsExprs const* inputs, int32_t nbInputs) noexcept
+{
+    uint32_t mask = 0;
+    for (int32_t i = 0; inputs != nullptr && i < nbInputs && i < 32; ++i)
+    {
+        mask |= isEmpty(inputs[i]) ? (1U << i) : 0U;
+    }
+    return mask;
+}
+
+uint32_t emptyInputMask(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs) noexcept
+{
+    uint32_t mask = 0;
+    for (int32_t i = 0; inputs != nullptr && i < nbInputs && i < 32; ++i)
+    {
+        mask |= isEmpty(inputs[i].desc.dims) ? (1U << i) : 0U;
+    }
+    return mask;
 }
 
 cudaError_t copyIfDistinct(

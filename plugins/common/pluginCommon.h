@@ -55,7 +55,21 @@ void check(bool condition, Parts const&... parts)
     }
 }
 
-//! Keeps the finder TensorRT hands over through setLoggerFinder (first one wins).
+//! The interface layout of the TensorRT library loaded in this process: 11 when
+//! libnvinfer.so.11 or TensorRT-RTX's libtensorrt_rtx.so.1 is loaded, 10 for
+//! libnvinfer.so.10, 0 when neither or both (unknown). TensorRT 11 (and TensorRT-RTX 1.x)
+//! made ILogger, ILoggerFinder and IPluginRegistry derive from IVersionedInterface and
+//! dropped deprecated methods, so their vtables differ from TensorRT 10's; the plugin
+//! interfaces (IPluginV3, IPluginCreatorV3One) kept theirs.
+int32_t loadedTensorRtAbi() noexcept;
+
+//! True when \p abi (from loadedTensorRtAbi) is unknown or the one of the headers this
+//! library was compiled with: only then may TensorRT's ILogger, ILoggerFinder and
+//! IPluginRegistry objects be called (docs/TENSORRT.md, "Header version vs TensorRT ABI").
+bool abiMatchesHeaders(int32_t abi) noexcept;
+
+//! Keeps the finder TensorRT hands over through setLoggerFinder (first one wins); a
+//! finder of the other layout (abiMatchesHeaders) is not kept: messages go to stderr.
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept;
 
 //! A second way to find a logger, used by the self-registering library, which has no
@@ -131,6 +145,26 @@ void checkDim(nvinfer1::Dims const& dims, int32_t axis, int64_t expected, char c
 
 //! True when a known dim is 0: how a model passes an absent optional tensor.
 bool isEmpty(nvinfer1::Dims const& dims) noexcept;
+
+//! The build-time form of isEmpty(): a dim that is the constant 0.
+bool isEmpty(nvinfer1::DimsExprs const& dims) noexcept;
+
+//! Bit i set when input i is a known zero-element tensor (an absent optional tensor, or
+//! a cache with no blocks). The alias policy of both plugins: an output is declared
+//! aliased to its input unless that input is zero-element (nothing to update in place,
+//! and TensorRT cannot alias a zero-element constant). getAliasedInput may be called
+//! right after getOutputShapes, before configurePlugin (TensorRT-RTX does), so the mask
+//! is computed there from the DimsExprs, and again in configurePlugin
+//! (docs/TENSORRT.md, "Aliasing").
+uint32_t emptyInputMask(nvinfer1::DimsExprs const* inputs, int32_t nbInputs) noexcept;
+uint32_t emptyInputMask(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs) noexcept;
+
+//! \p aliased unless input \p aliased is flagged in \p emptyInputs (then -1): the alias
+//! policy above.
+inline int32_t aliasUnlessEmpty(int32_t aliased, uint32_t emptyInputs) noexcept
+{
+    return aliased >= 0 && aliased < 32 && ((emptyInputs >> aliased) & 1U) != 0 ? -1 : aliased;
+}
 
 //! Copies the tensor described by \p desc from \p src to \p dst on \p stream when the two
 //! addresses differ (the in-place contract: an output bound elsewhere than its input

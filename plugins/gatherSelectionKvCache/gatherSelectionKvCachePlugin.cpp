@@ -63,7 +63,7 @@ GatherSelectionKvCachePlugin::GatherSelectionKvCachePlugin(PluginFields fields)
 {
 }
 
-kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const* dims, DataType const* types) const
+void GatherSelectionKvCachePlugin::checkTypes(DataType const* types) const
 {
     DataType const cacheType = types[kIN_SELECTION_KV_CACHE];
     check(isCacheType(cacheType), "selection_kv_cache: expected kHALF, kBF16, kINT8, kFLOAT or kFP8, got ",
@@ -80,6 +80,11 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const
             check(types[i] == DataType::kINT32, kINPUT_NAMES[i], ": expected kINT32, got ", dataTypeName(types[i]));
         }
     }
+}
+
+kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const* dims, DataType const* types) const
+{
+    checkTypes(types);
 
     Dims const& kv = dims[kIN_SELECTION_KV_CACHE];
     Dims const& fullKv = dims[kIN_FULL_KV_CACHE];
@@ -194,7 +199,7 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const
     }
 
     kernels::GatherSelectionParams p{};
-    p.cacheType = kernelTypeOf(cacheType, "selection_kv_cache");
+    p.cacheType = kernelTypeOf(types[kIN_SELECTION_KV_CACHE], "selection_kv_cache");
     p.batch = narrow(batch, "B");
     p.seqPerBatch = narrow(seq, "S");
     p.topk = narrow(k, "K");
@@ -227,6 +232,7 @@ int32_t GatherSelectionKvCachePlugin::configurePlugin(
             types[i] = in[i].desc.type;
         }
         describe(dims.data(), types.data());
+        mEmptyInputs = emptyInputMask(in, nbInputs);
         return 0;
     }
     catch (std::exception const& e)
@@ -269,6 +275,9 @@ int32_t GatherSelectionKvCachePlugin::getOutputDataTypes(
         check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
         check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
+        // Checked here, where TensorRT first shows all input types: supportsFormatCombination
+        // can only say no, and a builder then reports "no supported formats", not why.
+        checkTypes(inputTypes);
         outputTypes[kOUT_SELECTION_K_ROPE] = inputTypes[kIN_SELECTION_K_ROPE];
         outputTypes[kOUT_SELECTION_KV_CACHE] = inputTypes[kIN_SELECTION_KV_CACHE];
         outputTypes[kOUT_SELECTION_KV_BLOCK_STATUS] = inputTypes[kIN_SELECTION_KV_BLOCK_STATUS];
@@ -298,6 +307,8 @@ int32_t GatherSelectionKvCachePlugin::getOutputShapes(DimsExprs const* inputs, i
         outputs[kOUT_SELECTION_KV_BLOCK_STATUS] = inputs[kIN_SELECTION_KV_BLOCK_STATUS];
         outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].nbDims = 1;
         outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].d[0] = inputs[kIN_SELECTION_KV_BLOCK_TABLE].d[0];
+        // getAliasedInput may come next, before configurePlugin (pluginCommon.h).
+        mEmptyInputs = emptyInputMask(inputs, nbInputs);
         return 0;
     }
     catch (std::exception const& e)
@@ -336,9 +347,9 @@ int32_t GatherSelectionKvCachePlugin::getAliasedInput(int32_t outputIndex) noexc
     }
     switch (outputIndex)
     {
-    case kOUT_SELECTION_K_ROPE: return kIN_SELECTION_K_ROPE;
-    case kOUT_SELECTION_KV_CACHE: return kIN_SELECTION_KV_CACHE;
-    case kOUT_SELECTION_KV_BLOCK_STATUS: return kIN_SELECTION_KV_BLOCK_STATUS;
+    case kOUT_SELECTION_K_ROPE: return aliasUnlessEmpty(kIN_SELECTION_K_ROPE, mEmptyInputs);
+    case kOUT_SELECTION_KV_CACHE: return aliasUnlessEmpty(kIN_SELECTION_KV_CACHE, mEmptyInputs);
+    case kOUT_SELECTION_KV_BLOCK_STATUS: return aliasUnlessEmpty(kIN_SELECTION_KV_BLOCK_STATUS, mEmptyInputs);
     default: return -1;
     }
 }
@@ -403,6 +414,17 @@ int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc,
         }
 
         kernels::GatherSelectionParams p = mParams;
+        // An empty batch (B*S == 0) gathers nothing: the caches and the status keep their
+        // contents, every selection_kv_actual_seq row is 0 (rows past B*S always are),
+        // and no kernel is launched (docs/SPEC.md G3).
+        if (static_cast<int64_t>(p.batch) * p.seqPerBatch == 0)
+        {
+            size_t const bytes = static_cast<size_t>(p.selectionRows) * sizeof(int32_t);
+            cudaError_t const st
+                = bytes == 0 ? cudaSuccess : cudaMemsetAsync(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ], 0, bytes, stream);
+            check(st == cudaSuccess, "enqueue: clearing selection_kv_actual_seq failed: ", cudaGetErrorName(st));
+            return 0;
+        }
         p.selectionKRope = p.kRopeDim > 0 ? outputs[kOUT_SELECTION_K_ROPE] : nullptr;
         p.selectionKvCache = outputs[kOUT_SELECTION_KV_CACHE];
         p.selectionKvBlockTable = static_cast<int32_t const*>(inputs[kIN_SELECTION_KV_BLOCK_TABLE]);

@@ -62,6 +62,10 @@ public:
     //! only once known.
     kernels::GatherSelectionParams describe(nvinfer1::Dims const* dims, nvinfer1::DataType const* types) const;
 
+    //! The dtype rules of describe() (docs/SPEC.md G2): run from getOutputDataTypes too,
+    //! so a wrong dtype fails the build with this message.
+    void checkTypes(nvinfer1::DataType const* types) const;
+
     // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
@@ -91,6 +95,9 @@ private:
     kernels::GatherSelectionParams mParams{};
     std::array<nvinfer1::Dims, kNB_INPUTS> mDims{};
     std::array<nvinfer1::DataType, kNB_INPUTS> mTypes{};
+    //! emptyInputMask() of the inputs (getOutputShapes, then configurePlugin): C8 mode's
+    //! zero-element selection_k_rope is not declared as an alias.
+    uint32_t mEmptyInputs{0};
 };
 
 //! The creator registered for GatherSelectionKvCache (registration.cpp).

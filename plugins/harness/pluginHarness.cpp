@@ -21,6 +21,7 @@
 #include "pluginCommon.h"
 #include "scatterPaKvCachePlugin.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -952,7 +953,14 @@ void checkFormats()
     // Refusals: types TensorRT cannot hand a plugin or the spec forbids, mixed groups,
     // non-linear formats.
     auto refusedAt = [&](IPluginV3* p, std::vector<T> in, int32_t pos, std::string const& what) {
-        declaredOutputs(p, in, out);
+        if (!declaredOutputs(p, in, out))
+        {
+            // getOutputDataTypes refused first (the dtype rules that need no dims, with a
+            // message); supportsFormatCombination must refuse as well, with the outputs
+            // typed as it would have declared them (the caches', and kINT32 lengths).
+            out = in.size() == 10 ? std::vector<T>{in[0], in[1], in[3], T{kI32, {in[2].dims[0]}}}
+                                  : std::vector<T>{in[2], in[3]};
+        }
         int32_t refused = -1;
         bool const all = formatsAccepted(p, in, out, TensorFormat::kLINEAR, &refused);
         expect(!all && refused == pos, what + " (refused at " + std::to_string(refused) + ", expected "
@@ -1012,6 +1020,60 @@ void checkFormats()
     }
 }
 
+// An empty batch writes nothing and succeeds: enqueue must return before any CUDA call
+// (no GPU here; every output is bound to its input, so nothing is copied either, and the
+// actual-length output has no rows to clear). Without the plugins' early return the
+// kernel launch fails on this machine.
+void checkEmptyBatch()
+{
+    auto run = [&](std::string const& plugin, Fields& f, std::vector<T> const& in, std::string const& what) {
+        PluginPtr p = create(plugin, f);
+        std::vector<T> out;
+        if (!p || !declaredOutputs(p.get(), in, out))
+        {
+            expect(false, what + ": outputs declared");
+            return;
+        }
+        int32_t const nbIn = static_cast<int32_t>(in.size());
+        int32_t const nbOut = static_cast<int32_t>(out.size());
+        auto rin = runtimeDescs(in);
+        auto rout = runtimeDescs(out);
+        expect(runtimeOf(p.get())->onShapeChange(rin.data(), nbIn, rout.data(), nbOut) == 0, what + ": onShapeChange");
+        std::vector<std::array<char, 64>> storage(in.size() + out.size());
+        std::vector<void const*> ins;
+        for (size_t i = 0; i < in.size(); ++i)
+        {
+            ins.push_back(storage[i].data());
+        }
+        std::vector<int32_t> const natural
+            = plugin == "ScatterPaKvCache" ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{0, 1, 3, -1};
+        std::vector<void*> outs;
+        for (int32_t o = 0; o < nbOut; ++o)
+        {
+            outs.push_back(natural[o] >= 0 ? storage[natural[o]].data() : storage[in.size() + o].data());
+        }
+        int32_t const before = gLogger.mErrors;
+        expect(runtimeOf(p.get())->enqueue(rin.data(), rout.data(), ins.data(), outs.data(), nullptr, nullptr) == 0
+                && gLogger.mErrors == before,
+            what + ": enqueue succeeds without a launch");
+    };
+    Fields nd;
+    nd.str("cache_layout", "nd");
+    run("ScatterPaKvCache", nd,
+        {{kF16, {0, 2, 8}}, {kF16, {0, 2, 4}}, {kF16, {4, 16, 2, 8}}, {kF16, {4, 16, 2, 4}}, {kI32, {0}}},
+        "ScatterPaKvCache: T = 0");
+    Fields compress;
+    run("ScatterPaKvCache", compress,
+        {{kF16, {0, 6, 3, 8}}, {kF16, {0, 6, 3, 8}}, {kF16, {10, 16, 1, 8}}, {kF16, {10, 16, 1, 8}}, {kI32, {0, 3}},
+            {kI32, {0, 3}}, {kI32, {0}}, {kI32, {0}}},
+        "ScatterPaKvCache: B = 0 (4-D key)");
+    Fields gather;
+    run("GatherSelectionKvCache", gather,
+        {{kF16, {8, 64, 64}}, {kF16, {8, 64, 512}}, {kI32, {0, 4}}, {kI32, {2, 0, 1, 5}}, {kI32, {2, 0, 1, 4}},
+            {kF16, {16, 128, 64}}, {kF16, {16, 128, 512}}, {kI32, {2, 8}}, {kI32, {2}}, {kI32, {2}}},
+        "GatherSelectionKvCache: S = 0");
+}
+
 void checkShapes()
 {
     for (auto const& c : shapeCases())
@@ -1035,8 +1097,24 @@ void checkShapes()
         auto dout = dynamicDescs(out);
         int32_t const nbIn = static_cast<int32_t>(c.inputs.size());
         int32_t const nbOut = static_cast<int32_t>(out.size());
+        // TensorRT-RTX asks for the aliases right after getOutputShapes, before
+        // configurePlugin: they must already be right (no alias for a zero-element input).
+        auto const aliasesRight = [&]() {
+            bool const scatter = c.plugin == "ScatterPaKvCache";
+            std::vector<int32_t> const natural = scatter ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{0, 1, 3, -1};
+            bool ok = true;
+            for (int32_t o = 0; o < nbOut && o < static_cast<int32_t>(natural.size()); ++o)
+            {
+                int32_t const i = natural[o];
+                bool const empty = i >= 0
+                    && std::find(c.inputs[i].dims.begin(), c.inputs[i].dims.end(), 0) != c.inputs[i].dims.end();
+                ok = ok && buildOf(p.get())->getAliasedInput(o) == (empty ? -1 : i);
+            }
+            return ok;
+        };
         if (c.ok)
         {
+            expect(aliasesRight(), c.plugin + ": aliases before configurePlugin for '" + c.label + "'");
             // Outputs are the caches, [R] for the actual lengths.
             bool shapesOk = true;
             if (c.plugin == "ScatterPaKvCache")
@@ -1054,14 +1132,8 @@ void checkShapes()
             expect(buildOf(p.get())->configurePlugin(din.data(), nbIn, dout.data(), nbOut) == 0
                     && gLogger.mErrors == before,
                 c.plugin + ": configurePlugin accepts '" + c.label + "'");
-            if (c.plugin == "ScatterPaKvCache")
-            {
-                // A key-only write's value_cache is a placeholder (often a constant): no alias.
-                bool const absent = c.inputs[1].dims == std::vector<int64_t>{0};
-                expect(buildOf(p.get())->getAliasedInput(0) == 2
-                        && buildOf(p.get())->getAliasedInput(1) == (absent ? -1 : 3),
-                    c.plugin + ": aliases after configurePlugin for '" + c.label + "'");
-            }
+            // A key-only write's value_cache, C8's k_rope: placeholders (often constants), no alias.
+            expect(aliasesRight(), c.plugin + ": aliases after configurePlugin for '" + c.label + "'");
             if (!hasWildcard(c.inputs))
             {
                 auto rin = runtimeDescs(c.inputs);
@@ -1169,6 +1241,7 @@ int32_t commandCheck()
     checkBadFields();
     checkFormats();
     checkShapes();
+    checkEmptyBatch();
     std::cout << "harness check: " << gChecks << " checks, " << gFailures << " failed\n";
     return gFailures == 0 ? 0 : 1;
 }

@@ -119,6 +119,24 @@ ScatterPaKvCachePlugin::ScatterPaKvCachePlugin(PluginFields fields)
 {
 }
 
+void ScatterPaKvCachePlugin::checkTypes(DataType const* types, int32_t nbInputs) const
+{
+    (void) kernelTypeOf(types[kIN_KEY], "key");
+    check(types[kIN_KEY_CACHE] == types[kIN_KEY], "key_cache: expected the dtype of key (", dataTypeName(types[kIN_KEY]),
+        "), got ", dataTypeName(types[kIN_KEY_CACHE]));
+    check(types[kIN_VALUE_CACHE] == types[kIN_VALUE], "value_cache: expected the dtype of value (",
+        dataTypeName(types[kIN_VALUE]), "), got ", dataTypeName(types[kIN_VALUE_CACHE]));
+    check(isIndexType(types[kIN_SLOT_MAPPING]), "slot_mapping: expected kINT32 or kINT64, got ",
+        dataTypeName(types[kIN_SLOT_MAPPING]));
+    for (int32_t i = kIN_COMPRESS_LENS; i < nbInputs; ++i)
+    {
+        check(types[i] == types[kIN_SLOT_MAPPING], kINPUT_NAMES[i], ": expected the dtype of slot_mapping (",
+            dataTypeName(types[kIN_SLOT_MAPPING]), "), got ", dataTypeName(types[i]));
+    }
+    check(mCompressMode != "rope" || isRopeType(types[kIN_KEY]),
+        "key: compress_mode \"rope\" averages, so it needs kFLOAT, kHALF or kBF16, got ", dataTypeName(types[kIN_KEY]));
+}
+
 ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
     Dims const* dims, DataType const* types, int32_t nbInputs) const
 {
@@ -136,19 +154,9 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
     check(key.nbDims == 3 || key.nbDims == 4, "key: expected [T, H, Dk] or [B, Smax, H, Dk], got ",
         dimsText(key));
 
+    checkTypes(types, nbInputs);
     p.keyType = kernelTypeOf(types[kIN_KEY], "key");
     p.indexType = kernelTypeOf(types[kIN_SLOT_MAPPING], "slot_mapping");
-    check(types[kIN_KEY_CACHE] == types[kIN_KEY], "key_cache: expected the dtype of key (", dataTypeName(types[kIN_KEY]),
-        "), got ", dataTypeName(types[kIN_KEY_CACHE]));
-    check(types[kIN_VALUE_CACHE] == types[kIN_VALUE], "value_cache: expected the dtype of value (",
-        dataTypeName(types[kIN_VALUE]), "), got ", dataTypeName(types[kIN_VALUE_CACHE]));
-    check(isIndexType(types[kIN_SLOT_MAPPING]), "slot_mapping: expected kINT32 or kINT64, got ",
-        dataTypeName(types[kIN_SLOT_MAPPING]));
-    for (int32_t i = kIN_COMPRESS_LENS; i < nbInputs; ++i)
-    {
-        check(types[i] == types[kIN_SLOT_MAPPING], kINPUT_NAMES[i], ": expected the dtype of slot_mapping (",
-            dataTypeName(types[kIN_SLOT_MAPPING]), "), got ", dataTypeName(types[i]));
-    }
 
     // A key-only write passes both value tensors as zero-element placeholders.
     shape.hasValue = !(isEmpty(value) && isEmpty(valueCache));
@@ -292,9 +300,9 @@ int32_t ScatterPaKvCachePlugin::configurePlugin(
             dims[i] = in[i].desc.dims;
             types[i] = in[i].desc.type;
         }
-        Shape const shape = describe(dims.data(), types.data(), nbInputs);
+        describe(dims.data(), types.data(), nbInputs);
         mNbInputs = nbInputs;
-        mValueAbsent = !shape.hasValue;
+        mEmptyInputs = emptyInputMask(in, nbInputs);
         return 0;
     }
     catch (std::exception const& e)
@@ -344,6 +352,9 @@ int32_t ScatterPaKvCachePlugin::getOutputDataTypes(
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
         check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ",
             nbInputs);
+        // Checked here, where TensorRT first shows all input types: supportsFormatCombination
+        // can only say no, and a builder then reports "no supported formats", not why.
+        checkTypes(inputTypes, nbInputs);
         outputTypes[kOUT_KEY_CACHE] = inputTypes[kIN_KEY_CACHE];
         outputTypes[kOUT_VALUE_CACHE] = inputTypes[kIN_VALUE_CACHE];
         return 0;
@@ -368,6 +379,8 @@ int32_t ScatterPaKvCachePlugin::getOutputShapes(DimsExprs const* inputs, int32_t
         // In place: each output is its cache, shape included.
         outputs[kOUT_KEY_CACHE] = inputs[kIN_KEY_CACHE];
         outputs[kOUT_VALUE_CACHE] = inputs[kIN_VALUE_CACHE];
+        // getAliasedInput may come next, before configurePlugin (pluginCommon.h).
+        mEmptyInputs = emptyInputMask(inputs, nbInputs);
         return 0;
     }
     catch (std::exception const& e)
@@ -391,8 +404,8 @@ int32_t ScatterPaKvCachePlugin::getAliasedInput(int32_t outputIndex) noexcept
     }
     switch (outputIndex)
     {
-    case kOUT_KEY_CACHE: return kIN_KEY_CACHE;
-    case kOUT_VALUE_CACHE: return mValueAbsent ? -1 : kIN_VALUE_CACHE;
+    case kOUT_KEY_CACHE: return aliasUnlessEmpty(kIN_KEY_CACHE, mEmptyInputs);
+    case kOUT_VALUE_CACHE: return aliasUnlessEmpty(kIN_VALUE_CACHE, mEmptyInputs);
     default: return -1;
     }
 }
@@ -458,6 +471,12 @@ int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         }
 
         kernels::ScatterParams p = mShape.params;
+        // An empty batch (T == 0, or B*H == 0 for a 4-D key) writes nothing: success
+        // without a launch, whatever the kernels make of it (docs/SPEC.md S7).
+        if (p.compress ? (p.batch == 0 || p.numHeads == 0) : p.numTokens == 0)
+        {
+            return 0;
+        }
         p.key = inputs[kIN_KEY];
         p.value = hasValue ? inputs[kIN_VALUE] : nullptr;
         p.keyCache = outputs[kOUT_KEY_CACHE];

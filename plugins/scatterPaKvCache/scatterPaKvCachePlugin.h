@@ -70,6 +70,10 @@ public:
     //! broken OPS.md shape/dtype rule; dims of -1 (build time) are checked only once known.
     Shape describe(nvinfer1::Dims const* dims, nvinfer1::DataType const* types, int32_t nbInputs) const;
 
+    //! The dtype rules of describe() that need no dims (docs/SPEC.md S8): run from
+    //! getOutputDataTypes too, so a wrong dtype fails the build with this message.
+    void checkTypes(nvinfer1::DataType const* types, int32_t nbInputs) const;
+
     // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
@@ -102,9 +106,9 @@ private:
     Shape mShape{};
     std::array<nvinfer1::Dims, kNB_INPUTS_COMPRESS> mDims{};
     std::array<nvinfer1::DataType, kNB_INPUTS_COMPRESS> mTypes{};
-    //! configurePlugin saw a key-only write: value_cache is a zero-element placeholder
-    //! (often a constant), which is not declared as an alias.
-    bool mValueAbsent{false};
+    //! emptyInputMask() of the inputs (getOutputShapes, then configurePlugin): a
+    //! key-only write's zero-element value_cache is not declared as an alias.
+    uint32_t mEmptyInputs{0};
 };
 
 //! The creator registered for ScatterPaKvCache (registration.cpp).

@@ -1,14 +1,16 @@
 """TensorRT helpers for models that use the pytrt_kv ops (layer 4).
 
 - :func:`load_plugins`: register the plugin creators (``libpytrt_kv_plugins.so``);
-- :func:`build_engine`: ONNX -> engine (parser, aliased plugin I/O preview feature when a
-  node has ``alias_io`` = 1, strongly typed, timing cache, optional engine file);
+- :func:`build_plan`: ONNX -> serialized engine with full TensorRT or TensorRT-RTX (which
+  builds ahead of time without a GPU, for chosen compute capabilities); parser, aliased
+  plugin I/O preview feature when a node has ``alias_io`` = 1, strongly typed, timing
+  cache, optional engine file; :func:`build_engine` also deserializes it;
 - :class:`EngineRunner`: binds each ``*_out`` to its input's address (in place), takes
   torch/CuPy/PyCUDA/cuda-python buffers and pinned host caches (:class:`HostArray`),
   captures CUDA graphs;
 - :func:`availability` and :func:`run_model_steps`: what ``pytrt-kv demo`` uses;
 - :func:`prepare_for_tensorrt`: the ONNX rewrite into the plugins' positional form (also
-  ``python -m pytrt_kv.trt prepare IN.onnx OUT.onnx`` for polygraphy/trtexec).
+  ``pytrt-kv prepare IN.onnx OUT.onnx`` for polygraphy/trtexec).
 
 Importing this package never imports TensorRT; the functions that need it raise an
 ImportError that says how to install it. See docs/TENSORRT.md.
@@ -24,13 +26,13 @@ import numpy as np
 from .model import alias_pairs, needs_aliased_io, prepare_for_tensorrt
 
 __all__ = [
-    "availability", "run_model_steps", "load_plugins", "build_engine", "load_engine", "Engine",
+    "availability", "run_model_steps", "load_plugins", "build_plan", "build_engine", "load_engine", "Engine",
     "EngineRunner", "CudaGraph", "DeviceArray", "HostArray", "engine_layers", "plugin_layers",
     "copy_layers", "prepare_for_tensorrt", "alias_pairs", "needs_aliased_io", "import_tensorrt",
 ]
 
 _LAZY = {
-    "load_plugins": ".plugins", "build_engine": ".build", "load_engine": ".build",
+    "load_plugins": ".plugins", "build_plan": ".build", "build_engine": ".build", "load_engine": ".build",
     "Engine": ".build", "engine_layers": ".build", "plugin_layers": ".build",
     "copy_layers": ".build", "EngineRunner": ".runner", "CudaGraph": ".runner",
     "DeviceArray": ".buffers", "HostArray": ".buffers", "import_tensorrt": "._tensorrt",

@@ -1,38 +1,30 @@
-"""``python -m pytrt_kv.trt``: small TensorRT-side tools.
+"""``python -m pytrt_kv.trt``: the TensorRT-side subcommands of ``pytrt-kv``, kept for
+scripts that call it this way.
 
-  prepare IN.onnx OUT.onnx   rewrite pytrt_kv nodes into the plugins' positional form
-                             (for polygraphy/trtexec, which parse the file themselves)
-  availability               print why TensorRT cannot be used here ('' = usable)
+  prepare IN.onnx OUT.onnx   = pytrt-kv prepare
+  build MODEL.onnx [...]     = pytrt-kv build
+  availability               print why TensorRT cannot run engines here ('' = usable)
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pytrt_kv.trt", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare", help="rewrite pytrt_kv nodes into the plugin form")
-    p.add_argument("src")
-    p.add_argument("dst")
-    sub.add_parser("availability", help="why TensorRT is not usable here")
-    args = parser.parse_args(argv)
-    if args.command == "prepare":
-        import onnx
+    from .. import __main__ as cli
 
-        from .model import prepare_for_tensorrt
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["availability"]:
+        from . import availability
 
-        onnx.save(prepare_for_tensorrt(onnx.load(args.src)), args.dst)
-        print(f"wrote {args.dst}")
-        return 0
-    from . import availability
-
-    reason = availability()
-    print(reason or "TensorRT usable")
-    return 0 if not reason else 1
+        reason = availability()
+        print(reason or "TensorRT usable")
+        return 0 if not reason else 1
+    if not argv or argv[0] not in ("prepare", "build"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    return cli.main(argv)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,27 @@ Nothing in ``pytrt_kv.trt`` imports ``tensorrt`` at module load: the package mus
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+import importlib
+import importlib.util
+import os
+from typing import Any, Dict, Optional, Tuple
 
-#: Oldest TensorRT with IPluginV3OneBuildV2 / aliased plugin I/O (ARCHITECTURE.md).
+#: Oldest TensorRT with IPluginV3OneBuildV2 / aliased plugin I/O (docs/TENSORRT.md).
 MIN_TENSORRT = (10, 3)
+#: Oldest TensorRT-RTX accepted (its 1.x releases carry the TensorRT 10.x plugin API;
+#: 1.7.1 is the one the test suite builds with, docs/TENSORRT.md "TensorRT-RTX").
+MIN_TENSORRT_RTX = (1, 0)
+
+#: The Python modules of the two flavours, in the order they are tried.
+FLAVOURS = {"tensorrt": ("tensorrt", MIN_TENSORRT), "rtx": ("tensorrt_rtx", MIN_TENSORRT_RTX)}
+
+#: Environment variable that picks a flavour ("tensorrt" or "rtx") instead of trying both.
+FLAVOUR_ENV = "PYTRT_KV_TENSORRT"
 
 _INSTALL_HINT = ("install it with `pip install 'pytrt-kv[trt]'` (TensorRT 10.3+ or 11.x "
-                 "wheels, or a TensorRT tar/deb install) on a machine with an NVIDIA driver")
+                 "wheels, or a TensorRT tar/deb install) on a machine with an NVIDIA driver, "
+                 "or `pip install 'pytrt-kv[rtx]'` (TensorRT-RTX, which also builds engines "
+                 "without a GPU)")
 
 
 def _version_tuple(text: str) -> Tuple[int, ...]:
@@ -25,38 +39,88 @@ def _version_tuple(text: str) -> Tuple[int, ...]:
     return tuple(parts)
 
 
-def import_tensorrt() -> Any:
-    """The ``tensorrt`` module, or an ImportError that says what is missing and how to fix it.
-
-    Raises
-    ------
-    ImportError
-        When TensorRT is not installed, does not import (e.g. the stub wheel without its
-        libraries), or is older than 10.3.
-    """
+def _import_flavour(flavour: str) -> Any:
+    module, minimum = FLAVOURS[flavour]
+    label = "TensorRT-RTX" if flavour == "rtx" else "TensorRT"
     try:
-        import tensorrt as trt  # noqa: PLC0415 - lazy by design
+        trt = importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"pytrt_kv.trt needs the TensorRT Python package, which is not "
+        raise ImportError(f"pytrt_kv.trt needs the {label} Python package, which is not "
                           f"installed ({exc}); {_INSTALL_HINT}") from exc
     except Exception as exc:  # the PyPI stub raises other errors when libraries are missing
-        raise ImportError(f"pytrt_kv.trt: `import tensorrt` failed: {type(exc).__name__}: "
+        raise ImportError(f"pytrt_kv.trt: `import {module}` failed: {type(exc).__name__}: "
                           f"{exc}; {_INSTALL_HINT}") from exc
     try:
         # Lazy-loading wrappers only touch the native libraries on first attribute access.
         version = _version_tuple(getattr(trt, "__version__", "0"))
     except Exception as exc:
-        raise ImportError(f"pytrt_kv.trt: `import tensorrt` failed: {type(exc).__name__}: "
+        raise ImportError(f"pytrt_kv.trt: `import {module}` failed: {type(exc).__name__}: "
                           f"{exc}; {_INSTALL_HINT}") from exc
-    if version[:2] < MIN_TENSORRT:
-        raise ImportError(f"pytrt_kv.trt needs TensorRT >= {MIN_TENSORRT[0]}.{MIN_TENSORRT[1]}, "
+    if version[:2] < minimum:
+        raise ImportError(f"pytrt_kv.trt needs {label} >= {minimum[0]}.{minimum[1]}, "
                           f"got {getattr(trt, '__version__', '?')}; {_INSTALL_HINT}")
     return trt
 
 
-def tensorrt_version() -> Tuple[int, ...]:
+def import_tensorrt(flavour: Optional[str] = None) -> Any:
+    """The TensorRT module, or an ImportError that says what is missing and how to fix it.
+
+    Parameters
+    ----------
+    flavour : {"tensorrt", "rtx"}, optional
+        ``"tensorrt"``: the full TensorRT (``import tensorrt``, 10.3+); ``"rtx"``:
+        TensorRT-RTX (``import tensorrt_rtx``, 1.x). Default: ``$PYTRT_KV_TENSORRT`` when
+        set, else full TensorRT when it imports, else TensorRT-RTX.
+
+    Raises
+    ------
+    ImportError
+        When no flavour is installed, it does not import (e.g. the stub wheel without
+        its libraries), or it is older than 10.3 (TensorRT) / 1.0 (TensorRT-RTX).
+    ValueError
+        ``flavour`` (or ``$PYTRT_KV_TENSORRT``) names no flavour.
+    """
+    if flavour is None:
+        flavour = os.environ.get(FLAVOUR_ENV) or None
+        where = FLAVOUR_ENV
+    else:
+        where = "flavour"
+    if flavour is not None:
+        if flavour not in FLAVOURS:
+            raise ValueError(f"{where}: expected one of {sorted(FLAVOURS)}, got {flavour!r}")
+        return _import_flavour(flavour)
+    try:
+        return _import_flavour("tensorrt")
+    except ImportError as first:
+        try:
+            return _import_flavour("rtx")
+        except ImportError:
+            raise first from None
+
+
+def flavour_of(trt: Any) -> str:
+    """``"rtx"`` for the TensorRT-RTX module, else ``"tensorrt"``."""
+    return "rtx" if getattr(trt, "__name__", "").startswith("tensorrt_rtx") else "tensorrt"
+
+
+def tensorrt_version(flavour: Optional[str] = None) -> Tuple[int, ...]:
     """(major, minor, patch, ...) of the installed TensorRT (imports it)."""
-    return _version_tuple(import_tensorrt().__version__)
+    return _version_tuple(import_tensorrt(flavour).__version__)
+
+
+def installed_flavours() -> Dict[str, str]:
+    """flavour -> version, or the reason it cannot be used, for each flavour (never raises;
+    imports each installed one)."""
+    out = {}
+    for flavour, (module, _) in FLAVOURS.items():
+        if importlib.util.find_spec(module) is None:
+            out[flavour] = "not installed"
+            continue
+        try:
+            out[flavour] = str(_import_flavour(flavour).__version__)
+        except ImportError as exc:
+            out[flavour] = f"unusable: {exc}"
+    return out
 
 
 def import_cudart() -> Any:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .. import specs
 from .._errors import value_error
-from ._tensorrt import import_tensorrt
+from . import _rtx
+from ._tensorrt import flavour_of, import_tensorrt
 from .model import alias_pairs, needs_aliased_io, prepare_for_tensorrt
 from .plugins import load_plugins
 
@@ -37,23 +40,51 @@ class Engine:
     aliases: Dict[str, str] = field(default_factory=dict)
 
 
-_LOGGERS: Dict[int, Any] = {}
+_LOGGERS: Dict[Tuple[int, bool], Any] = {}
 
 
 def _logger(trt, verbose: bool):
-    level = trt.Logger.VERBOSE if verbose else trt.Logger.WARNING
-    # One logger per level for the whole process: TensorRT keeps a pointer to it.
-    if level not in _LOGGERS:
-        _LOGGERS[level] = trt.Logger(level)
-    return _LOGGERS[level]
+    """One recording logger per TensorRT module and level for the whole process
+    (TensorRT keeps a pointer to it): prints warnings and errors (everything when
+    ``verbose``) to stderr and keeps the error messages, so that a failed build can say
+    what the plugin said."""
+    key = (id(trt), bool(verbose))
+    if key in _LOGGERS:
+        return _LOGGERS[key]
+    base = getattr(trt, "ILogger", None)
+    if base is None:  # a minimal TensorRT stand-in (tests): its Logger(level) is enough
+        logger = trt.Logger(trt.Logger.VERBOSE if verbose else trt.Logger.WARNING)
+    else:
+        threshold = 4 if verbose else 2  # Severity: 0 internal error .. 2 warning .. 4 verbose
+
+        class _Recorder(base):
+            def __init__(self):
+                base.__init__(self)
+                self.errors: List[str] = []
+
+            def log(self, severity, msg):
+                level = int(severity)
+                if level <= threshold:
+                    print(f"[TensorRT] {str(severity).split('.')[-1]}: {msg}", file=sys.stderr)
+                if level <= 1:
+                    self.errors.append(str(msg))
+
+        logger = _Recorder()
+    _LOGGERS[key] = logger
+    return logger
+
+
+def _errors_since(logger, mark: int) -> List[str]:
+    return list(getattr(logger, "errors", [])[mark:])
 
 
 def _network_flags(trt) -> int:
     flags = 0
     cflag = trt.NetworkDefinitionCreationFlag
-    # TensorRT 10: strong typing is opt-in; 11: always on (the flag is deprecated, may vanish).
+    # TensorRT 10: strong typing is opt-in; 11 and TensorRT-RTX: always on (the flag is
+    # deprecated there and may vanish).
     strongly = getattr(cflag, "STRONGLY_TYPED", None)
-    if strongly is not None and trt.__version__.split(".")[0] == "10":
+    if strongly is not None and flavour_of(trt) == "tensorrt" and trt.__version__.split(".")[0] == "10":
         flags |= 1 << int(strongly)
     return flags
 
@@ -77,15 +108,96 @@ def _profile_shapes(network, shapes: Mapping[str, Any]) -> Dict[str, Tuple[Shape
     return out
 
 
-def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
-                 shapes: Optional[Mapping[str, Any]] = None, workspace: Optional[int] = None,
-                 aliased_plugin_io: Optional[bool] = None, detailed_profile: bool = True,
-                 verbose: bool = False) -> Engine:
-    """Parse an ONNX model with pytrt_kv nodes and build a TensorRT engine.
+def parse_target(target) -> str:
+    """``"sm80"``, ``"SM_80"``, ``"8.0"``, ``"80"`` or ``80`` -> ``"SM80"`` (the name of a
+    TensorRT-RTX ``ComputeCapability``).
 
-    The plugin library is loaded into the registry first (:func:`load_plugins`), the
-    model is put in the plugins' positional form (:func:`prepare_for_tensorrt`), and the
-    network is strongly typed (the ONNX dtypes are the plugin dtypes).
+    Raises
+    ------
+    ValueError
+        ``target`` is not a compute capability.
+    """
+    text = str(target).strip().upper().replace("_", "")
+    if text.startswith("SM"):
+        text = text[2:]
+    if "." in text:
+        major, _, minor = text.partition(".")
+        text = major + minor
+    if not text.isdigit() or len(text) < 2:
+        raise value_error("targets", "compute capabilities such as 'sm80', '8.9' or 120", repr(target))
+    return f"SM{int(text)}"
+
+
+def rtx_targets(trt) -> List[str]:
+    """Every compute capability this TensorRT-RTX can build for (``["SM75", ...]``)."""
+    members = getattr(trt.ComputeCapability, "__members__", {})
+    return [name for name in members if name.startswith("SM")]
+
+
+def _set_targets(trt, config, targets: Optional[Sequence[Any]]) -> None:
+    if flavour_of(trt) != "rtx":
+        if targets:
+            raise value_error("targets", "no targets with full TensorRT (it builds for the GPU "
+                              "it runs on; targets are a TensorRT-RTX feature)", list(targets))
+        return
+    if targets is None:
+        from ..info import cuda_devices  # noqa: PLC0415
+
+        if cuda_devices()[0]:
+            return  # TensorRT-RTX's default: the GPU of this machine (CURRENT)
+        targets = rtx_targets(trt)  # no GPU: every architecture it knows
+    names = [parse_target(t) for t in targets]
+    if not names:
+        raise value_error("targets", "at least one compute capability", "an empty list")
+    known = rtx_targets(trt)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise value_error("targets", f"compute capabilities TensorRT-RTX {trt.__version__} builds "
+                          f"for ({', '.join(known)})", ", ".join(unknown))
+    config.num_compute_capabilities = len(names)
+    for i, name in enumerate(names):
+        config.set_compute_capability(getattr(trt.ComputeCapability, name), i)
+
+
+def _progress_monitor(trt):
+    base = getattr(trt, "IProgressMonitor", None)
+    if base is None:
+        return None
+
+    class _Progress(base):
+        """Prints each top-level build phase and how long it took (``pytrt-kv build``)."""
+
+        def __init__(self):
+            base.__init__(self)
+            self.started: Dict[str, float] = {}
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            if parent_phase is None:
+                self.started[phase_name] = time.perf_counter()
+                print(f"  {phase_name} ...", file=sys.stderr, flush=True)
+
+        def step_complete(self, phase_name, step):
+            return True  # never cancel
+
+        def phase_finish(self, phase_name):
+            t0 = self.started.pop(phase_name, None)
+            if t0 is not None:
+                print(f"  {phase_name} done in {time.perf_counter() - t0:.2f} s", file=sys.stderr,
+                      flush=True)
+
+    return _Progress()
+
+
+def build_plan(onnx_path, *, engine_path=None, timing_cache=None,
+               shapes: Optional[Mapping[str, Any]] = None, workspace: Optional[int] = None,
+               aliased_plugin_io: Optional[bool] = None, detailed_profile: bool = True,
+               verbose: bool = False, targets: Optional[Sequence[Any]] = None,
+               flavour: Optional[str] = None, progress: bool = False) -> bytes:
+    """Parse an ONNX model with pytrt_kv nodes and build a serialized TensorRT engine.
+
+    Building needs no GPU with TensorRT-RTX (ahead-of-time for ``targets``); full
+    TensorRT builds for the GPU it runs on. Nothing is deserialized: see
+    :func:`build_engine` for an engine ready to run.
 
     Parameters
     ----------
@@ -93,9 +205,9 @@ def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
     engine_path : str or Path, optional
         Where to write the serialized engine.
     timing_cache : str or Path, optional
-        Timing cache file: read when it exists, written back after the build. A cache
-        TensorRT refuses (another GPU or TensorRT version, corrupt) raises ValueError
-        before the build, so the file is never silently replaced.
+        Timing cache file (full TensorRT only): read when it exists, written back after
+        the build. A cache TensorRT refuses (another GPU or TensorRT version, corrupt)
+        raises ValueError before the build, so the file is never silently replaced.
     shapes : mapping input name -> shape or (min, opt, max), optional
         Needed for every dynamic input (one optimization profile).
     workspace : int, optional
@@ -107,40 +219,87 @@ def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
         ``ProfilingVerbosity.DETAILED`` so the engine inspector names the plugin layers.
     verbose : bool
         TensorRT verbose logging.
+    targets : sequence of str or int, optional
+        TensorRT-RTX only: the compute capabilities to build for (``"sm80"``, ``"8.9"``,
+        ``120``...). Default: this machine's GPU, or every capability TensorRT-RTX knows
+        when there is none.
+    flavour : {"tensorrt", "rtx"}, optional
+        Which TensorRT builds (see :func:`pytrt_kv.trt.import_tensorrt`).
+    progress : bool
+        Print each build phase and its duration to stderr.
 
     Returns
     -------
-    Engine
+    bytes
+        The serialized engine.
 
     Raises
     ------
     ImportError
         TensorRT is not installed.
     RuntimeError
-        The parser or the builder failed (the message carries the parser's errors).
+        The parser or the builder failed; the message carries the errors TensorRT and
+        the plugins logged.
     ValueError
-        TensorRT refused the ``timing_cache`` file, or a dynamic input has no ``shapes``.
+        A cache dtype TensorRT cannot carry, a ``timing_cache`` TensorRT refused, a
+        dynamic input without ``shapes``, or bad ``targets``.
 
     Examples
     --------
-    >>> from pytrt_kv.trt import build_engine, EngineRunner    # doctest: +SKIP
-    >>> eng = build_engine("scatter.onnx", timing_cache="cache.bin")  # doctest: +SKIP
-    >>> runner = EngineRunner(eng)                                 # doctest: +SKIP
+    >>> from pytrt_kv.trt import build_plan                                # doctest: +SKIP
+    >>> plan = build_plan("scatter.onnx", flavour="rtx", targets=["sm89"])  # doctest: +SKIP
     """
+    trt = import_tensorrt(flavour)
+    kwargs = dict(timing_cache=timing_cache, shapes=shapes, workspace=workspace,
+                  aliased_plugin_io=aliased_plugin_io, detailed_profile=detailed_profile,
+                  verbose=verbose, targets=targets, progress=progress)
+    if flavour_of(trt) == "rtx":
+        if timing_cache is not None:
+            raise value_error("timing_cache", "none with TensorRT-RTX (its timing caches need a "
+                              "GPU; it builds without one)", str(timing_cache))
+        if not _rtx.plugin_parsing_works_here():
+            if os.environ.get(_rtx.CHILD_ENV):
+                raise RuntimeError(f"{_rtx.UNVERSIONED} does not resolve even in the TensorRT-RTX "
+                                   f"build process (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH')})")
+            plan = _rtx.build_in_worker(str(onnx_path), kwargs)
+            if engine_path is not None:
+                Path(engine_path).write_bytes(plan)
+            return plan
+    plan = _build_here(trt, onnx_path, **kwargs)
+    if engine_path is not None:
+        Path(engine_path).write_bytes(plan)
+    return plan
+
+
+def _load_onnx(onnx_path):
     import onnx  # noqa: PLC0415
 
-    trt = import_tensorrt()
-    load_plugins()
+    path = Path(onnx_path)
+    if path.is_dir():
+        raise value_error("onnx_path", "an ONNX file", f"the directory {path}")
+    if not path.is_file():
+        raise FileNotFoundError(f"onnx_path: no such file: {path}")
+    try:
+        return onnx.load(str(path))
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise value_error("onnx_path", "an ONNX model file", f"{path} ({type(exc).__name__}: {exc})") from exc
+
+
+def _build_here(trt, onnx_path, *, timing_cache, shapes, workspace, aliased_plugin_io,
+                detailed_profile, verbose, targets, progress) -> bytes:
+    model = prepare_for_tensorrt(_load_onnx(onnx_path))
+    load_plugins(flavour=flavour_of(trt))
     logger = _logger(trt, verbose)
-    model = prepare_for_tensorrt(onnx.load(str(onnx_path)))
+    mark = len(getattr(logger, "errors", []))
     want_alias = needs_aliased_io(model) if aliased_plugin_io is None else bool(aliased_plugin_io)
 
     builder = trt.Builder(logger)
     network = builder.create_network(_network_flags(trt))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse(model.SerializeToString(), str(Path(onnx_path).resolve())):
-        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise RuntimeError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        errors += _errors_since(logger, mark)
+        raise RuntimeError(f"TensorRT's ONNX parser rejected {onnx_path}: {'; '.join(errors)}")
 
     config = builder.create_builder_config()
     if want_alias:
@@ -153,6 +312,10 @@ def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace))
     if detailed_profile:
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+    _set_targets(trt, config, targets)
+    monitor = _progress_monitor(trt) if progress else None
+    if monitor is not None:
+        config.progress_monitor = monitor
     profile_shapes = _profile_shapes(network, shapes or {})
     if profile_shapes:
         profile = builder.create_optimization_profile()
@@ -170,20 +333,61 @@ def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
 
     plan = builder.build_serialized_network(network, config)
     if plan is None:
-        raise RuntimeError(f"TensorRT could not build an engine from {onnx_path} (see the log above; "
-                           f"run with verbose=True for details)")
+        errors = _errors_since(logger, mark)
+        detail = "; ".join(errors) if errors else "see the log above; run with verbose=True"
+        raise RuntimeError(f"TensorRT could not build an engine from {onnx_path}: {detail}")
     plan_bytes = bytes(plan)
     if cache_file is not None:
         tmp = cache_file.with_suffix(cache_file.suffix + ".tmp")
         tmp.write_bytes(bytes(config.get_timing_cache().serialize()))
         os.replace(tmp, cache_file)  # never leave a half-written cache behind
-    if engine_path is not None:
-        Path(engine_path).write_bytes(plan_bytes)
-    return load_engine(plan_bytes, aliases=alias_pairs(model), verbose=verbose)
+    return plan_bytes
+
+
+def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
+                 shapes: Optional[Mapping[str, Any]] = None, workspace: Optional[int] = None,
+                 aliased_plugin_io: Optional[bool] = None, detailed_profile: bool = True,
+                 verbose: bool = False, targets: Optional[Sequence[Any]] = None,
+                 flavour: Optional[str] = None) -> Engine:
+    """Build an engine with :func:`build_plan` and deserialize it (:func:`load_engine`)
+    for this machine's GPU.
+
+    The plugin library is loaded into the registry first (:func:`load_plugins`), the
+    model is put in the plugins' positional form (:func:`prepare_for_tensorrt`), and the
+    network is strongly typed (the ONNX dtypes are the plugin dtypes). The parameters are
+    those of :func:`build_plan`; deserializing needs a GPU (and, with TensorRT-RTX,
+    ``targets`` that include it).
+
+    Returns
+    -------
+    Engine
+
+    Raises
+    ------
+    ImportError
+        TensorRT is not installed.
+    RuntimeError
+        The parser or the builder failed (the message carries the errors TensorRT and the
+        plugins logged), or the engine does not deserialize here.
+    ValueError
+        See :func:`build_plan`.
+
+    Examples
+    --------
+    >>> from pytrt_kv.trt import build_engine, EngineRunner    # doctest: +SKIP
+    >>> eng = build_engine("scatter.onnx", timing_cache="cache.bin")  # doctest: +SKIP
+    >>> runner = EngineRunner(eng)                                 # doctest: +SKIP
+    """
+    plan = build_plan(onnx_path, engine_path=engine_path, timing_cache=timing_cache, shapes=shapes,
+                      workspace=workspace, aliased_plugin_io=aliased_plugin_io,
+                      detailed_profile=detailed_profile, verbose=verbose, targets=targets,
+                      flavour=flavour)
+    model = prepare_for_tensorrt(_load_onnx(onnx_path))
+    return load_engine(plan, aliases=alias_pairs(model), verbose=verbose, flavour=flavour)
 
 
 def load_engine(plan, *, aliases: Optional[Mapping[str, str]] = None,
-                verbose: bool = False) -> Engine:
+                verbose: bool = False, flavour: Optional[str] = None) -> Engine:
     """Deserialize ``plan`` (bytes or an engine file path) after loading the plugins.
 
     ``aliases`` (graph output -> graph input) should come from the model
@@ -191,8 +395,8 @@ def load_engine(plan, *, aliases: Optional[Mapping[str, str]] = None,
     (``get_aliased_input_tensor``, TensorRT 10.14+) and the ``*_out`` naming of
     specs.py are used.
     """
-    trt = import_tensorrt()
-    load_plugins()
+    trt = import_tensorrt(flavour)
+    load_plugins(flavour=flavour_of(trt))
     if isinstance(plan, (str, Path)):
         plan = Path(plan).read_bytes()
     runtime = trt.Runtime(_logger(trt, verbose))

@@ -11,7 +11,15 @@ node into the plugin form:
 - an absent ``compress_seq_offsets`` of a 4-D key becomes a zero-element initializer
   of the index dtype (the plugin then defaults to ``alibi``);
 - trailing empty inputs are dropped, and a missing ``value_cache_out`` gets a name that
-  nothing consumes.
+  nothing consumes;
+- attributes left at their defaults are written out (the parser warns about each
+  missing one otherwise).
+
+It refuses, with a ValueError naming the node and the tensor, what TensorRT would fail
+on later with a generic message or what would silently lose data: more inputs or outputs
+than the op has, a cache update whose output is unnamed, cache dtypes TensorRT cannot
+carry as plugin I/O (uint8, float8_e5m2) and index tensors of mixed int32/int64
+(docs/TENSORRT.md, "What prepare_for_tensorrt refuses").
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ from .. import specs
 
 SCATTER = specs.SCATTER_PA_KV_CACHE
 GATHER = specs.GATHER_SELECTION_KV_CACHE
+
+#: Dtypes of the ops' contract that TensorRT cannot pass through plugin I/O: it has no
+#: float8 E5M2 type, and kUINT8 is only a network input/output type (docs/TENSORRT.md).
+TENSORRT_UNSUPPORTED_DTYPES = (specs.UINT8, specs.FLOAT8_E5M2)
 
 
 def _onnx():
@@ -138,8 +150,27 @@ def prepare_for_tensorrt(model):
             continue
         tag = node.name or f"{node.op_type}_{idx}"
         op = specs.OPS[node.op_type]
+        for what, given, names in (("inputs", node.input, [t.name for t in op.inputs]),
+                                   ("outputs", node.output, [t.name for t in op.outputs])):
+            if len(given) > len(names):
+                raise ValueError(f"{tag}: {what}: expected at most {len(names)} ({', '.join(names)}), "
+                                 f"got {len(given)}: {list(given)}")
         ins: List[str] = list(node.input) + [""] * (len(op.inputs) - len(node.input))
         outs: List[str] = list(node.output) + [""] * (len(op.outputs) - len(node.output))
+        _check_node_dtypes(tag, op, ins, types)
+        for k, out in enumerate(outs):
+            src = op.aliased_input_index(k)
+            if out or src < 0 or not ins[src]:
+                continue
+            shape = types.get(ins[src], (0, None))[1]
+            if shape is not None and 0 in shape:
+                continue  # a zero-element input: nothing is updated
+            raise ValueError(f"{tag}: {op.outputs[k].name}: expected a name for the updated "
+                             f"{ins[src]!r} (an unnamed output would drop the cache update), got ''")
+        present = {a.name for a in node.attribute}
+        for a in op.attributes:
+            if a.name not in present and a.default is not None:
+                node.attribute.append(onnx.helper.make_attribute(a.name, a.default))
         if node.op_type == SCATTER.name:
             key = ins[SCATTER.input_index("key")]
             if key not in types or types[key][1] is None:
@@ -178,6 +209,34 @@ def prepare_for_tensorrt(model):
         del node.output[:]
         node.output.extend(outs)
     return m
+
+
+def _check_node_dtypes(tag: str, op, ins: List[str], types) -> None:
+    from .. import dtypes  # noqa: PLC0415
+
+    index_types: Dict[str, str] = {}
+    for k, name in enumerate(ins):
+        if not name or name not in types:
+            continue
+        spec = op.inputs[k]
+        try:
+            dtype = dtypes.ONNX_TO_NAME[types[name][0]]
+        except KeyError:
+            continue  # not a dtype of the contract: the schema check names it
+        if dtype in TENSORRT_UNSUPPORTED_DTYPES:
+            raise ValueError(f"{tag}: {spec.name}: expected a dtype TensorRT can pass to a plugin "
+                             f"(float16, bfloat16, float32, int8, float8_e4m3fn), got {dtype} "
+                             f"({name!r}); use the CPU runtime or the eager kernels for {dtype} caches")
+        if spec.dtype_group == "index":
+            index_types[spec.name] = dtype
+    if len(set(index_types.values())) > 1:
+        first = ins[op.input_index("slot_mapping")] if "slot_mapping" in index_types else None
+        want = index_types.get("slot_mapping", next(iter(index_types.values())))
+        odd = {n: t for n, t in index_types.items() if t != want}
+        raise ValueError(f"{tag}: {', '.join(odd)}: expected the index dtype of slot_mapping "
+                         f"({want}{', ' + repr(first) if first else ''}), got "
+                         f"{', '.join(f'{n} {t}' for n, t in odd.items())}; cast them in the model "
+                         f"(TensorRT passes one index dtype to the plugin)")
 
 
 def alias_pairs(model) -> Dict[str, str]:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import ctypes
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 from .. import _lib, specs
-from ._tensorrt import import_tensorrt
+from ._tensorrt import flavour_of, import_tensorrt
 
 _lock = threading.Lock()
-_loaded: Optional[str] = None  # "loader" or "autoreg"
-_path: Optional[Path] = None
+_loaded: Dict[str, Tuple[str, Path]] = {}  # flavour -> ("loader" or "autoreg", library)
 _keep = []  # handles that must stay alive as long as the process
 
 
@@ -35,7 +34,7 @@ def _creator_registered(trt, name: str) -> bool:
         return False
 
 
-def load_plugins(kind: str = "loader") -> Path:
+def load_plugins(kind: str = "loader", flavour: Optional[str] = None) -> Path:
     """Register both pytrt_kv plugin creators with TensorRT (idempotent).
 
     Parameters
@@ -44,6 +43,8 @@ def load_plugins(kind: str = "loader") -> Path:
         ``"loader"``: ``libpytrt_kv_plugins.so`` through the registry's ``load_library``
         (the default; TensorRT hands the library its logger). ``"autoreg"``: the
         self-registering library through ``ctypes.CDLL`` (what Polygraphy does).
+    flavour : {"tensorrt", "rtx"}, optional
+        Whose registry receives the creators (see :func:`pytrt_kv.trt.import_tensorrt`).
 
     Returns
     -------
@@ -66,17 +67,18 @@ def load_plugins(kind: str = "loader") -> Path:
     >>> load_plugins().name                              # doctest: +SKIP
     'libpytrt_kv_plugins.so'
     """
-    global _loaded, _path
     if kind not in ("loader", "autoreg"):
         raise ValueError(f"kind: expected 'loader' or 'autoreg', got {kind!r}")
-    trt = import_tensorrt()
+    trt = import_tensorrt(flavour)
+    key = flavour_of(trt)
     with _lock:
-        if _loaded is not None:
-            if _loaded != kind:
+        if key in _loaded:
+            loaded_kind, path = _loaded[key]
+            if loaded_kind != kind:
                 raise RuntimeError(
-                    f"kind: {_path} is already loaded; loading the {kind!r} library too would "
+                    f"kind: {path} is already loaded; loading the {kind!r} library too would "
                     f"register every creator twice (never load both into one process)")
-            return _path
+            return path
         lib = _lib.require(_lib.PLUGINS_LIB if kind == "loader" else _lib.PLUGINS_AUTOREG_LIB)
         if kind == "loader":
             handle = trt.get_plugin_registry().load_library(str(lib))
@@ -91,10 +93,14 @@ def load_plugins(kind: str = "loader") -> Path:
         if missing:
             raise RuntimeError(f"{lib} loaded but {missing} are not in TensorRT's plugin registry "
                                f"(namespace {specs.NAMESPACE!r}, version {specs.PLUGIN_VERSION!r})")
-        _loaded, _path = kind, lib
+        _loaded[key] = (kind, lib)
         return lib
 
 
-def loaded_library() -> Optional[Path]:
-    """The plugin library this process loaded through :func:`load_plugins`, or None."""
-    return _path
+def loaded_library(flavour: Optional[str] = None) -> Optional[Path]:
+    """The plugin library this process loaded through :func:`load_plugins` (into the
+    registry of ``flavour``; default: any), or None."""
+    for key, (_, path) in _loaded.items():
+        if flavour is None or key == flavour:
+            return path
+    return None

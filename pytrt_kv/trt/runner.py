@@ -160,7 +160,21 @@ class EngineRunner:
                 view = arr.view()
             self._set(name, view)
 
+    #: Key of the runner-owned buffer that zero-element tensors given at address 0 are
+    #: bound to (``torch.empty(0)``, a null pointer): TensorRT wants a valid, aligned
+    #: address for every tensor, and nothing is ever read or written through this one.
+    _SCRATCH = "\0zero-element"
+
     def _set(self, name: str, view: BufferView) -> None:
+        if view.address == 0:
+            shape = view.shape if view.shape is not None else tuple(self.context.get_tensor_shape(name))
+            if int(np.prod(shape, dtype=np.int64)) != 0:
+                raise value_error(name, f"a buffer with a non-null address for shape {list(shape)}",
+                                  "address 0")
+            scratch = self._owned.get(self._SCRATCH)
+            if scratch is None:
+                scratch = self._owned[self._SCRATCH] = DeviceArray((256,), "uint8")
+            view = BufferView(scratch.view().address, view.shape, view.dtype, view.host)
         if not self.context.set_tensor_address(name, view.address):
             raise RuntimeError(f"{name}: TensorRT refused the address {view.address:#x}")
         self._bound[name] = view
