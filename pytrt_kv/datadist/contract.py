@@ -224,7 +224,8 @@ def push_kv_blocks_reference(src_cache: Sequence[np.ndarray], dst_cache: Sequenc
     dd = desc_of_arrays("dst_cache", dst_cache)
     plan = check_transfer(sd, dd, src_blocks, dst_blocks, ext_param)
     out = [t.copy() for t in dst_cache]
+    row = dd.shape[1:]  # a block is bytes: equal block_bytes, the shapes may differ
     for s, d in zip(plan.src_tensors, plan.dst_tensors):
         for sb, db in zip(plan.src_blocks.tolist(), plan.dst_blocks.tolist()):
-            out[d][db] = src_cache[s][sb]
+            out[d][db] = src_cache[s][sb].reshape(row)
     return out

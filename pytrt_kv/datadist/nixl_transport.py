@@ -13,6 +13,8 @@ prepared on first use and dropped when the remote cache goes away.
 from __future__ import annotations
 
 import base64
+import logging
+import os
 import threading
 from typing import Any, Dict, List, Tuple
 
@@ -27,6 +29,11 @@ def _nixl():
     try:
         import nixl  # noqa: F401  (selects the CUDA-variant wheel)
         from nixl import _api, _bindings
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            # nixl logs every agent and backend creation at INFO on stdout, which is the
+            # caller's channel (a process's protocol, a CLI's output): warnings only,
+            # unless NIXL_LOG_LEVEL asks for more.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
     except Exception as exc:
         raise LLMException(LLMStatus.FAILED,
                            f"the 'nixl' backend needs the nixl package: {exc} (install "
