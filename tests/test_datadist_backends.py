@@ -91,7 +91,8 @@ def test_push_equals_reference_on_random_caches(nodes, dtype):
         _fill(src, rng)
         _sentinel(dst)
         n_layers = int(rng.integers(1, min(s_layers, d_layers) + 1))
-        f, g = int(rng.integers(0, s_layers - n_layers + 1)), int(rng.integers(0, d_layers - n_layers + 1))
+        f = int(rng.integers(0, s_layers - n_layers + 1))
+        g = int(rng.integers(0, d_layers - n_layers + 1))
         ext = KvCacheExtParam((f, f + n_layers - 1), (g, g + n_layers - 1), tnpl)
         n = int(rng.integers(0, dst.cache_desc.num_blocks + 1))
         db = rng.permutation(dst.cache_desc.num_blocks)[:n]
@@ -136,7 +137,8 @@ def test_register_numpy_and_torch_tensors(nodes):
     dst = d.register_cache(desc, theirs)
     p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [5, 0], [1, 4])
     got = theirs[1].view(torch.int16).numpy()
-    assert (got[1] == mine[1][5].view(np.int16)).all() and (got[4] == mine[1][0].view(np.int16)).all()
+    assert (got[1] == mine[1][5].view(np.int16)).all()
+    assert (got[4] == mine[1][0].view(np.int16)).all()
     assert (got[[0, 2, 3, 5]] == np.array(5.0, ml_dtypes.bfloat16).view(np.int16)).all()
 
 

@@ -154,10 +154,10 @@ def check_transfer(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: 
     db = _block_ids("dst_blocks", dst_blocks, dst.num_blocks)
     if len(sb) != len(db):
         raise param_invalid("dst_blocks", f"as many ids as src_blocks ({len(sb)})", len(db))
-    if len(np.unique(db)) != len(db):
-        vals, counts = np.unique(db, return_counts=True)
+    counts = np.bincount(db, minlength=dst.num_blocks) if len(db) else np.zeros(1, np.int64)
+    if counts.max() > 1:  # ids are in range here; bincount is O(N + NB), np.unique sorts
         raise param_invalid("dst_blocks", "distinct destination block ids",
-                            f"block {int(vals[counts > 1][0])} more than once")
+                            f"block {int(np.argmax(counts > 1))} more than once")
     if src.data_type != dst.data_type:
         raise param_invalid("dst cache data_type", f"the source's {src.data_type}", dst.data_type)
     if src.block_bytes != dst.block_bytes:
