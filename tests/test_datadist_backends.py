@@ -432,3 +432,38 @@ def test_import_does_not_load_nixl():
             "n = LlmDataDist(1, 'prompt', backend='local'); n.initialize(); n.finalize()\n"
             "assert 'nixl' not in sys.modules, sorted(m for m in sys.modules if 'nixl' in m)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_device_source_stream_synchronized_before_the_post():
+    """docs/SPEC.md D6: a device source's stream is synchronized before the post. (Device
+    memory cannot be moved on this machine; the stream object records the call, and what
+    follows it, the copy, may fail without a GPU.)"""
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("synchronize")
+
+    p = LlmDataDist(1, "prompt", backend="local")
+    d = LlmDataDist(2, "decoder", backend="local")
+    p.initialize()
+    d.initialize()
+    try:
+        host = [np.zeros((4, 8), np.int8) for _ in range(2)]
+        src = p.register_cache(CacheDesc(2, (4, 8), "int8", "device"),
+                               [int(a.ctypes.data) for a in host])
+        dst = d.allocate_cache(CacheDesc(2, (4, 8), "int8"))
+        p.link_clusters([d.listen_address])
+        try:
+            p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0], stream=Stream())
+        except Exception:  # noqa: BLE001 - no CUDA here: the copy itself may fail
+            pass
+        assert events == ["synchronize"]
+        # A host source has no stream to wait for.
+        events.clear()
+        src_h = p.allocate_cache(CacheDesc(2, (4, 8), "int8"))
+        p.push_kv_blocks(src_h, CacheIndex(2, dst.cache_id), [0], [0], stream=Stream())
+        assert events == []
+    finally:
+        p.finalize()
+        d.finalize()

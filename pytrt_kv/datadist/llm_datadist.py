@@ -534,7 +534,7 @@ class LlmDataDist:
                stream: Any, timeout_s: Optional[float]) -> TransferHandle:
         timeout = float(self.options["timeout_s"] if timeout_s is None else timeout_s)
         if op == WRITE and local.cache_desc.placement == "device":
-            memory.synchronize_stream(stream, local.tensors)
+            memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
         notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode()
         try:
             if plan.num_copies == 0:

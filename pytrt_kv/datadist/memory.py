@@ -130,7 +130,7 @@ def copy_bytes(dst: int, src: int, nbytes: int, host: bool, device: int) -> None
                            "datadist local copy")
 
 
-def synchronize_stream(stream: Any, tensors: List[Any]) -> None:
+def synchronize_stream(stream: Any, tensors: List[Any], device: int) -> None:
     """Synchronize the stream that produced a device source before NIXL reads it
     (docs/SPEC.md D6). ``None``: torch's current stream when the cache holds torch
     tensors, else the legacy default stream."""
@@ -138,16 +138,15 @@ def synchronize_stream(stream: Any, tensors: List[Any]) -> None:
     if callable(sync):  # torch / CuPy / cuda.core stream objects
         sync()
         return
-    handle = _cuda.resolve_stream(stream, tensors, -1)
+    handle = _cuda.resolve_stream(stream, tensors, device)
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
-        try:
-            from cuda import cudart  # older cuda-python
-        except ImportError:
-            raise RuntimeError("stream: synchronizing a raw stream handle needs cuda-python "
-                               "(pip install pytrt-kv[gpu]) or a stream object with "
-                               ".synchronize()") from None
+        # No cuda-python: the kernel library's copy entry point synchronizes the stream
+        # after an (empty) cudaMemcpyAsync on it.
+        _cuda.check_status(_cuda.kernels().pytrt_kv_copy(0, 0, 0, handle, device),
+                           "stream: cudaStreamSynchronize")
+        return
     err = cudart.cudaStreamSynchronize(handle)[0]
     if int(err) != 0:
         raise RuntimeError(f"stream: cudaStreamSynchronize failed ({err})")
