@@ -37,7 +37,8 @@ TARGETS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # `pytrt-kv bench datadist`: block push over NIXL (pytrt_kv/datadist/bench.py).
-    parser.add_argument("what", nargs="?", choices=("kernels", "datadist"), default="kernels")
+    parser.add_argument("what", nargs="?", choices=("kernels", "datadist"), default="kernels",
+                        help="kernels (default) or datadist: block push over NIXL, no GPU needed")
     from .datadist import bench as datadist_bench
     datadist_bench.add_arguments(parser)
     parser.add_argument("--op", choices=("scatter", "gather", "all"), default="all")

@@ -118,8 +118,10 @@ class _Buffers:
 
 def _raw_pair(buf: _Buffers):
     """Two bare NIXL agents with the wrapper's descriptor layout (one Nx5 strided row)."""
-    from nixl._api import nixl_agent, nixl_agent_config
+    from .nixl_transport import nixl_modules
 
+    api, _ = nixl_modules()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
     tag = os.urandom(4).hex()
     a = nixl_agent(f"raw-a-{tag}", nixl_agent_config(backends=["UCX"]))
     b = nixl_agent(f"raw-b-{tag}", nixl_agent_config(backends=["UCX"]))
@@ -196,8 +198,6 @@ def bench_case(memory: str, block: int, pattern: str, total: int, pushes: int,
 
 
 def _machine() -> Dict[str, str]:
-    import nixl  # noqa: F401
-
     try:
         from importlib.metadata import version
         nixl_version = version("nixl")

@@ -7,14 +7,17 @@ strided ``(address, block_bytes, device, block_bytes, NB)`` rows; a transfer is 
 both sides are adjacent and NIXL merges them into one descriptor. Remote lists are
 prepared on first use and dropped when the remote cache goes away.
 
-``nixl`` is imported here only, when a ``"nixl"`` node is created.
+NIXL is imported here only, when a ``"nixl"`` node is created (:func:`nixl_modules`).
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from typing import Any, Dict, List, Tuple
 
@@ -25,10 +28,31 @@ from .transport import WRITE, CacheInfo, Transport, Xfer
 from .types import LLMException, LLMStatus
 
 
-def _nixl():
+#: NIXL's per-CUDA-version wheels (the ``nixl`` meta package picks one of them).
+_VARIANTS = ("nixl_cu13", "nixl_cu12")
+
+
+def nixl_modules():
+    """``(nixl._api, nixl._bindings)`` of the installed NIXL wheel.
+
+    Where exactly one variant wheel is installed it is imported directly: the ``nixl``
+    meta package would otherwise find the CUDA version by importing torch when torch is
+    installed without CUDA (seconds per process, and torch in every node). With several
+    variants the meta package chooses, as it would for any NIXL user.
+
+    Raises
+    ------
+    LLMException
+        FAILED, saying how to install NIXL, when it does not import.
+    """
     try:
-        import nixl  # noqa: F401  (selects the CUDA-variant wheel)
-        from nixl import _api, _bindings
+        found = [m for m in _VARIANTS if importlib.util.find_spec(m) is not None]
+        if "nixl" in sys.modules or len(found) != 1:
+            import nixl  # noqa: F401
+            from nixl import _api, _bindings
+        else:
+            _api = importlib.import_module(f"{found[0]}._api")
+            _bindings = importlib.import_module(f"{found[0]}._bindings")
         if not os.environ.get("NIXL_LOG_LEVEL"):
             # nixl logs every agent and backend creation at INFO on stdout, which is the
             # caller's channel (a process's protocol, a CLI's output): warnings only,
@@ -60,7 +84,7 @@ class NixlTransport(Transport):
     (int, default 0: the backend's default)."""
 
     def __init__(self, name: str, options: Dict[str, Any]):
-        self._api, self._b = _nixl()
+        self._api, self._b = nixl_modules()
         self.name = name
         conf = self._api.nixl_agent_config(
             enable_prog_thread=True, enable_listen_thread=False,

@@ -211,10 +211,11 @@ def make_transport(backend: str, name: str, options: Dict[str, Any]) -> Transpor
 
 
 def nixl_unavailable_reason() -> Optional[str]:
-    """None when ``import nixl`` works here, else why not."""
+    """None when NIXL imports here, else why not."""
+    from .nixl_transport import nixl_modules
+
     try:
-        import nixl  # noqa: F401
-        from nixl._api import nixl_agent  # noqa: F401
-    except Exception as exc:  # ImportError, or a backend library that fails to load
-        return f"nixl does not import: {type(exc).__name__}: {exc}"
+        nixl_modules()
+    except LLMException as exc:
+        return str(exc)
     return None
