@@ -468,3 +468,40 @@ def test_device_source_stream_synchronized_before_the_post():
     finally:
         p.finalize()
         d.finalize()
+
+
+def test_pushes_while_the_peer_changes_its_caches(nodes):
+    """The control thread updates the initiator's view of the peer (a deallocation
+    notice releases prepared remote lists) while the caller keeps pushing to another
+    cache of that peer: every push lands, nothing crashes."""
+    import threading
+
+    p, d, src, dst = _pair(nodes, nb=16)
+    _linked(nodes)
+    errors = []
+    stop = threading.Event()
+
+    def churn():
+        try:
+            while not stop.is_set():
+                extra = d.allocate_cache(CacheDesc(2, (16, 16), "int32"))
+                p.push_kv_blocks(src, CacheIndex(2, extra.cache_id), [0], [0])
+                d.deallocate_cache(extra)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        rng = np.random.default_rng(9)
+        for i in range(40):
+            db = rng.permutation(16)[:5]
+            sb = rng.integers(0, 16, 5)
+            _sentinel(dst)
+            d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), sb, db), 5)
+            for u in range(2):
+                assert (dst.tensors[u][db] == src.tensors[u][sb]).all(), i
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    assert not t.is_alive() and not errors, errors
