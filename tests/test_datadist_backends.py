@@ -505,3 +505,31 @@ def test_pushes_while_the_peer_changes_its_caches(nodes):
         stop.set()
         t.join(timeout=30)
     assert not t.is_alive() and not errors, errors
+
+
+class _FakeCudaArray:
+    """Anything with ``__cuda_array_interface__`` (CuPy, Numba, PyCUDA): read, never
+    dereferenced, so no GPU is needed to register it."""
+
+    def __init__(self, shape, typestr, ptr):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (ptr, False), "strides": None, "version": 3}
+
+
+def test_register_cuda_array_interface_objects():
+    n = LlmDataDist(1, "prompt", backend="local")
+    n.initialize()
+    try:
+        desc = CacheDesc(2, (4, 8), "float16", "device")
+        arrs = [_FakeCudaArray((4, 8), "<f2", 0x7F0000000000 + i * 4096) for i in range(2)]
+        cache = n.register_cache(desc, arrs)
+        assert cache.tensor_addrs == (0x7F0000000000, 0x7F0000001000)
+        with pytest.raises(TypeError, match="expected host memory"):
+            n.register_cache(CacheDesc(2, (4, 8), "float16"), arrs)
+        with pytest.raises(ValueError, match=r"tensors\[0\]: expected shape"):
+            n.register_cache(CacheDesc(2, (4, 9), "float16", "device"), arrs)
+        with pytest.raises(ValueError, match="expected dtype"):
+            n.register_cache(CacheDesc(2, (4, 8), "bfloat16", "device"), arrs)
+        n.deallocate_cache(cache)
+    finally:
+        n.finalize()

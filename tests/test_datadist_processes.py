@@ -168,6 +168,7 @@ def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
             h.wait(timeout_s=0.5)
         assert info.value.status is LLMStatus.TIMEOUT, info.value
         assert h.released
+        assert p._transport.unreleased == [], "NIXL could not cancel the transfer"
         assert time.monotonic() - t0 < 5
     finally:
         os.kill(dst_node.proc.pid, signal.SIGCONT)
