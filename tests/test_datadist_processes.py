@@ -148,10 +148,13 @@ def test_push_pull_verify_then_kill_the_destination(spawn):
 def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
     """UCX over TCP to a stopped process: the socket buffers fill, the transfer stays in
     progress, and the push times out with its NIXL handle released."""
-    monkeypatch.setenv("UCX_TLS", "tcp")  # read when the agent's UCX context is created
+    # Read when each agent's UCX context is created; TCP over the loopback device only.
+    ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    for k, v in ucx.items():
+        monkeypatch.setenv(k, v)
     nb = 4096
     dst_node = spawn("--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x8192,int8",
-                     env=_env(UCX_TLS="tcp"))
+                     env=_env(**ucx))
     p = LlmDataDist(1, "prompt", backend="nixl")
     p.initialize("127.0.0.1", 0)
     try:
