@@ -229,7 +229,22 @@ def markdown(info: Dict[str, str], rows: List[Dict[str, Any]]) -> str:
                      f"{r['mib']:.0f} | {r['wrapper_gbs']:.2f} | {r['raw_gbs']:.2f} | "
                      f"{r['wrapper_vs_raw']:.2f} | {r['baseline_gbs']:.2f} | "
                      f"{r['nixl_vs_baseline']:.2f} | {'yes' if r['correct'] else 'NO'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + chart(rows, base)) + "\n"
+
+
+def chart(rows: List[Dict[str, Any]], base: str, width: int = 40) -> List[str]:
+    """A text bar chart of the table's three throughputs (renders in any Markdown)."""
+    top = max(max(r["wrapper_gbs"], r["raw_gbs"], r["baseline_gbs"]) for r in rows) or 1.0
+    out = ["```", f"GB/s (bar = {top / width:.3f} GB/s)"]
+    for r in rows:
+        blk = f"{r['block'] >> 10} KiB" if r["block"] < 1 << 20 else f"{r['block'] >> 20} MiB"
+        for i, (name, key) in enumerate((("wrapper", "wrapper_gbs"), ("raw NIXL", "raw_gbs"),
+                                         (base, "baseline_gbs"))):
+            label = f"{blk} {r['pattern']}" if i == 0 else ""
+            bar = "#" * max(1, round(r[key] / top * width))
+            out.append(f"{label:<18} {name:<10} {bar} {r[key]:.2f}")
+    out.append("```")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
