@@ -36,6 +36,11 @@ TARGETS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # `pytrt-kv bench datadist`: block push over NIXL (pytrt_kv/datadist/bench.py).
+    parser.add_argument("what", nargs="?", choices=("kernels", "datadist"), default="kernels",
+                        help="kernels (default) or datadist: block push over NIXL, no GPU needed")
+    from .datadist import bench as datadist_bench
+    datadist_bench.add_arguments(parser)
     parser.add_argument("--op", choices=("scatter", "gather", "all"), default="all",
                         help="which kernels to time (default all)")
     parser.add_argument("--quick", action="store_true",
@@ -322,6 +327,9 @@ def markdown(info: Dict[str, str], results: Dict[str, List[Dict[str, Any]]]) -> 
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "what", "kernels") == "datadist":
+        from .datadist import bench as datadist_bench
+        return datadist_bench.run(args)
     try:
         import torch
     except ImportError:

@@ -69,6 +69,9 @@ done
 
 echo "== installing pytrt-kv[$extras] (builds the native libraries when nvcc is present)"
 "${pip[@]}" "${cmake_args[@]}" ".[$extras]" "${pins[@]}"
+# The datadist extra (NIXL) without its declared dependencies, which pull torch/CUDA
+# wheels; numpy is all `import nixl` needs here (docs/DATADIST.md). Its tests need it.
+"${pip[@]}" --no-deps "nixl==1.5.1" "nixl-cu13==1.5.1"
 "$venv/bin/pytrt-kv" info
 
 echo "== running the tests"

@@ -1,0 +1,25 @@
+"""Block push/pull between prefill and decode nodes (docs/SPEC.md D; CANN LLM-DataDist's
+PushKvBlocks/PullKvBlocks API over NIXL).
+
+- :mod:`.types`: :class:`CacheDesc`, :class:`Cache`, :class:`CacheIndex`,
+  :class:`KvCacheExtParam`, :class:`LLMRole`, :class:`LLMStatus`, :class:`LLMException`.
+- :mod:`.contract`: the D4 checks in one place, the transfer plan, and the NumPy
+  reference :func:`push_kv_blocks_reference` the backends are tested against.
+- :mod:`.llm_datadist`: :class:`LlmDataDist`, the node (links, caches, transfers, tags).
+- :mod:`.transport` (``"local"``, in-process) and :mod:`.nixl_transport` (``"nixl"``).
+
+``import pytrt_kv.datadist`` does not import nixl; a ``backend="nixl"`` node does.
+See docs/DATADIST.md.
+"""
+
+from .contract import TransferPlan, check_transfer, push_kv_blocks_reference
+from .llm_datadist import DEFAULT_OPTIONS, LlmDataDist, TransferHandle
+from .transport import nixl_unavailable_reason
+from .types import (Cache, CacheDesc, CacheIndex, KvCacheExtParam, LLMException,
+                    LLMParamInvalid, LLMRole, LLMStatus)
+
+__all__ = [
+    "Cache", "CacheDesc", "CacheIndex", "KvCacheExtParam", "LLMException", "LLMParamInvalid",
+    "LLMRole", "LLMStatus", "LlmDataDist", "TransferHandle", "TransferPlan", "DEFAULT_OPTIONS",
+    "check_transfer", "push_kv_blocks_reference", "nixl_unavailable_reason",
+]

@@ -1,0 +1,284 @@
+"""``pytrt-kv bench datadist``: block-push throughput against same-run baselines.
+
+Each case pushes ``--total-mib`` of blocks (one tensor, ``block`` bytes per block) from a
+prompt node to a decoder node in this process, over NIXL (UCX), and times, median of
+``--repeats`` runs of ``--pushes`` pushes:
+
+- **wrapper**: ``LlmDataDist.push_kv_blocks`` (D4 checks, plan, tag, wait) end to end;
+- **raw NIXL**: the same descriptor lists and indices on two bare ``nixl_agent`` objects
+  (``make_prepped_xfer`` + ``transfer`` + polling + ``release``: the floor a NIXL user
+  pays), so ``wrapper / raw`` is the wrapper's cost (target >= 0.90);
+- **baseline**: host memory: the NumPy copy ``dst[db] = src[sb]`` of the same blocks;
+  ``--memory device``: one ``cudaMemcpy`` device-to-device of the same bytes;
+  ``--memory pinned-to-device``: one pinned host-to-device ``cudaMemcpy`` (GPU targets:
+  NIXL >= 0.80 of it).
+
+Patterns: *contiguous* (blocks 0..N-1 to 0..N-1: NIXL merges them into one descriptor)
+and *scattered* (random permutations on both sides: one descriptor per block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable, Dict, List
+
+import numpy as np
+
+BLOCK_SIZES = (4 << 10, 64 << 10, 1 << 20)
+TARGETS = {"wrapper_vs_raw": 0.90, "gpu_vs_memcpy": 0.80}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pytrt-kv bench datadist`` (besides the shared ``--quick``,
+    ``--repeats``, ``--output``, ``--json``)."""
+    g = parser.add_argument_group("datadist (pytrt-kv bench datadist)")
+    g.add_argument("--memory", choices=("host", "device", "pinned-to-device"), default="host",
+                   help="where the caches live (device variants need a GPU and the kernel "
+                        "library)")
+    g.add_argument("--total-mib", type=float, default=64.0, help="MiB per push (default 64)")
+    g.add_argument("--pushes", type=int, default=5, help="pushes per timed run (default 5)")
+
+
+def _median_times(fns: Dict[str, Callable[[], None]], pushes: int, repeats: int
+                  ) -> Dict[str, float]:
+    """Median seconds per call of each function; the functions take turns within each
+    repeat, so that load changes on a shared machine hit all of them alike."""
+    for fn in fns.values():
+        fn()  # warm: connections, registrations, first-touch of pages
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(pushes):
+                fn()
+            times[k].append((time.perf_counter() - t0) / pushes)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+class _Buffers:
+    """Source and destination [NB, block] uint8 tensors of one case."""
+
+    def __init__(self, memory: str, nb: int, block: int):
+        self.memory, self.nb, self.block = memory, nb, block
+        self._keep: List[Any] = []
+        if memory == "host":
+            from .memory import _aligned_host
+
+            self.src = _aligned_host(nb * block).reshape(nb, block)
+            self.dst = _aligned_host(nb * block).reshape(nb, block)
+            self.src[...] = np.random.default_rng(0).integers(0, 256, self.src.shape, np.uint8)
+            self.dst[...] = 0
+            self.src_place = self.dst_place = "host"
+            self.src_addr, self.dst_addr = int(self.src.ctypes.data), int(self.dst.ctypes.data)
+            return
+        from .. import _cuda
+
+        dst = _cuda.DeviceArray((nb, block), np.uint8)
+        if memory == "device":
+            src = _cuda.DeviceArray.from_numpy(
+                np.random.default_rng(0).integers(0, 256, (nb, block), np.uint8))
+            self.src_place, self.src_addr = "device", src.ptr
+        else:
+            src = _cuda.HostArray((nb, block), np.uint8)
+            src.array[...] = np.random.default_rng(0).integers(0, 256, (nb, block), np.uint8)
+            self.src_place, self.src_addr = "host", int(src.array.ctypes.data)
+        self.src, self.dst, self.dst_place, self.dst_addr = src, dst, "device", dst.ptr
+        self._keep += [src, dst]
+
+    def baseline(self, sb: np.ndarray, db: np.ndarray) -> Callable[[], None]:
+        if self.memory == "host":
+            src, dst = self.src, self.dst
+
+            def numpy_copy():
+                dst[db] = src[sb]
+            return numpy_copy
+        from .. import _cuda
+
+        nbytes = len(sb) * self.block
+        src = self.src.ptr if self.memory == "device" else self.src.address
+
+        def memcpy():
+            _cuda.check_status(_cuda.kernels().pytrt_kv_copy(self.dst.ptr, src, nbytes, 0, 0),
+                               "cudaMemcpy")
+        return memcpy
+
+    def check(self, sb: np.ndarray, db: np.ndarray) -> bool:
+        if self.memory == "host":
+            return bool((self.dst[db] == self.src[sb]).all())
+        dst = self.dst.get()
+        src = self.src.get() if self.memory == "device" else self.src.array
+        return bool((dst[db] == src[sb]).all())
+
+
+def _raw_pair(buf: _Buffers):
+    """Two bare NIXL agents with the wrapper's descriptor layout (one Nx5 strided row)."""
+    from .nixl_transport import nixl_modules
+
+    api, _ = nixl_modules()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
+    tag = os.urandom(4).hex()
+    a = nixl_agent(f"raw-a-{tag}", nixl_agent_config(backends=["UCX"]))
+    b = nixl_agent(f"raw-b-{tag}", nixl_agent_config(backends=["UCX"]))
+    mem = {"host": "DRAM", "device": "VRAM"}
+    nbytes = buf.nb * buf.block
+    a.register_memory([(buf.src_addr, nbytes, 0, "")], mem[buf.src_place])
+    b.register_memory([(buf.dst_addr, nbytes, 0, "")], mem[buf.dst_place])
+    a.add_remote_agent(b.get_agent_metadata())
+    rows = lambda addr: np.array([[addr, buf.block, 0, buf.block, buf.nb]], np.uint64)  # noqa: E731
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", rows(buf.src_addr), mem[buf.src_place])
+    remote = a.prep_xfer_dlist(b.name, rows(buf.dst_addr), mem[buf.dst_place])
+    return a, b, local, remote
+
+
+def bench_case(memory: str, block: int, pattern: str, total: int, pushes: int,
+               repeats: int) -> Dict[str, Any]:
+    from .llm_datadist import POLL_INTERVAL_S, LlmDataDist
+    from .types import CacheDesc, CacheIndex, KvCacheExtParam
+
+    nb = max(1, total // block)
+    buf = _Buffers(memory, nb, block)
+    rng = np.random.default_rng(1)
+    if pattern == "contiguous":
+        sb = db = np.arange(nb)
+    else:
+        sb, db = rng.permutation(nb), rng.permutation(nb)
+    row: Dict[str, Any] = {"memory": memory, "block": block, "pattern": pattern,
+                           "blocks": nb, "mib": nb * block / 2**20}
+
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    d = LlmDataDist(2, "decoder", backend="nixl")
+    p.initialize()
+    d.initialize()
+    a, _b, local, remote = _raw_pair(buf)  # _b: the target agent stays alive
+    try:
+        src = p.register_cache(CacheDesc(1, (nb, block), "uint8", buf.src_place), [buf.src_addr])
+        dst = d.register_cache(CacheDesc(1, (nb, block), "uint8", buf.dst_place), [buf.dst_addr])
+        p.link_clusters([d.listen_address])
+        index, one = CacheIndex(2, dst.cache_id), KvCacheExtParam(tensor_num_per_layer=1)
+        li, ri = sb.astype(np.int32), db.astype(np.int32)
+
+        def wrapper():  # from the same int arrays the raw loop uses
+            p.push_kv_blocks(src, index, sb, db, one, timeout_s=60)
+
+        def raw():
+            h = a.make_prepped_xfer("WRITE", local, li, remote, ri, notif_msg=b"raw")
+            st = a.transfer(h)
+            while st == "PROC":  # polled like the wrapper polls (POLL_INTERVAL_S)
+                time.sleep(POLL_INTERVAL_S)
+                st = a.check_xfer_state(h)
+            if st != "DONE":
+                raise RuntimeError("raw NIXL transfer failed")
+            h.release()
+
+        wrapper()
+        row["correct"] = buf.check(sb, db)
+        t = _median_times({"wrapper": wrapper, "raw": raw, "baseline": buf.baseline(sb, db)},
+                          pushes, repeats)
+        t_wrap, t_raw, t_base = t["wrapper"], t["raw"], t["baseline"]
+    finally:
+        local.release()
+        remote.release()
+        p.finalize()
+        d.finalize()
+    nbytes = nb * block
+    row.update(wrapper_gbs=nbytes / t_wrap / 1e9, raw_gbs=nbytes / t_raw / 1e9,
+               baseline_gbs=nbytes / t_base / 1e9, wrapper_ms=t_wrap * 1e3, raw_ms=t_raw * 1e3,
+               baseline_ms=t_base * 1e3)
+    row["wrapper_vs_raw"] = t_raw / t_wrap
+    row["nixl_vs_baseline"] = t_base / t_raw
+    row["met"] = row["wrapper_vs_raw"] >= TARGETS["wrapper_vs_raw"] and (
+        memory == "host" or row["nixl_vs_baseline"] >= TARGETS["gpu_vs_memcpy"])
+    return row
+
+
+def _machine() -> Dict[str, str]:
+    try:
+        from importlib.metadata import version
+        nixl_version = version("nixl")
+    except Exception:
+        nixl_version = "?"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(),
+            "load": "%.1f" % os.getloadavg()[0],
+            "nixl": nixl_version,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def markdown(info: Dict[str, str], rows: List[Dict[str, Any]]) -> str:
+    base = "NumPy copy" if all(r["memory"] == "host" for r in rows) else "baseline"
+    lines = [f"{info['cpu']}, {info['cores']} cores (load average {info['load']} at the start), "
+             f"nixl {info['nixl']} (UCX), Python {info['python']}, {info['date']}", "",
+             f"| memory | block | pattern | blocks | MiB/push | wrapper GB/s | raw NIXL GB/s | "
+             f"wrapper/raw | {base} GB/s | NIXL/{base} | correct |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        blk = f"{r['block'] >> 10} KiB" if r["block"] < 1 << 20 else f"{r['block'] >> 20} MiB"
+        lines.append(f"| {r['memory']} | {blk} | {r['pattern']} | {r['blocks']} | "
+                     f"{r['mib']:.0f} | {r['wrapper_gbs']:.2f} | {r['raw_gbs']:.2f} | "
+                     f"{r['wrapper_vs_raw']:.2f} | {r['baseline_gbs']:.2f} | "
+                     f"{r['nixl_vs_baseline']:.2f} | {'yes' if r['correct'] else 'NO'} |")
+    return "\n".join(lines + [""] + chart(rows, base)) + "\n"
+
+
+def chart(rows: List[Dict[str, Any]], base: str, width: int = 40) -> List[str]:
+    """A text bar chart of the table's three throughputs (renders in any Markdown)."""
+    top = max(max(r["wrapper_gbs"], r["raw_gbs"], r["baseline_gbs"]) for r in rows) or 1.0
+    out = ["```", f"GB/s (bar = {top / width:.3f} GB/s)"]
+    for r in rows:
+        blk = f"{r['block'] >> 10} KiB" if r["block"] < 1 << 20 else f"{r['block'] >> 20} MiB"
+        for i, (name, key) in enumerate((("wrapper", "wrapper_gbs"), ("raw NIXL", "raw_gbs"),
+                                         (base, "baseline_gbs"))):
+            label = f"{blk} {r['pattern']}" if i == 0 else ""
+            bar = "#" * max(1, round(r[key] / top * width))
+            out.append(f"{label:<18} {name:<10} {bar} {r[key]:.2f}")
+    out.append("```")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from .transport import nixl_unavailable_reason
+
+    reason = nixl_unavailable_reason()
+    if reason:
+        raise RuntimeError(f"pytrt-kv bench datadist needs nixl: {reason}")
+    total = int((1.0 if args.quick else args.total_mib) * 2**20)
+    pushes = 1 if args.quick else args.pushes
+    repeats = 1 if args.quick else args.repeats
+    info = _machine()
+    print(f"pytrt-kv bench datadist ({args.memory} memory, {total / 2**20:.0f} MiB per push) "
+          f"on {info['cpu']}, {info['date']}")
+    rows = []
+    for block in BLOCK_SIZES:
+        for pattern in ("contiguous", "scattered"):
+            if block > total:
+                continue
+            r = bench_case(args.memory, block, pattern, total, pushes, repeats)
+            print(f"  {block >> 10:>5} KiB {pattern:<10} wrapper {r['wrapper_gbs']:6.2f} GB/s  "
+                  f"raw {r['raw_gbs']:6.2f} GB/s  ({r['wrapper_vs_raw']:.2f})  baseline "
+                  f"{r['baseline_gbs']:6.2f} GB/s", flush=True)
+            rows.append(r)
+    text = markdown(info, rows)
+    print()
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "results": rows}, f, indent=1)
+    if not all(r["correct"] for r in rows):
+        print("a pushed block differs from its source")
+        return 1
+    return 0

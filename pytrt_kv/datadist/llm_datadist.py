@@ -1,0 +1,696 @@
+"""``LlmDataDist``: one node (a prefill or a decode process) of a block-push deployment.
+
+The facade owns the contract (docs/SPEC.md D1-D6); a transport (``"nixl"`` or
+``"local"``, :mod:`pytrt_kv.datadist.transport`) only moves checked plans. What goes
+where:
+
+- caches: ``allocate_cache`` / ``register_cache`` give a :class:`Cache` with an id that
+  is never reused and a generation; ``deallocate_cache`` tells every linked peer before
+  the memory is deregistered.
+- links: ``initialize`` starts the control server; ``link_clusters`` exchanges metadata
+  with a peer (both sides then know each other: either may push or pull);
+  ``unlink_clusters`` ends it on both sides.
+- transfers: checked by :func:`pytrt_kv.datadist.contract.check_transfer` (D4) before
+  anything moves; each carries a tag the destination sees with :meth:`received` once the
+  blocks are in place (D6).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .._errors import describe
+from . import control, memory
+from .contract import check_transfer
+from .transport import READ, WRITE, CacheInfo, Transport, Xfer, make_transport
+from .types import (Cache, CacheDesc, CacheIndex, KvCacheExtParam, LLMException, LLMRole,
+                    LLMStatus, param_invalid)
+
+#: Options and their defaults (``LlmDataDist(..., options={...})``).
+DEFAULT_OPTIONS: Dict[str, Any] = {
+    "timeout_s": 5.0,           # default timeout of push/pull and wait()
+    "control_timeout_s": 2.0,   # each control-channel request (link, table, drop, bye)
+    "local.latency_s": 0.0,     # "local" backend: simulated transfer latency
+    "nixl.backends": ["UCX"],   # "nixl" backend: NIXL backends to create
+    "nixl.num_threads": 0,
+}
+_NOTIF = "pytrt_kv.dd1"
+#: While a transfer is pending, check this often whether the peer is still there.
+_PROBE_EVERY_S = 0.2
+
+
+@dataclass
+class _Peer:
+    cluster_id: int
+    agent: str
+    address: Tuple[str, int]
+    caches: Dict[int, CacheInfo] = field(default_factory=dict)
+    broken: bool = False
+
+
+#: Pause between completion checks. Never spin: NIXL's progress threads need the CPU
+#: (on a 2-core machine a spinning poll made a 4 KiB push take ~30 ms instead of ~0.2 ms).
+POLL_INTERVAL_S = 5e-5
+
+
+def _poll_sleep(start: float) -> None:
+    time.sleep(POLL_INTERVAL_S)
+
+
+def _parse_address(arg: str, c: Any) -> Tuple[str, int]:
+    if isinstance(c, str) and ":" in c:
+        host, _, port = c.rpartition(":")
+        c = (host, port)
+    try:
+        host, port = c
+        return str(host), int(port)
+    except (TypeError, ValueError):
+        raise TypeError(f"{arg}: expected an (ip, port) pair or 'ip:port', got {c!r}") from None
+
+
+class TransferHandle:
+    """An asynchronous push or pull (``push_kv_blocks_async``/``pull_kv_blocks_async``).
+
+    ``done()`` polls; ``wait()`` blocks with a bound. Either raises the transfer's
+    :class:`LLMException`. The NIXL handle is released when the transfer completes, fails
+    or times out; after a TIMEOUT the destination blocks are undefined (docs/SPEC.md D5).
+    """
+
+    def __init__(self, dd: "LlmDataDist", xfer: Optional[Xfer], tag: str, peer: _Peer,
+                 timeout_s: float):
+        self._dd, self._xfer, self.tag, self._peer = dd, xfer, tag, peer
+        self.timeout_s = timeout_s
+        self._error: Optional[LLMException] = None
+        self._done = xfer is None
+
+    @property
+    def released(self) -> bool:
+        """True once the transport's handle is freed (always, after done/error/timeout)."""
+        return self._xfer is None
+
+    def _release(self) -> None:
+        if self._xfer is not None:
+            xfer, self._xfer = self._xfer, None
+            xfer.release()
+
+    def _fail(self, exc: LLMException) -> None:
+        self._release()
+        if exc.status == LLMStatus.NOT_YET_LINK:
+            self._peer.broken = True
+        self._error = exc
+        raise exc
+
+    def done(self) -> bool:
+        """True when the transfer is complete (the initiator may reuse its blocks)."""
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return True
+        try:
+            state = self._xfer.state()
+        except LLMException as exc:
+            self._fail(exc)
+        if state == "DONE":
+            self._done = True
+            self._release()
+        return self._done
+
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Block until complete, at most ``timeout_s`` (default: the call's timeout).
+
+        Raises
+        ------
+        LLMException
+            TIMEOUT (the handle is released), NOT_YET_LINK (the peer went away), FAILED.
+        """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        start = time.monotonic()
+        next_probe = start + _PROBE_EVERY_S
+        while not self.done():
+            now = time.monotonic()
+            if now - start >= timeout:
+                self._fail(LLMException(LLMStatus.TIMEOUT,
+                                        f"transfer {self.tag!r} not complete within {timeout} s; "
+                                        f"its handle was released and the destination blocks "
+                                        f"are undefined (docs/SPEC.md D5)"))
+            if now >= next_probe:
+                next_probe = now + _PROBE_EVERY_S
+                if not self._dd._peer_alive(self._peer):
+                    self._fail(LLMException(LLMStatus.NOT_YET_LINK,
+                                            f"cluster {self._peer.cluster_id} went away during "
+                                            f"transfer {self.tag!r}"))
+            _poll_sleep(start)
+
+
+class LlmDataDist:
+    """A node that pushes or pulls KV-cache blocks (docs/SPEC.md D; LLM-DataDist's API).
+
+    Parameters
+    ----------
+    cluster_id : int
+        This node's id; peers name its caches ``CacheIndex(cluster_id, cache_id)``.
+    role : LLMRole or {"prompt", "decoder"}
+        A prompt (prefill) node pushes, a decoder node pulls (D4).
+    backend : {"nixl", "local"}
+        ``"nixl"``: NIXL (UCX), across processes and machines. ``"local"``: nodes of one
+        process, copies with memmove (tests, and the oracle of the NIXL backend).
+    options : dict, optional
+        See :data:`DEFAULT_OPTIONS`.
+
+    Examples
+    --------
+    >>> from pytrt_kv.datadist import CacheDesc, CacheIndex, LlmDataDist
+    >>> p = LlmDataDist(1, "prompt", backend="local"); p.initialize()
+    >>> d = LlmDataDist(2, "decoder", backend="local"); d.initialize()
+    >>> src = p.allocate_cache(CacheDesc(2, (8, 16), "float16"))
+    >>> dst = d.allocate_cache(CacheDesc(2, (8, 16), "float16"))
+    >>> src.tensors[0][:] = 1.5
+    >>> p.link_clusters([d.listen_address])
+    [2]
+    >>> tag = p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0, 1], [5, 6])
+    >>> d.received(tag), float(dst.tensors[0][6, 0])
+    (True, 1.5)
+    >>> p.finalize(); d.finalize()
+    """
+
+    def __init__(self, cluster_id: int, role: Any, *, backend: str = "nixl",
+                 options: Optional[Dict[str, Any]] = None):
+        if isinstance(cluster_id, bool) or not isinstance(cluster_id, int) or cluster_id < 0:
+            raise TypeError(f"cluster_id: expected an int >= 0, got {cluster_id!r}")
+        if backend not in ("nixl", "local"):
+            raise ValueError(f"backend: expected 'nixl' or 'local', got {backend!r}")
+        opts = dict(DEFAULT_OPTIONS)
+        unknown = sorted(set(options or {}) - set(DEFAULT_OPTIONS))
+        if unknown:
+            raise ValueError(f"options: unknown keys {unknown}; expected some of "
+                             f"{sorted(DEFAULT_OPTIONS)}")
+        opts.update(options or {})
+        self.cluster_id = cluster_id
+        self.role = LLMRole.of(role)
+        self.backend = backend
+        self.options = opts
+        self._lock = threading.RLock()
+        self._transport: Optional[Transport] = None
+        self._server: Optional[control.ControlServer] = None
+        self._caches: Dict[int, Cache] = {}
+        self._peers: Dict[int, _Peer] = {}
+        self._ids = itertools.count(1)
+        self._generations = itertools.count(1)
+        self._tags = itertools.count(1)
+        self._received: set = set()
+        self._stale: set = set()
+        self.listen_address: Optional[Tuple[str, int]] = None
+
+    # --- life cycle -----------------------------------------------------------------------
+
+    def initialize(self, listen_ip: str = "127.0.0.1", listen_port: int = 0) -> None:
+        """Create the transport and start listening for links on ``listen_ip:listen_port``
+        (0: a free port; :attr:`listen_address` says which)."""
+        if self._transport is not None:
+            raise LLMException(LLMStatus.FAILED, "initialize: already initialized")
+        name = f"pytrt_kv-{self.cluster_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        transport = make_transport(self.backend, name, self.options)
+        try:
+            self._server = control.ControlServer(listen_ip, int(listen_port), self._handle,
+                                                 float(self.options["control_timeout_s"]))
+        except OSError as exc:
+            transport.close()
+            raise LLMException(LLMStatus.FAILED, f"initialize: cannot listen on "
+                                                 f"{listen_ip}:{listen_port}: {exc}") from exc
+        self._transport = transport
+        self.listen_address = self._server.address
+
+    def finalize(self) -> None:
+        """Unlink every peer, deregister every cache and stop listening (idempotent)."""
+        if self._transport is None:
+            return
+        with self._lock:
+            peers = list(self._peers)
+        for cid in peers:
+            try:
+                self.unlink_clusters([cid])
+            except LLMException:
+                pass
+        for cache in list(self._caches.values()):
+            self.deallocate_cache(cache)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self._transport.close()
+        self._transport = None
+
+    def __enter__(self) -> "LlmDataDist":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finalize()
+
+    def _require(self) -> Transport:
+        if self._transport is None:
+            raise LLMException(LLMStatus.FAILED, "call initialize() first")
+        return self._transport
+
+    # --- caches ---------------------------------------------------------------------------
+
+    def allocate_cache(self, cache_desc: CacheDesc) -> Cache:
+        """Allocate and register a cache; ``cache.tensors`` are its arrays (NumPy for a host
+        cache, :class:`pytrt_kv.trt.DeviceArray`-style for a device one)."""
+        if not isinstance(cache_desc, CacheDesc):
+            raise TypeError(f"cache_desc: expected a CacheDesc, got {describe(cache_desc)}")
+        self._require()
+        tensors, addrs = memory.allocate(cache_desc)
+        return self._add_cache(cache_desc, tensors, addrs, owned=True)
+
+    def register_cache(self, cache_desc: CacheDesc, tensors: Sequence[Any]) -> Cache:
+        """Register memory the caller owns (engine buffers, torch/CuPy tensors, the
+        project's device or pinned arrays, NumPy arrays, or int addresses) as a cache.
+
+        Each of the ``num_tensors`` tensors must be C-contiguous with ``cache_desc``'s
+        shape and dtype, in the placement it names; keep them alive until
+        :meth:`deallocate_cache`.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Naming the tensor that does not fit, or two tensors that overlap.
+        """
+        if not isinstance(cache_desc, CacheDesc):
+            raise TypeError(f"cache_desc: expected a CacheDesc, got {describe(cache_desc)}")
+        self._require()
+        if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
+            raise TypeError(f"tensors: expected a list of {cache_desc.num_tensors} tensors, got "
+                            f"{describe(tensors)}")
+        if len(tensors) != cache_desc.num_tensors:
+            raise ValueError(f"tensors: expected {cache_desc.num_tensors} tensors "
+                             f"(cache_desc.num_tensors), got {len(tensors)}")
+        addrs = tuple(memory.tensor_address(f"tensors[{i}]", t, cache_desc)
+                      for i, t in enumerate(tensors))
+        order = sorted(range(len(addrs)), key=lambda i: addrs[i])
+        for a, b in zip(order, order[1:]):
+            if addrs[a] + cache_desc.tensor_bytes > addrs[b]:
+                raise ValueError(f"tensors[{b}]: expected memory of its own, got an overlap "
+                                 f"with tensors[{a}]")
+        return self._add_cache(cache_desc, list(tensors), addrs, owned=False)
+
+    def _add_cache(self, desc: CacheDesc, tensors: List[Any], addrs: Tuple[int, ...],
+                   owned: bool) -> Cache:
+        with self._lock:
+            cache = Cache(next(self._ids), desc, addrs, tensors, next(self._generations), owned)
+            cache._backend_state = self._transport.register(self._info(cache))
+            self._caches[cache.cache_id] = cache
+        return cache
+
+    @staticmethod
+    def _info(cache: Cache) -> CacheInfo:
+        return CacheInfo(cache.cache_id, cache.generation, cache.cache_desc, cache.tensor_addrs)
+
+    def deallocate_cache(self, cache: Cache) -> None:
+        """Forget a cache: linked peers are told first (bounded by ``control_timeout_s``
+        each; an unreachable peer is skipped), then its memory is deregistered.
+
+        Raises
+        ------
+        LLMException
+            KV_CACHE_NOT_EXIST if the cache is not (or no longer) registered here.
+        """
+        with self._lock:
+            if not isinstance(cache, Cache) or self._caches.get(cache.cache_id) is not cache:
+                what = cache.cache_id if isinstance(cache, Cache) else describe(cache)
+                raise LLMException(LLMStatus.KV_CACHE_NOT_EXIST,
+                                   f"cache: not a live cache of cluster {self.cluster_id}: {what}")
+            del self._caches[cache.cache_id]
+            peers = [p for p in self._peers.values() if not p.broken]
+        msg = {"op": "drop", "from": self.cluster_id, "cache_id": cache.cache_id,
+               "generation": cache.generation}
+        for peer in peers:
+            try:
+                control.request(peer.address, msg, float(self.options["control_timeout_s"]))
+            except OSError:
+                peer.broken = True
+        self._transport.deregister(cache._backend_state)
+        cache._backend_state = None
+        if cache.owned:
+            for t in cache.tensors:
+                if hasattr(t, "free"):
+                    t.free()
+            cache.tensors = []
+
+    # --- metadata and links ---------------------------------------------------------------
+
+    def _metadata(self) -> Dict[str, Any]:
+        transport = self._require()
+        with self._lock:
+            caches = [self._info(c).to_dict() for c in self._caches.values()]
+        return {"version": 1, "cluster_id": self.cluster_id, "role": self.role.value,
+                "backend": self.backend, "agent": transport.name,
+                "address": list(self.listen_address), "transport": transport.metadata(),
+                "caches": caches}
+
+    def local_metadata(self) -> bytes:
+        """This node as a peer sees it (JSON): cluster id, role, control address,
+        transport metadata, and each cache's id, generation, layout and addresses."""
+        return json.dumps(self._metadata()).encode()
+
+    def _apply_metadata(self, md: Dict[str, Any]) -> _Peer:
+        """Load a peer's metadata: (re)load its transport metadata and its cache table."""
+        if md.get("version") != 1 or md.get("backend") != self.backend:
+            raise LLMException(LLMStatus.FAILED,
+                               f"peer metadata: expected a version-1 {self.backend!r} node, "
+                               f"got version {md.get('version')} backend {md.get('backend')!r}")
+        cid = int(md["cluster_id"])
+        if cid == self.cluster_id:
+            raise LLMException(LLMStatus.FAILED, f"peer has this node's own cluster_id {cid}")
+        self._transport.add_peer(md["agent"], md["transport"])
+        caches = {int(c["cache_id"]): CacheInfo.from_dict(c) for c in md["caches"]}
+        with self._lock:
+            peer = self._peers.get(cid)
+            if peer is None or peer.agent != md["agent"]:
+                if peer is not None:  # the cluster restarted: a new agent
+                    self._transport.remove_peer(peer.agent)
+                peer = _Peer(cid, md["agent"], tuple(md["address"]))
+                self._peers[cid] = peer
+            self._set_caches(peer, caches)
+            peer.broken = False
+        return peer
+
+    def _set_caches(self, peer: _Peer, caches: Dict[int, CacheInfo]) -> None:
+        for cid, old in list(peer.caches.items()):
+            new = caches.get(cid)
+            if new is None or new.generation != old.generation:
+                self._transport.forget_remote(peer.agent, old)
+        peer.caches = caches
+
+    def link_clusters(self, clusters: Iterable[Any], timeout_s: Optional[float] = None
+                      ) -> List[int]:
+        """Link to peers listening at ``clusters`` (``(ip, port)`` pairs or ``"ip:port"``).
+
+        Both sides learn each other's caches and transport metadata. Returns the peers'
+        cluster ids.
+
+        Raises
+        ------
+        LLMException
+            FAILED when a peer cannot be reached within ``timeout_s`` (default
+            ``control_timeout_s``) or refuses the link.
+        """
+        self._require()
+        timeout = float(self.options["control_timeout_s"] if timeout_s is None else timeout_s)
+        linked = []
+        for i, c in enumerate(list(clusters)):
+            addr = _parse_address(f"clusters[{i}]", c)
+            try:
+                reply = control.request(addr, {"op": "hello", "md": self._metadata()}, timeout)
+            except OSError as exc:
+                raise LLMException(LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]}: {exc}") \
+                    from exc
+            if "error" in reply:
+                raise LLMException(LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]} refused: "
+                                                     f"{reply['error']}")
+            linked.append(self._apply_metadata(reply["md"]).cluster_id)
+        return linked
+
+    def unlink_clusters(self, cluster_ids: Iterable[int], timeout_s: Optional[float] = None
+                        ) -> None:
+        """End links on both sides (the peer is told, bounded by ``timeout_s``).
+
+        Raises
+        ------
+        LLMException
+            NOT_YET_LINK for a cluster id that is not linked.
+        """
+        self._require()
+        timeout = float(self.options["control_timeout_s"] if timeout_s is None else timeout_s)
+        for cid in list(cluster_ids):
+            with self._lock:
+                peer = self._peers.pop(cid, None)
+            if peer is None:
+                raise LLMException(LLMStatus.NOT_YET_LINK, f"cluster {cid} is not linked")
+            self._transport.remove_peer(peer.agent)
+            if not peer.broken:
+                try:
+                    control.request(peer.address, {"op": "bye", "from": self.cluster_id,
+                                                   "agent": self._transport.name}, timeout)
+                except OSError:
+                    pass  # gone already: nothing to tell
+
+    def linked_clusters(self) -> List[int]:
+        """Cluster ids linked now (a broken link is listed until unlinked)."""
+        with self._lock:
+            return sorted(self._peers)
+
+    def _handle(self, msg: Dict[str, Any]) -> Dict[str, Any]:
+        """Control requests from peers (server thread)."""
+        op = msg.get("op")
+        if op == "hello":
+            self._apply_metadata(msg["md"])
+            return {"md": self._metadata()}
+        if op == "table":
+            return {"md": self._metadata()}
+        with self._lock:
+            peer = self._peers.get(int(msg.get("from", -1)))
+        if op == "drop":
+            if peer is not None:
+                with self._lock:
+                    old = peer.caches.get(int(msg["cache_id"]))
+                    if old is not None and old.generation == int(msg["generation"]):
+                        del peer.caches[old.cache_id]
+                        self._transport.forget_remote(peer.agent, old)
+            return {}
+        if op == "bye":
+            if peer is not None and peer.agent == msg.get("agent"):
+                with self._lock:
+                    self._peers.pop(peer.cluster_id, None)
+                self._transport.remove_peer(peer.agent)
+            return {}
+        return {"error": f"unknown request {op!r}"}
+
+    def _peer_alive(self, peer: _Peer) -> bool:
+        """Whether the peer's control server still accepts connections (a dead process's
+        port refuses at once)."""
+        try:
+            with socket.create_connection(peer.address, timeout=_PROBE_EVERY_S):
+                return True
+        except OSError:
+            return False
+
+    # --- transfers ------------------------------------------------------------------------
+
+    def _local_cache(self, arg: str, cache: Any) -> Cache:
+        if not isinstance(cache, Cache):
+            raise param_invalid(arg, "a Cache from allocate_cache/register_cache", describe(cache))
+        with self._lock:
+            if self._caches.get(cache.cache_id) is not cache:
+                raise LLMException(LLMStatus.KV_CACHE_NOT_EXIST,
+                                   f"{arg}: cache {cache.cache_id} is not registered in cluster "
+                                   f"{self.cluster_id} (deallocated?)")
+        return cache
+
+    def _remote_cache(self, arg: str, index: Any) -> Tuple[_Peer, CacheInfo]:
+        if not isinstance(index, CacheIndex):
+            raise param_invalid(arg, "a CacheIndex(cluster_id, cache_id)", describe(index))
+        if index.batch_index != 0:
+            raise param_invalid(f"{arg}.batch_index", "0 (blocks are addressed by id)",
+                                index.batch_index)
+        with self._lock:
+            peer = self._peers.get(index.cluster_id)
+        if peer is None or peer.broken:
+            raise LLMException(LLMStatus.NOT_YET_LINK,
+                               f"{arg}: cluster {index.cluster_id} is not linked"
+                               + (" (the link broke)" if peer is not None else ""))
+        info = peer.caches.get(index.cache_id)
+        if info is None:  # created after the link? ask the peer once
+            try:
+                reply = control.request(peer.address, {"op": "table", "from": self.cluster_id},
+                                        float(self.options["control_timeout_s"]))
+            except OSError as exc:
+                peer.broken = True
+                raise LLMException(LLMStatus.NOT_YET_LINK,
+                                   f"{arg}: cluster {index.cluster_id} does not answer: "
+                                   f"{exc}") from exc
+            self._apply_metadata(reply["md"])
+            info = peer.caches.get(index.cache_id)
+        if info is None:
+            raise LLMException(LLMStatus.KV_CACHE_NOT_EXIST,
+                               f"{arg}: cluster {index.cluster_id} has no cache "
+                               f"{index.cache_id}")
+        return peer, info
+
+    def _tag(self, tag: Any) -> str:
+        if tag is None:
+            return f"{self.cluster_id}:{os.getpid()}:{next(self._tags)}"
+        if not isinstance(tag, str) or not tag:
+            raise param_invalid("tag", "a non-empty str", repr(tag))
+        return tag
+
+    def _start(self, op: str, local: Cache, peer: _Peer, remote: CacheInfo, plan, tag: str,
+               stream: Any, timeout_s: Optional[float]) -> TransferHandle:
+        timeout = float(self.options["timeout_s"] if timeout_s is None else timeout_s)
+        if op == WRITE and local.cache_desc.placement == "device":
+            memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
+        notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode()
+        try:
+            if plan.num_copies == 0:
+                self._transport.notify(peer.agent, notif)
+                xfer = None
+            else:
+                xfer = self._transport.post(op, plan, self._info(local), local._backend_state,
+                                            remote, peer.agent, notif)
+        except LLMException as exc:
+            if exc.status == LLMStatus.NOT_YET_LINK:
+                peer.broken = True
+            raise
+        return TransferHandle(self, xfer, tag, peer, timeout)
+
+    def push_kv_blocks_async(self, src_cache: Cache, dst_cache_index: CacheIndex,
+                             src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                             ext_param: Optional[KvCacheExtParam] = None, *,
+                             timeout_s: Optional[float] = None, tag: Optional[str] = None,
+                             stream: Any = None) -> TransferHandle:
+        """:meth:`push_kv_blocks` without waiting: returns a :class:`TransferHandle`."""
+        self._require()
+        if self.role is not LLMRole.PROMPT:
+            raise param_invalid("role", "push only from a prompt node", "a decoder node")
+        local = self._local_cache("src_cache", src_cache)
+        peer, remote = self._remote_cache("dst_cache_index", dst_cache_index)
+        plan = check_transfer(local.cache_desc, remote.desc, src_blocks, dst_blocks, ext_param,
+                              op="push", role=self.role)
+        return self._start(WRITE, local, peer, remote, plan, self._tag(tag), stream, timeout_s)
+
+    def push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex,
+                       src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                       ext_param: Optional[KvCacheExtParam] = None, *,
+                       timeout_s: Optional[float] = None, tag: Optional[str] = None,
+                       stream: Any = None) -> str:
+        """Push blocks of a local cache into a linked decoder's cache (docs/SPEC.md D3).
+
+        For each i and each tensor offset u of the layer ranges,
+        ``dst[dst_first*tnpl + u][dst_blocks[i]] = src[src_first*tnpl + u][src_blocks[i]]``.
+
+        Parameters
+        ----------
+        src_cache : Cache
+            This node's cache.
+        dst_cache_index : CacheIndex
+            ``(cluster_id, cache_id)`` of the destination (a linked peer's cache).
+        src_blocks, dst_blocks : sequence of int, length N
+            Block ids; destinations distinct, sources may repeat. Empty lists deliver
+            only the tag.
+        ext_param : KvCacheExtParam, optional
+            Layer ranges and ``tensor_num_per_layer`` (default 2).
+        timeout_s : float, optional
+            Default ``options["timeout_s"]``.
+        tag : str, optional
+            What the destination's :meth:`received` reports once the blocks are in place;
+            default a unique ``"cluster:pid:n"``.
+        stream : optional
+            For a device source: the stream that wrote it, synchronized before the post
+            (docs/SPEC.md D6).
+
+        Returns
+        -------
+        str
+            The tag.
+
+        Raises
+        ------
+        LLMException
+            PARAM_INVALID (nothing transferred; also a ValueError), NOT_YET_LINK,
+            KV_CACHE_NOT_EXIST, TIMEOUT, FAILED (docs/SPEC.md D4, D5).
+        """
+        h = self.push_kv_blocks_async(src_cache, dst_cache_index, src_blocks, dst_blocks,
+                                      ext_param, timeout_s=timeout_s, tag=tag, stream=stream)
+        h.wait()
+        return h.tag
+
+    def pull_kv_blocks_async(self, src_cache_index: CacheIndex, dst_cache: Cache,
+                             src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                             ext_param: Optional[KvCacheExtParam] = None, *,
+                             timeout_s: Optional[float] = None, tag: Optional[str] = None,
+                             stream: Any = None) -> TransferHandle:
+        """:meth:`pull_kv_blocks` without waiting: returns a :class:`TransferHandle`."""
+        self._require()
+        if self.role is not LLMRole.DECODER:
+            raise param_invalid("role", "pull only from a decoder node", "a prompt node")
+        local = self._local_cache("dst_cache", dst_cache)
+        peer, remote = self._remote_cache("src_cache_index", src_cache_index)
+        plan = check_transfer(remote.desc, local.cache_desc, src_blocks, dst_blocks, ext_param,
+                              op="pull", role=self.role)
+        return self._start(READ, local, peer, remote, plan, self._tag(tag), stream, timeout_s)
+
+    def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache,
+                       src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                       ext_param: Optional[KvCacheExtParam] = None, *,
+                       timeout_s: Optional[float] = None, tag: Optional[str] = None,
+                       stream: Any = None) -> str:
+        """Pull blocks of a linked prompt node's cache into a local cache: the mirror of
+        :meth:`push_kv_blocks` (same rules; only a decoder node pulls). When it returns,
+        the local blocks are in place; the source node sees the tag with
+        :meth:`received` once its blocks have been read (it may then reuse them).
+        ``stream`` is accepted for symmetry; a device destination is written by NIXL, not
+        by a stream."""
+        h = self.pull_kv_blocks_async(src_cache_index, dst_cache, src_blocks, dst_blocks,
+                                      ext_param, timeout_s=timeout_s, tag=tag, stream=stream)
+        h.wait()
+        return h.tag
+
+    # --- destination side -----------------------------------------------------------------
+
+    def _drain(self) -> None:
+        for _, msg in self._require().poll():
+            parts = msg.decode(errors="replace").split("|", 3)
+            if len(parts) != 4 or parts[0] != _NOTIF:
+                continue
+            cache_id, gen, tag = int(parts[1]), int(parts[2]), parts[3]
+            with self._lock:
+                cache = self._caches.get(cache_id)
+                live = cache is not None and cache.generation == gen
+                (self._received if live else self._stale).add(tag)
+
+    def received(self, tag: str) -> bool:
+        """True once (then the tag is forgotten) when the transfer tagged ``tag`` has put
+        its blocks into one of this node's caches (or, for a pull, has read them).
+
+        Raises
+        ------
+        LLMException
+            KV_CACHE_NOT_EXIST when that transfer targeted a cache this node deallocated
+            or replaced before the data arrived (its generation differs).
+        """
+        self._drain()
+        with self._lock:
+            if tag in self._stale:
+                self._stale.discard(tag)
+                raise LLMException(LLMStatus.KV_CACHE_NOT_EXIST,
+                                   f"transfer {tag!r} targeted a cache deallocated since")
+            if tag in self._received:
+                self._received.discard(tag)
+                return True
+        return False
+
+    def wait_received(self, tag: str, timeout_s: Optional[float] = None) -> None:
+        """Block until :meth:`received` is True for ``tag``, at most ``timeout_s``.
+
+        Raises
+        ------
+        LLMException
+            TIMEOUT, or as :meth:`received`.
+        """
+        timeout = float(self.options["timeout_s"] if timeout_s is None else timeout_s)
+        start = time.monotonic()
+        while not self.received(tag):
+            if time.monotonic() - start >= timeout:
+                raise LLMException(LLMStatus.TIMEOUT, f"tag {tag!r} not received within "
+                                                      f"{timeout} s")
+            _poll_sleep(start)
+
+
+__all__ = ["LlmDataDist", "TransferHandle", "DEFAULT_OPTIONS"]
+

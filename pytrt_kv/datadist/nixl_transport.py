@@ -1,0 +1,259 @@
+"""The ``"nixl"`` backend: blocks move with NIXL (UCX by default), between processes and
+machines, host (DRAM) or device (VRAM) memory.
+
+Each cache is one prepared descriptor list with an entry per (tensor, block), built from
+strided ``(address, block_bytes, device, block_bytes, NB)`` rows; a transfer is one
+``make_prepped_xfer`` over the plan's indices, tensor-major so that blocks consecutive on
+both sides are adjacent and NIXL merges them into one descriptor. Remote lists are
+prepared on first use and dropped when the remote cache goes away.
+
+NIXL is imported here only, when a ``"nixl"`` node is created (:func:`nixl_modules`).
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+
+from .contract import TransferPlan
+from .transport import WRITE, CacheInfo, Transport, Xfer
+from .types import LLMException, LLMStatus
+
+
+#: NIXL's per-CUDA-version wheels (the ``nixl`` meta package picks one of them).
+_VARIANTS = ("nixl_cu13", "nixl_cu12")
+
+
+def nixl_modules():
+    """``(nixl._api, nixl._bindings)`` of the installed NIXL wheel.
+
+    Where exactly one variant wheel is installed it is imported directly: the ``nixl``
+    meta package would otherwise find the CUDA version by importing torch when torch is
+    installed without CUDA (seconds per process, and torch in every node). With several
+    variants the meta package chooses, as it would for any NIXL user.
+
+    Raises
+    ------
+    LLMException
+        FAILED, saying how to install NIXL, when it does not import.
+    """
+    try:
+        found = [m for m in _VARIANTS if importlib.util.find_spec(m) is not None]
+        if "nixl" in sys.modules or len(found) != 1:
+            import nixl  # noqa: F401
+            from nixl import _api, _bindings
+        else:
+            _api = importlib.import_module(f"{found[0]}._api")
+            _bindings = importlib.import_module(f"{found[0]}._bindings")
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            # nixl logs every agent and backend creation at INFO on stdout, which is the
+            # caller's channel (a process's protocol, a CLI's output): warnings only,
+            # unless NIXL_LOG_LEVEL asks for more.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+    except Exception as exc:
+        raise LLMException(LLMStatus.FAILED,
+                           f"the 'nixl' backend needs the nixl package: {exc} (install "
+                           f"nixl==1.5.1 and nixl-cu13==1.5.1 with --no-deps; see "
+                           f"docs/DATADIST.md), or use backend='local'") from exc
+    return _api, _bindings
+
+
+def _mem(info: CacheInfo) -> Tuple[str, int]:
+    if info.desc.placement == "device":
+        return "VRAM", info.desc.device
+    return "DRAM", 0
+
+
+def _rows(info: CacheInfo) -> np.ndarray:
+    """Nx5 strided rows: tensor t, block b -> descriptor t * NB + b."""
+    _, dev = _mem(info)
+    bb, nb = info.desc.block_bytes, info.desc.num_blocks
+    return np.array([[a, bb, dev, bb, nb] for a in info.addrs], dtype=np.uint64)
+
+
+class NixlTransport(Transport):
+    """Options: ``"nixl.backends"`` (list, default ``["UCX"]``), ``"nixl.num_threads"``
+    (int, default 0: the backend's default)."""
+
+    def __init__(self, name: str, options: Dict[str, Any]):
+        self._api, self._b = nixl_modules()
+        self.name = name
+        conf = self._api.nixl_agent_config(
+            enable_prog_thread=True, enable_listen_thread=False,
+            # The control thread loads peers' metadata while the caller transfers.
+            sync_mode=self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            backends=list(options.get("nixl.backends", ["UCX"])),
+            num_threads=int(options.get("nixl.num_threads", 0)))
+        try:
+            self.agent = self._api.nixl_agent(name, conf)
+        except Exception as exc:
+            raise self._error(exc, "creating the NIXL agent") from exc
+        if not self.agent.backends:
+            raise LLMException(LLMStatus.FAILED, f"NIXL has none of the backends "
+                                                 f"{conf.backends} (available: "
+                                                 f"{self.agent.get_plugin_list()})")
+        self._remote: Dict[Tuple[str, int, int], Any] = {}
+        self._lock = threading.Lock()
+        self.unreleased: List[Any] = []
+
+    # --- errors ---------------------------------------------------------------------------
+
+    def _error(self, exc: BaseException, what: str) -> LLMException:
+        b = self._b
+        if isinstance(exc, LLMException):
+            return exc
+        if isinstance(exc, getattr(b, "nixlRemoteDisconnectError", ())):
+            return LLMException(LLMStatus.NOT_YET_LINK, f"{what}: the peer disconnected ({exc})")
+        if isinstance(exc, getattr(b, "nixlNotFoundError", ())):
+            return LLMException(LLMStatus.KV_CACHE_NOT_EXIST,
+                                f"{what}: NIXL does not know this memory or agent ({exc})")
+        return LLMException(LLMStatus.FAILED, f"{what}: {type(exc).__name__}: {exc}")
+
+    # --- memory ---------------------------------------------------------------------------
+
+    def metadata(self) -> str:
+        return base64.b64encode(self.agent.get_agent_metadata()).decode()
+
+    def register(self, info: CacheInfo) -> Any:
+        mem, dev = _mem(info)
+        nbytes = info.desc.tensor_bytes
+        try:
+            reg = self.agent.register_memory([(a, nbytes, dev, "") for a in info.addrs], mem)
+        except Exception as exc:
+            raise self._error(exc, f"registering cache {info.cache_id}") from exc
+        try:
+            dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", _rows(info), mem)
+        except Exception as exc:
+            self.agent.deregister_memory(reg)
+            raise self._error(exc, f"preparing cache {info.cache_id}") from exc
+        return reg, dlist
+
+    def deregister(self, state: Any) -> None:
+        reg, dlist = state
+        dlist.release()
+        self.agent.deregister_memory(reg)
+
+    # --- peers ----------------------------------------------------------------------------
+
+    def add_peer(self, peer: str, metadata: str) -> None:
+        try:
+            name = self.agent.add_remote_agent(base64.b64decode(metadata))
+        except Exception as exc:
+            raise self._error(exc, f"loading the metadata of {peer!r}") from exc
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != peer:
+            raise LLMException(LLMStatus.FAILED, f"the metadata of {peer!r} names agent {name!r}")
+
+    def remove_peer(self, peer: str) -> None:
+        with self._lock:
+            for key in [k for k in self._remote if k[0] == peer]:
+                self._remote.pop(key).release()
+        try:
+            self.agent.remove_remote_agent(peer)
+        except Exception:
+            pass  # already gone: nothing left to disconnect
+
+    def forget_remote(self, peer: str, info: CacheInfo) -> None:
+        with self._lock:
+            h = self._remote.pop((peer, info.cache_id, info.generation), None)
+        if h is not None:
+            h.release()
+
+    def _remote_dlist(self, peer: str, info: CacheInfo) -> Any:
+        key = (peer, info.cache_id, info.generation)
+        with self._lock:
+            h = self._remote.get(key)
+        if h is None:
+            mem, _ = _mem(info)
+            try:
+                h = self.agent.prep_xfer_dlist(peer, _rows(info), mem)
+            except Exception as exc:
+                raise self._error(exc, f"preparing remote cache {info.cache_id} of {peer!r}") \
+                    from exc
+            with self._lock:
+                self._remote[key] = h
+        return h
+
+    # --- transfers ------------------------------------------------------------------------
+
+    def post(self, op: str, plan: TransferPlan, local: CacheInfo, local_state: Any,
+             remote: CacheInfo, peer: str, notif: bytes) -> Xfer:
+        src, dst = (local, remote) if op == WRITE else (remote, local)
+        si, di = plan.descriptor_indices(src.desc.num_blocks, dst.desc.num_blocks)
+        li, ri = (si, di) if op == WRITE else (di, si)
+        rdl = self._remote_dlist(peer, remote)
+        try:
+            h = self.agent.make_prepped_xfer(op, local_state[1], li, rdl, ri, notif_msg=notif)
+        except Exception as exc:
+            raise self._error(exc, f"{op} to {peer!r}") from exc
+        xfer = _NixlXfer(self, h)
+        try:
+            xfer.first = self.agent.transfer(h)
+        except Exception as exc:
+            xfer.release()
+            raise self._error(exc, f"posting the {op} to {peer!r}") from exc
+        return xfer
+
+    def notify(self, peer: str, notif: bytes) -> None:
+        try:
+            self.agent.send_notif(peer, notif)
+        except Exception as exc:
+            raise self._error(exc, f"notifying {peer!r}") from exc
+
+    def poll(self) -> List[Tuple[str, bytes]]:
+        try:
+            notifs = self.agent.get_new_notifs()
+        except Exception as exc:
+            raise self._error(exc, "reading notifications") from exc
+        return [(k.decode() if isinstance(k, bytes) else k, m)
+                for k, msgs in notifs.items() for m in msgs]
+
+    def close(self) -> None:
+        with self._lock:
+            remote, self._remote = list(self._remote.values()), {}
+        for h in remote + self.unreleased:
+            try:
+                h.release()
+            except Exception:
+                pass
+        self.unreleased = []
+
+
+class _NixlXfer(Xfer):
+    def __init__(self, transport: NixlTransport, handle: Any):
+        self._t, self._h = transport, handle
+        self.first = "PROC"
+        self.released = False
+
+    def state(self) -> str:
+        if self.first == "DONE":
+            return "DONE"
+        if self.first == "ERR":
+            raise LLMException(LLMStatus.FAILED, "NIXL refused to post the transfer")
+        try:
+            st = self._t.agent.check_xfer_state(self._h)
+        except Exception as exc:
+            raise self._t._error(exc, "transfer") from exc
+        if st == "ERR":
+            raise LLMException(LLMStatus.FAILED, "NIXL reports the transfer failed")
+        if st == "DONE":
+            self.first = "DONE"
+        return st
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            try:
+                self._t.agent.release_xfer_handle(self._h)
+            except Exception:
+                # Not cancellable right now: keep the handle alive (its memory may still be
+                # in use) and retry when the node closes.
+                self._t.unreleased.append(self._h)

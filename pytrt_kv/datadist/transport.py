@@ -1,0 +1,221 @@
+"""What a data backend implements, and the in-process ``"local"`` backend.
+
+:class:`~pytrt_kv.datadist.LlmDataDist` owns everything the contract decides (checks,
+links, cache tables, generations, tags, timeouts); a transport only moves the blocks of
+an already checked :class:`~pytrt_kv.datadist.contract.TransferPlan` and delivers
+notification messages. ``"local"`` copies with ``memmove`` (or ``cudaMemcpy``) between
+nodes of one process: the oracle the NIXL backend is compared with, and a way to run the
+protocol without NIXL.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from .contract import TransferPlan
+from .memory import copy_bytes
+from .types import CacheDesc, LLMException, LLMStatus
+
+WRITE, READ = "WRITE", "READ"
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """A cache as its peers see it: id, generation, layout and tensor addresses."""
+
+    cache_id: int
+    generation: int
+    desc: CacheDesc
+    addrs: Tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return {"cache_id": self.cache_id, "generation": self.generation,
+                "desc": self.desc.to_dict(), "addrs": list(self.addrs)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CacheInfo":
+        return cls(int(d["cache_id"]), int(d["generation"]), CacheDesc.from_dict(d["desc"]),
+                   tuple(int(a) for a in d["addrs"]))
+
+
+class Xfer:
+    """A posted transfer. ``state()`` is "DONE" or "PROC" (errors raise LLMException);
+    ``release()`` frees it (cancelling it if it is still running)."""
+
+    def state(self) -> str:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+
+class Transport:
+    """Interface of a data backend (see the module docstring)."""
+
+    name: str
+
+    def metadata(self) -> str:
+        """What a peer needs to reach this node's registered memory (a JSON-safe str)."""
+        raise NotImplementedError
+
+    def register(self, info: CacheInfo) -> Any:
+        raise NotImplementedError
+
+    def deregister(self, state: Any) -> None:
+        raise NotImplementedError
+
+    def add_peer(self, peer: str, metadata: str) -> None:
+        raise NotImplementedError
+
+    def remove_peer(self, peer: str) -> None:
+        raise NotImplementedError
+
+    def forget_remote(self, peer: str, info: CacheInfo) -> None:
+        """Drop what was prepared for a remote cache (it was deallocated or replaced)."""
+
+    def post(self, op: str, plan: TransferPlan, local: CacheInfo, local_state: Any,
+             remote: CacheInfo, peer: str, notif: bytes) -> Xfer:
+        raise NotImplementedError
+
+    def notify(self, peer: str, notif: bytes) -> None:
+        raise NotImplementedError
+
+    def poll(self) -> List[Tuple[str, bytes]]:
+        """Notifications received since the last poll: (peer name, message)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+# --- local --------------------------------------------------------------------------------
+
+_LOCAL: "weakref.WeakValueDictionary[str, LocalTransport]" = weakref.WeakValueDictionary()
+_LOCAL_LOCK = threading.Lock()
+
+
+class _LocalXfer(Xfer):
+    def __init__(self, copy, ready_at: float, deliver):
+        self._copy, self._ready_at, self._deliver = copy, ready_at, deliver
+        self._done = False
+        self.released = False
+
+    def state(self) -> str:
+        if self._done:
+            return "DONE"
+        if self.released:
+            raise LLMException(LLMStatus.FAILED, "transfer handle already released")
+        if time.monotonic() < self._ready_at:
+            return "PROC"
+        self._copy()
+        self._deliver()
+        self._done = True
+        return "DONE"
+
+    def release(self) -> None:
+        self.released = True
+
+
+class LocalTransport(Transport):
+    """In-process backend: peers must live in this process.
+
+    Options: ``"local.latency_s"`` (float, default 0): a transfer completes only this
+    long after it is posted (how the timeout path is exercised without a slow network);
+    a handle released earlier copies nothing.
+    """
+
+    def __init__(self, name: str, options: Dict[str, Any]):
+        self.name = name
+        self._latency = float(options.get("local.latency_s", 0.0))
+        self._inbox: "collections.deque[Tuple[str, bytes]]" = collections.deque()
+        self._peers: Dict[str, "LocalTransport"] = {}
+        with _LOCAL_LOCK:
+            _LOCAL[name] = self
+
+    def metadata(self) -> str:
+        return f"local:{os.getpid()}"
+
+    def register(self, info: CacheInfo) -> Any:
+        return None
+
+    def deregister(self, state: Any) -> None:
+        pass
+
+    def add_peer(self, peer: str, metadata: str) -> None:
+        if metadata != self.metadata():
+            raise LLMException(LLMStatus.FAILED, f"the local backend links only nodes of one "
+                                                 f"process; peer {peer!r} is {metadata!r}")
+        with _LOCAL_LOCK:
+            transport = _LOCAL.get(peer)
+        if transport is None:
+            raise LLMException(LLMStatus.NOT_YET_LINK, f"peer {peer!r} is not in this process")
+        self._peers[peer] = transport
+
+    def remove_peer(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
+    def _peer(self, peer: str) -> "LocalTransport":
+        transport = self._peers.get(peer)
+        if transport is None or _LOCAL.get(peer) is not transport:
+            raise LLMException(LLMStatus.NOT_YET_LINK, f"peer {peer!r} is gone")
+        return transport
+
+    def post(self, op: str, plan: TransferPlan, local: CacheInfo, local_state: Any,
+             remote: CacheInfo, peer: str, notif: bytes) -> Xfer:
+        target = self._peer(peer)
+        src, dst = (local, remote) if op == WRITE else (remote, local)
+        host = src.desc.placement == "host" and dst.desc.placement == "host"
+        device = dst.desc.device if dst.desc.placement == "device" else src.desc.device
+        bb = plan.block_bytes
+        runs = plan.runs()
+
+        def copy():
+            for st, dt, sb, db, n in runs:
+                copy_bytes(dst.addrs[dt] + db * bb, src.addrs[st] + sb * bb, n * bb, host, device)
+
+        xfer = _LocalXfer(copy, time.monotonic() + self._latency,
+                          lambda: target._inbox.append((self.name, notif)))
+        xfer.state()  # completes now unless a latency is simulated
+        return xfer
+
+    def notify(self, peer: str, notif: bytes) -> None:
+        self._peer(peer)._inbox.append((self.name, notif))
+
+    def poll(self) -> List[Tuple[str, bytes]]:
+        out = []
+        while self._inbox:
+            out.append(self._inbox.popleft())
+        return out
+
+    def close(self) -> None:
+        with _LOCAL_LOCK:
+            if _LOCAL.get(self.name) is self:
+                del _LOCAL[self.name]
+        self._peers.clear()
+
+
+def make_transport(backend: str, name: str, options: Dict[str, Any]) -> Transport:
+    if backend == "local":
+        return LocalTransport(name, options)
+    if backend == "nixl":
+        from .nixl_transport import NixlTransport
+
+        return NixlTransport(name, options)
+    raise ValueError(f"backend: expected 'nixl' or 'local', got {backend!r}")
+
+
+def nixl_unavailable_reason() -> Optional[str]:
+    """None when NIXL imports here, else why not."""
+    from .nixl_transport import nixl_modules
+
+    try:
+        nixl_modules()
+    except LLMException as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,81 @@
+"""A datadist node in its own process, driven over stdin/stdout by the tests
+(tests/test_datadist_processes.py). One JSON command per stdin line; each reply is one
+stdout line starting with ``@@`` (anything else on stdout is ignored by the driver).
+
+    python tests/datadist_node.py --cluster-id 2 --role decoder --backend nixl \
+        --cache 4,8x64,float16
+
+Commands: ``link`` {addr}, ``read`` {tag, timeout_s} (waits for the tag, returns the
+cache's bytes), ``fill`` {seed}, ``pull`` {cluster, cache, src, dst, ext}, ``quit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+
+import numpy as np
+
+from pytrt_kv.datadist import CacheDesc, CacheIndex, KvCacheExtParam, LlmDataDist, LLMException
+
+SENTINEL = 99
+
+
+def _bytes(cache) -> str:
+    return base64.b64encode(b"".join(np.ascontiguousarray(t).tobytes()
+                                     for t in cache.tensors)).decode()
+
+
+def _reply(**kw) -> None:
+    sys.stdout.write("@@" + json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cluster-id", type=int, required=True)
+    ap.add_argument("--role", required=True)
+    ap.add_argument("--backend", default="nixl")
+    ap.add_argument("--cache", required=True, help="num_tensors,NBxDIMS,dtype")
+    args = ap.parse_args()
+    n, shape, dtype = args.cache.split(",")
+    desc = CacheDesc(int(n), tuple(int(v) for v in shape.split("x")), dtype)
+    node = LlmDataDist(args.cluster_id, args.role, backend=args.backend)
+    node.initialize("127.0.0.1", 0)
+    cache = node.allocate_cache(desc)
+    for t in cache.tensors:
+        t[...] = SENTINEL
+    _reply(addr=list(node.listen_address), cache=cache.cache_id, pid=__import__("os").getpid())
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            op = cmd["cmd"]
+            if op == "quit":
+                break
+            if op == "link":
+                _reply(linked=node.link_clusters([tuple(cmd["addr"])], timeout_s=5))
+            elif op == "read":
+                node.wait_received(cmd["tag"], timeout_s=cmd.get("timeout_s", 5))
+                _reply(data=_bytes(cache))
+            elif op == "fill":
+                rng = np.random.default_rng(cmd["seed"])
+                for t in cache.tensors:
+                    t.view(np.uint8)[...] = rng.integers(0, 256, t.view(np.uint8).shape)
+                _reply(data=_bytes(cache))
+            elif op == "pull":
+                ext = KvCacheExtParam(*cmd["ext"]) if cmd.get("ext") else None
+                node.pull_kv_blocks(CacheIndex(cmd["cluster"], cmd["cache"]), cache, cmd["src"],
+                                    cmd["dst"], ext, timeout_s=5)
+                _reply(data=_bytes(cache))
+            else:
+                _reply(error=f"unknown command {op!r}")
+        except LLMException as exc:
+            _reply(error=str(exc), status=exc.status.name)
+    node.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

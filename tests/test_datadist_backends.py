@@ -1,0 +1,535 @@
+"""LlmDataDist on both backends (docs/SPEC.md D): equal to the NumPy reference on random
+caches, refused calls move nothing, and the protocol (links, unlink, stale caches,
+timeouts, tags). Two nodes live in this process, linked over 127.0.0.1; the NIXL tests
+skip only where ``import nixl`` fails (CI installs it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pytrt_kv.datadist import (CacheDesc, CacheIndex, KvCacheExtParam, LlmDataDist,
+                               LLMException, LLMParamInvalid, LLMStatus,
+                               nixl_unavailable_reason, push_kv_blocks_reference)
+
+NIXL_SKIP = nixl_unavailable_reason()
+BACKENDS = ["local", pytest.param("nixl", marks=pytest.mark.skipif(
+    NIXL_SKIP is not None, reason=str(NIXL_SKIP)))]
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.int8, np.int32]
+SENTINEL = 99
+#: One tensor per layer (the caches below with num_tensors 1).
+ONE = KvCacheExtParam(tensor_num_per_layer=1)
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def _same(xs, ys):
+    return all(_bits(x).tobytes() == _bits(y).tobytes() for x, y in zip(xs, ys))
+
+
+def _fill(cache, rng):
+    for t in cache.tensors:
+        if t.dtype.kind in "iu":
+            t[...] = rng.integers(-120, 120, t.shape)
+        else:
+            t[...] = rng.standard_normal(t.shape)
+
+
+def _sentinel(cache):
+    for t in cache.tensors:
+        t[...] = SENTINEL
+
+
+def _snapshot(cache):
+    return [t.copy() for t in cache.tensors]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+@pytest.fixture
+def nodes(backend):
+    p = LlmDataDist(1, "prompt", backend=backend, options={"timeout_s": 10.0})
+    d = LlmDataDist(2, "decoder", backend=backend, options={"timeout_s": 10.0})
+    p.initialize("127.0.0.1", 0)
+    d.initialize("127.0.0.1", 0)
+    yield p, d
+    p.finalize()
+    d.finalize()
+
+
+def _linked(nodes):
+    p, d = nodes
+    assert p.link_clusters([d.listen_address], timeout_s=5) == [2]
+    assert d.linked_clusters() == [1]
+    return p, d
+
+
+# --- equal to the reference ----------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
+def test_push_equals_reference_on_random_caches(nodes, dtype):
+    p, d = _linked(nodes)
+    rng = np.random.default_rng(np.dtype(dtype).itemsize)
+    for trial in range(4):
+        tnpl = int(rng.integers(1, 3))
+        s_layers, d_layers = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        row = tuple(int(v) for v in rng.integers(1, 6, size=int(rng.integers(1, 3))))
+        src = p.allocate_cache(CacheDesc(s_layers * tnpl, (int(rng.integers(3, 12)),) + row,
+                                         dtype))
+        dst = d.allocate_cache(CacheDesc(d_layers * tnpl, (int(rng.integers(3, 12)),) + row,
+                                         dtype))
+        _fill(src, rng)
+        _sentinel(dst)
+        n_layers = int(rng.integers(1, min(s_layers, d_layers) + 1))
+        f = int(rng.integers(0, s_layers - n_layers + 1))
+        g = int(rng.integers(0, d_layers - n_layers + 1))
+        ext = KvCacheExtParam((f, f + n_layers - 1), (g, g + n_layers - 1), tnpl)
+        n = int(rng.integers(0, dst.cache_desc.num_blocks + 1))
+        db = rng.permutation(dst.cache_desc.num_blocks)[:n]
+        if trial % 2:  # runs consecutive on both sides (merged into larger copies)
+            db = np.arange(n) + int(rng.integers(0, dst.cache_desc.num_blocks - n + 1))
+            sb = (np.arange(n) + int(rng.integers(0, 2))) % src.cache_desc.num_blocks
+        else:
+            sb = rng.integers(0, src.cache_desc.num_blocks, n)
+        before = _snapshot(dst)
+        expected = push_kv_blocks_reference(_snapshot(src), before, sb.tolist(), db.tolist(), ext)
+        tag = p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), sb.tolist(), db.tolist(), ext,
+                               tag=f"t{trial}")
+        d.wait_received(tag, timeout_s=5)
+        assert _same(dst.tensors, expected), f"trial {trial}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
+def test_pull_equals_reference(nodes, dtype):
+    p, d = _linked(nodes)
+    rng = np.random.default_rng(7)
+    src = p.allocate_cache(CacheDesc(4, (10, 3, 8), dtype))
+    dst = d.allocate_cache(CacheDesc(6, (7, 24), dtype))  # same block bytes, other shape
+    _fill(src, rng)
+    _sentinel(dst)
+    ext = KvCacheExtParam((1, 1), (2, 2), 2)
+    sb, db = [9, 0, 1, 2, 9], [6, 0, 1, 2, 3]
+    expected = push_kv_blocks_reference(_snapshot(src), _snapshot(dst), sb, db, ext)
+    tag = d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, sb, db, ext)
+    assert _same(dst.tensors, expected)
+    p.wait_received(tag, timeout_s=5)  # the source learns its blocks were read
+
+
+def test_register_numpy_and_torch_tensors(nodes):
+    p, d = _linked(nodes)
+    rng = np.random.default_rng(3)
+    desc = CacheDesc(2, (6, 4, 8), "bfloat16")
+    mine = [rng.standard_normal((6, 4, 8)).astype(ml_dtypes.bfloat16) for _ in range(2)]
+    src = p.register_cache(desc, mine)
+    assert src.tensors[0] is mine[0]
+    torch = pytest.importorskip("torch", reason="torch not installed (PYTRT_KV_TEST_TORCH=0)")
+    theirs = [torch.full((6, 4, 8), 5.0, dtype=torch.bfloat16) for _ in range(2)]
+    dst = d.register_cache(desc, theirs)
+    p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [5, 0], [1, 4])
+    got = theirs[1].view(torch.int16).numpy()
+    assert (got[1] == mine[1][5].view(np.int16)).all()
+    assert (got[4] == mine[1][0].view(np.int16)).all()
+    assert (got[[0, 2, 3, 5]] == np.array(5.0, ml_dtypes.bfloat16).view(np.int16)).all()
+
+
+@pytest.mark.parametrize("tensors, exc, match", [
+    (lambda: [np.zeros((6, 8), np.float16)], ValueError, "expected 2 tensors"),
+    (lambda: [np.zeros((6, 8), np.float16), np.zeros((6, 9), np.float16)], ValueError,
+     r"tensors\[1\]: expected shape \[6, 8\]"),
+    (lambda: [np.zeros((6, 8), np.float16), np.zeros((6, 8), np.float32)], ValueError,
+     r"tensors\[1\]: expected dtype float16"),
+    (lambda: [np.zeros((6, 8), np.float16), np.zeros((8, 6), np.float16).T], ValueError,
+     "C-contiguous"),
+    (lambda: (lambda a: [a[0], a[0]])(np.zeros((2, 6, 8), np.float16)), ValueError, "overlap"),
+    (lambda: [np.zeros((6, 8), np.float16), "x"], TypeError, r"tensors\[1\]"),
+    (lambda: [np.zeros((6, 8), np.float16), 0], ValueError, "non-null"),
+])
+def test_register_refusals(nodes, tensors, exc, match):
+    p, _ = nodes
+    with pytest.raises(exc, match=match):
+        p.register_cache(CacheDesc(2, (6, 8), "float16"), tensors())
+
+
+def test_register_host_array_as_device_refused(nodes):
+    p, _ = nodes
+    with pytest.raises(TypeError, match="expected device memory"):
+        p.register_cache(CacheDesc(1, (6, 8), "float16", "device"), [np.zeros((6, 8), np.float16)])
+
+
+# --- refused calls move nothing ------------------------------------------------------------
+
+REFUSALS = [
+    (dict(ext_param=KvCacheExtParam(tensor_num_per_layer=3)), "tensor_num_per_layer"),
+    (dict(ext_param=KvCacheExtParam((0, 2), (0, 2))), "src_layer_range"),
+    (dict(ext_param=KvCacheExtParam((0, 0), (0, 1))), "as many layers"),
+    (dict(src_blocks=[0, 1], dst_blocks=[0]), "dst_blocks"),
+    (dict(src_blocks=[8], dst_blocks=[0]), r"src_blocks\[0\]"),
+    (dict(src_blocks=[0, 1], dst_blocks=[3, 3]), "more than once"),
+    (dict(dst_index=lambda i: CacheIndex(2, i, batch_index=1)), "batch_index"),
+    (dict(dst_index=lambda i: (2, i)), "CacheIndex"),
+    (dict(tag=""), "tag"),
+]
+
+
+@pytest.mark.parametrize("kw, match", REFUSALS)
+def test_refused_push_transfers_nothing(nodes, kw, match):
+    p, d = _linked(nodes)
+    rng = np.random.default_rng(0)
+    src = p.allocate_cache(CacheDesc(4, (8, 16), "int8"))
+    dst = d.allocate_cache(CacheDesc(4, (4, 16), "int8"))
+    _fill(src, rng)
+    _sentinel(dst)
+    index = kw.get("dst_index", lambda i: CacheIndex(2, i))(dst.cache_id)
+    with pytest.raises(LLMParamInvalid, match=match) as info:
+        p.push_kv_blocks(src, index, kw.get("src_blocks", [0, 1]), kw.get("dst_blocks", [2, 3]),
+                         kw.get("ext_param"), tag=kw.get("tag", "refused"))
+    assert info.value.status is LLMStatus.PARAM_INVALID
+    time.sleep(0.05)
+    assert all((t == SENTINEL).all() for t in dst.tensors)
+    assert not d.received("refused")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(data_type="uint8"), "data_type"),
+    (dict(shape=(4, 17)), "block_bytes"),
+])
+def test_refused_mismatched_caches(nodes, kw, match):
+    p, d = _linked(nodes)
+    src = p.allocate_cache(CacheDesc(2, (4, 16), "int8"))
+    dst = d.allocate_cache(CacheDesc(2, kw.get("shape", (4, 16)), kw.get("data_type", "int8")))
+    _sentinel(dst)
+    with pytest.raises(LLMParamInvalid, match=match):
+        p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0])
+    assert all((t == SENTINEL).all() for t in dst.tensors)
+
+
+def test_roles(nodes):
+    p, d = _linked(nodes)
+    src = p.allocate_cache(CacheDesc(2, (4, 16), "int8"))
+    dst = d.allocate_cache(CacheDesc(2, (4, 16), "int8"))
+    with pytest.raises(LLMParamInvalid, match="push only from a prompt node"):
+        d.push_kv_blocks(dst, CacheIndex(1, src.cache_id), [0], [0])
+    with pytest.raises(LLMParamInvalid, match="pull only from a decoder node"):
+        p.pull_kv_blocks(CacheIndex(2, dst.cache_id), src, [0], [0])
+
+
+# --- protocol ------------------------------------------------------------------------------
+
+def _pair(nodes, nb=4):
+    p, d = nodes
+    src = p.allocate_cache(CacheDesc(2, (nb, 16), "int32"))
+    dst = d.allocate_cache(CacheDesc(2, (nb, 16), "int32"))
+    _fill(src, np.random.default_rng(5))
+    _sentinel(dst)
+    return p, d, src, dst
+
+
+def _status(fn):
+    with pytest.raises(LLMException) as info:
+        fn()
+    return info.value.status
+
+
+def test_no_link(nodes):
+    p, d, src, dst = _pair(nodes)
+    assert _status(lambda: p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0])) \
+        is LLMStatus.NOT_YET_LINK
+    assert _status(lambda: d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [0], [0])) \
+        is LLMStatus.NOT_YET_LINK
+    assert _status(lambda: p.unlink_clusters([2])) is LLMStatus.NOT_YET_LINK
+
+
+@pytest.mark.parametrize("side", ["initiator", "destination"])
+def test_after_unlink(nodes, side):
+    p, d, src, dst = _pair(nodes)
+    _linked(nodes)
+    p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [1], [1])
+    (p.unlink_clusters([2]) if side == "initiator" else d.unlink_clusters([1]))
+    assert p.linked_clusters() == [] and d.linked_clusters() == []
+    _sentinel(dst)
+    assert _status(lambda: p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0])) \
+        is LLMStatus.NOT_YET_LINK
+    assert all((t == SENTINEL).all() for t in dst.tensors)
+    # Linking again works.
+    _linked(nodes)
+    d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0]), 5)
+    assert (dst.tensors[1][0] == src.tensors[1][0]).all()
+
+
+def test_unknown_and_deallocated_caches(nodes):
+    p, d, src, dst = _pair(nodes)
+    _linked(nodes)
+    assert _status(lambda: p.push_kv_blocks(src, CacheIndex(2, 999), [0], [0])) \
+        is LLMStatus.KV_CACHE_NOT_EXIST
+    p.deallocate_cache(src)
+    assert _status(lambda: p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0])) \
+        is LLMStatus.KV_CACHE_NOT_EXIST
+    assert _status(lambda: p.deallocate_cache(src)) is LLMStatus.KV_CACHE_NOT_EXIST
+
+
+def test_stale_remote_cache(nodes):
+    """The destination deallocates after the link: the initiator's view (id, generation)
+    is dropped, so the push is refused rather than written into freed memory; a cache
+    registered later gets a new id and generation and is found by asking the peer."""
+    p, d, src, dst = _pair(nodes)
+    _linked(nodes)
+    p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0])
+    old_id, old_gen = dst.cache_id, dst.generation
+    d.deallocate_cache(dst)
+    assert _status(lambda: p.push_kv_blocks(src, CacheIndex(2, old_id), [1], [1])) \
+        is LLMStatus.KV_CACHE_NOT_EXIST
+    new = d.allocate_cache(CacheDesc(2, (4, 16), "int32"))
+    _sentinel(new)
+    assert (new.cache_id, new.generation) != (old_id, old_gen)
+    d.wait_received(p.push_kv_blocks(src, CacheIndex(2, new.cache_id), [3], [2]), 5)
+    assert (new.tensors[0][2] == src.tensors[0][3]).all()
+
+
+def test_tag_of_a_transfer_into_a_replaced_cache_is_refused():
+    """A transfer in flight while the destination deallocates its (caller-owned) cache:
+    the destination's generation check reports it instead of the tag (docs/SPEC.md D5)."""
+    p = LlmDataDist(1, "prompt", backend="local", options={"local.latency_s": 0.3})
+    d = LlmDataDist(2, "decoder", backend="local")
+    p.initialize()
+    d.initialize()
+    try:
+        src = p.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        mine = [np.zeros((2, 8), np.int8)]
+        dst = d.register_cache(CacheDesc(1, (2, 8), "int8"), mine)
+        p.link_clusters([d.listen_address])
+        h = p.push_kv_blocks_async(src, CacheIndex(2, dst.cache_id), [0], [1], ONE, tag="late")
+        d.deallocate_cache(dst)
+        h.wait(timeout_s=5)
+        with pytest.raises(LLMException) as info:
+            d.wait_received("late", timeout_s=5)
+        assert info.value.status is LLMStatus.KV_CACHE_NOT_EXIST
+    finally:
+        p.finalize()
+        d.finalize()
+
+
+def test_timeout_releases_the_handle_local():
+    p = LlmDataDist(1, "prompt", backend="local", options={"local.latency_s": 0.5})
+    d = LlmDataDist(2, "decoder", backend="local")
+    p.initialize()
+    d.initialize()
+    try:
+        src = p.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        src.tensors[0][...] = 1
+        dst = d.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        _sentinel(dst)
+        p.link_clusters([d.listen_address])
+        h = p.push_kv_blocks_async(src, CacheIndex(2, dst.cache_id), [0], [0], ONE, tag="slow")
+        t0 = time.monotonic()
+        with pytest.raises(LLMException) as info:
+            h.wait(timeout_s=0.05)
+        assert info.value.status is LLMStatus.TIMEOUT and h.released
+        assert time.monotonic() - t0 < 0.45
+        time.sleep(0.5)
+        assert not h.released or _status(h.done) is LLMStatus.TIMEOUT
+        assert (dst.tensors[0] == SENTINEL).all() and not d.received("slow")
+    finally:
+        p.finalize()
+        d.finalize()
+
+
+# The NIXL timeout needs a peer that stops answering: tests/test_datadist_processes.py.
+
+
+def test_empty_lists_deliver_the_tag(nodes):
+    p, d, src, dst = _pair(nodes)
+    _linked(nodes)
+    tag = p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [], [], tag="nothing")
+    assert tag == "nothing"
+    d.wait_received("nothing", timeout_s=5)
+    assert not d.received("nothing"), "a tag is reported once"
+    assert all((t == SENTINEL).all() for t in dst.tensors)
+    tag = d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [], [])
+    p.wait_received(tag, timeout_s=5)
+
+
+def test_async_handle_and_default_tags(nodes):
+    p, d, src, dst = _pair(nodes, nb=64)
+    _linked(nodes)
+    handles = [p.push_kv_blocks_async(src, CacheIndex(2, dst.cache_id), [i], [63 - i])
+               for i in range(8)]
+    assert len({h.tag for h in handles}) == 8
+    for h in handles:
+        h.wait(timeout_s=5)
+        assert h.done() and h.released
+    for h in handles:
+        d.wait_received(h.tag, timeout_s=5)
+    assert all((dst.tensors[1][63 - i] == src.tensors[1][i]).all() for i in range(8))
+    with pytest.raises(LLMException) as info:
+        d.wait_received("never", timeout_s=0.05)
+    assert info.value.status is LLMStatus.TIMEOUT
+
+
+def test_link_refusals(backend):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    a = LlmDataDist(1, "prompt", backend=backend)
+    a.initialize()
+    try:
+        t0 = time.monotonic()
+        assert _status(lambda: a.link_clusters([("127.0.0.1", port)], timeout_s=1)) \
+            is LLMStatus.FAILED
+        assert time.monotonic() - t0 < 2
+        b = LlmDataDist(1, "decoder", backend=backend)  # the same cluster id
+        b.initialize()
+        try:
+            assert _status(lambda: a.link_clusters([b.listen_address])) is LLMStatus.FAILED
+        finally:
+            b.finalize()
+        with pytest.raises(TypeError, match="clusters"):
+            a.link_clusters([12])
+    finally:
+        a.finalize()
+
+
+def test_argument_refusals():
+    with pytest.raises(ValueError, match="backend"):
+        LlmDataDist(1, "prompt", backend="tcp")
+    with pytest.raises(TypeError, match="role"):
+        LlmDataDist(1, "router", backend="local")
+    with pytest.raises(ValueError, match="options"):
+        LlmDataDist(1, "prompt", backend="local", options={"timeout": 1})
+    with pytest.raises(TypeError, match="cluster_id"):
+        LlmDataDist(-1, "prompt", backend="local")
+    n = LlmDataDist(1, "prompt", backend="local")
+    assert _status(lambda: n.allocate_cache(CacheDesc(1, (1, 1), "int8"))) is LLMStatus.FAILED
+    n.finalize()  # never initialized: nothing to do
+
+
+def test_local_metadata_lists_caches(nodes):
+    import json
+
+    p, _ = nodes
+    c = p.allocate_cache(CacheDesc(2, (4, 16), "bfloat16"))
+    md = json.loads(p.local_metadata())
+    assert md["cluster_id"] == 1 and md["role"] == "prompt"
+    assert md["caches"] == [{"cache_id": c.cache_id, "generation": c.generation,
+                             "desc": c.cache_desc.to_dict(), "addrs": list(c.tensor_addrs)}]
+
+
+def test_import_does_not_load_nixl():
+    code = ("import sys, pytrt_kv, pytrt_kv.datadist\n"
+            "from pytrt_kv.datadist import LlmDataDist\n"
+            "n = LlmDataDist(1, 'prompt', backend='local'); n.initialize(); n.finalize()\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('nixl'))\n"
+            "assert not loaded, loaded\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_device_source_stream_synchronized_before_the_post():
+    """docs/SPEC.md D6: a device source's stream is synchronized before the post. (Device
+    memory cannot be moved on this machine; the stream object records the call, and what
+    follows it, the copy, may fail without a GPU.)"""
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("synchronize")
+
+    p = LlmDataDist(1, "prompt", backend="local")
+    d = LlmDataDist(2, "decoder", backend="local")
+    p.initialize()
+    d.initialize()
+    try:
+        host = [np.zeros((4, 8), np.int8) for _ in range(2)]
+        src = p.register_cache(CacheDesc(2, (4, 8), "int8", "device"),
+                               [int(a.ctypes.data) for a in host])
+        dst = d.allocate_cache(CacheDesc(2, (4, 8), "int8"))
+        p.link_clusters([d.listen_address])
+        try:
+            p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0], stream=Stream())
+        except Exception:  # noqa: BLE001 - no CUDA here: the copy itself may fail
+            pass
+        assert events == ["synchronize"]
+        # A host source has no stream to wait for.
+        events.clear()
+        src_h = p.allocate_cache(CacheDesc(2, (4, 8), "int8"))
+        p.push_kv_blocks(src_h, CacheIndex(2, dst.cache_id), [0], [0], stream=Stream())
+        assert events == []
+    finally:
+        p.finalize()
+        d.finalize()
+
+
+def test_pushes_while_the_peer_changes_its_caches(nodes):
+    """The control thread updates the initiator's view of the peer (a deallocation
+    notice releases prepared remote lists) while the caller keeps pushing to another
+    cache of that peer: every push lands, nothing crashes."""
+    import threading
+
+    p, d, src, dst = _pair(nodes, nb=16)
+    _linked(nodes)
+    errors = []
+    stop = threading.Event()
+
+    def churn():
+        try:
+            while not stop.is_set():
+                extra = d.allocate_cache(CacheDesc(2, (16, 16), "int32"))
+                p.push_kv_blocks(src, CacheIndex(2, extra.cache_id), [0], [0])
+                d.deallocate_cache(extra)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        rng = np.random.default_rng(9)
+        for i in range(40):
+            db = rng.permutation(16)[:5]
+            sb = rng.integers(0, 16, 5)
+            _sentinel(dst)
+            d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), sb, db), 5)
+            for u in range(2):
+                assert (dst.tensors[u][db] == src.tensors[u][sb]).all(), i
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    assert not t.is_alive() and not errors, errors
+
+
+class _FakeCudaArray:
+    """Anything with ``__cuda_array_interface__`` (CuPy, Numba, PyCUDA): read, never
+    dereferenced, so no GPU is needed to register it."""
+
+    def __init__(self, shape, typestr, ptr):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (ptr, False), "strides": None, "version": 3}
+
+
+def test_register_cuda_array_interface_objects():
+    n = LlmDataDist(1, "prompt", backend="local")
+    n.initialize()
+    try:
+        desc = CacheDesc(2, (4, 8), "float16", "device")
+        arrs = [_FakeCudaArray((4, 8), "<f2", 0x7F0000000000 + i * 4096) for i in range(2)]
+        cache = n.register_cache(desc, arrs)
+        assert cache.tensor_addrs == (0x7F0000000000, 0x7F0000001000)
+        with pytest.raises(TypeError, match="expected host memory"):
+            n.register_cache(CacheDesc(2, (4, 8), "float16"), arrs)
+        with pytest.raises(ValueError, match=r"tensors\[0\]: expected shape"):
+            n.register_cache(CacheDesc(2, (4, 9), "float16", "device"), arrs)
+        with pytest.raises(ValueError, match="expected dtype"):
+            n.register_cache(CacheDesc(2, (4, 8), "bfloat16", "device"), arrs)
+        n.deallocate_cache(cache)
+    finally:
+        n.finalize()

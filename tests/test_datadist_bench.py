@@ -1,0 +1,43 @@
+"""``pytrt-kv bench datadist --quick``: runs every case over NIXL, verifies the pushed
+blocks and writes its Markdown table (numbers are not judged here: BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytrt_kv.datadist import nixl_unavailable_reason
+
+NIXL_SKIP = nixl_unavailable_reason()
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+def test_bench_datadist_quick(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    out, raw = tmp_path / "dd.md", tmp_path / "dd.json"
+    r = subprocess.run([sys.executable, "-m", "pytrt_kv", "bench", "datadist", "--quick",
+                        "--output", str(out), "--json", str(raw)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(raw.read_text())["results"]
+    cases = {(row["block"], row["pattern"]) for row in rows}
+    # --quick pushes 1 MiB: every block size fits; both patterns for each.
+    assert cases == {(b, p) for b in (4096, 65536, 1 << 20) for p in ("contiguous", "scattered")}
+    assert all(row["correct"] and row["wrapper_gbs"] > 0 and row["raw_gbs"] > 0 for row in rows)
+    table = out.read_text()
+    assert "| host | 4 KiB | scattered | 256 | 1 |" in table and "wrapper/raw" in table
+
+
+def test_bench_datadist_in_cli_help():
+    from pytrt_kv.__main__ import build_parser
+
+    args = build_parser().parse_args(["bench", "datadist", "--memory", "device"])
+    assert args.what == "datadist" and args.memory == "device"
+    assert build_parser().parse_args(["bench", "--op", "scatter"]).what == "kernels"

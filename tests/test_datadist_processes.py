@@ -1,0 +1,188 @@
+"""Two processes over 127.0.0.1 with NIXL (docs/SPEC.md D5, D6): link, push, verify on the
+destination, pull, then kill the destination and get NOT_YET_LINK within 1 s; a peer that
+stops answering gives TIMEOUT with the handle released; and the two-process example
+(prefill pushes, decode runs the example decode step on the CPU runtime). Every wait is
+bounded; a node that misbehaves is killed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pytrt_kv.datadist import (CacheDesc, CacheIndex, KvCacheExtParam, LlmDataDist,
+                               LLMException, LLMStatus, nixl_unavailable_reason,
+                               push_kv_blocks_reference)
+
+NIXL_SKIP = nixl_unavailable_reason()
+pytestmark = pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+SENTINEL = 99
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    # The source tree first when the tests run from it (an installed package otherwise).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+class Node:
+    """A tests/datadist_node.py process; replies are read on a thread, waits are bounded."""
+
+    def __init__(self, *args, env=None):
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "datadist_node.py"), *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env or _env())
+        self.replies: "queue.Queue[dict]" = queue.Queue()
+        self.stderr: list = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+        self.hello = self.reply(timeout_s=60)
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                self.replies.put(json.loads(line[2:]))
+
+    def reply(self, timeout_s=10.0) -> dict:
+        try:
+            return self.replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError(f"node gave no reply within {timeout_s} s; stderr: "
+                                 f"{''.join(self.stderr)[-2000:]}") from None
+
+    def ask(self, timeout_s=10.0, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        r = self.reply(timeout_s)
+        assert "error" not in r, r
+        return r
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def spawn():
+    nodes = []
+
+    def make(*args, env=None):
+        n = Node(*args, env=env)
+        nodes.append(n)
+        return n
+
+    yield make
+    for n in nodes:
+        try:
+            os.kill(n.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        n.kill()
+
+
+def _tensors(b64: str, desc: CacheDesc):
+    raw = np.frombuffer(base64.b64decode(b64), np.uint8)
+    return [a.view(desc.dtype).reshape(desc.shape)
+            for a in raw.reshape(desc.num_tensors, desc.tensor_bytes)]
+
+
+def test_push_pull_verify_then_kill_the_destination(spawn):
+    desc = CacheDesc(4, (12, 3, 16), "bfloat16")
+    dst_node = spawn("--cluster-id", "2", "--role", "decoder", "--cache", "4,12x3x16,bfloat16")
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(4, (20, 3, 16), "bfloat16"))
+        rng = np.random.default_rng(11)
+        for t in src.tensors:
+            t[...] = rng.standard_normal(t.shape)
+        assert p.link_clusters([tuple(dst_node.hello["addr"])], timeout_s=5) == [2]
+        index = CacheIndex(2, dst_node.hello["cache"])
+        dst0 = [np.full(desc.shape, SENTINEL, desc.dtype) for _ in range(4)]
+
+        ext = KvCacheExtParam((1, 1), (0, 0), 2)
+        sb, db = [19, 0, 1, 2, 7, 7], [0, 5, 6, 7, 11, 1]
+        tag = p.push_kv_blocks(src, index, sb, db, ext, tag="first")
+        got = _tensors(dst_node.ask(cmd="read", tag=tag)["data"], desc)
+        expected = push_kv_blocks_reference([t.copy() for t in src.tensors], dst0, sb, db, ext)
+        assert all(a.view(np.uint16).tobytes() == b.view(np.uint16).tobytes()
+                   for a, b in zip(got, expected))
+
+        # The decoder pulls from the prompt node over the link the prompt node made.
+        sb2, db2 = [3, 4, 5], [2, 3, 4]
+        got = _tensors(dst_node.ask(cmd="pull", cluster=1, cache=src.cache_id, src=sb2,
+                                    dst=db2)["data"], desc)
+        expected = push_kv_blocks_reference([t.copy() for t in src.tensors], expected, sb2, db2)
+        assert all(a.view(np.uint16).tobytes() == b.view(np.uint16).tobytes()
+                   for a, b in zip(got, expected))
+
+        dst_node.kill()
+        t0 = time.monotonic()
+        with pytest.raises(LLMException) as info:
+            p.push_kv_blocks(src, index, [0], [0], timeout_s=5)
+        elapsed = time.monotonic() - t0
+        assert info.value.status is LLMStatus.NOT_YET_LINK, info.value
+        assert elapsed < 1.0, f"NOT_YET_LINK after {elapsed:.2f} s"
+        with pytest.raises(LLMException) as info:  # and it stays so
+            p.push_kv_blocks(src, index, [0], [0], timeout_s=5)
+        assert info.value.status is LLMStatus.NOT_YET_LINK
+    finally:
+        p.finalize()
+
+
+def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
+    """UCX over TCP to a stopped process: the socket buffers fill, the transfer stays in
+    progress, and the push times out with its NIXL handle released."""
+    # Read when each agent's UCX context is created; TCP over the loopback device only.
+    ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    for k, v in ucx.items():
+        monkeypatch.setenv(k, v)
+    nb = 4096
+    dst_node = spawn("--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x8192,int8",
+                     env=_env(**ucx))
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(1, (nb, 8192), "int8"))
+        src.tensors[0][...] = 3
+        p.link_clusters([tuple(dst_node.hello["addr"])], timeout_s=5)
+        index = CacheIndex(2, dst_node.hello["cache"])
+        one = KvCacheExtParam(tensor_num_per_layer=1)
+        p.push_kv_blocks(src, index, [0], [0], one)  # connected and working
+        os.kill(dst_node.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        h = p.push_kv_blocks_async(src, index, np.arange(nb), np.arange(nb), one)
+        with pytest.raises(LLMException) as info:
+            h.wait(timeout_s=0.5)
+        assert info.value.status is LLMStatus.TIMEOUT, info.value
+        assert h.released
+        assert p._transport.unreleased == [], "NIXL could not cancel the transfer"
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.kill(dst_node.proc.pid, signal.SIGCONT)
+        p.finalize()
+
+
+def test_example_prefill_decode(tmp_path):
+    """examples/datadist_prefill_decode.py: a prefill process pushes the prompt's KV blocks
+    into a decode process, which runs the example decode step on the CPU runtime."""
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "datadist_prefill_decode.py"),
+                        "--steps", "3"], capture_output=True, text=True, timeout=300,
+                       env=_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "decode PASSED" in r.stdout, r.stdout[-3000:]
