@@ -1,9 +1,9 @@
-"""Export models that use the pytrt_kv custom ONNX ops (OPS.md section O).
+"""Export models that use the pytrt_kv custom ONNX ops (docs/SPEC.md section O).
 
 Importing this package registers both op schemas with ``onnx.defs`` so that
 ``onnx.checker`` and shape inference accept models using them.
 
-- :func:`single_op_model`: a one-node model with the OPS.md tensor names;
+- :func:`single_op_model`: a one-node model with the docs/SPEC.md tensor names;
 - :mod:`onnx_export.graphsurgeon`: append our nodes to an onnx-graphsurgeon graph;
 - :mod:`onnx_export.torch_export`: functions for ``nn.Module.forward`` that
   ``torch.onnx.export(..., dynamo=True)`` turns into our nodes (torch optional);

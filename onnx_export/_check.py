@@ -2,7 +2,7 @@
 the onnx-graphsurgeon helpers and :func:`onnx_export.single_op_model`.
 
 The rules themselves live in ``pytrt_kv._scatter.check_scatter`` and
-``pytrt_kv._gather.check_gather`` (OPS.md S and G); this module only turns graph tensors
+``pytrt_kv._gather.check_gather`` (docs/SPEC.md S and G); this module only turns graph tensors
 into the ``.shape``/``.dtype`` stand-ins those functions take, checks the node's
 attributes against ``pytrt_kv.specs`` and computes the output types.
 """
@@ -114,7 +114,7 @@ def validate_node(op_type: str, inputs: Mapping[str, Optional[TensorInfo]],
     op_type : str
         ``"ScatterPaKvCache"`` or ``"GatherSelectionKvCache"``.
     inputs : mapping name -> TensorInfo or None
-        By OPS.md input name; absent optional inputs are missing or None.
+        By docs/SPEC.md input name; absent optional inputs are missing or None.
     attributes : mapping
         Node attributes (``plugin_namespace``/``plugin_version`` allowed).
     where : str
@@ -126,7 +126,7 @@ def validate_node(op_type: str, inputs: Mapping[str, Optional[TensorInfo]],
         Every op attribute with defaults filled in and ``cache_layout``/``compress_mode``
         resolved from the shapes when they are static, plus the two plugin attributes.
     outputs : dict name -> TensorInfo
-        The outputs the node has, in OPS.md order.
+        The outputs the node has, in docs/SPEC.md order.
 
     Raises
     ------

@@ -12,7 +12,7 @@ Per batch b (one new token, S = 1, TBS = 1)::
     attention               MLA-style (latent q_nope . kv + q_rope . k_rope) over the
                             selection cache slots, masked by selection_kv_actual_seq
 
-Graph inputs (names follow OPS.md where the tensor is an op input):
+Graph inputs (names follow docs/SPEC.md where the tensor is an op input):
 ``kv [B,1,KV]``, ``k_rope [B,1,R]``, ``slot_mapping [B]``, ``full_kv_cache [NB,FBS,1,KV]``,
 ``full_k_rope [NB,FBS,1,R]``, ``full_kv_block_table [B,FMAX]``, ``full_kv_actual_seq [B]``
 (kv_len, including the new token), ``full_q_actual_seq [B]``,
@@ -106,7 +106,7 @@ class ExampleSizes:
             raise ValueError(f"topk: expected <= max_blocks_per_seq * block_size = "
                              f"{self.max_tokens}, got {self.topk}")
         if self.topk > 2048:
-            raise ValueError(f"topk: expected <= 2048 (OPS.md G2), got {self.topk}")
+            raise ValueError(f"topk: expected <= 2048 (docs/SPEC.md G2), got {self.topk}")
         return self
 
 

@@ -3,7 +3,7 @@
 Each helper validates shapes, dtypes and attributes at export time with the reference's
 own checkers (``check_scatter`` / ``check_gather``), resolves ``cache_layout`` from the
 shapes when it is not given, always writes ``plugin_namespace`` and ``plugin_version``,
-and returns the node's output tensors (``*_out`` = the updated caches, OPS.md O).
+and returns the node's output tensors (``*_out`` = the updated caches, docs/SPEC.md O).
 
 Example
 -------
@@ -63,19 +63,19 @@ def add_node(graph: gs.Graph, op_type: str, inputs: Mapping[str, Optional[gs.Ten
     graph : gs.Graph
     op_type : str
         ``"ScatterPaKvCache"`` or ``"GatherSelectionKvCache"``.
-    inputs : mapping OPS.md input name -> gs.Tensor or None
+    inputs : mapping docs/SPEC.md input name -> gs.Tensor or None
     attributes : mapping, optional
         Op attributes (unknown names are refused).
     name : str, optional
         Node name; default: the op type, made unique in the graph.
     output_names : sequence of str, optional
-        Names of the output tensors (as many as the node has); default: the OPS.md output
+        Names of the output tensors (as many as the node has); default: the docs/SPEC.md output
         names, suffixed when already taken in the graph.
 
     Returns
     -------
     list of gs.Variable
-        The outputs, in OPS.md order (``value_cache_out`` only with a value input).
+        The outputs, in docs/SPEC.md order (``value_cache_out`` only with a value input).
     """
     op = specs.get_op(op_type)
     infos = {k: tensor_info(k, v) for k, v in inputs.items() if v is not None}
@@ -128,13 +128,13 @@ def add_scatter_pa_kv_cache(graph: gs.Graph, key: gs.Tensor, value: Optional[gs.
                             compress_mode: Optional[str] = None, alias_io: int = 1,
                             name: Optional[str] = None,
                             output_names: Optional[Sequence[str]] = None) -> List[gs.Variable]:
-    """Append a ScatterPaKvCache node (OPS.md S, O); arguments as in the reference.
+    """Append a ScatterPaKvCache node (docs/SPEC.md S, O); arguments as in the reference.
 
     Parameters
     ----------
     key : [T, H, Dk] or [B, Smax, H, Dk]
     value : [T, H, Dv] or [B, Smax, H, Dv], or None (key-only write)
-    key_cache, value_cache : the paged caches (OPS.md S2 shapes); value_cache None
+    key_cache, value_cache : the paged caches (docs/SPEC.md S2 shapes); value_cache None
         exactly when value is None
     slot_mapping : [T] or [B, H], int32 or int64
     compress_lens, compress_seq_offsets, seq_lens : 4-D key only
@@ -172,7 +172,7 @@ def add_gather_selection_kv_cache(graph: gs.Graph, selection_k_rope: gs.Tensor,
                                   name: Optional[str] = None,
                                   output_names: Optional[Sequence[str]] = None
                                   ) -> List[gs.Variable]:
-    """Append a GatherSelectionKvCache node (OPS.md G, O); tensors as in OPS.md G2.
+    """Append a GatherSelectionKvCache node (docs/SPEC.md G, O); tensors as in docs/SPEC.md G2.
 
     Returns
     -------

@@ -1,4 +1,4 @@
-"""One-node models and the model conventions shared by every exporter (OPS.md O)."""
+"""One-node models and the model conventions shared by every exporter (docs/SPEC.md O)."""
 
 from __future__ import annotations
 
@@ -43,13 +43,13 @@ def _value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:
 
 def single_op_model(op_type: str, inputs: Mapping[str, np.ndarray],
                     **attributes: Any) -> onnx.ModelProto:
-    """A model made of one pytrt_kv node whose graph I/O carry the OPS.md names.
+    """A model made of one pytrt_kv node whose graph I/O carry the docs/SPEC.md names.
 
     Parameters
     ----------
     op_type : str
         ``"ScatterPaKvCache"`` or ``"GatherSelectionKvCache"``.
-    inputs : mapping OPS.md input name -> array
+    inputs : mapping docs/SPEC.md input name -> array
         Only shapes and dtypes are used (bfloat16/float8 as ``ml_dtypes`` arrays); optional
         inputs become graph inputs only when present.
     **attributes

@@ -1,4 +1,4 @@
-"""ONNX schemas of the pytrt_kv ops, registered with ``onnx.defs`` (OPS.md section O).
+"""ONNX schemas of the pytrt_kv ops, registered with ``onnx.defs`` (docs/SPEC.md section O).
 
 Once registered, ``onnx.checker.check_model(m, full_check=True)`` and
 ``onnx.shape_inference.infer_shapes`` understand both ops: the checker refuses unknown

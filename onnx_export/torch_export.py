@@ -1,6 +1,6 @@
 """Use the pytrt_kv ops inside ``nn.Module.forward`` and export with torch.onnx (dynamo).
 
-Each function is functional (returns the updated caches, OPS.md O): during
+Each function is functional (returns the updated caches, docs/SPEC.md O): during
 ``torch.onnx.export(..., dynamo=True)`` it becomes one ``pytrt_kv`` node through
 ``torch.onnx.ops.symbolic_multi_out`` (validated at export time with the same rules as
 the reference); in eager mode it runs the NumPy reference on CPU copies, so the module
@@ -121,7 +121,7 @@ def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
                         compress_lens=None, compress_seq_offsets=None, seq_lens=None,
                         cache_layout: Optional[str] = None, compress_mode: Optional[str] = None,
                         alias_io: int = 1) -> Tuple:
-    """ScatterPaKvCache (OPS.md S) as a functional torch op.
+    """ScatterPaKvCache (docs/SPEC.md S) as a functional torch op.
 
     Tensors as in the reference (``value``/``value_cache`` may be None). ``cache_layout``
     is resolved from the shapes when omitted (it must be given when dims are dynamic).
@@ -147,7 +147,7 @@ def gather_selection_kv_cache(selection_k_rope, selection_kv_cache, selection_kv
                               full_kv_cache, full_kv_block_table, full_kv_actual_seq,
                               full_q_actual_seq, *, selection_topk_block_size: int = 64,
                               alias_io: int = 1) -> Tuple:
-    """GatherSelectionKvCache (OPS.md G) as a functional torch op.
+    """GatherSelectionKvCache (docs/SPEC.md G) as a functional torch op.
 
     Returns
     -------

@@ -3,7 +3,7 @@
 ``ScatterPaKvCache`` writes new key/value tokens into a paged KV cache;
 ``GatherSelectionKvCache`` gathers top-k selected tokens/blocks of a (possibly
 host-resident) full cache into a compact selection cache. The operator contract is
-shared/spec/OPS.md.
+docs/SPEC.md.
 
 Importing this package needs only NumPy and ml_dtypes: TensorRT, torch, CUDA and a GPU
 are loaded lazily by the submodules that use them (``pytrt_kv.ops``, ``pytrt_kv.trt``).

@@ -617,7 +617,7 @@ class PinnedHost:
 
 class HostArray(PinnedHost):
     """Pinned, mapped host memory as a NumPy array: a host-resident full cache the gather
-    kernel reads over PCIe (OPS.md G7).
+    kernel reads over PCIe (docs/SPEC.md G7).
 
     ``.array`` is the NumPy view (fill it like any array); bindings use its device-side
     :attr:`address`. Keep the object alive while an engine may read it.

@@ -1,5 +1,5 @@
 """Uniform error messages: every refusal names the argument, what was expected and what
-came (house style, shared/design/STYLE.md habit 3)."""
+came (house style, docs/ARCHITECTURE.md habit 3)."""
 
 from __future__ import annotations
 

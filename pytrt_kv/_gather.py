@@ -1,4 +1,4 @@
-"""NumPy reference of GatherSelectionKvCache (shared/spec/OPS.md section G).
+"""NumPy reference of GatherSelectionKvCache (docs/SPEC.md section G).
 
 Three layers, each usable on its own:
 
@@ -10,7 +10,7 @@ Three layers, each usable on its own:
 * :func:`check_gather_values` applies every value rule to NumPy index arrays and returns
   the plan of every row; :func:`gather_selection_kv_cache` then moves the bytes.
 
-Decisions where OPS.md is silent (the reference raises ``ValueError`` unless noted):
+Decisions where docs/SPEC.md is silent (the reference raises ``ValueError`` unless noted):
 
 1. Only rows that are processed are value-checked. A skipped row (``kv_len <= 0`` or
    ``eff <= 0``) is never read beyond ``kv_len``: its status, top-k and table rows may
@@ -74,9 +74,9 @@ from ._alias import array_range, check_no_alias
 from ._errors import describe, type_error, value_error
 from .dtypes import name_of
 
-#: OPS.md G2: largest K.
+#: docs/SPEC.md G2: largest K.
 MAX_TOPK = 2048
-#: OPS.md G2: K above this needs TBS == 1.
+#: docs/SPEC.md G2: K above this needs TBS == 1.
 MAX_TOPK_BLOCKED = 32
 
 _ARG_NAMES = (
@@ -94,7 +94,7 @@ GATHER_READ_OR_WRITTEN = tuple(n for n in _ARG_NAMES if n != "full_q_actual_seq"
 
 @dataclass(frozen=True)
 class GatherMeta:
-    """Sizes of one gather call, as found by :func:`check_gather` (OPS.md G2 names)."""
+    """Sizes of one gather call, as found by :func:`check_gather` (docs/SPEC.md G2 names)."""
 
     cache_dtype: str  #: dtype name of the four caches
     layout: str  #: "BSND" or "TND" (ranks of status/topk)
@@ -169,7 +169,7 @@ def check_gather(selection_k_rope: Any, selection_kv_cache: Any,
                  selection_topk_indices: Any, full_k_rope: Any, full_kv_cache: Any,
                  full_kv_block_table: Any, full_kv_actual_seq: Any, full_q_actual_seq: Any,
                  selection_topk_block_size: Any = 64) -> GatherMeta:
-    """Validate the shapes, dtypes and attribute of a gather call (OPS.md G2).
+    """Validate the shapes, dtypes and attribute of a gather call (docs/SPEC.md G2).
 
     Values are never read, so the arguments may be NumPy arrays, torch tensors or CuPy
     arrays (anything with ``.shape`` and ``.dtype``).
@@ -379,7 +379,7 @@ def plan_row(old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S:
 
     Examples
     --------
-    The second TBS = 4 step of OPS.md G6: id 0 stays in slot 0, id 2 is re-copied.
+    The second TBS = 4 step of docs/SPEC.md G6: id 0 stays in slot 0, id 2 is re-copied.
 
     >>> p = plan_row([0, 1, 2, 10], [2, 0, -1], kv_len=11, S=1, s=0, tbs=4)
     >>> p.status.tolist(), p.actual_seq, p.copy.tolist()
@@ -483,7 +483,7 @@ def _row_tokens(plan: RowPlan, eff: int, tbs: int) -> Tuple[np.ndarray, np.ndarr
     """Token-level copies of one row: ``(slot, src_pos, dst_q)``, int64 ``[N]`` each.
 
     Token i of copied slot j holding id v reads full position ``v*TBS + i`` and writes
-    selection position ``q = j*TBS + i`` (OPS.md G4), for ``i < size(v)``.
+    selection position ``q = j*TBS + i`` (docs/SPEC.md G4), for ``i < size(v)``.
     """
     slots = np.flatnonzero(plan.copy).astype(np.int64)
     ids = plan.status[slots].astype(np.int64)
@@ -503,7 +503,7 @@ def check_gather_values(meta: GatherMeta, *, selection_kv_block_table: np.ndarra
                         selection_kv_block_status: np.ndarray,
                         selection_topk_indices: np.ndarray, full_kv_block_table: np.ndarray,
                         full_kv_actual_seq: np.ndarray) -> List[RowPlan]:
-    """Apply every value rule of OPS.md G4/G5 (and the decisions of this module).
+    """Apply every value rule of docs/SPEC.md G4/G5 (and the decisions of this module).
 
     Parameters
     ----------
@@ -621,7 +621,7 @@ def gather_selection_kv_cache(selection_k_rope: np.ndarray, selection_kv_cache: 
                               *, selection_topk_block_size: int = 64) -> np.ndarray:
     """Gather the top-k selected tokens of a paged full cache into a selection cache.
 
-    Reference of ``custom.npu_gather_selection_kv_cache`` (OPS.md section G). Ids already
+    Reference of ``custom.npu_gather_selection_kv_cache`` (docs/SPEC.md section G). Ids already
     resident in a row's slots stay in place (G5); the others are copied from the full
     cache. Every argument is validated before the first write; a refused call modifies
     nothing.
@@ -670,7 +670,7 @@ def gather_selection_kv_cache(selection_k_rope: np.ndarray, selection_kv_cache: 
 
     Examples
     --------
-    The first TBS = 1 step of OPS.md G6 (K = 4, kv_len 10, topk ``[5, 9, 2, -1]``):
+    The first TBS = 1 step of docs/SPEC.md G6 (K = 4, kv_len 10, topk ``[5, 9, 2, -1]``):
 
     >>> import numpy as np
     >>> full = np.arange(16 * 2, dtype=np.float16).reshape(2, 8, 2)   # 2 blocks of 8

@@ -1,11 +1,11 @@
-"""NumPy reference of ScatterPaKvCache (shared/spec/OPS.md section S).
+"""NumPy reference of ScatterPaKvCache (docs/SPEC.md section S).
 
 Three public pieces, used by every other layer:
 
 - :func:`check_scatter` validates shapes, dtypes and attributes of one call without
   reading any value, so it works on NumPy arrays, torch/cupy tensors and plain descriptors
   (anything with ``.shape`` and ``.dtype``), and returns a :class:`ScatterMeta`.
-- :func:`check_scatter_values` validates the index values (OPS.md S6 constraints, S7
+- :func:`check_scatter_values` validates the index values (docs/SPEC.md S6 constraints, S7
   out-of-range and duplicate slots).
 - :func:`scatter_pa_kv_cache` performs the write in place on NumPy caches after both checks,
   so a refused call leaves every argument untouched.
@@ -45,7 +45,7 @@ class ScatterMeta:
     Attributes
     ----------
     compress : bool
-        True for a 4-D key (OPS.md S6, compressing write).
+        True for a 4-D key (docs/SPEC.md S6, compressing write).
     layout : {"nd", "nz", "hnd"} or None
         Cache layout of a 3-D key; None for a 4-D key.
     mode : {"rope", "omni", "alibi"} or None
@@ -89,7 +89,7 @@ class ScatterMeta:
 
 
 def nz_last_dim(dtype: Any) -> int:
-    """L of the "nz" layout for ``dtype``: 32 bytes of elements (OPS.md S4)."""
+    """L of the "nz" layout for ``dtype``: 32 bytes of elements (docs/SPEC.md S4)."""
     return 32 // numpy_dtype(dtype).itemsize
 
 
@@ -160,7 +160,7 @@ def _fit(layout: str, shape: Tuple[int, ...], heads: int, size: int,
 
 def _pick_layout(requested: Optional[str], caches: List[Tuple[str, Any, Tuple[int, ...], int,
                                                               int]], heads: int) -> str:
-    """OPS.md S2: the layout every cache fits (or the requested one, checked)."""
+    """docs/SPEC.md S2: the layout every cache fits (or the requested one, checked)."""
     if requested is not None:
         for arg, x, shape, size, last in caches:
             if requested == "nz" and (heads * size) % last:
@@ -202,7 +202,7 @@ def check_scatter(key: Any, value: Any, key_cache: Any, value_cache: Any, slot_m
                   compress_lens: Any = None, compress_seq_offsets: Any = None,
                   seq_lens: Any = None, cache_layout: Optional[str] = None,
                   compress_mode: Optional[str] = None) -> ScatterMeta:
-    """Validate shapes, dtypes and attributes of one ScatterPaKvCache call (OPS.md S2-S8).
+    """Validate shapes, dtypes and attributes of one ScatterPaKvCache call (docs/SPEC.md S2-S8).
 
     Never reads a value, so the arguments may be NumPy arrays, torch or cupy tensors on any
     device, or any object with ``.shape`` and ``.dtype``.
@@ -454,7 +454,7 @@ def check_scatter_values(meta: ScatterMeta, slot_mapping: np.ndarray,
                          compress_lens: Optional[np.ndarray] = None,
                          compress_seq_offsets: Optional[np.ndarray] = None,
                          seq_lens: Optional[np.ndarray] = None) -> None:
-    """Validate the index values of one call (OPS.md S6 constraints and S7).
+    """Validate the index values of one call (docs/SPEC.md S6 constraints and S7).
 
     Parameters
     ----------
@@ -577,7 +577,7 @@ def _check_numpy(args: dict) -> None:
 
 def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray,
                   slots: np.ndarray) -> None:
-    """OPS.md S3-S5 for one (tensor, cache) pair; negative slots skipped."""
+    """docs/SPEC.md S3-S5 for one (tensor, cache) pair; negative slots skipped."""
     valid = slots >= 0
     s = slots[valid]
     rows = _bits(src)[valid]                      # [n, H, D]
@@ -596,7 +596,7 @@ def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray,
 
 def _plan_run(mode: str, seq_len: int, width: int,
               offset: int) -> Tuple[List[Tuple[int, int, int]], Optional[Tuple[int, int]]]:
-    """OPS.md S6 for one (b, h): copies [(first row, first token, count)] and the mean
+    """docs/SPEC.md S6 for one (b, h): copies [(first row, first token, count)] and the mean
     row (row, first token) or None; rows are relative to the run's base slot."""
     if mode == "alibi":
         return [(0, seq_len - width, width)], None
@@ -616,7 +616,7 @@ def _mean_row(tokens: np.ndarray) -> np.ndarray:
 
 def _write_runs(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray, base: np.ndarray,
                 lens: np.ndarray, offsets: Optional[np.ndarray], seq: np.ndarray) -> None:
-    """OPS.md S6 for one (tensor, cache) pair: row q is cache[q // BS, q % BS, 0, :]."""
+    """docs/SPEC.md S6 for one (tensor, cache) pair: row q is cache[q // BS, q % BS, 0, :]."""
     rows = _bits(cache).reshape(meta.num_slots, cache.shape[3])
     bits = _bits(src)
     for b, h in np.argwhere(base >= 0):
@@ -637,7 +637,7 @@ def scatter_pa_kv_cache(key: np.ndarray, value: Optional[np.ndarray], key_cache:
                         seq_lens: Optional[np.ndarray] = None,
                         cache_layout: Optional[str] = None,
                         compress_mode: Optional[str] = None) -> None:
-    """Write new key/value tokens into a paged KV cache, in place (OPS.md S).
+    """Write new key/value tokens into a paged KV cache, in place (docs/SPEC.md S).
 
     Same arguments, order and names as ``torch_npu.npu_scatter_pa_kv_cache``.
     Everything is validated before the first write: a refused call raises and leaves every
@@ -675,7 +675,7 @@ def scatter_pa_kv_cache(key: np.ndarray, value: Optional[np.ndarray], key_cache:
     TypeError
         An argument is not a NumPy array or has an unsupported dtype.
     ValueError
-        Any other rule of OPS.md S (shapes, slots out of range or duplicated, S6
+        Any other rule of docs/SPEC.md S (shapes, slots out of range or duplicated, S6
         constraints, overlapping runs, caches not writeable or not C-contiguous), or an
         argument sharing memory with a cache (e.g. a ``value`` that views
         ``value_cache``, or the two caches overlapping); the message names both.

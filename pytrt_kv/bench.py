@@ -197,7 +197,7 @@ def _gather_buffers(torch: Any, *, rows_bs: int, K: int, kv: int, rope: int, hos
 def _topk_pair(torch: Any, rows_bs: int, K: int, kv_len: int, overlap: float, seed: int = 0):
     """Two top-k sets per row sharing ``overlap`` of their ids: alternating calls A, B, A...
     keep the shared ids in place and copy the rest (steady-state reuse). Ids stay below
-    kv_len - S so that shared ids may be kept (OPS.md G5.2)."""
+    kv_len - S so that shared ids may be kept (docs/SPEC.md G5.2)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     keep = int(round(overlap * K))
     tops = [torch.empty(rows_bs, 1, 1, K, dtype=torch.int32) for _ in range(2)]

@@ -1,6 +1,6 @@
 """dtype names (specs.py) <-> NumPy / ml_dtypes, ONNX and TensorRT types.
 
-NumPy has no bfloat16 or float8; those are the ``ml_dtypes`` types (OPS.md S8).
+NumPy has no bfloat16 or float8; those are the ``ml_dtypes`` types (docs/SPEC.md S8).
 """
 
 from __future__ import annotations

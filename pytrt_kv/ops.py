@@ -1,6 +1,6 @@
 """GPU eager API: the two reference functions on GPU buffers, in place (layer 2 from Python).
 
-Same signatures as :mod:`pytrt_kv.reference` (OPS.md S1 and G1) plus keyword-only
+Same signatures as :mod:`pytrt_kv.reference` (docs/SPEC.md S1 and G1) plus keyword-only
 ``stream=None`` and ``validate=False``. Buffers may be torch tensors, CuPy arrays, PyCUDA
 GPUArrays or anything exposing ``__cuda_array_interface__`` or DLPack; the full caches of
 the gather may also be pinned host memory (a pinned torch CPU tensor, CuPy pinned memory,
@@ -12,7 +12,7 @@ addressing.
 - Index values are read back and checked (``check_scatter_values`` /
   ``check_gather_values``) only with ``validate=True``; that synchronizes ``stream``.
   Without it, invalid index values never make the kernels write outside the caches
-  (OPS.md S7, G4), but the result is unspecified.
+  (docs/SPEC.md S7, G4), but the result is unspecified.
 - ``stream``: a torch or CuPy stream, a cuda-python stream, an int ``cudaStream_t``, or
   None for the framework's current stream (torch's for torch tensors, CuPy's for CuPy
   arrays, else the legacy default stream).
@@ -113,7 +113,7 @@ def scatter_pa_kv_cache(key: Any, value: Any, key_cache: Any, value_cache: Any,
                         compress_seq_offsets: Any = None, seq_lens: Any = None,
                         cache_layout: Optional[str] = None, compress_mode: Optional[str] = None,
                         stream: Any = None, validate: bool = False) -> None:
-    """Write new key/value tokens into a paged KV cache on the GPU, in place (OPS.md S).
+    """Write new key/value tokens into a paged KV cache on the GPU, in place (docs/SPEC.md S).
 
     Parameters
     ----------
@@ -272,7 +272,7 @@ def gather_selection_kv_cache(selection_k_rope: Any, selection_kv_cache: Any,
                               full_kv_actual_seq: Any, full_q_actual_seq: Any, *,
                               selection_topk_block_size: int = 64, stream: Any = None,
                               validate: bool = False, out: Any = None) -> Any:
-    """Gather top-k selected KV into the selection cache on the GPU, in place (OPS.md G).
+    """Gather top-k selected KV into the selection cache on the GPU, in place (docs/SPEC.md G).
 
     Parameters
     ----------

@@ -1,6 +1,6 @@
 """NumPy reference of both operators (layer 1): obviously correct, strictly validated.
 
-Exactly shared/spec/OPS.md. Every argument is validated before the first write; a broken
+Exactly docs/SPEC.md. Every argument is validated before the first write; a broken
 rule raises ValueError (TypeError for a wrong type) naming the argument, what was expected
 and what came, and leaves every argument untouched. An argument that shares memory with
 a cache the op writes is refused the same way, naming both.

@@ -2,7 +2,7 @@
 
 Every layer reads op names, tensor names, attribute names/defaults and allowed dtypes
 from here: the ONNX schemas, the export helpers, the CPU runtime, the TensorRT helpers
-and the tests that check the C++ plugin creators (shared/spec/OPS.md, section O).
+and the tests that check the C++ plugin creators (docs/SPEC.md, section O).
 
 Nothing here imports numpy, onnx, torch or tensorrt, so it is safe to import anywhere.
 """
@@ -38,19 +38,19 @@ FLOAT8_E5M2 = "float8_e5m2"
 INT32 = "int32"
 INT64 = "int64"
 
-#: OPS.md S8: scatter moves bytes of any of these (1, 2 or 4 bytes wide).
+#: docs/SPEC.md S8: scatter moves bytes of any of these (1, 2 or 4 bytes wide).
 SCATTER_DATA_DTYPES: Tuple[str, ...] = (
     FLOAT32, FLOAT16, BFLOAT16, INT8, UINT8, FLOAT8_E4M3, FLOAT8_E5M2, INT32,
 )
-#: OPS.md S6: the "rope" compress mode averages, so it needs a float type.
+#: docs/SPEC.md S6: the "rope" compress mode averages, so it needs a float type.
 SCATTER_ROPE_DTYPES: Tuple[str, ...] = (FLOAT16, BFLOAT16, FLOAT32)
-#: OPS.md S8: slot_mapping and the compress tensors.
+#: docs/SPEC.md S8: slot_mapping and the compress tensors.
 SCATTER_INDEX_DTYPES: Tuple[str, ...] = (INT32, INT64)
-#: OPS.md G2: the four cache tensors of the gather share one of these.
+#: docs/SPEC.md G2: the four cache tensors of the gather share one of these.
 GATHER_CACHE_DTYPES: Tuple[str, ...] = (
     FLOAT16, BFLOAT16, INT8, FLOAT32, FLOAT8_E4M3, FLOAT8_E5M2,
 )
-#: OPS.md G2: every index tensor of the gather is int32.
+#: docs/SPEC.md G2: every index tensor of the gather is int32.
 GATHER_INDEX_DTYPES: Tuple[str, ...] = (INT32,)
 
 # --- attribute values ----------------------------------------------------------------
@@ -63,7 +63,7 @@ class TensorSpec:
     """One input or output of an op.
 
     ``dtype_group`` names the set of dtypes allowed; tensors with the same group name in
-    one op must share one dtype (OPS.md: "key and key_cache share one dtype").
+    one op must share one dtype (docs/SPEC.md: "key and key_cache share one dtype").
     """
 
     name: str
@@ -218,7 +218,7 @@ SCATTER_PA_KV_CACHE = OpSpec(
         _ALIAS_IO,
     ),
     aliases={"key_cache_out": "key_cache", "value_cache_out": "value_cache"},
-    doc="Write the current step's key/value tokens into a paged KV cache (OPS.md S).",
+    doc="Write the current step's key/value tokens into a paged KV cache (docs/SPEC.md S).",
 )
 
 GATHER_SELECTION_KV_CACHE = OpSpec(
@@ -260,7 +260,7 @@ GATHER_SELECTION_KV_CACHE = OpSpec(
         "selection_kv_block_status_out": "selection_kv_block_status",
     },
     doc="Gather top-k selected KV into a compact selection cache, reusing resident "
-        "entries (OPS.md G).",
+        "entries (docs/SPEC.md G).",
 )
 
 #: Every op, by name.

@@ -101,5 +101,5 @@ def lib():
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    """Seeded generator: reproducible random data (never zeros, STYLE habit 7)."""
+    """Seeded generator: reproducible random data (never zeros, docs/ARCHITECTURE.md habit 7)."""
     return np.random.default_rng(20261121)

@@ -115,12 +115,12 @@ def test_multi_step_grid(lib, rng, tbs, K, S):
 
 
 def test_max_topk_uses_the_whole_scratch(lib, rng):
-    """K = 2048 (OPS.md G2's maximum): the host planner's fixed scratch must hold 2*K ids."""
+    """K = 2048 (docs/SPEC.md G2's maximum): the host planner's fixed scratch must hold 2*K ids."""
     run_steps(lib, rng, K=2048, S=1, tbs=1, rows=2, steps=2, pad=0.15, beyond=0.1, reuse=0.7)
 
 
 def test_worked_examples_of_ops_md(lib):
-    # OPS.md G6, TBS = 1, K = 4.
+    # docs/SPEC.md G6, TBS = 1, K = 4.
     old = np.full((1, 5), -1, np.int32)
     st1 = assert_same_plans(lib, old, np.array([[5, 9, 2, -1]]), np.array([10]),
                             np.array([0]), 1, 1)

@@ -36,7 +36,7 @@ def _run_and_compare(op_type, feeds, attrs, reference):
     assert model.ir_version == specs.ONNX_IR_VERSION
     assert {o.domain: o.version for o in model.opset_import} == {
         "": specs.ONNX_OPSET, specs.DOMAIN: specs.DOMAIN_VERSION}
-    # Graph I/O carry the OPS.md names, optional inputs only when present.
+    # Graph I/O carry the docs/SPEC.md names, optional inputs only when present.
     op = specs.get_op(op_type)
     assert [i.name for i in model.graph.input] == [n for n in op.input_names if n in feeds]
     node = model.graph.node[0]

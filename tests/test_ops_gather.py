@@ -21,7 +21,7 @@ gpu = pytest.mark.gpu
 
 
 class Case:
-    """One gather problem in NumPy: every argument of OPS.md G1, valid for the reference."""
+    """One gather problem in NumPy: every argument of docs/SPEC.md G1, valid for the reference."""
 
     def __init__(self, rng, *, B=2, S=1, K=8, tbs=1, sbs=16, fbs=16, kv=64, rope=16,
                  dtype="bfloat16", layout="BSND", extra_rows=1, fmax=8, kv_lens=None):

@@ -56,7 +56,7 @@ def test_op_spec_is_consistent(op):
 
 
 def test_op_identity_matches_ops_md():
-    # OPS.md section O and G1/S1: names and order are part of the contract.
+    # docs/SPEC.md section O and G1/S1: names and order are part of the contract.
     s = specs.SCATTER_PA_KV_CACHE
     assert s.name == "ScatterPaKvCache"
     assert s.input_names == ("key", "value", "key_cache", "value_cache", "slot_mapping",

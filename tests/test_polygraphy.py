@@ -168,7 +168,7 @@ def test_loader_refuses_models_without_room():
 
 
 def test_data_loader_refuses_a_full_cache_too_small_for_private_blocks():
-    # Shared full blocks would give two batches the same slots (duplicates, OPS.md S7).
+    # Shared full blocks would give two batches the same slots (duplicates, docs/SPEC.md S7).
     sk = gather_skeleton(np.dtype(np.float16), B=3, FMAX=4)
     sk["full_kv_cache"] = np.zeros((3 * 4 - 1, 8, 32), np.float16)
     sk["full_k_rope"] = np.zeros((3 * 4 - 1, 8, 4), np.float16)

@@ -1,4 +1,4 @@
-"""Hand-computed cases of the GatherSelectionKvCache reference (shared/spec/OPS.md G).
+"""Hand-computed cases of the GatherSelectionKvCache reference (docs/SPEC.md G).
 
 Every full cache holds random non-zero bytes and every selection cache starts as the
 all-zero sentinel, so a token that was copied and a token that was left alone are both
@@ -171,7 +171,7 @@ def changed_tokens(case: Case, before: List[np.ndarray]) -> int:
     return int(diff.sum())
 
 
-# --- OPS.md G6 ---------------------------------------------------------------------
+# --- docs/SPEC.md G6 ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", ["BSND", "TND"])

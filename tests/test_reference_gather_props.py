@@ -1,5 +1,5 @@
 """Property tests of the GatherSelectionKvCache reference over random multi-step decoding
-(shared/spec/OPS.md G3-G5).
+(docs/SPEC.md G3-G5).
 
 Each step models speculative decoding: every batch's ``kv_len`` grows by 1..S, the newest
 S positions of the full cache are (re)written with fresh bytes, random top-k rows mix

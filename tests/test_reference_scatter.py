@@ -1,7 +1,7 @@
-"""NumPy reference of ScatterPaKvCache against shared/spec/OPS.md section S.
+"""NumPy reference of ScatterPaKvCache against docs/SPEC.md section S.
 
 The expected caches are built by a second, independent implementation: explicit Python
-loops over the OPS.md formulas, moving the bytes of one element at a time. Caches are
+loops over the docs/SPEC.md formulas, moving the bytes of one element at a time. Caches are
 pre-filled with random bytes (a sentinel), so positions that must stay untouched are
 checked too; data movement is compared byte for byte.
 """
@@ -73,7 +73,7 @@ def cache_shape(layout, nb, bs, heads, size, dtype):
 
 
 def expected_tokens(layout, src, cache, slots):
-    """OPS.md S3/S4/S5, one element at a time."""
+    """docs/SPEC.md S3/S4/S5, one element at a time."""
     out = cache.copy()
     ob, sb = element_bytes(out), element_bytes(src)
     tokens, heads, size = src.shape
@@ -96,7 +96,7 @@ def expected_tokens(layout, src, cache, slots):
 
 
 def expected_runs(mode, src, cache, slots, lens, offsets, seq):
-    """OPS.md S6, one row at a time, the mean with explicit float32 adds in token order."""
+    """docs/SPEC.md S6, one row at a time, the mean with explicit float32 adds in token order."""
     out = cache.copy()
     ob, sb = element_bytes(out), element_bytes(src)
     bs = cache.shape[1]
@@ -253,7 +253,7 @@ def test_nz_hand_computed_multi_column():
 
 
 def test_torch_npu_example_scenario_1(rng):
-    """reference/001 single-op example: bs=16, H=4, Dk=32, Dv=64, NB=2, BS=32, L=16."""
+    """the torch_npu.npu_scatter_pa_kv_cache API page single-op example: bs=16, H=4, Dk=32, Dv=64, NB=2, BS=32, L=16."""
     bs, num_head, k_head_size, v_head_size, num_blocks, last_dim, block_size = (
         16, 4, 32, 64, 2, 16, 32)
     key = rng.standard_normal((bs, num_head, k_head_size)).astype(np.float16)

@@ -1,4 +1,4 @@
-"""pytrt_kv.trt.model.alias_pairs enforces OPS.md O: a cache bound in place is read by its
+"""pytrt_kv.trt.model.alias_pairs enforces docs/SPEC.md O: a cache bound in place is read by its
 op alone (no TensorRT needed)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 /*
- * The typed plugin-field contract, parsed in one place (STYLE habit 4).
+ * The typed plugin-field contract, parsed in one place (docs/ARCHITECTURE.md habit 4).
  *
  * A plugin declares its fields once as a FieldSpec table. The same table gives the
  * creator's getFieldNames(), parses createPlugin()'s PluginFieldCollection (build phase:

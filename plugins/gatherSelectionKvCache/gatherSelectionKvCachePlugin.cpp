@@ -26,7 +26,7 @@ char const* const kINPUT_NAMES[] = {"selection_k_rope", "selection_kv_cache", "s
     "selection_kv_block_status", "selection_topk_indices", "full_k_rope", "full_kv_cache", "full_kv_block_table",
     "full_kv_actual_seq", "full_q_actual_seq"};
 
-// OPS.md G2 cache dtypes that TensorRT can express (it has no FP8 E5M2).
+// docs/SPEC.md G2 cache dtypes that TensorRT can express (it has no FP8 E5M2).
 bool isCacheType(DataType t) noexcept
 {
     return t == DataType::kHALF || t == DataType::kBF16 || t == DataType::kINT8 || t == DataType::kFLOAT

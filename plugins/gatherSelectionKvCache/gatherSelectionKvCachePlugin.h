@@ -1,5 +1,5 @@
 /*
- * GatherSelectionKvCache TensorRT plugin (shared/spec/OPS.md section G, ONNX form in O).
+ * GatherSelectionKvCache TensorRT plugin (docs/SPEC.md section G, ONNX form in O).
  *
  * Ten inputs and four outputs in pytrt_kv/specs.py order. selection_k_rope_out,
  * selection_kv_cache_out and selection_kv_block_status_out are the in-place updated
@@ -46,7 +46,7 @@ public:
     static constexpr int32_t kOUT_SELECTION_KV_BLOCK_STATUS{2};
     static constexpr int32_t kOUT_SELECTION_KV_ACTUAL_SEQ{3};
     static constexpr int32_t kNB_OUTPUTS{4};
-    //! OPS.md G2: K <= 2048; K > 32 needs TBS == 1.
+    //! docs/SPEC.md G2: K <= 2048; K > 32 needs TBS == 1.
     static constexpr int64_t kMAX_TOPK{2048};
     static constexpr int64_t kMAX_TOPK_BLOCKED{kMAX_TOPK}; // any TBS with K <= 2048 (docs/SPEC.md G2)
 
@@ -58,7 +58,7 @@ public:
     ~GatherSelectionKvCachePlugin() override = default;
 
     //! Kernel parameters for these input dims and dtypes, without pointers. Throws
-    //! PluginError for any broken OPS.md G2 rule; dims of -1 (build time) are checked
+    //! PluginError for any broken docs/SPEC.md G2 rule; dims of -1 (build time) are checked
     //! only once known.
     kernels::GatherSelectionParams describe(nvinfer1::Dims const* dims, nvinfer1::DataType const* types) const;
 

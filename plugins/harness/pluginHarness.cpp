@@ -1,6 +1,6 @@
 /*
  * pytrt_kv plugin harness: drives both plugins through their creators the way TensorRT
- * does, without libnvinfer (ARCHITECTURE.md, "Verifying without TensorRT").
+ * does, without libnvinfer (docs/ARCHITECTURE.md, "Verifying without TensorRT").
  *
  *   pytrt_kv_plugin_harness fields          creators, field names/types, defaults, aliases as JSON
  *   pytrt_kv_plugin_harness check           CPU checks: fields as the ONNX parser passes them,

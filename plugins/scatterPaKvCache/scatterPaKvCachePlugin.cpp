@@ -21,7 +21,7 @@ constexpr char const* kCACHE_LAYOUT{"cache_layout"};
 constexpr char const* kCOMPRESS_MODE{"compress_mode"};
 constexpr char const* kALIAS_IO{"alias_io"};
 
-// OPS.md S8 dtypes that TensorRT can hand a plugin: uint8 is not a legal plugin I/O type
+// docs/SPEC.md S8 dtypes that TensorRT can hand a plugin: uint8 is not a legal plugin I/O type
 // and TensorRT has no FP8 E5M2, so those two stay eager/reference-only.
 bool isDataType(DataType t) noexcept
 {
@@ -48,7 +48,7 @@ struct CacheGeometry
     int64_t blockSize;
 };
 
-// Checks one 3-D-key cache against OPS.md S3-S5 and returns its NB and BS.
+// Checks one 3-D-key cache against docs/SPEC.md S3-S5 and returns its NB and BS.
 CacheGeometry checkLayoutCache(Dims const& cache, kernels::CacheLayout layout, int64_t heads, int64_t headSize,
     int32_t itemSize, char const* name)
 {
@@ -208,7 +208,7 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
         return shape;
     }
 
-    // 4-D key: the compressing write, OPS.md S6.
+    // 4-D key: the compressing write, docs/SPEC.md S6.
     check(mCacheLayout.empty(), "cache_layout: applies to a 3-D key only, got \"", mCacheLayout, "\" with key ",
         dimsText(key));
     check(nbInputs == kNB_INPUTS_COMPRESS,

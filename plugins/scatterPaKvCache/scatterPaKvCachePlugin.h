@@ -1,7 +1,7 @@
 /*
- * ScatterPaKvCache TensorRT plugin (shared/spec/OPS.md section S, ONNX form in O).
+ * ScatterPaKvCache TensorRT plugin (docs/SPEC.md section S, ONNX form in O).
  *
- * Inputs, in pytrt_kv/specs.py order. A node has 5 inputs (3-D key: OPS.md S3-S5) or 8
+ * Inputs, in pytrt_kv/specs.py order. A node has 5 inputs (3-D key: docs/SPEC.md S3-S5) or 8
  * (4-D key: S6). An optional tensor that a model leaves out reaches the plugin as a
  * zero-element tensor at its position, because the ONNX parser hands a plugin its
  * inputs by position and cannot pass an empty name:
@@ -67,7 +67,7 @@ public:
     };
 
     //! The kernel parameters for these input dims and dtypes. Throws PluginError for any
-    //! broken OPS.md shape/dtype rule; dims of -1 (build time) are checked only once known.
+    //! broken docs/SPEC.md shape/dtype rule; dims of -1 (build time) are checked only once known.
     Shape describe(nvinfer1::Dims const* dims, nvinfer1::DataType const* types, int32_t nbInputs) const;
 
     //! The dtype rules of describe() that need no dims (docs/SPEC.md S8): run from

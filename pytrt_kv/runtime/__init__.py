@@ -1,4 +1,4 @@
-"""CPU runtime for models made of pytrt_kv ops and standard ONNX ops (OPS.md O).
+"""CPU runtime for models made of pytrt_kv ops and standard ONNX ops (docs/SPEC.md O).
 
 ``onnx.reference.ReferenceEvaluator`` runs the standard ops; our two ops are ``OpRun``
 classes that call the NumPy reference (:mod:`pytrt_kv.reference`) on copies of the

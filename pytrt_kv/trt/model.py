@@ -241,7 +241,7 @@ def _check_node_dtypes(tag: str, op, ins: List[str], types) -> None:
 
 def alias_pairs(model) -> Dict[str, str]:
     """Graph output name -> graph input name, for every ``*_out`` of a pytrt_kv node whose
-    input is a graph input: the pairs a runner binds to one address (OPS.md O)."""
+    input is a graph input: the pairs a runner binds to one address (docs/SPEC.md O)."""
     graph_inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
     readers: Dict[str, List[str]] = {}
@@ -259,11 +259,11 @@ def alias_pairs(model) -> Dict[str, str]:
             if out not in graph_outputs or inp not in graph_inputs:
                 continue
             # Bound to one address, any other reader would see the updated (or a racing)
-            # cache, while the CPU runtime gives it the old one: refuse, per OPS.md O.
+            # cache, while the CPU runtime gives it the old one: refuse, per docs/SPEC.md O.
             if len(readers.get(inp, [])) > 1 or inp in graph_outputs or inp in pairs.values():
                 raise ValueError(
                     f"{inp}: expected a cache input consumed only by its op and updated only "
-                    f"through {out} (OPS.md O), got readers {readers.get(inp, [])}"
+                    f"through {out} (docs/SPEC.md O), got readers {readers.get(inp, [])}"
                     f"{' and it is also a graph output' if inp in graph_outputs else ''}")
             pairs[out] = inp
     return pairs

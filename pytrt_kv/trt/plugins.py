@@ -1,6 +1,6 @@
 """Load the pytrt_kv plugin library into TensorRT's plugin registry.
 
-Two libraries are built from the same objects (ARCHITECTURE.md). :func:`load_plugins`
+Two libraries are built from the same objects (docs/ARCHITECTURE.md). :func:`load_plugins`
 uses ``libpytrt_kv_plugins.so`` through ``trt.get_plugin_registry().load_library``
 (TensorRT calls its ``getCreators``/``setLoggerFinder``); the self-registering
 ``libpytrt_kv_plugins_autoreg.so`` is for ``polygraphy --plugins``, ``ctypes.CDLL`` and

@@ -1,4 +1,4 @@
-"""Run pytrt_kv engines with aliasing-aware bindings (OPS.md O: in place)."""
+"""Run pytrt_kv engines with aliasing-aware bindings (docs/SPEC.md O: in place)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class EngineRunner:
     """Binds and runs one execution context of a pytrt_kv engine.
 
     Every ``*_out`` output whose input is an engine input is bound to that input's
-    address, so caches are updated in place and never copied (OPS.md O). Inputs may be
+    address, so caches are updated in place and never copied (docs/SPEC.md O). Inputs may be
     torch/CuPy/PyCUDA/Numba CUDA arrays, cuda-python allocations, or pinned host memory
     (:class:`HostArray`, a host-resident full cache). Outputs that alias nothing are
     allocated by the runner unless given.
