@@ -287,13 +287,6 @@ def apply_misses(misses, sel_cache, full_cache):
             sel[m["dst"]:m["dst"] + m["size"]] = full[m["src"]:m["src"] + m["size"]]
 
 
-def _reference_accepts(K: int, tbs: int) -> bool:
-    # The Python reference may still carry the Ascend limit (K > 32 needs TBS 1) that the
-    # kernels lift (docs/SPEC.md G2); there the bytes are checked through the miss list's
-    # G4 addresses only.
-    limit = getattr(_gather, "MAX_TOPK_BLOCKED", None)
-    return limit is None or K <= limit or tbs == 1
-
 
 def run_call_steps(lib, rng, *, B, S, K, tbs, sbs, fbs, extra_rows, layout, steps, reuse,
                    pad=0.15, beyond=0.1, kv_dim=8):
@@ -342,15 +335,10 @@ def run_call_steps(lib, rng, *, B, S, K, tbs, sbs, fbs, extra_rows, layout, step
         want = expected_misses(plans, kv_len, S, tbs, sel_table, full_table, sbs, fbs)
 
         ref_cache, ref_status = sel_cache.copy(), status.reshape(shape + (K + 1,)).copy()
-        if _reference_accepts(K, tbs):
-            ref_actual = _gather.gather_selection_kv_cache(
-                np.zeros(0, np.float16), ref_cache, sel_table, ref_status,
-                topk.reshape(shape + (K,)), np.zeros(0, np.float16), full_cache, full_table,
-                kv_len, np.ones(B, np.int32), selection_topk_block_size=tbs)
-        else:
-            apply_misses(want, ref_cache, full_cache)
-            ref_status = np.stack([p.status for p in plans])
-            ref_actual = np.array([p.actual_seq for p in plans] + [0] * extra_rows, np.int32)
+        ref_actual = _gather.gather_selection_kv_cache(
+            np.zeros(0, np.float16), ref_cache, sel_table, ref_status,
+            topk.reshape(shape + (K,)), np.zeros(0, np.float16), full_cache, full_table,
+            kv_len, np.ones(B, np.int32), selection_topk_block_size=tbs)
 
         got_status = status.copy()
         actual, misses = host_gather_plan(

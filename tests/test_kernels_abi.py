@@ -121,6 +121,7 @@ def good_gather() -> _cuda.GatherSelectionParams:
 
 GATHER_BREAKS = {
     "topk over 2048": lambda p: (setattr(p, "topk", 2049), setattr(p, "topkBlockSize", 1)),
+    "topk over 2048 with tbs > 1": lambda p: setattr(p, "topk", 2049),
     "sbs % tbs": lambda p: setattr(p, "selectionBlockSize", 6),
     "fbs % tbs": lambda p: setattr(p, "fullBlockSize", 10),
     "rows < B*S": lambda p: setattr(p, "selectionRows", 3),

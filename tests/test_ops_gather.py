@@ -132,6 +132,8 @@ GRID = [
     (8, 4, 12, 8, 3),
     (16, 64, 64, 128, 1),
     (32, 2, 6, 10, 2),
+    (40, 4, 8, 8, 1),     # K > 32 with TBS > 1 (docs/SPEC.md G2, lifted)
+    (190, 128, 128, 256, 1),  # retrieval at 128K: 20% of 128-token blocks
     (5, 3, 9, 6, 4),
 ]
 
@@ -357,23 +359,12 @@ def test_gather_rejects_pageable_full_cache(rng):
         ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
 
 
-def _reference_accepts(K: int, tbs: int) -> bool:
-    from pytrt_kv import _gather
-
-    limit = getattr(_gather, "MAX_TOPK_BLOCKED", None)
-    return limit is None or K <= limit or tbs == 1
-
-
 @gpu
 @pytest.mark.parametrize("grid", [(40, 4, 16, 32, 2), (190, 128, 128, 256, 1)], ids=str)
 def test_gather_large_topk_with_blocks(rng, grid):
     """K > 32 with TBS > 1 (docs/SPEC.md G2 lifts the Ascend limit; retrieval needs ~190
     blocks of 128 tokens), multi-step with reuse, bit-exact."""
     K, tbs, sbs, fbs, S = grid
-    if not _reference_accepts(K, tbs):
-        pytest.skip("pytrt_kv._gather still refuses K > 32 with TBS > 1 (the retrieval "
-                    "work lifts it); the kernels' plan for it is tested on the CPU in "
-                    "test_gather_plan_host.py")
     fmax = max(-(-K * tbs * 2 // fbs), 4)
     case = Case(rng, B=2, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv=64, rope=8, fmax=fmax)
     dev = to_device_args(case, host_full=False)

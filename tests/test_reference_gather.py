@@ -607,11 +607,12 @@ RULES = [
     ("tbs zero", _tbs(0), ValueError, "selection_topk_block_size"),
     ("SBS % TBS", _tbs(3), ValueError, "SBS = 4"),
     ("FBS % TBS", _tbs(4), ValueError, "FBS = 6"),
-    ("K > 32 needs TBS 1", _both(_set("selection_topk_indices",
-                                      lambda x: np.full(x.shape[:-1] + (33,), -1, I32)),
-                                 _set("selection_kv_block_status",
-                                      lambda x: np.full(x.shape[:-1] + (34,), -1, I32))),
-     ValueError, "selection_topk_block_size"),
+    # G2 as lifted by pytrt_kv: K <= 2048 for every TBS (no "TBS == 1 when K > 32").
+    ("K > 2048 with TBS 2", _both(_tbs(2), _both(
+        _set("selection_topk_indices", lambda x: np.full(x.shape[:-1] + (2049,), -1, I32)),
+        _set("selection_kv_block_status",
+             lambda x: np.full(x.shape[:-1] + (2050,), -1, I32)))),
+     ValueError, "selection_topk_indices"),
     ("K > 2048", _both(_tbs(1), _both(
         _set("selection_topk_indices", lambda x: np.full(x.shape[:-1] + (2049,), -1, I32)),
         _set("selection_kv_block_status",
@@ -738,6 +739,29 @@ def test_k_over_32_with_tbs_1_is_valid(rng):
     case = make_case(rng, K=33, tbs=1, sbs=8, fbs=8, kv_lens=[40],
                      topk=[list(range(39, 6, -1))])
     assert case.call().tolist() == [33, 0]
+
+
+@pytest.mark.parametrize("K,tbs,sbs,fbs,tail", [(33, 2, 4, 6, 1), (40, 4, 8, 8, 2),
+                                                (190, 128, 128, 256, 5)])
+def test_k_over_32_with_tbs_over_1_is_valid(rng, K, tbs, sbs, fbs, tail):
+    """docs/SPEC.md G2: pytrt_kv accepts any TBS with K <= 2048 (retrieval recalls ~190
+    blocks of 128 tokens at 128K); the row gets every selected block, in two steps."""
+    kv_len = (K - 1) * tbs + tail  # max_id = K-1 holds `tail` tokens
+    order = list(rng.permutation(K))
+    case = make_case(rng, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv_lens=[kv_len],
+                     rope_dim=0, topk=[order])
+    assert case.call().tolist() == [kv_len, 0]
+    status = case.status_rows()[0]
+    assert status[K - 1] == K - 1 and status[K] == kv_len  # max_id in the reserved slot
+    assert sorted(status[:K].tolist()) == list(range(K))
+    for j, v in enumerate(status[:K - 1].tolist()):
+        assert_slot(case, 0, j, v, tbs)
+    assert_slot(case, 0, K - 1, K - 1, tail)
+    before = selection_bytes(case)
+    case.set_kv_lens([kv_len + 1])  # one new token: only the tail block is copied again
+    case.set_topk([order])
+    assert case.call().tolist() == [kv_len + 1, 0]
+    assert changed_tokens(case, before) <= tail + 1
 
 
 def test_old_partial_tail_is_recopied(rng):
