@@ -64,7 +64,8 @@ fi
 
 cmake_args=()
 for v in TensorRT_INCLUDE_DIR TensorRT_ROOT CMAKE_CUDA_ARCHITECTURES; do
-  if [ -n "${!v:-}" ]; then cmake_args+=(-C "cmake.define.$v=${!v}"); fi
+  # --config-settings, not its short form -C, which pip < 23.1 (Debian 12's venv) lacks.
+  if [ -n "${!v:-}" ]; then cmake_args+=("--config-settings=cmake.define.$v=${!v}"); fi
 done
 
 echo "== installing pytrt-kv[$extras] (builds the native libraries when nvcc is present)"
