@@ -29,7 +29,8 @@ def _ok(r: subprocess.CompletedProcess) -> str:
 
 def test_every_example_has_a_test():
     tested = {"export_graphsurgeon.py", "export_torch.py", "compare_polygraphy.py",
-              "build_engine.py"}
+              "build_engine.py",
+              "datadist_prefill_decode.py"}  # run by tests/test_datadist_processes.py
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
