@@ -30,19 +30,17 @@ import numpy as np
 
 from . import _lib, specs
 from ._errors import describe, type_error, value_error
+from .contract import limits
 from .dtypes import NUMPY, name_of, numpy_dtype
 
 # --- the library -------------------------------------------------------------------------
 
 #: DataType of plugins/kernels/kvCommon.h for each dtype name.
-DTYPE_CODE: Dict[str, int] = {
-    specs.FLOAT32: 0, specs.FLOAT16: 1, specs.BFLOAT16: 2, specs.INT8: 3, specs.UINT8: 4,
-    specs.FLOAT8_E4M3: 5, specs.FLOAT8_E5M2: 6, specs.INT32: 7, specs.INT64: 8,
-}
-LAYOUT_CODE = {"nd": 0, "nz": 1, "hnd": 2}
-MODE_CODE = {"rope": 0, "omni": 1, "alibi": 2}
+DTYPE_CODE: Dict[str, int] = dict(limits.DTYPE_CODES)
+LAYOUT_CODE: Dict[str, int] = dict(limits.LAYOUT_CODES)
+MODE_CODE: Dict[str, int] = dict(limits.MODE_CODES)
 #: pytrt_kv_abi_version() this module's structures match.
-ABI_VERSION = 1
+ABI_VERSION = limits.ABI_VERSION
 
 
 class ScatterParams(ctypes.Structure):
@@ -132,16 +130,15 @@ def kernels() -> ctypes.CDLL:
         return _KERNELS
 
 
-#: cudaErrorStubLibrary, cudaErrorInsufficientDriver, cudaErrorNoDevice: what the runtime
-#: returns when there is no driver or no GPU.
-_NO_GPU_CODES = (34, 35, 100)
+#: What the runtime returns when there is no driver or no GPU.
+_NO_GPU_CODES = limits.STATUS_NO_GPU
 
 
 def check_status(code: int, what: str) -> None:
     """Raise for a non-zero cudaError_t: ValueError for cudaErrorInvalidValue (a refused
     argument, with the library's reason), RuntimeError otherwise ("no CUDA driver / GPU"
     when that is the cause)."""
-    if code == 0:
+    if code == limits.STATUS_SUCCESS:
         return
     if code in _NO_GPU_CODES:
         # Without a driver the runtime says "driver version is insufficient", which sends
@@ -158,7 +155,7 @@ def check_status(code: int, what: str) -> None:
     detail = (lib.pytrt_kv_get_last_error() or b"").decode(errors="replace")
     text = (lib.pytrt_kv_error_string(code) or b"").decode(errors="replace")
     msg = f"{what}: CUDA error {code} ({text})" + (f": {detail}" if detail else "")
-    if code == 1:  # cudaErrorInvalidValue
+    if code == limits.STATUS_INVALID_VALUE:
         raise ValueError(msg)
     raise RuntimeError(msg)
 
@@ -166,7 +163,7 @@ def check_status(code: int, what: str) -> None:
 # --- buffers -------------------------------------------------------------------------------
 
 #: Where a buffer lives (pytrt_kv_pointer_info kinds).
-HOST, PINNED, DEVICE, MANAGED = 0, 1, 2, 3
+HOST, PINNED, DEVICE, MANAGED = (limits.POINTER_KINDS[k] for k in ("host", "pinned", "device", "managed"))
 
 
 @dataclass

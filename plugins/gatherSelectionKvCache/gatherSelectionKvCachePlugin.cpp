@@ -17,14 +17,13 @@ namespace plugin
 namespace
 {
 
-constexpr char const* kTOPK_BLOCK_SIZE{"selection_topk_block_size"};
-constexpr char const* kALIAS_IO{"alias_io"};
+namespace op = contract::gatherSelectionKvCache;
+constexpr char const* kTOPK_BLOCK_SIZE{op::kFIELD_SELECTION_TOPK_BLOCK_SIZE};
+constexpr char const* kALIAS_IO{op::kFIELD_ALIAS_IO};
 
 using Self = GatherSelectionKvCachePlugin;
 
-char const* const kINPUT_NAMES[] = {"selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
-    "selection_kv_block_status", "selection_topk_indices", "full_k_rope", "full_kv_cache", "full_kv_block_table",
-    "full_kv_actual_seq", "full_q_actual_seq"};
+constexpr auto const& kINPUT_NAMES = op::kINPUT_NAMES;
 
 // docs/SPEC.md G2 cache dtypes that TensorRT can express (it has no FP8 E5M2).
 bool isCacheType(DataType t) noexcept
@@ -50,8 +49,10 @@ int32_t narrow(int64_t v, char const* name)
 std::vector<FieldSpec> const& GatherSelectionKvCachePlugin::fieldSpecs()
 {
     static std::vector<FieldSpec> const kSPECS{
-        {kTOPK_BLOCK_SIZE, FieldKind::kINT, 64, "", {}, 1, std::numeric_limits<int32_t>::max()},
-        {kALIAS_IO, FieldKind::kINT, 1, "", {}, 0, 1},
+        {kTOPK_BLOCK_SIZE, FieldKind::kINT, op::kFIELD_SELECTION_TOPK_BLOCK_SIZE_DEFAULT, "", {}, 1,
+            std::numeric_limits<int32_t>::max()},
+        {kALIAS_IO, FieldKind::kINT, op::kFIELD_ALIAS_IO_DEFAULT, "", {}, op::kFIELD_ALIAS_IO_CHOICES[0],
+            op::kFIELD_ALIAS_IO_CHOICES[1]},
     };
     return kSPECS;
 }

@@ -11,6 +11,7 @@
 #include "NvInferRuntime.h"
 #include "gatherSelectionKvCache.h"
 #include "pluginBase.h"
+#include "kvContract.h"
 #include "pluginFields.h"
 
 #include <array>
@@ -26,29 +27,29 @@ namespace plugin
 class GatherSelectionKvCachePlugin : public PluginBase<GatherSelectionKvCachePlugin>
 {
 public:
-    //! TensorRT plugin name (specs.py GATHER_SELECTION_KV_CACHE.name).
-    static constexpr char const* kPLUGIN_NAME{"GatherSelectionKvCache"};
+    //! TensorRT plugin name (kvContract.h, generated from pytrt_kv/specs.py).
+    static constexpr char const* kPLUGIN_NAME{contract::gatherSelectionKvCache::kNAME};
     //! Input indices (specs.py GATHER_SELECTION_KV_CACHE.inputs).
-    static constexpr int32_t kIN_SELECTION_K_ROPE{0};
-    static constexpr int32_t kIN_SELECTION_KV_CACHE{1};
-    static constexpr int32_t kIN_SELECTION_KV_BLOCK_TABLE{2};
-    static constexpr int32_t kIN_SELECTION_KV_BLOCK_STATUS{3};
-    static constexpr int32_t kIN_SELECTION_TOPK_INDICES{4};
-    static constexpr int32_t kIN_FULL_K_ROPE{5};
-    static constexpr int32_t kIN_FULL_KV_CACHE{6};
-    static constexpr int32_t kIN_FULL_KV_BLOCK_TABLE{7};
-    static constexpr int32_t kIN_FULL_KV_ACTUAL_SEQ{8};
-    static constexpr int32_t kIN_FULL_Q_ACTUAL_SEQ{9};
-    static constexpr int32_t kNB_INPUTS{10};
+    static constexpr int32_t kIN_SELECTION_K_ROPE{contract::gatherSelectionKvCache::kIN_SELECTION_K_ROPE};
+    static constexpr int32_t kIN_SELECTION_KV_CACHE{contract::gatherSelectionKvCache::kIN_SELECTION_KV_CACHE};
+    static constexpr int32_t kIN_SELECTION_KV_BLOCK_TABLE{contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_TABLE};
+    static constexpr int32_t kIN_SELECTION_KV_BLOCK_STATUS{contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_STATUS};
+    static constexpr int32_t kIN_SELECTION_TOPK_INDICES{contract::gatherSelectionKvCache::kIN_SELECTION_TOPK_INDICES};
+    static constexpr int32_t kIN_FULL_K_ROPE{contract::gatherSelectionKvCache::kIN_FULL_K_ROPE};
+    static constexpr int32_t kIN_FULL_KV_CACHE{contract::gatherSelectionKvCache::kIN_FULL_KV_CACHE};
+    static constexpr int32_t kIN_FULL_KV_BLOCK_TABLE{contract::gatherSelectionKvCache::kIN_FULL_KV_BLOCK_TABLE};
+    static constexpr int32_t kIN_FULL_KV_ACTUAL_SEQ{contract::gatherSelectionKvCache::kIN_FULL_KV_ACTUAL_SEQ};
+    static constexpr int32_t kIN_FULL_Q_ACTUAL_SEQ{contract::gatherSelectionKvCache::kIN_FULL_Q_ACTUAL_SEQ};
+    static constexpr int32_t kNB_INPUTS{contract::gatherSelectionKvCache::kNB_INPUTS};
     //! Output indices (specs.py GATHER_SELECTION_KV_CACHE.outputs).
-    static constexpr int32_t kOUT_SELECTION_K_ROPE{0};
-    static constexpr int32_t kOUT_SELECTION_KV_CACHE{1};
-    static constexpr int32_t kOUT_SELECTION_KV_BLOCK_STATUS{2};
-    static constexpr int32_t kOUT_SELECTION_KV_ACTUAL_SEQ{3};
-    static constexpr int32_t kNB_OUTPUTS{4};
-    //! docs/SPEC.md G2: K <= 2048; K > 32 needs TBS == 1.
-    static constexpr int64_t kMAX_TOPK{2048};
-    static constexpr int64_t kMAX_TOPK_BLOCKED{kMAX_TOPK}; // any TBS with K <= 2048 (docs/SPEC.md G2)
+    static constexpr int32_t kOUT_SELECTION_K_ROPE{contract::gatherSelectionKvCache::kOUT_SELECTION_K_ROPE_OUT};
+    static constexpr int32_t kOUT_SELECTION_KV_CACHE{contract::gatherSelectionKvCache::kOUT_SELECTION_KV_CACHE_OUT};
+    static constexpr int32_t kOUT_SELECTION_KV_BLOCK_STATUS{contract::gatherSelectionKvCache::kOUT_SELECTION_KV_BLOCK_STATUS_OUT};
+    static constexpr int32_t kOUT_SELECTION_KV_ACTUAL_SEQ{contract::gatherSelectionKvCache::kOUT_SELECTION_KV_ACTUAL_SEQ};
+    static constexpr int32_t kNB_OUTPUTS{contract::gatherSelectionKvCache::kNB_OUTPUTS};
+    //! docs/SPEC.md G2: K <= kMAX_TOPK, for any TBS.
+    static constexpr int64_t kMAX_TOPK{contract::kMAX_TOPK};
+    static constexpr int64_t kMAX_TOPK_BLOCKED{kMAX_TOPK}; // any TBS with K <= kMAX_TOPK (docs/SPEC.md G2)
 
     //! The plugin's fields: selection_topk_block_size, alias_io (ints).
     static std::vector<FieldSpec> const& fieldSpecs();

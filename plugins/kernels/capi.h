@@ -6,6 +6,7 @@
 #pragma once
 
 #include "gatherSelectionKvCache.h"
+#include "kvContract.h"
 #include "scatterPaKvCache.h"
 
 #include <cstddef>
@@ -13,10 +14,10 @@
 
 #define PYTRT_KV_API extern "C" __attribute__((visibility("default")))
 
-//! Library version as major * 10000 + minor * 100 + patch.
+//! Library version as major * 10000 + minor * 100 + patch (kvContract.h kVERSION_NUMBER).
 PYTRT_KV_API int32_t pytrt_kv_version(void);
 
-//! Bumped whenever ScatterParams or GatherSelectionParams change layout.
+//! Bumped whenever ScatterParams or GatherSelectionParams change layout (kABI_VERSION).
 PYTRT_KV_API int32_t pytrt_kv_abi_version(void);
 
 //! Message of the last refusal or launch failure on this thread ("" if none).
@@ -69,7 +70,7 @@ PYTRT_KV_API int32_t pytrt_kv_host_unregister(void* ptr);
 //! Host run of the planning kernel's code (gatherPlan.h) over \p rows independent rows,
 //! for the CPU tests. oldStatus/newStatus [rows, K+1], topk [rows, K], kvLen and s [rows]
 //! (per row), copy [rows, K] (0/1: the slots of the row's miss list), actualSeq and
-//! skipped [rows]. Returns 0, or cudaErrorInvalidValue for K outside [0, 2048], S < 1,
+//! skipped [rows]. Returns 0, or cudaErrorInvalidValue for K outside [0, kMAX_TOPK], S < 1,
 //! TBS < 1 or s[r] outside [0, S).
 PYTRT_KV_API int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPerBatch,
     int32_t topkBlockSize, int32_t const* oldStatus, int32_t const* topkIndices, int32_t const* kvLen,

@@ -15,6 +15,7 @@
  */
 #pragma once
 
+#include "kvContract.h"
 #include "kvHostDevice.h"
 
 #include <climits>
@@ -31,7 +32,7 @@ namespace kernels
 {
 
 //! docs/SPEC.md G2: largest K (any TBS).
-constexpr int32_t kMAX_TOPK = 2048;
+constexpr int32_t kMAX_TOPK = contract::kMAX_TOPK;
 //! Threads of one planning CTA; each owns kPLAN_ITEMS consecutive topk positions and slots.
 constexpr int32_t kPLAN_THREADS = 256;
 constexpr int32_t kPLAN_ITEMS = kMAX_TOPK / kPLAN_THREADS;

@@ -157,11 +157,11 @@ cudaError_t checkGather(GatherSelectionParams const& p)
         return invalidArgument("gather: cacheType must be a 1-, 2- or 4-byte type");
     }
     // B*S == 0 (an empty batch) is accepted: nothing is planned or copied (docs/SPEC.md
-    // G2 allows any TBS with K <= 2048; the Ascend kernel's K > 32 => TBS == 1 is lifted).
+    // G2 allows any TBS with K <= kMAX_TOPK; the Ascend kernel's K > 32 => TBS == 1 is lifted).
     if (p.batch < 0 || p.seqPerBatch < 0 || (p.batch > 0 && p.seqPerBatch < 1) || p.topk < 0
         || p.topk > kMAX_TOPK || p.topkBlockSize < 1)
     {
-        return invalidArgument("gather: need batch >= 0, seqPerBatch >= 1 (>= 0 when batch == 0), 0 <= topk <= 2048, "
+        return invalidArgument("gather: need batch >= 0, seqPerBatch >= 1 (>= 0 when batch == 0), 0 <= topk <= " PYTRT_KV_MAX_TOPK_STR ", "
                                "topkBlockSize >= 1");
     }
     if (static_cast<int64_t>(p.batch) * p.seqPerBatch > INT_MAX)

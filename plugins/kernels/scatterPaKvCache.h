@@ -16,17 +16,17 @@ namespace kernels
 //! docs/SPEC.md S2: which write a 3-D key performs. A 4-D key always performs S6.
 enum class CacheLayout : int32_t
 {
-    kND = 0,  //!< [NB, BS, H, D]
-    kNZ = 1,  //!< [NB, H*D/L, BS, L], L = 32 / itemsize
-    kHND = 2, //!< [NB, H, BS, D]
+    kND = contract::kLAYOUT_ND,  //!< [NB, BS, H, D]
+    kNZ = contract::kLAYOUT_NZ,  //!< [NB, H*D/L, BS, L], L = 32 / itemsize
+    kHND = contract::kLAYOUT_HND, //!< [NB, H, BS, D]
 };
 
 //! docs/SPEC.md S6 compress modes (4-D key).
 enum class CompressMode : int32_t
 {
-    kROPE = 0,
-    kOMNI = 1,
-    kALIBI = 2,
+    kROPE = contract::kMODE_ROPE,
+    kOMNI = contract::kMODE_OMNI,
+    kALIBI = contract::kMODE_ALIBI,
 };
 
 //! All arguments of one scatter call. Pointers are device (or unified) addresses of

@@ -6,6 +6,7 @@
 #include "pluginCommon.h"
 
 #include <array>
+#include <iterator>
 #include <limits>
 
 using namespace nvinfer1;
@@ -17,9 +18,10 @@ namespace plugin
 namespace
 {
 
-constexpr char const* kCACHE_LAYOUT{"cache_layout"};
-constexpr char const* kCOMPRESS_MODE{"compress_mode"};
-constexpr char const* kALIAS_IO{"alias_io"};
+namespace op = contract::scatterPaKvCache;
+constexpr char const* kCACHE_LAYOUT{op::kFIELD_CACHE_LAYOUT};
+constexpr char const* kCOMPRESS_MODE{op::kFIELD_COMPRESS_MODE};
+constexpr char const* kALIAS_IO{op::kFIELD_ALIAS_IO};
 
 // docs/SPEC.md S8 dtypes that TensorRT can hand a plugin: uint8 is not a legal plugin I/O type
 // and TensorRT has no FP8 E5M2, so those two stay eager/reference-only.
@@ -39,8 +41,7 @@ bool isIndexType(DataType t) noexcept
     return t == DataType::kINT32 || t == DataType::kINT64;
 }
 
-char const* const kINPUT_NAMES[] = {"key", "value", "key_cache", "value_cache", "slot_mapping", "compress_lens",
-    "compress_seq_offsets", "seq_lens"};
+constexpr auto const& kINPUT_NAMES = op::kINPUT_NAMES;
 
 struct CacheGeometry
 {
@@ -104,9 +105,12 @@ kernels::CacheLayout parseLayout(std::string const& s)
 std::vector<FieldSpec> const& ScatterPaKvCachePlugin::fieldSpecs()
 {
     static std::vector<FieldSpec> const kSPECS{
-        {kCACHE_LAYOUT, FieldKind::kSTRING, 0, "", {"", "nd", "nz", "hnd"}, 0, 0},
-        {kCOMPRESS_MODE, FieldKind::kSTRING, 0, "", {"", "rope", "omni", "alibi"}, 0, 0},
-        {kALIAS_IO, FieldKind::kINT, 1, "", {}, 0, 1},
+        {kCACHE_LAYOUT, FieldKind::kSTRING, 0, op::kFIELD_CACHE_LAYOUT_DEFAULT,
+            {std::begin(op::kFIELD_CACHE_LAYOUT_CHOICES), std::end(op::kFIELD_CACHE_LAYOUT_CHOICES)}, 0, 0},
+        {kCOMPRESS_MODE, FieldKind::kSTRING, 0, op::kFIELD_COMPRESS_MODE_DEFAULT,
+            {std::begin(op::kFIELD_COMPRESS_MODE_CHOICES), std::end(op::kFIELD_COMPRESS_MODE_CHOICES)}, 0, 0},
+        {kALIAS_IO, FieldKind::kINT, op::kFIELD_ALIAS_IO_DEFAULT, "", {}, op::kFIELD_ALIAS_IO_CHOICES[0],
+            op::kFIELD_ALIAS_IO_CHOICES[1]},
     };
     return kSPECS;
 }
