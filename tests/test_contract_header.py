@@ -98,7 +98,7 @@ def test_version_has_one_source():
     ("plugins/kernels/capi.cpp", r"kABI_VERSION = \d"),
     ("plugins/gatherSelectionKvCache/gatherSelectionKvCachePlugin.h", r"kMAX_TOPK\{\d"),
     ("plugins/common/pluginCommon.h", r'kPLUGIN_NAMESPACE\{"'),
-    ("pytrt_kv/_cuda.py", r"ABI_VERSION = \d"),
+    ("pytrt_kv/_cuda/abi.py", r"ABI_VERSION = \d"),
     ("pytrt_kv/__init__.py", r"__version__ = \""),
     ("CMakeLists.txt", r"project\(pytrt_kv VERSION \d"),
 ])

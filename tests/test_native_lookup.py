@@ -110,7 +110,7 @@ def test_check_status_says_no_driver_instead_of_insufficient(monkeypatch, code):
     def no_library():
         raise AssertionError("the no-GPU message must not need the library's strings")
 
-    monkeypatch.setattr(_cuda, "kernels", no_library)
+    monkeypatch.setattr(_cuda.abi, "kernels", no_library)
     with pytest.raises(RuntimeError) as exc:
         _cuda.check_status(code, "key: cudaPointerGetAttributes")
     msg = str(exc.value)
@@ -131,7 +131,7 @@ def test_check_status_keeps_driver_errors_when_a_gpu_exists(monkeypatch):
         def pytrt_kv_error_string(code):
             return b"CUDA driver version is insufficient for CUDA runtime version"
 
-    monkeypatch.setattr(_cuda, "kernels", lambda: Lib)
+    monkeypatch.setattr(_cuda.abi, "kernels", lambda: Lib)
     with pytest.raises(RuntimeError, match="insufficient"):
         _cuda.check_status(35, "x")
 
