@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pytrt_kv import _cuda, _lib, info
+from pytrt_kv.contract import limits
 
 
 def _fake_distribution(root: Path, libs=(_lib.KERNELS_LIB,)) -> Path:
@@ -102,7 +103,7 @@ def test_cuda_devices_with_driver_but_no_gpu(monkeypatch):
     assert names == [] and detail.startswith(info.NO_GPU) and "cuInit" in detail
 
 
-@pytest.mark.parametrize("code", [34, 35, 100])
+@pytest.mark.parametrize("code", limits.STATUS_NO_GPU)
 def test_check_status_says_no_driver_instead_of_insufficient(monkeypatch, code):
     monkeypatch.setattr(info, "cuda_devices",
                         lambda: ([], f"{info.NO_GPU}: libcuda.so.1 (the NVIDIA driver) not found"))
