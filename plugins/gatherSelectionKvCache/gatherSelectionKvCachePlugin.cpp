@@ -161,8 +161,8 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const
         checkDim(topk, 1, heads, "selection_topk_indices", "H of selection_kv_block_status");
         if (known(tokens) && known(batch))
         {
-            check(batch > 0 ? tokens % batch == 0 : tokens == 0, "selection_kv_block_status: TND needs T % B == 0, got T=",
-                tokens, " B=", batch);
+            check(batch > 0 ? tokens % batch == 0 : tokens == 0,
+                "selection_kv_block_status: TND needs T % B == 0, got T=", tokens, " B=", batch);
             seq = batch > 0 ? tokens / batch : 0;
         }
     }
@@ -397,21 +397,20 @@ int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc,
         // The shapes were validated by onShapeChange: only make sure these are the same.
         for (int32_t i = 0; i < kNB_INPUTS; ++i)
         {
-            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ",
-                kINPUT_NAMES[i], " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type),
-                ", not the ", dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
+            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ", kINPUT_NAMES[i],
+                " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type), ", not the ",
+                dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
         }
 
         // Functional ONNX form, in-place execution: an output bound elsewhere than its
         // input first receives the input (the kernel then reads the old status there).
-        for (auto const& [o, i] :
-            {std::pair<int32_t, int32_t>{kOUT_SELECTION_K_ROPE, kIN_SELECTION_K_ROPE},
-                std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_CACHE, kIN_SELECTION_KV_CACHE},
-                std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_BLOCK_STATUS, kIN_SELECTION_KV_BLOCK_STATUS}})
+        for (auto const& [o, i] : {std::pair<int32_t, int32_t>{kOUT_SELECTION_K_ROPE, kIN_SELECTION_K_ROPE},
+                 std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_CACHE, kIN_SELECTION_KV_CACHE},
+                 std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_BLOCK_STATUS, kIN_SELECTION_KV_BLOCK_STATUS}})
         {
             cudaError_t const st = copyIfDistinct(outputs[o], inputs[i], inputDesc[i], stream);
-            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i], " to its output failed: ",
-                cudaGetErrorName(st));
+            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i],
+                " to its output failed: ", cudaGetErrorName(st));
         }
 
         kernels::GatherSelectionParams p = mParams;

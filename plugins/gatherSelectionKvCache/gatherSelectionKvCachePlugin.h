@@ -10,8 +10,8 @@
 
 #include "NvInferRuntime.h"
 #include "gatherSelectionKvCache.h"
-#include "pluginBase.h"
 #include "kvContract.h"
+#include "pluginBase.h"
 #include "pluginFields.h"
 
 #include <array>
@@ -32,8 +32,10 @@ public:
     //! Input indices (specs.py GATHER_SELECTION_KV_CACHE.inputs).
     static constexpr int32_t kIN_SELECTION_K_ROPE{contract::gatherSelectionKvCache::kIN_SELECTION_K_ROPE};
     static constexpr int32_t kIN_SELECTION_KV_CACHE{contract::gatherSelectionKvCache::kIN_SELECTION_KV_CACHE};
-    static constexpr int32_t kIN_SELECTION_KV_BLOCK_TABLE{contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_TABLE};
-    static constexpr int32_t kIN_SELECTION_KV_BLOCK_STATUS{contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_STATUS};
+    static constexpr int32_t kIN_SELECTION_KV_BLOCK_TABLE{
+        contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_TABLE};
+    static constexpr int32_t kIN_SELECTION_KV_BLOCK_STATUS{
+        contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_STATUS};
     static constexpr int32_t kIN_SELECTION_TOPK_INDICES{contract::gatherSelectionKvCache::kIN_SELECTION_TOPK_INDICES};
     static constexpr int32_t kIN_FULL_K_ROPE{contract::gatherSelectionKvCache::kIN_FULL_K_ROPE};
     static constexpr int32_t kIN_FULL_KV_CACHE{contract::gatherSelectionKvCache::kIN_FULL_KV_CACHE};
@@ -44,8 +46,10 @@ public:
     //! Output indices (specs.py GATHER_SELECTION_KV_CACHE.outputs).
     static constexpr int32_t kOUT_SELECTION_K_ROPE{contract::gatherSelectionKvCache::kOUT_SELECTION_K_ROPE_OUT};
     static constexpr int32_t kOUT_SELECTION_KV_CACHE{contract::gatherSelectionKvCache::kOUT_SELECTION_KV_CACHE_OUT};
-    static constexpr int32_t kOUT_SELECTION_KV_BLOCK_STATUS{contract::gatherSelectionKvCache::kOUT_SELECTION_KV_BLOCK_STATUS_OUT};
-    static constexpr int32_t kOUT_SELECTION_KV_ACTUAL_SEQ{contract::gatherSelectionKvCache::kOUT_SELECTION_KV_ACTUAL_SEQ};
+    static constexpr int32_t kOUT_SELECTION_KV_BLOCK_STATUS{
+        contract::gatherSelectionKvCache::kOUT_SELECTION_KV_BLOCK_STATUS_OUT};
+    static constexpr int32_t kOUT_SELECTION_KV_ACTUAL_SEQ{
+        contract::gatherSelectionKvCache::kOUT_SELECTION_KV_ACTUAL_SEQ};
     static constexpr int32_t kNB_OUTPUTS{contract::gatherSelectionKvCache::kNB_OUTPUTS};
     //! docs/SPEC.md G2: K <= kMAX_TOPK, for any TBS.
     static constexpr int64_t kMAX_TOPK{contract::kMAX_TOPK};
@@ -72,18 +76,18 @@ public:
         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
     bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
         int32_t nbOutputs) noexcept override;
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
-        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
-    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
-        nvinfer1::DimsExprs const* shapeInputs, int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs,
-        int32_t nbOutputs, nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
+        int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
+        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
     int32_t getAliasedInput(int32_t outputIndex) noexcept override;
 
     // IPluginV3OneRuntime
-    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
-        nvinfer1::PluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
+        int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
 

@@ -270,8 +270,8 @@ void checkFormats()
             int32_t refused = -1;
             expect(ok && formatsAccepted(s.get(), in, out, TensorFormat::kLINEAR, &refused),
                 std::string("ScatterPaKvCache: linear ") + pytrt_kv::plugin::dataTypeName(t) + " with "
-                    + pytrt_kv::plugin::dataTypeName(idx) + " indices accepted (refused pos "
-                    + std::to_string(refused) + ")");
+                    + pytrt_kv::plugin::dataTypeName(idx) + " indices accepted (refused pos " + std::to_string(refused)
+                    + ")");
             expect(ok && out.size() == 2 && out[0].type == t && out[1].type == t,
                 std::string("ScatterPaKvCache: output dtypes follow the caches for ")
                     + pytrt_kv::plugin::dataTypeName(t));
@@ -283,8 +283,8 @@ void checkFormats()
         bool ok = declaredOutputs(g.get(), in, out);
         expect(ok && formatsAccepted(g.get(), in, out),
             std::string("GatherSelectionKvCache: linear ") + pytrt_kv::plugin::dataTypeName(t) + " accepted");
-        expect(ok && out.size() == 4 && out[0].type == t && out[1].type == t && out[2].type == kI32
-                && out[3].type == kI32,
+        expect(
+            ok && out.size() == 4 && out[0].type == t && out[1].type == t && out[2].type == kI32 && out[3].type == kI32,
             std::string("GatherSelectionKvCache: output dtypes for ") + pytrt_kv::plugin::dataTypeName(t));
     }
     // Refusals: types TensorRT cannot hand a plugin or the spec forbids, mixed groups,
@@ -297,17 +297,19 @@ void checkFormats()
             // typed as it would have declared them (the caches', and kINT32 lengths).
             out = in.size() == static_cast<size_t>(gatherOp::kNB_INPUTS)
                 ? std::vector<T>{in[gatherOp::kIN_SELECTION_K_ROPE], in[gatherOp::kIN_SELECTION_KV_CACHE],
-                    in[gatherOp::kIN_SELECTION_KV_BLOCK_STATUS], T{kI32, {in[gatherOp::kIN_SELECTION_KV_BLOCK_TABLE].dims[0]}}}
+                      in[gatherOp::kIN_SELECTION_KV_BLOCK_STATUS],
+                      T{kI32, {in[gatherOp::kIN_SELECTION_KV_BLOCK_TABLE].dims[0]}}}
                 : std::vector<T>{in[scatterOp::kIN_KEY_CACHE], in[scatterOp::kIN_VALUE_CACHE]};
         }
         int32_t refused = -1;
         bool const all = formatsAccepted(p, in, out, TensorFormat::kLINEAR, &refused);
-        expect(!all && refused == pos, what + " (refused at " + std::to_string(refused) + ", expected "
-                + std::to_string(pos) + ")");
+        expect(!all && refused == pos,
+            what + " (refused at " + std::to_string(refused) + ", expected " + std::to_string(pos) + ")");
     };
     refusedAt(s.get(), scatterNd(DataType::kUINT8), scatterOp::kIN_KEY, "ScatterPaKvCache: kUINT8 key refused");
     refusedAt(s.get(), scatterNd(DataType::kBOOL), scatterOp::kIN_KEY, "ScatterPaKvCache: kBOOL key refused");
-    refusedAt(s.get(), scatterNd(kF16, kF32), scatterOp::kIN_SLOT_MAPPING, "ScatterPaKvCache: float slot_mapping refused");
+    refusedAt(
+        s.get(), scatterNd(kF16, kF32), scatterOp::kIN_SLOT_MAPPING, "ScatterPaKvCache: float slot_mapping refused");
     {
         auto in = scatterNd();
         in[scatterOp::kIN_VALUE].type = kBF;
@@ -326,21 +328,24 @@ void checkFormats()
         in[scatterOp::kIN_COMPRESS_SEQ_OFFSETS].type = kI64;
         refusedAt(s.get(), in, scatterOp::kIN_COMPRESS_SEQ_OFFSETS, "ScatterPaKvCache: mixed index dtypes refused");
     }
-    refusedAt(sr.get(), scatterCompress(kI8, kI32, 6), scatterOp::kIN_KEY, "ScatterPaKvCache: compress_mode rope refuses int8");
+    refusedAt(sr.get(), scatterCompress(kI8, kI32, 6), scatterOp::kIN_KEY,
+        "ScatterPaKvCache: compress_mode rope refuses int8");
     {
         auto in = gatherBsnd();
         in[gatherOp::kIN_FULL_KV_CACHE].type = kBF;
-        refusedAt(g.get(), in, gatherOp::kIN_FULL_KV_CACHE, "GatherSelectionKvCache: full_kv_cache dtype != selection cache refused");
+        refusedAt(g.get(), in, gatherOp::kIN_FULL_KV_CACHE,
+            "GatherSelectionKvCache: full_kv_cache dtype != selection cache refused");
         auto in2 = gatherBsnd();
         in2[gatherOp::kIN_SELECTION_KV_BLOCK_TABLE].type = kI64;
-        refusedAt(g.get(), in2, gatherOp::kIN_SELECTION_KV_BLOCK_TABLE, "GatherSelectionKvCache: int64 block table refused (spec: int32)");
-        refusedAt(g.get(), gatherBsnd(DataType::kUINT8), gatherOp::kIN_SELECTION_K_ROPE, "GatherSelectionKvCache: kUINT8 caches refused");
+        refusedAt(g.get(), in2, gatherOp::kIN_SELECTION_KV_BLOCK_TABLE,
+            "GatherSelectionKvCache: int64 block table refused (spec: int32)");
+        refusedAt(g.get(), gatherBsnd(DataType::kUINT8), gatherOp::kIN_SELECTION_K_ROPE,
+            "GatherSelectionKvCache: kUINT8 caches refused");
     }
     {
         auto in = scatterNd();
         declaredOutputs(s.get(), in, out);
-        expect(!formatsAccepted(s.get(), in, out, TensorFormat::kCHW32),
-            "ScatterPaKvCache: non-linear format refused");
+        expect(!formatsAccepted(s.get(), in, out, TensorFormat::kCHW32), "ScatterPaKvCache: non-linear format refused");
         auto gi = gatherBsnd();
         declaredOutputs(g.get(), gi, out);
         expect(!formatsAccepted(g.get(), gi, out, TensorFormat::kHWC8), "GatherSelectionKvCache: non-linear refused");
@@ -350,8 +355,8 @@ void checkFormats()
         auto in = scatterNd();
         in.pop_back();
         auto descs = dynamicDescs(in);
-        expect(!buildOf(s.get())->supportsFormatCombination(0, descs.data(), 4, 2),
-            "ScatterPaKvCache: 4 inputs refused");
+        expect(
+            !buildOf(s.get())->supportsFormatCombination(0, descs.data(), 4, 2), "ScatterPaKvCache: 4 inputs refused");
         DataType types[4] = {kF16, kF16, kF16, kF16};
         DataType outs[2];
         expectLoggedError([&] { return buildOf(s.get())->getOutputDataTypes(outs, 2, types, 4) != 0; }, "inputs",
@@ -440,7 +445,8 @@ void checkShapes()
         // configurePlugin: they must already be right (no alias for a zero-element input).
         auto const aliasesRight = [&]() {
             bool const scatter = c.plugin == "ScatterPaKvCache";
-            std::vector<int32_t> const natural = scatter ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{0, 1, 3, -1};
+            std::vector<int32_t> const natural
+                = scatter ? std::vector<int32_t>{2, 3} : std::vector<int32_t>{0, 1, 3, -1};
             bool ok = true;
             for (int32_t o = 0; o < nbOut && o < static_cast<int32_t>(natural.size()); ++o)
             {
@@ -466,7 +472,8 @@ void checkShapes()
                 auto const& in = c.inputs;
                 shapesOk = out[gatherOp::kOUT_SELECTION_K_ROPE_OUT].dims == in[gatherOp::kIN_SELECTION_K_ROPE].dims
                     && out[gatherOp::kOUT_SELECTION_KV_CACHE_OUT].dims == in[gatherOp::kIN_SELECTION_KV_CACHE].dims
-                    && out[gatherOp::kOUT_SELECTION_KV_BLOCK_STATUS_OUT].dims == in[gatherOp::kIN_SELECTION_KV_BLOCK_STATUS].dims
+                    && out[gatherOp::kOUT_SELECTION_KV_BLOCK_STATUS_OUT].dims
+                        == in[gatherOp::kIN_SELECTION_KV_BLOCK_STATUS].dims
                     && out[gatherOp::kOUT_SELECTION_KV_ACTUAL_SEQ].dims
                         == std::vector<int64_t>{in[gatherOp::kIN_SELECTION_KV_BLOCK_TABLE].dims[0]};
             }
@@ -492,12 +499,14 @@ void checkShapes()
         }
         else
         {
-            expectLoggedError([&] { return buildOf(p.get())->configurePlugin(din.data(), nbIn, dout.data(), nbOut) != 0; },
-                c.needle, c.plugin + ": configurePlugin refuses '" + c.label + "'");
+            expectLoggedError(
+                [&] { return buildOf(p.get())->configurePlugin(din.data(), nbIn, dout.data(), nbOut) != 0; }, c.needle,
+                c.plugin + ": configurePlugin refuses '" + c.label + "'");
             auto rin = runtimeDescs(c.inputs);
             auto rout = runtimeDescs(out);
-            expectLoggedError([&] { return runtimeOf(p.get())->onShapeChange(rin.data(), nbIn, rout.data(), nbOut) != 0; },
-                c.needle, c.plugin + ": onShapeChange refuses '" + c.label + "'");
+            expectLoggedError(
+                [&] { return runtimeOf(p.get())->onShapeChange(rin.data(), nbIn, rout.data(), nbOut) != 0; }, c.needle,
+                c.plugin + ": onShapeChange refuses '" + c.label + "'");
         }
     }
     // enqueue before the plugin learnt its input count fails with a status, no crash.
@@ -523,7 +532,8 @@ void checkShapes()
             "onShapeChange", "ScatterPaKvCache: enqueue after a refused onShapeChange returns an error");
         expect(runtimeOf(p.get())->onShapeChange(rin.data(), 5, rout.data(), 2) == 0,
             "ScatterPaKvCache: onShapeChange accepts scatter nd");
-        auto rinOther = runtimeDescs(withInput(withInput(scatterNd(), scatterOp::kIN_KEY, {kF16, {4, 2, 8}}), scatterOp::kIN_SLOT_MAPPING, {kI32, {4}}));
+        auto rinOther = runtimeDescs(withInput(
+            withInput(scatterNd(), scatterOp::kIN_KEY, {kF16, {4, 2, 8}}), scatterOp::kIN_SLOT_MAPPING, {kI32, {4}}));
         expectLoggedError(
             [&] { return runtimeOf(p.get())->enqueue(rinOther.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
             "onShapeChange accepted", "ScatterPaKvCache: enqueue with other shapes than onShapeChange's fails");
@@ -564,7 +574,8 @@ void checkShapes()
             bool const declared = g1 && declaredOutputs(g1.get(), v, out);
             auto din = dynamicDescs(v);
             auto dout = dynamicDescs(out);
-            expect(declared && buildOf(g1.get())->getWorkspaceSize(din.data(), 10, dout.data(), 4)
+            expect(declared
+                    && buildOf(g1.get())->getWorkspaceSize(din.data(), 10, dout.data(), 4)
                         == pytrt_kv::kernels::getGatherPlanWorkspaceSize(2 * 2 * 32),
                 std::string("GatherSelectionKvCache: workspace of B*S*K plan entries for ") + (tnd ? "TND" : "BSND"));
         }

@@ -32,7 +32,7 @@ namespace
         cudaError_t const e_ = (call);                                                                                 \
         if (e_ != cudaSuccess)                                                                                         \
         {                                                                                                              \
-            throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorName(e_));                              \
+            throw std::runtime_error(std::string(#call) + ": " + cudaGetErrorName(e_));                                \
         }                                                                                                              \
     } while (0)
 
@@ -170,8 +170,8 @@ void runCase(std::string const& dir, bool gpu)
     PluginPtr context(runtimeOf(runtime.get())->attachToContext(nullptr));
     auto rin = runtimeDescs(in);
     auto rout = runtimeDescs(out);
-    expect(runtimeOf(context.get())->onShapeChange(rin.data(), nbIn, rout.data(), nbOut) == 0,
-        label + ": onShapeChange");
+    expect(
+        runtimeOf(context.get())->onShapeChange(rin.data(), nbIn, rout.data(), nbOut) == 0, label + ": onShapeChange");
     if (!gpu)
     {
         return;
@@ -209,8 +209,9 @@ void runCase(std::string const& dir, bool gpu)
             outPtrs.push_back(outBufs.back()->device);
         }
         auto ws = allocate(workspace, false);
-        int32_t const rc = runtimeOf(context.get())->enqueue(
-            rin.data(), rout.data(), inPtrs.data(), outPtrs.data(), workspace ? ws->device : nullptr, stream);
+        int32_t const rc = runtimeOf(context.get())
+                               ->enqueue(rin.data(), rout.data(), inPtrs.data(), outPtrs.data(),
+                                   workspace ? ws->device : nullptr, stream);
         expect(rc == 0, label + mode + ": enqueue returned 0");
         HARNESS_CUDA(cudaStreamSynchronize(stream));
         HARNESS_CUDA(cudaGetLastError());
@@ -258,7 +259,8 @@ int32_t commandRun(int argc, char** argv, bool gpu)
             expect(false, std::string(argv[i]) + ": " + e.what());
         }
     }
-    std::cout << "harness " << (gpu ? "run" : "cases") << ": " << argc - 2 << " cases, " << gChecks << " checks, " << gFailures << " failed\n";
+    std::cout << "harness " << (gpu ? "run" : "cases") << ": " << argc - 2 << " cases, " << gChecks << " checks, "
+              << gFailures << " failed\n";
     return gFailures == 0 ? 0 : 1;
 }
 

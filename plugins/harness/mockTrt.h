@@ -105,7 +105,8 @@ public:
         mExprs.push_back(std::make_unique<ConstExpr>(value));
         return mExprs.back().get();
     }
-    nvinfer1::IDimensionExpr const* operation(nvinfer1::DimensionOperation op, nvinfer1::IDimensionExpr const& a, nvinfer1::IDimensionExpr const& b) override
+    nvinfer1::IDimensionExpr const* operation(
+        nvinfer1::DimensionOperation op, nvinfer1::IDimensionExpr const& a, nvinfer1::IDimensionExpr const& b) override
     {
         int64_t const x = a.getConstantValue();
         int64_t const y = b.getConstantValue();
@@ -123,7 +124,8 @@ public:
         }
         return nullptr;
     }
-    nvinfer1::IDimensionExpr const* declareSizeTensor(int32_t, nvinfer1::IDimensionExpr const&, nvinfer1::IDimensionExpr const&) override
+    nvinfer1::IDimensionExpr const* declareSizeTensor(
+        int32_t, nvinfer1::IDimensionExpr const&, nvinfer1::IDimensionExpr const&) override
     {
         return nullptr;
     }

@@ -143,23 +143,24 @@ bool declaredOutputs(IPluginV3* p, std::vector<T> const& inputs, std::vector<T>&
         T t{outTypes[o], {}};
         for (int32_t a = 0; a < out[o].nbDims; ++a)
         {
-            t.dims.push_back(out[o].d[a] != nullptr && out[o].d[a]->isConstant() ? out[o].d[a]->getConstantValue() : -2);
+            t.dims.push_back(
+                out[o].d[a] != nullptr && out[o].d[a]->isConstant() ? out[o].d[a]->getConstantValue() : -2);
         }
         outputs.push_back(t);
     }
     return true;
 }
 
-bool formatsAccepted(IPluginV3* p, std::vector<T> const& inputs, std::vector<T> const& outputs,
-    TensorFormat format, int32_t* firstRefused)
+bool formatsAccepted(IPluginV3* p, std::vector<T> const& inputs, std::vector<T> const& outputs, TensorFormat format,
+    int32_t* firstRefused)
 {
     std::vector<T> all = inputs;
     all.insert(all.end(), outputs.begin(), outputs.end());
     auto descs = dynamicDescs(all, format);
     for (int32_t pos = 0; pos < static_cast<int32_t>(all.size()); ++pos)
     {
-        if (!buildOf(p)->supportsFormatCombination(pos, descs.data(), static_cast<int32_t>(inputs.size()),
-                static_cast<int32_t>(outputs.size())))
+        if (!buildOf(p)->supportsFormatCombination(
+                pos, descs.data(), static_cast<int32_t>(inputs.size()), static_cast<int32_t>(outputs.size())))
         {
             if (firstRefused != nullptr)
             {

@@ -74,8 +74,8 @@ public:
         for (size_t i = 0; i < mNames.size(); ++i)
         {
             bool const null = mLengths[i] < 0;
-            mFields.emplace_back(mNames[i].c_str(), null ? nullptr : mData[i].data(), mTypes[i],
-                null ? -mLengths[i] - 1 : mLengths[i]);
+            mFields.emplace_back(
+                mNames[i].c_str(), null ? nullptr : mData[i].data(), mTypes[i], null ? -mLengths[i] - 1 : mLengths[i]);
         }
         mCollection.nbFields = static_cast<int32_t>(mFields.size());
         mCollection.fields = mFields.data();

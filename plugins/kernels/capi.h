@@ -73,8 +73,8 @@ PYTRT_KV_API int32_t pytrt_kv_host_unregister(void* ptr);
 //! skipped [rows]. Returns 0, or cudaErrorInvalidValue for K outside [0, kMAX_TOPK], S < 1,
 //! TBS < 1 or s[r] outside [0, S).
 PYTRT_KV_API int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPerBatch,
-    int32_t topkBlockSize, int32_t const* oldStatus, int32_t const* topkIndices, int32_t const* kvLen,
-    int32_t const* s, int32_t* newStatus, uint8_t* copy, int32_t* actualSeq, uint8_t* skipped);
+    int32_t topkBlockSize, int32_t const* oldStatus, int32_t const* topkIndices, int32_t const* kvLen, int32_t const* s,
+    int32_t* newStatus, uint8_t* copy, int32_t* actualSeq, uint8_t* skipped);
 
 //! The planning step of pytrt_kv_gather_selection_kv_cache run on the host with HOST
 //! addresses in \p params (kernels::planGatherOnHost: the same checks and the same phase
@@ -85,5 +85,5 @@ PYTRT_KV_API int32_t pytrt_kv_gather_plan_host(pytrt_kv::kernels::GatherSelectio
 
 //! Host run of scatterRows.h for one (b, h) run: source token of each of the \p maxSeqLen
 //! possible rows (-1 none, -2 the rope mean); returns the number of rows written.
-PYTRT_KV_API int32_t pytrt_kv_compress_rows_host(int32_t mode, int64_t seqLen, int64_t width, int64_t offset,
-    int32_t maxSeqLen, int32_t* source);
+PYTRT_KV_API int32_t pytrt_kv_compress_rows_host(
+    int32_t mode, int64_t seqLen, int64_t width, int64_t offset, int32_t maxSeqLen, int32_t* source);

@@ -13,8 +13,8 @@ namespace pytrt_kv
 namespace kernels
 {
 
-//! Element types the kernels know (values: kvContract.h, pytrt_kv/contract/limits.py). Byte movers only care about the size; the "rope"
-//! compressing write needs the float format to average.
+//! Element types the kernels know (values: kvContract.h, pytrt_kv/contract/limits.py). Byte movers only care about the
+//! size; the "rope" compressing write needs the float format to average.
 enum class DataType : int32_t
 {
     kFLOAT32 = contract::kDTYPE_FLOAT32,
