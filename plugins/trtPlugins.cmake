@@ -69,6 +69,12 @@ install(TARGETS pytrt_kv_plugins pytrt_kv_plugins_autoreg
 # Not installed: a developer/CI tool (scripts/gpu_check.sh, tests/test_plugins_*.py).
 add_executable(pytrt_kv_plugin_harness
   harness/pluginHarness.cpp
+  harness/mockTrt.cpp
+  harness/pluginDriver.cpp
+  harness/harnessCheck.cpp
+  harness/shapeCases.cpp
+  harness/cpuChecks.cpp
+  harness/gpuRunner.cpp
   harness/harnessIo.cpp
   $<TARGET_OBJECTS:pytrt_kv_plugin_objects>)
 target_include_directories(pytrt_kv_plugin_harness PRIVATE ${_pytrt_kv_plugin_includes})

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pytrt_kv import _cuda
+from pytrt_kv.contract import limits
 from pytrt_kv._scatter import scatter_pa_kv_cache
 
 INVALID_VALUE = 1  # cudaErrorInvalidValue
@@ -31,7 +32,7 @@ def test_params_layout_matches_ctypes(lib, which, struct):
 
 
 def test_versions(lib):
-    assert lib.pytrt_kv_version() == 100
+    assert lib.pytrt_kv_version() == limits.VERSION_NUMBER  # 0.1.0 -> 100
     assert lib.pytrt_kv_abi_version() == _cuda.ABI_VERSION
 
 

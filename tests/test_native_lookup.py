@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pytrt_kv import _cuda, _lib, info
+from pytrt_kv.contract import limits
 
 
 def _fake_distribution(root: Path, libs=(_lib.KERNELS_LIB,)) -> Path:
@@ -102,7 +103,7 @@ def test_cuda_devices_with_driver_but_no_gpu(monkeypatch):
     assert names == [] and detail.startswith(info.NO_GPU) and "cuInit" in detail
 
 
-@pytest.mark.parametrize("code", [34, 35, 100])
+@pytest.mark.parametrize("code", limits.STATUS_NO_GPU)
 def test_check_status_says_no_driver_instead_of_insufficient(monkeypatch, code):
     monkeypatch.setattr(info, "cuda_devices",
                         lambda: ([], f"{info.NO_GPU}: libcuda.so.1 (the NVIDIA driver) not found"))
@@ -110,7 +111,7 @@ def test_check_status_says_no_driver_instead_of_insufficient(monkeypatch, code):
     def no_library():
         raise AssertionError("the no-GPU message must not need the library's strings")
 
-    monkeypatch.setattr(_cuda, "kernels", no_library)
+    monkeypatch.setattr(_cuda.abi, "kernels", no_library)
     with pytest.raises(RuntimeError) as exc:
         _cuda.check_status(code, "key: cudaPointerGetAttributes")
     msg = str(exc.value)
@@ -131,7 +132,7 @@ def test_check_status_keeps_driver_errors_when_a_gpu_exists(monkeypatch):
         def pytrt_kv_error_string(code):
             return b"CUDA driver version is insufficient for CUDA runtime version"
 
-    monkeypatch.setattr(_cuda, "kernels", lambda: Lib)
+    monkeypatch.setattr(_cuda.abi, "kernels", lambda: Lib)
     with pytest.raises(RuntimeError, match="insufficient"):
         _cuda.check_status(35, "x")
 

@@ -1,6 +1,6 @@
 """Layer 3 on a CPU with TensorRT headers only (marker ``trt_headers``): the project is
 configured and built into a temporary folder, then the C++ harness drives both plugins
-through their creators without libnvinfer (plugins/harness/pluginHarness.cpp).
+through their creators without libnvinfer (plugins/harness/, entry point pluginHarness.cpp).
 
 Set TensorRT_INCLUDE_DIR (or TensorRT_ROOT) to run these; the GPU half of the harness
 (``pytrt_kv_plugin_harness run``) is in scripts/gpu_check.sh.

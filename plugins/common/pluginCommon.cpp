@@ -307,8 +307,8 @@ cudaError_t copyIfDistinct(
     {
         return cudaErrorInvalidValue;
     }
-    return cudaMemcpyAsync(dst, src, static_cast<size_t>(n) * static_cast<size_t>(kernels::dataTypeSize(t)),
-        cudaMemcpyDefault, stream);
+    return cudaMemcpyAsync(
+        dst, src, static_cast<size_t>(n) * static_cast<size_t>(kernels::dataTypeSize(t)), cudaMemcpyDefault, stream);
 }
 
 // Messages are built only on failure: these run on every shape check.

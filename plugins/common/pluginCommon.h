@@ -7,6 +7,7 @@
 
 #include "NvInferRuntime.h"
 #include "kvCommon.h"
+#include "kvContract.h"
 
 #include <cstdint>
 #include <cuda_runtime_api.h>
@@ -24,9 +25,9 @@ namespace plugin
 {
 
 //! Plugin namespace (= ONNX domain) and version of every plugin in this library
-//! (pytrt_kv/specs.py NAMESPACE, PLUGIN_VERSION).
-constexpr char const* kPLUGIN_NAMESPACE{"pytrt_kv"};
-constexpr char const* kPLUGIN_VERSION{"1"};
+//! (kvContract.h, generated from pytrt_kv/specs.py NAMESPACE, PLUGIN_VERSION).
+constexpr char const* kPLUGIN_NAMESPACE{contract::kPLUGIN_NAMESPACE};
+constexpr char const* kPLUGIN_VERSION{contract::kPLUGIN_VERSION};
 
 //! Thrown by every check inside the plugins; the noexcept TensorRT overrides catch it,
 //! log it and return an error status (never abort).

@@ -62,8 +62,8 @@ int64_t readInt(nvinfer1::PluginField const& f, FieldSpec const& spec)
     {
         std::memcpy(&v, f.data, sizeof(v));
     }
-    check(v >= spec.minValue && v <= spec.maxValue, "field ", spec.name, ": expected a value in [", spec.minValue,
-        ", ", spec.maxValue, "], got ", v);
+    check(v >= spec.minValue && v <= spec.maxValue, "field ", spec.name, ": expected a value in [", spec.minValue, ", ",
+        spec.maxValue, "], got ", v);
     return v;
 }
 
@@ -124,8 +124,7 @@ PluginFields PluginFields::parse(std::vector<FieldSpec> const* specs, nvinfer1::
         return out;
     }
     check(fc->nbFields >= 0, "fields: expected nbFields >= 0, got ", fc->nbFields);
-    check(fc->nbFields == 0 || fc->fields != nullptr, "fields: expected ", fc->nbFields,
-        " fields, got a null pointer");
+    check(fc->nbFields == 0 || fc->fields != nullptr, "fields: expected ", fc->nbFields, " fields, got a null pointer");
     std::vector<bool> seen(specs->size(), false);
     for (int32_t k = 0; k < fc->nbFields; ++k)
     {

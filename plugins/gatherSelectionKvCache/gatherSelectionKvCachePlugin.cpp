@@ -17,14 +17,13 @@ namespace plugin
 namespace
 {
 
-constexpr char const* kTOPK_BLOCK_SIZE{"selection_topk_block_size"};
-constexpr char const* kALIAS_IO{"alias_io"};
+namespace op = contract::gatherSelectionKvCache;
+constexpr char const* kTOPK_BLOCK_SIZE{op::kFIELD_SELECTION_TOPK_BLOCK_SIZE};
+constexpr char const* kALIAS_IO{op::kFIELD_ALIAS_IO};
 
 using Self = GatherSelectionKvCachePlugin;
 
-char const* const kINPUT_NAMES[] = {"selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
-    "selection_kv_block_status", "selection_topk_indices", "full_k_rope", "full_kv_cache", "full_kv_block_table",
-    "full_kv_actual_seq", "full_q_actual_seq"};
+constexpr auto const& kINPUT_NAMES = op::kINPUT_NAMES;
 
 // docs/SPEC.md G2 cache dtypes that TensorRT can express (it has no FP8 E5M2).
 bool isCacheType(DataType t) noexcept
@@ -50,8 +49,10 @@ int32_t narrow(int64_t v, char const* name)
 std::vector<FieldSpec> const& GatherSelectionKvCachePlugin::fieldSpecs()
 {
     static std::vector<FieldSpec> const kSPECS{
-        {kTOPK_BLOCK_SIZE, FieldKind::kINT, 64, "", {}, 1, std::numeric_limits<int32_t>::max()},
-        {kALIAS_IO, FieldKind::kINT, 1, "", {}, 0, 1},
+        {kTOPK_BLOCK_SIZE, FieldKind::kINT, op::kFIELD_SELECTION_TOPK_BLOCK_SIZE_DEFAULT, "", {}, 1,
+            std::numeric_limits<int32_t>::max()},
+        {kALIAS_IO, FieldKind::kINT, op::kFIELD_ALIAS_IO_DEFAULT, "", {}, op::kFIELD_ALIAS_IO_CHOICES[0],
+            op::kFIELD_ALIAS_IO_CHOICES[1]},
     };
     return kSPECS;
 }
@@ -160,8 +161,8 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const
         checkDim(topk, 1, heads, "selection_topk_indices", "H of selection_kv_block_status");
         if (known(tokens) && known(batch))
         {
-            check(batch > 0 ? tokens % batch == 0 : tokens == 0, "selection_kv_block_status: TND needs T % B == 0, got T=",
-                tokens, " B=", batch);
+            check(batch > 0 ? tokens % batch == 0 : tokens == 0,
+                "selection_kv_block_status: TND needs T % B == 0, got T=", tokens, " B=", batch);
             seq = batch > 0 ? tokens / batch : 0;
         }
     }
@@ -396,21 +397,20 @@ int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc,
         // The shapes were validated by onShapeChange: only make sure these are the same.
         for (int32_t i = 0; i < kNB_INPUTS; ++i)
         {
-            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ",
-                kINPUT_NAMES[i], " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type),
-                ", not the ", dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
+            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ", kINPUT_NAMES[i],
+                " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type), ", not the ",
+                dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
         }
 
         // Functional ONNX form, in-place execution: an output bound elsewhere than its
         // input first receives the input (the kernel then reads the old status there).
-        for (auto const& [o, i] :
-            {std::pair<int32_t, int32_t>{kOUT_SELECTION_K_ROPE, kIN_SELECTION_K_ROPE},
-                std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_CACHE, kIN_SELECTION_KV_CACHE},
-                std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_BLOCK_STATUS, kIN_SELECTION_KV_BLOCK_STATUS}})
+        for (auto const& [o, i] : {std::pair<int32_t, int32_t>{kOUT_SELECTION_K_ROPE, kIN_SELECTION_K_ROPE},
+                 std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_CACHE, kIN_SELECTION_KV_CACHE},
+                 std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_BLOCK_STATUS, kIN_SELECTION_KV_BLOCK_STATUS}})
         {
             cudaError_t const st = copyIfDistinct(outputs[o], inputs[i], inputDesc[i], stream);
-            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i], " to its output failed: ",
-                cudaGetErrorName(st));
+            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i],
+                " to its output failed: ", cudaGetErrorName(st));
         }
 
         kernels::GatherSelectionParams p = mParams;

@@ -10,6 +10,7 @@
 
 #include "NvInferRuntime.h"
 #include "gatherSelectionKvCache.h"
+#include "kvContract.h"
 #include "pluginBase.h"
 #include "pluginFields.h"
 
@@ -26,29 +27,33 @@ namespace plugin
 class GatherSelectionKvCachePlugin : public PluginBase<GatherSelectionKvCachePlugin>
 {
 public:
-    //! TensorRT plugin name (specs.py GATHER_SELECTION_KV_CACHE.name).
-    static constexpr char const* kPLUGIN_NAME{"GatherSelectionKvCache"};
+    //! TensorRT plugin name (kvContract.h, generated from pytrt_kv/specs.py).
+    static constexpr char const* kPLUGIN_NAME{contract::gatherSelectionKvCache::kNAME};
     //! Input indices (specs.py GATHER_SELECTION_KV_CACHE.inputs).
-    static constexpr int32_t kIN_SELECTION_K_ROPE{0};
-    static constexpr int32_t kIN_SELECTION_KV_CACHE{1};
-    static constexpr int32_t kIN_SELECTION_KV_BLOCK_TABLE{2};
-    static constexpr int32_t kIN_SELECTION_KV_BLOCK_STATUS{3};
-    static constexpr int32_t kIN_SELECTION_TOPK_INDICES{4};
-    static constexpr int32_t kIN_FULL_K_ROPE{5};
-    static constexpr int32_t kIN_FULL_KV_CACHE{6};
-    static constexpr int32_t kIN_FULL_KV_BLOCK_TABLE{7};
-    static constexpr int32_t kIN_FULL_KV_ACTUAL_SEQ{8};
-    static constexpr int32_t kIN_FULL_Q_ACTUAL_SEQ{9};
-    static constexpr int32_t kNB_INPUTS{10};
+    static constexpr int32_t kIN_SELECTION_K_ROPE{contract::gatherSelectionKvCache::kIN_SELECTION_K_ROPE};
+    static constexpr int32_t kIN_SELECTION_KV_CACHE{contract::gatherSelectionKvCache::kIN_SELECTION_KV_CACHE};
+    static constexpr int32_t kIN_SELECTION_KV_BLOCK_TABLE{
+        contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_TABLE};
+    static constexpr int32_t kIN_SELECTION_KV_BLOCK_STATUS{
+        contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_STATUS};
+    static constexpr int32_t kIN_SELECTION_TOPK_INDICES{contract::gatherSelectionKvCache::kIN_SELECTION_TOPK_INDICES};
+    static constexpr int32_t kIN_FULL_K_ROPE{contract::gatherSelectionKvCache::kIN_FULL_K_ROPE};
+    static constexpr int32_t kIN_FULL_KV_CACHE{contract::gatherSelectionKvCache::kIN_FULL_KV_CACHE};
+    static constexpr int32_t kIN_FULL_KV_BLOCK_TABLE{contract::gatherSelectionKvCache::kIN_FULL_KV_BLOCK_TABLE};
+    static constexpr int32_t kIN_FULL_KV_ACTUAL_SEQ{contract::gatherSelectionKvCache::kIN_FULL_KV_ACTUAL_SEQ};
+    static constexpr int32_t kIN_FULL_Q_ACTUAL_SEQ{contract::gatherSelectionKvCache::kIN_FULL_Q_ACTUAL_SEQ};
+    static constexpr int32_t kNB_INPUTS{contract::gatherSelectionKvCache::kNB_INPUTS};
     //! Output indices (specs.py GATHER_SELECTION_KV_CACHE.outputs).
-    static constexpr int32_t kOUT_SELECTION_K_ROPE{0};
-    static constexpr int32_t kOUT_SELECTION_KV_CACHE{1};
-    static constexpr int32_t kOUT_SELECTION_KV_BLOCK_STATUS{2};
-    static constexpr int32_t kOUT_SELECTION_KV_ACTUAL_SEQ{3};
-    static constexpr int32_t kNB_OUTPUTS{4};
-    //! docs/SPEC.md G2: K <= 2048; K > 32 needs TBS == 1.
-    static constexpr int64_t kMAX_TOPK{2048};
-    static constexpr int64_t kMAX_TOPK_BLOCKED{kMAX_TOPK}; // any TBS with K <= 2048 (docs/SPEC.md G2)
+    static constexpr int32_t kOUT_SELECTION_K_ROPE{contract::gatherSelectionKvCache::kOUT_SELECTION_K_ROPE_OUT};
+    static constexpr int32_t kOUT_SELECTION_KV_CACHE{contract::gatherSelectionKvCache::kOUT_SELECTION_KV_CACHE_OUT};
+    static constexpr int32_t kOUT_SELECTION_KV_BLOCK_STATUS{
+        contract::gatherSelectionKvCache::kOUT_SELECTION_KV_BLOCK_STATUS_OUT};
+    static constexpr int32_t kOUT_SELECTION_KV_ACTUAL_SEQ{
+        contract::gatherSelectionKvCache::kOUT_SELECTION_KV_ACTUAL_SEQ};
+    static constexpr int32_t kNB_OUTPUTS{contract::gatherSelectionKvCache::kNB_OUTPUTS};
+    //! docs/SPEC.md G2: K <= kMAX_TOPK, for any TBS.
+    static constexpr int64_t kMAX_TOPK{contract::kMAX_TOPK};
+    static constexpr int64_t kMAX_TOPK_BLOCKED{kMAX_TOPK}; // any TBS with K <= kMAX_TOPK (docs/SPEC.md G2)
 
     //! The plugin's fields: selection_topk_block_size, alias_io (ints).
     static std::vector<FieldSpec> const& fieldSpecs();
@@ -71,18 +76,18 @@ public:
         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
     bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
         int32_t nbOutputs) noexcept override;
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
-        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
-    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
-        nvinfer1::DimsExprs const* shapeInputs, int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs,
-        int32_t nbOutputs, nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
+        int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
+        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
     int32_t getAliasedInput(int32_t outputIndex) noexcept override;
 
     // IPluginV3OneRuntime
-    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
-        nvinfer1::PluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
+        int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
 

@@ -18,10 +18,10 @@ namespace harness
 bool dataTypeFromName(std::string const& name, nvinfer1::DataType& out)
 {
     using nvinfer1::DataType;
-    static std::pair<char const*, DataType> const kNAMES[] = {{"float32", DataType::kFLOAT},
-        {"float16", DataType::kHALF}, {"bfloat16", DataType::kBF16}, {"int8", DataType::kINT8},
-        {"uint8", DataType::kUINT8}, {"float8_e4m3fn", DataType::kFP8}, {"int32", DataType::kINT32},
-        {"int64", DataType::kINT64}};
+    static std::pair<char const*, DataType> const kNAMES[]
+        = {{"float32", DataType::kFLOAT}, {"float16", DataType::kHALF}, {"bfloat16", DataType::kBF16},
+            {"int8", DataType::kINT8}, {"uint8", DataType::kUINT8}, {"float8_e4m3fn", DataType::kFP8},
+            {"int32", DataType::kINT32}, {"int64", DataType::kINT64}};
     for (auto const& [n, t] : kNAMES)
     {
         if (name == n)

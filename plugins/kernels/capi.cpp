@@ -15,17 +15,18 @@ using pytrt_kv::kernels::GatherSelectionParams;
 using pytrt_kv::kernels::ScatterParams;
 
 // The Python ctypes mirror (pytrt_kv/ops.py) assumes these layouts; the CPU test
-// compares them with pytrt_kv_params_layout(). Bump kABI_VERSION with any change.
+// compares them with pytrt_kv_params_layout(). Bump ABI_VERSION in
+// pytrt_kv/contract/limits.py (and regenerate kvContract.h) with any change.
 namespace
 {
-constexpr int32_t kABI_VERSION = 1;
 static_assert(sizeof(void*) == 8, "64-bit only");
 static_assert(sizeof(ScatterParams) == 136, "ScatterParams layout changed: update pytrt_kv/ops.py");
 static_assert(offsetof(ScatterParams, keyType) == 64 && offsetof(ScatterParams, compress) == 76
         && offsetof(ScatterParams, numTokens) == 88 && offsetof(ScatterParams, numBlocks) == 120,
     "ScatterParams layout changed: update pytrt_kv/ops.py");
 static_assert(sizeof(GatherSelectionParams) == 160, "GatherSelectionParams layout changed: update pytrt_kv/ops.py");
-static_assert(offsetof(GatherSelectionParams, cacheType) == 80 && offsetof(GatherSelectionParams, selectionBlockNum) == 104
+static_assert(offsetof(GatherSelectionParams, cacheType) == 80
+        && offsetof(GatherSelectionParams, selectionBlockNum) == 104
         && offsetof(GatherSelectionParams, workspace) == 144,
     "GatherSelectionParams layout changed: update pytrt_kv/ops.py");
 
@@ -111,12 +112,12 @@ int32_t launchOnDevice(cudaError_t (*launch)(Params const&, cudaStream_t), Param
 
 int32_t pytrt_kv_version(void)
 {
-    return 100; // 0.1.0
+    return pytrt_kv::contract::kVERSION_NUMBER;
 }
 
 int32_t pytrt_kv_abi_version(void)
 {
-    return kABI_VERSION;
+    return pytrt_kv::contract::kABI_VERSION;
 }
 
 char const* pytrt_kv_get_last_error(void)
@@ -137,14 +138,13 @@ int32_t pytrt_kv_params_layout(int32_t which, int64_t* out, int32_t capacity)
     {
         using T = ScatterParams;
         return writeLayout(out, capacity,
-            {static_cast<int64_t>(sizeof(T)), PYTRT_KV_OFF(T, key), PYTRT_KV_OFF(T, value),
-                PYTRT_KV_OFF(T, keyCache), PYTRT_KV_OFF(T, valueCache), PYTRT_KV_OFF(T, slotMapping),
-                PYTRT_KV_OFF(T, compressLens), PYTRT_KV_OFF(T, compressSeqOffsets), PYTRT_KV_OFF(T, seqLens),
-                PYTRT_KV_OFF(T, keyType), PYTRT_KV_OFF(T, valueType), PYTRT_KV_OFF(T, indexType),
-                PYTRT_KV_OFF(T, compress), PYTRT_KV_OFF(T, layout), PYTRT_KV_OFF(T, mode),
-                PYTRT_KV_OFF(T, numTokens), PYTRT_KV_OFF(T, batch), PYTRT_KV_OFF(T, maxSeqLen),
-                PYTRT_KV_OFF(T, numHeads), PYTRT_KV_OFF(T, headSizeK), PYTRT_KV_OFF(T, headSizeV),
-                PYTRT_KV_OFF(T, numBlocks), PYTRT_KV_OFF(T, blockSize)});
+            {static_cast<int64_t>(sizeof(T)), PYTRT_KV_OFF(T, key), PYTRT_KV_OFF(T, value), PYTRT_KV_OFF(T, keyCache),
+                PYTRT_KV_OFF(T, valueCache), PYTRT_KV_OFF(T, slotMapping), PYTRT_KV_OFF(T, compressLens),
+                PYTRT_KV_OFF(T, compressSeqOffsets), PYTRT_KV_OFF(T, seqLens), PYTRT_KV_OFF(T, keyType),
+                PYTRT_KV_OFF(T, valueType), PYTRT_KV_OFF(T, indexType), PYTRT_KV_OFF(T, compress),
+                PYTRT_KV_OFF(T, layout), PYTRT_KV_OFF(T, mode), PYTRT_KV_OFF(T, numTokens), PYTRT_KV_OFF(T, batch),
+                PYTRT_KV_OFF(T, maxSeqLen), PYTRT_KV_OFF(T, numHeads), PYTRT_KV_OFF(T, headSizeK),
+                PYTRT_KV_OFF(T, headSizeV), PYTRT_KV_OFF(T, numBlocks), PYTRT_KV_OFF(T, blockSize)});
     }
     if (which == 1)
     {
@@ -156,11 +156,10 @@ int32_t pytrt_kv_params_layout(int32_t which, int64_t* out, int32_t capacity)
                 PYTRT_KV_OFF(T, fullKvBlockTable), PYTRT_KV_OFF(T, fullKvActualSeq),
                 PYTRT_KV_OFF(T, selectionKvActualSeq), PYTRT_KV_OFF(T, cacheType), PYTRT_KV_OFF(T, batch),
                 PYTRT_KV_OFF(T, seqPerBatch), PYTRT_KV_OFF(T, topk), PYTRT_KV_OFF(T, topkBlockSize),
-                PYTRT_KV_OFF(T, selectionRows), PYTRT_KV_OFF(T, selectionBlockNum),
-                PYTRT_KV_OFF(T, selectionBlockSize), PYTRT_KV_OFF(T, selectionMaxBlockNum),
-                PYTRT_KV_OFF(T, fullBlockNum), PYTRT_KV_OFF(T, fullBlockSize), PYTRT_KV_OFF(T, fullMaxBlockNum),
-                PYTRT_KV_OFF(T, kRopeDim), PYTRT_KV_OFF(T, kvDim), PYTRT_KV_OFF(T, workspace),
-                PYTRT_KV_OFF(T, workspaceBytes)});
+                PYTRT_KV_OFF(T, selectionRows), PYTRT_KV_OFF(T, selectionBlockNum), PYTRT_KV_OFF(T, selectionBlockSize),
+                PYTRT_KV_OFF(T, selectionMaxBlockNum), PYTRT_KV_OFF(T, fullBlockNum), PYTRT_KV_OFF(T, fullBlockSize),
+                PYTRT_KV_OFF(T, fullMaxBlockNum), PYTRT_KV_OFF(T, kRopeDim), PYTRT_KV_OFF(T, kvDim),
+                PYTRT_KV_OFF(T, workspace), PYTRT_KV_OFF(T, workspaceBytes)});
     }
     return -1;
 }
@@ -201,7 +200,7 @@ int32_t pytrt_kv_pointer_info(void const* ptr, int32_t* kind, int32_t* device, v
     switch (attr.type)
     {
     case cudaMemoryTypeHost:
-        *kind = 1;
+        *kind = pytrt_kv::contract::kPOINTER_PINNED;
         if (*devicePtr == nullptr)
         {
             // Registered without cudaHostRegisterMapped: ask for the mapping explicitly.
@@ -213,15 +212,15 @@ int32_t pytrt_kv_pointer_info(void const* ptr, int32_t* kind, int32_t* device, v
             }
         }
         break;
-    case cudaMemoryTypeDevice: *kind = 2; break;
-    case cudaMemoryTypeManaged: *kind = 3; break;
+    case cudaMemoryTypeDevice: *kind = pytrt_kv::contract::kPOINTER_DEVICE; break;
+    case cudaMemoryTypeManaged: *kind = pytrt_kv::contract::kPOINTER_MANAGED; break;
     default:
-        *kind = 0;
+        *kind = pytrt_kv::contract::kPOINTER_HOST;
         *device = -1;
         *devicePtr = nullptr;
         break;
     }
-    return 0;
+    return pytrt_kv::contract::kSTATUS_SUCCESS;
 }
 
 int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPerBatch, int32_t topkBlockSize,
@@ -232,7 +231,8 @@ int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPe
     k::clearLastError();
     if (rows < 0 || topk < 0 || topk > k::kMAX_TOPK || seqPerBatch < 1 || topkBlockSize < 1)
     {
-        return k::invalidArgument("gather_plan_rows_host: need rows >= 0, 0 <= K <= 2048, S >= 1, TBS >= 1");
+        return k::invalidArgument(
+            "gather_plan_rows_host: need rows >= 0, 0 <= K <= " PYTRT_KV_MAX_TOPK_STR ", S >= 1, TBS >= 1");
     }
     if (rows > 0
         && (oldStatus == nullptr || (topk > 0 && topkIndices == nullptr) || kvLen == nullptr || s == nullptr

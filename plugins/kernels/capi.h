@@ -6,6 +6,7 @@
 #pragma once
 
 #include "gatherSelectionKvCache.h"
+#include "kvContract.h"
 #include "scatterPaKvCache.h"
 
 #include <cstddef>
@@ -13,10 +14,10 @@
 
 #define PYTRT_KV_API extern "C" __attribute__((visibility("default")))
 
-//! Library version as major * 10000 + minor * 100 + patch.
+//! Library version as major * 10000 + minor * 100 + patch (kvContract.h kVERSION_NUMBER).
 PYTRT_KV_API int32_t pytrt_kv_version(void);
 
-//! Bumped whenever ScatterParams or GatherSelectionParams change layout.
+//! Bumped whenever ScatterParams or GatherSelectionParams change layout (kABI_VERSION).
 PYTRT_KV_API int32_t pytrt_kv_abi_version(void);
 
 //! Message of the last refusal or launch failure on this thread ("" if none).
@@ -69,11 +70,11 @@ PYTRT_KV_API int32_t pytrt_kv_host_unregister(void* ptr);
 //! Host run of the planning kernel's code (gatherPlan.h) over \p rows independent rows,
 //! for the CPU tests. oldStatus/newStatus [rows, K+1], topk [rows, K], kvLen and s [rows]
 //! (per row), copy [rows, K] (0/1: the slots of the row's miss list), actualSeq and
-//! skipped [rows]. Returns 0, or cudaErrorInvalidValue for K outside [0, 2048], S < 1,
+//! skipped [rows]. Returns 0, or cudaErrorInvalidValue for K outside [0, kMAX_TOPK], S < 1,
 //! TBS < 1 or s[r] outside [0, S).
 PYTRT_KV_API int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPerBatch,
-    int32_t topkBlockSize, int32_t const* oldStatus, int32_t const* topkIndices, int32_t const* kvLen,
-    int32_t const* s, int32_t* newStatus, uint8_t* copy, int32_t* actualSeq, uint8_t* skipped);
+    int32_t topkBlockSize, int32_t const* oldStatus, int32_t const* topkIndices, int32_t const* kvLen, int32_t const* s,
+    int32_t* newStatus, uint8_t* copy, int32_t* actualSeq, uint8_t* skipped);
 
 //! The planning step of pytrt_kv_gather_selection_kv_cache run on the host with HOST
 //! addresses in \p params (kernels::planGatherOnHost: the same checks and the same phase
@@ -84,5 +85,5 @@ PYTRT_KV_API int32_t pytrt_kv_gather_plan_host(pytrt_kv::kernels::GatherSelectio
 
 //! Host run of scatterRows.h for one (b, h) run: source token of each of the \p maxSeqLen
 //! possible rows (-1 none, -2 the rope mean); returns the number of rows written.
-PYTRT_KV_API int32_t pytrt_kv_compress_rows_host(int32_t mode, int64_t seqLen, int64_t width, int64_t offset,
-    int32_t maxSeqLen, int32_t* source);
+PYTRT_KV_API int32_t pytrt_kv_compress_rows_host(
+    int32_t mode, int64_t seqLen, int64_t width, int64_t offset, int32_t maxSeqLen, int32_t* source);

@@ -15,6 +15,7 @@
  */
 #pragma once
 
+#include "kvContract.h"
 #include "kvHostDevice.h"
 
 #include <climits>
@@ -31,7 +32,7 @@ namespace kernels
 {
 
 //! docs/SPEC.md G2: largest K (any TBS).
-constexpr int32_t kMAX_TOPK = 2048;
+constexpr int32_t kMAX_TOPK = contract::kMAX_TOPK;
 //! Threads of one planning CTA; each owns kPLAN_ITEMS consecutive topk positions and slots.
 constexpr int32_t kPLAN_THREADS = 256;
 constexpr int32_t kPLAN_ITEMS = kMAX_TOPK / kPLAN_THREADS;
@@ -174,8 +175,8 @@ struct PlanThread
     int32_t n;                     //!< valid ids of the row
     int32_t reservedOwner;         //!< topk position of the first max_id, INT_MAX none
     bool reserveLast;
-    int32_t needyRank;             //!< rank (row-wide, topk order) of the next needy item
-    int32_t missRank;              //!< rank of this thread's next miss entry
+    int32_t needyRank; //!< rank (row-wide, topk order) of the next needy item
+    int32_t missRank;  //!< rank of this thread's next miss entry
     int32_t freeCount;
 };
 
@@ -307,7 +308,7 @@ PYTRT_KV_HD void planLoad(PlanArgs const& a, PlanRow const& row, PlanShared& sh,
     int32_t newIds[kPLAN_ITEMS];
     // Strided by kPLAN_THREADS: each of the 2*kPLAN_ITEMS loads is coalesced over the CTA
     // and none waits for another (they used to be one dependent load per hash insert).
-PYTRT_KV_UNROLL
+    PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
         int32_t const j = tid + i * kPLAN_THREADS;
@@ -317,7 +318,7 @@ PYTRT_KV_UNROLL
     int32_t localOld = 0;
     int32_t localValid = 0;
     long long localTotal = 0;
-PYTRT_KV_UNROLL
+    PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
         int32_t const j = tid + i * kPLAN_THREADS;
@@ -364,8 +365,8 @@ PYTRT_KV_UNROLL
 
 //! Phase 3: which ids stay in place (G5.2). Thread tid owns topk positions and slots
 //! [tid*kPLAN_ITEMS, (tid+1)*kPLAN_ITEMS), so "topk order" is thread order + item order.
-PYTRT_KV_HD void planPin(PlanArgs const& a, PlanRow const& row, PlanShared& sh, PlanThread& t, int32_t tid,
-    int32_t oldTotal)
+PYTRT_KV_HD void planPin(
+    PlanArgs const& a, PlanRow const& row, PlanShared& sh, PlanThread& t, int32_t tid, int32_t oldTotal)
 {
     int32_t const k = a.topkCount;
     uint32_t const mask = row.hashSlots - 1;
@@ -374,7 +375,7 @@ PYTRT_KV_HD void planPin(PlanArgs const& a, PlanRow const& row, PlanShared& sh, 
     t.reserveLast = reservesLastSlot(a.tbs, t.reservedOwner != INT_MAX);
     int32_t const oldTail = oldTailSlot(sh.oldN, oldTotal, a.tbs);
     int32_t const first = tid * kPLAN_ITEMS;
-PYTRT_KV_UNROLL
+    PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
         int32_t const e = first + i;
@@ -422,14 +423,14 @@ PYTRT_KV_HD bool planIsFreeSlot(PlanShared const& sh, PlanThread const& t, int32
 
 //! Phase 4a: this thread's ids that need a free slot and its free slots, packed as
 //! (needy << 16) | free for one exclusive scan (both counts are <= 2048).
-PYTRT_KV_HD int32_t planCount(PlanArgs const& a, PlanRow const& row, PlanShared const& sh, PlanThread const& t,
-    int32_t tid)
+PYTRT_KV_HD int32_t planCount(
+    PlanArgs const& a, PlanRow const& row, PlanShared const& sh, PlanThread const& t, int32_t tid)
 {
     int32_t const k = a.topkCount;
     int32_t const first = tid * kPLAN_ITEMS;
     int32_t needy = 0;
     int32_t freeSlots = 0;
-PYTRT_KV_UNROLL
+    PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
         int32_t const e = first + i;
@@ -446,14 +447,13 @@ PYTRT_KV_UNROLL
 //! Phase 4b, after the exclusive scan of planCount (\p before for this thread, \p total
 //! over the CTA): list the free slots in ascending order, reserve the row's range of the
 //! miss list (one atomic per row) and rank this thread's misses inside it.
-PYTRT_KV_HD void planFree(PlanArgs const& a, PlanShared& sh, PlanThread& t, int32_t tid, int32_t before,
-    int32_t total)
+PYTRT_KV_HD void planFree(PlanArgs const& a, PlanShared& sh, PlanThread& t, int32_t tid, int32_t before, int32_t total)
 {
     int32_t const first = tid * kPLAN_ITEMS;
     int32_t freeRank = before & 0xFFFF;
     t.needyRank = before >> 16;
     t.freeCount = total & 0xFFFF;
-PYTRT_KV_UNROLL
+    PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
         if (planIsFreeSlot(sh, t, first + i))
@@ -510,7 +510,7 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
         status[j] = -1;
     }
     int32_t const first = tid * kPLAN_ITEMS;
-PYTRT_KV_UNROLL
+    PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
         int32_t const e = first + i;
@@ -556,8 +556,7 @@ PYTRT_KV_UNROLL
 //! The whole plan of table row \p r (query token \p s of batch \p b) on the host: the
 //! phases above for every virtual thread in turn, the scan as a loop. \p sh and
 //! \p threads (kPLAN_THREADS entries) are caller-provided scratch (about 57 KiB).
-inline void planRowOnHost(
-    PlanArgs const& a, int32_t r, int32_t b, int32_t s, PlanShared& sh, PlanThread* threads)
+inline void planRowOnHost(PlanArgs const& a, int32_t r, int32_t b, int32_t s, PlanShared& sh, PlanThread* threads)
 {
     PlanRow row{};
     if (!planBeginAt(a, r, b, s, 0, row))

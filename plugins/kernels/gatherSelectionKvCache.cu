@@ -88,15 +88,15 @@ __global__ void __launch_bounds__(kPLAN_THREADS) gatherPlanKernel(PlanArgs const
 
 struct CopyArgs
 {
-    int32_t const* missCount;   // written by gatherPlanKernel
-    MissEntry const* misses;    // [*missCount]
+    int32_t const* missCount; // written by gatherPlanKernel
+    MissEntry const* misses;  // [*missCount]
     char const* fullKv;
     char const* fullRope;
     char* selectionKv;
     char* selectionRope;
-    int64_t kvBytes;            // per token row
-    int64_t ropeBytes;          // per token row, 0 in quantised mode
-    Divider tbs;                // tasks per miss entry
+    int64_t kvBytes;   // per token row
+    int64_t ropeBytes; // per token row, 0 in quantised mode
+    Divider tbs;       // tasks per miss entry
     int32_t group;
 };
 
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) gatherCopyKernel(CopyArgs cons
     int32_t const kvVectors = static_cast<int32_t>(a.kvBytes / W);
     int32_t const allVectors = kvVectors + static_cast<int32_t>(a.ropeBytes / W);
     for (int64_t task = static_cast<int64_t>(blockIdx.x) * groupsPerBlock + threadIdx.x / a.group; task < tasks;
-         task += stride)
+        task += stride)
     {
         // A shift for power-of-two TBS, else a 32-bit division while the index fits.
         int64_t const m
@@ -157,12 +157,14 @@ cudaError_t checkGather(GatherSelectionParams const& p)
         return invalidArgument("gather: cacheType must be a 1-, 2- or 4-byte type");
     }
     // B*S == 0 (an empty batch) is accepted: nothing is planned or copied (docs/SPEC.md
-    // G2 allows any TBS with K <= 2048; the Ascend kernel's K > 32 => TBS == 1 is lifted).
-    if (p.batch < 0 || p.seqPerBatch < 0 || (p.batch > 0 && p.seqPerBatch < 1) || p.topk < 0
-        || p.topk > kMAX_TOPK || p.topkBlockSize < 1)
+    // G2 allows any TBS with K <= kMAX_TOPK; the Ascend kernel's K > 32 => TBS == 1 is lifted).
+    if (p.batch < 0 || p.seqPerBatch < 0 || (p.batch > 0 && p.seqPerBatch < 1) || p.topk < 0 || p.topk > kMAX_TOPK
+        || p.topkBlockSize < 1)
     {
-        return invalidArgument("gather: need batch >= 0, seqPerBatch >= 1 (>= 0 when batch == 0), 0 <= topk <= 2048, "
-                               "topkBlockSize >= 1");
+        return invalidArgument(
+            "gather: need batch >= 0, seqPerBatch >= 1 (>= 0 when batch == 0), 0 <= topk <= " PYTRT_KV_MAX_TOPK_STR
+            ", "
+            "topkBlockSize >= 1");
     }
     if (static_cast<int64_t>(p.batch) * p.seqPerBatch > INT_MAX)
     {
@@ -171,8 +173,9 @@ cudaError_t checkGather(GatherSelectionParams const& p)
     if (p.selectionBlockSize < 1 || p.fullBlockSize < 1 || p.selectionBlockSize % p.topkBlockSize != 0
         || p.fullBlockSize % p.topkBlockSize != 0)
     {
-        return invalidArgument("gather: selection and full block sizes must be positive multiples of "
-                               "topkBlockSize");
+        return invalidArgument(
+            "gather: selection and full block sizes must be positive multiples of "
+            "topkBlockSize");
     }
     if (static_cast<int64_t>(p.selectionRows) < static_cast<int64_t>(p.batch) * p.seqPerBatch)
     {
@@ -182,8 +185,9 @@ cudaError_t checkGather(GatherSelectionParams const& p)
         && static_cast<int64_t>(p.selectionMaxBlockNum) * p.selectionBlockSize
             < static_cast<int64_t>(p.topk) * p.topkBlockSize)
     {
-        return invalidArgument("gather: selectionMaxBlockNum must be >= ceil(topk * topkBlockSize / "
-                               "selectionBlockSize)");
+        return invalidArgument(
+            "gather: selectionMaxBlockNum must be >= ceil(topk * topkBlockSize / "
+            "selectionBlockSize)");
     }
     if (p.selectionBlockNum < 0 || p.fullBlockNum < 0 || p.fullMaxBlockNum < 0 || p.kvDim < 1 || p.kRopeDim < 0)
     {
@@ -339,10 +343,10 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
     c.tbs = Divider::make(params.topkBlockSize);
     int const width = c.ropeBytes > 0
         ? vectorWidth({reinterpret_cast<uint64_t>(c.fullKv), reinterpret_cast<uint64_t>(c.selectionKv),
-            static_cast<uint64_t>(c.kvBytes), reinterpret_cast<uint64_t>(c.fullRope),
-            reinterpret_cast<uint64_t>(c.selectionRope), static_cast<uint64_t>(c.ropeBytes)})
+              static_cast<uint64_t>(c.kvBytes), reinterpret_cast<uint64_t>(c.fullRope),
+              reinterpret_cast<uint64_t>(c.selectionRope), static_cast<uint64_t>(c.ropeBytes)})
         : vectorWidth({reinterpret_cast<uint64_t>(c.fullKv), reinterpret_cast<uint64_t>(c.selectionKv),
-            static_cast<uint64_t>(c.kvBytes)});
+              static_cast<uint64_t>(c.kvBytes)});
     c.group = groupSize((c.kvBytes + c.ropeBytes) / width);
     // Sized for the worst case (every slot of every row copied), capped at one resident
     // wave; the kernel reads the real miss count, so blocks beyond the misses exit at once.

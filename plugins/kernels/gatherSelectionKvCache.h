@@ -18,24 +18,24 @@ namespace kernels
 //! r in [B*S, R) of the selection table are not, and their output is 0.
 struct GatherSelectionParams
 {
-    void* selectionKRope{nullptr};                //!< [S_BLOCK_NUM, SBS, K_ROPE]; nullptr when kRopeDim == 0
-    void* selectionKvCache{nullptr};              //!< [S_BLOCK_NUM, SBS, KV]
+    void* selectionKRope{nullptr};                 //!< [S_BLOCK_NUM, SBS, K_ROPE]; nullptr when kRopeDim == 0
+    void* selectionKvCache{nullptr};               //!< [S_BLOCK_NUM, SBS, KV]
     int32_t const* selectionKvBlockTable{nullptr}; //!< [R, S_MAX_BLOCK_NUM]
-    int32_t* selectionKvBlockStatus{nullptr};     //!< [B*S, K+1] (BSND and TND alike)
-    int32_t const* selectionTopkIndices{nullptr}; //!< [B*S, K]
-    void const* fullKRope{nullptr};               //!< [F_BLOCK_NUM, FBS, K_ROPE]; may be pinned host memory
-    void const* fullKvCache{nullptr};             //!< [F_BLOCK_NUM, FBS, KV]; may be pinned host memory
-    int32_t const* fullKvBlockTable{nullptr};     //!< [B, F_MAX_BLOCK_NUM]
-    int32_t const* fullKvActualSeq{nullptr};      //!< [B]
-    int32_t* selectionKvActualSeq{nullptr};       //!< [R] (output)
+    int32_t* selectionKvBlockStatus{nullptr};      //!< [B*S, K+1] (BSND and TND alike)
+    int32_t const* selectionTopkIndices{nullptr};  //!< [B*S, K]
+    void const* fullKRope{nullptr};                //!< [F_BLOCK_NUM, FBS, K_ROPE]; may be pinned host memory
+    void const* fullKvCache{nullptr};              //!< [F_BLOCK_NUM, FBS, KV]; may be pinned host memory
+    int32_t const* fullKvBlockTable{nullptr};      //!< [B, F_MAX_BLOCK_NUM]
+    int32_t const* fullKvActualSeq{nullptr};       //!< [B]
+    int32_t* selectionKvActualSeq{nullptr};        //!< [R] (output)
 
     DataType cacheType{DataType::kFLOAT16}; //!< dtype of all four caches
 
-    int32_t batch{0};            //!< B
-    int32_t seqPerBatch{0};      //!< S (query tokens per batch)
-    int32_t topk{0};             //!< K (<= 2048, any TBS)
-    int32_t topkBlockSize{64};   //!< TBS
-    int32_t selectionRows{0};    //!< R (>= B*S)
+    int32_t batch{0};                //!< B
+    int32_t seqPerBatch{0};          //!< S (query tokens per batch)
+    int32_t topk{0};                 //!< K (<= 2048, any TBS)
+    int32_t topkBlockSize{64};       //!< TBS
+    int32_t selectionRows{0};        //!< R (>= B*S)
     int64_t selectionBlockNum{0};    //!< S_BLOCK_NUM
     int32_t selectionBlockSize{0};   //!< SBS
     int32_t selectionMaxBlockNum{0}; //!< S_MAX_BLOCK_NUM
@@ -45,7 +45,7 @@ struct GatherSelectionParams
     int32_t kRopeDim{0};             //!< K_ROPE elements per row (0: quantised mode, no rope)
     int32_t kvDim{0};                //!< KV elements per row
 
-    void* workspace{nullptr};    //!< device scratch of getGatherSelectionWorkspaceSize() bytes
+    void* workspace{nullptr}; //!< device scratch of getGatherSelectionWorkspaceSize() bytes
     size_t workspaceBytes{0};
 };
 

@@ -4,6 +4,8 @@
  */
 #pragma once
 
+#include "kvContract.h"
+
 #include <cstdint>
 
 namespace pytrt_kv
@@ -11,19 +13,19 @@ namespace pytrt_kv
 namespace kernels
 {
 
-//! Element types the kernels know. Byte movers only care about the size; the "rope"
-//! compressing write needs the float format to average.
+//! Element types the kernels know (values: kvContract.h, pytrt_kv/contract/limits.py). Byte movers only care about the
+//! size; the "rope" compressing write needs the float format to average.
 enum class DataType : int32_t
 {
-    kFLOAT32 = 0,
-    kFLOAT16 = 1,
-    kBFLOAT16 = 2,
-    kINT8 = 3,
-    kUINT8 = 4,
-    kFP8_E4M3 = 5,
-    kFP8_E5M2 = 6,
-    kINT32 = 7,
-    kINT64 = 8,
+    kFLOAT32 = contract::kDTYPE_FLOAT32,
+    kFLOAT16 = contract::kDTYPE_FLOAT16,
+    kBFLOAT16 = contract::kDTYPE_BFLOAT16,
+    kINT8 = contract::kDTYPE_INT8,
+    kUINT8 = contract::kDTYPE_UINT8,
+    kFP8_E4M3 = contract::kDTYPE_FLOAT8_E4M3FN,
+    kFP8_E5M2 = contract::kDTYPE_FLOAT8_E5M2,
+    kINT32 = contract::kDTYPE_INT32,
+    kINT64 = contract::kDTYPE_INT64,
 };
 
 //! Size in bytes of one element of \p t (0 for an unknown value).

@@ -114,20 +114,38 @@ struct FloatIO;
 template <>
 struct FloatIO<float>
 {
-    static __device__ __forceinline__ float toFloat(float x) { return x; }
-    static __device__ __forceinline__ float fromFloat(float x) { return x; }
+    static __device__ __forceinline__ float toFloat(float x)
+    {
+        return x;
+    }
+    static __device__ __forceinline__ float fromFloat(float x)
+    {
+        return x;
+    }
 };
 template <>
 struct FloatIO<__half>
 {
-    static __device__ __forceinline__ float toFloat(__half x) { return __half2float(x); }
-    static __device__ __forceinline__ __half fromFloat(float x) { return __float2half_rn(x); }
+    static __device__ __forceinline__ float toFloat(__half x)
+    {
+        return __half2float(x);
+    }
+    static __device__ __forceinline__ __half fromFloat(float x)
+    {
+        return __float2half_rn(x);
+    }
 };
 template <>
 struct FloatIO<__nv_bfloat16>
 {
-    static __device__ __forceinline__ float toFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
-    static __device__ __forceinline__ __nv_bfloat16 fromFloat(float x) { return __float2bfloat16_rn(x); }
+    static __device__ __forceinline__ float toFloat(__nv_bfloat16 x)
+    {
+        return __bfloat162float(x);
+    }
+    static __device__ __forceinline__ __nv_bfloat16 fromFloat(float x)
+    {
+        return __float2bfloat16_rn(x);
+    }
 };
 
 //! Rows of \p n vectors moved by groups of G threads, G a power of two <= 32 (small rows

@@ -1,6 +1,18 @@
 #include "kvError.h"
 
+#include "kvContract.h"
+
 #include <cstdio>
+
+// The status codes pytrt_kv/contract/limits.py gives a meaning (the ctypes layer maps
+// them to exceptions and to the "no GPU" message) are CUDA's own.
+static_assert(pytrt_kv::contract::kSTATUS_SUCCESS == cudaSuccess, "kvContract.h: kSTATUS_SUCCESS");
+static_assert(
+    pytrt_kv::contract::kSTATUS_INVALID_VALUE == cudaErrorInvalidValue, "kvContract.h: kSTATUS_INVALID_VALUE");
+static_assert(pytrt_kv::contract::kSTATUS_STUB_LIBRARY == cudaErrorStubLibrary, "kvContract.h: kSTATUS_STUB_LIBRARY");
+static_assert(pytrt_kv::contract::kSTATUS_INSUFFICIENT_DRIVER == cudaErrorInsufficientDriver,
+    "kvContract.h: kSTATUS_INSUFFICIENT_DRIVER");
+static_assert(pytrt_kv::contract::kSTATUS_NO_DEVICE == cudaErrorNoDevice, "kvContract.h: kSTATUS_NO_DEVICE");
 
 namespace pytrt_kv
 {
@@ -21,8 +33,7 @@ cudaError_t recordLaunch(cudaError_t e, char const* where) noexcept
 {
     if (e != cudaSuccess)
     {
-        std::snprintf(tLastError, sizeof(tLastError), "%s: %s (%s)", where, cudaGetErrorName(e),
-            cudaGetErrorString(e));
+        std::snprintf(tLastError, sizeof(tLastError), "%s: %s (%s)", where, cudaGetErrorName(e), cudaGetErrorString(e));
     }
     return e;
 }

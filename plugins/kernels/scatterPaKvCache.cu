@@ -55,10 +55,10 @@ struct TokenArgs
 template <typename IndexT>
 struct RunArgs
 {
-    IndexT const* slots;        // [B*H]
-    IndexT const* lens;         // [B*H]
-    IndexT const* offsets;      // [B*H] or nullptr
-    IndexT const* seqLens;      // [B]
+    IndexT const* slots;   // [B*H]
+    IndexT const* lens;    // [B*H]
+    IndexT const* offsets; // [B*H] or nullptr
+    IndexT const* seqLens; // [B]
     RunRows rows[2];
     int32_t numTensors;
     int32_t batch;
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterTokensKernel(TokenArgs<
     int32_t const tensorShift = a.numTensors - 1; // numTensors is 1 or 2
     int64_t const tasks = a.numTokens << tensorShift;
     for (int64_t task = static_cast<int64_t>(blockIdx.x) * groupsPerBlock + threadIdx.x / a.group; task < tasks;
-         task += stride)
+        task += stride)
     {
         int64_t const t = task >> tensorShift;
         TokenRows const& r = (task & tensorShift) == 0 ? a.rows[0] : a.rows[1];
@@ -102,7 +102,8 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterTokensKernel(TokenArgs<
         if (r.nseg == 1)
         {
             // nd (and any single-segment row): the destination row is contiguous.
-            copyVectors<W, LoadPolicy::kREADONLY>(static_cast<int32_t>(r.segBytes / W), lane, a.group, source,
+            copyVectors<W, LoadPolicy::kREADONLY>(
+                static_cast<int32_t>(r.segBytes / W), lane, a.group, source,
                 [&](int32_t idx) { return dstBase + static_cast<int64_t>(idx) * W; }, ready);
         }
         else
@@ -111,7 +112,8 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterTokensKernel(TokenArgs<
             // vectors per segment is a power of two for every usual head size (a shift).
             int64_t const segStride = a.blockSize.divisor * r.segBytes;
             Divider const vps = r.vectorsPerSegment;
-            copyVectors<W, LoadPolicy::kREADONLY>(static_cast<int32_t>(r.nseg * vps.divisor), lane, a.group, source,
+            copyVectors<W, LoadPolicy::kREADONLY>(
+                static_cast<int32_t>(r.nseg * vps.divisor), lane, a.group, source,
                 [&](int32_t idx) {
                     int32_t const seg = vps.div32(idx);
                     int32_t const within = idx - seg * static_cast<int32_t>(vps.divisor);
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterRunsKernel(RunArgs<Inde
     int64_t const stride = static_cast<int64_t>(gridDim.x) * groupsPerBlock;
     int64_t const tasks = static_cast<int64_t>(a.batch) * a.heads * a.maxSeqLen * a.numTensors;
     for (int64_t task = static_cast<int64_t>(blockIdx.x) * groupsPerBlock + threadIdx.x / a.group; task < tasks;
-         task += stride)
+        task += stride)
     {
         RunRows const r = (task % a.numTensors) == 0 ? a.rows[0] : a.rows[1];
         int64_t const rest = task / a.numTensors;
@@ -149,8 +151,8 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterRunsKernel(RunArgs<Inde
             continue; // padding run
         }
         int64_t const offset = a.offsets != nullptr ? static_cast<int64_t>(a.offsets[bh]) : int64_t{-1};
-        CompressRun const run = compressRun(a.mode, static_cast<int64_t>(a.seqLens[b]),
-            static_cast<int64_t>(a.lens[bh]), offset, a.maxSeqLen);
+        CompressRun const run = compressRun(
+            a.mode, static_cast<int64_t>(a.seqLens[b]), static_cast<int64_t>(a.lens[bh]), offset, a.maxSeqLen);
         int32_t const source = compressRowSource(a.mode, run, i);
         // base may be any non-negative index value: test before adding so that nothing
         // wraps around.
@@ -180,7 +182,8 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterRunsKernel(RunArgs<Inde
             continue;
         }
         char const* src = tokenRow(source);
-        copyVectors<W, LoadPolicy::kREADONLY>(static_cast<int32_t>(r.rowBytes / W), lane, a.group,
+        copyVectors<W, LoadPolicy::kREADONLY>(
+            static_cast<int32_t>(r.rowBytes / W), lane, a.group,
             [&](int32_t idx) { return src + static_cast<int64_t>(idx) * W; },
             [&](int32_t idx) { return dst + static_cast<int64_t>(idx) * W; }, AlwaysReady{});
     }
@@ -224,11 +227,11 @@ cudaError_t checkScatter(ScatterParams const& p)
     {
         return invalidArgument("scatter: keyType/valueType must be a 1-, 2- or 4-byte type");
     }
-    if (p.numHeads <= 0 || p.headSizeK <= 0 || (hasValue && p.headSizeV <= 0) || p.blockSize <= 0
-        || p.numBlocks < 0)
+    if (p.numHeads <= 0 || p.headSizeK <= 0 || (hasValue && p.headSizeV <= 0) || p.blockSize <= 0 || p.numBlocks < 0)
     {
-        return invalidArgument("scatter: numHeads, headSizeK, headSizeV (with value) and blockSize must be > 0, "
-                               "numBlocks >= 0");
+        return invalidArgument(
+            "scatter: numHeads, headSizeK, headSizeV (with value) and blockSize must be > 0, "
+            "numBlocks >= 0");
     }
     if (!p.compress)
     {
@@ -242,7 +245,8 @@ cudaError_t checkScatter(ScatterParams const& p)
         }
         if (p.layout == CacheLayout::kNZ
             && ((static_cast<int64_t>(p.numHeads) * p.headSizeK * dataTypeSize(p.keyType)) % 32 != 0
-                || (hasValue && (static_cast<int64_t>(p.numHeads) * p.headSizeV * dataTypeSize(p.valueType)) % 32 != 0)))
+                || (hasValue
+                    && (static_cast<int64_t>(p.numHeads) * p.headSizeV * dataTypeSize(p.valueType)) % 32 != 0)))
         {
             return invalidArgument("scatter: nz layout needs H*D*itemsize % 32 == 0 for key and value");
         }
@@ -260,13 +264,15 @@ cudaError_t checkScatter(ScatterParams const& p)
         && (p.compressLens == nullptr || p.seqLens == nullptr
             || (p.mode != CompressMode::kALIBI && p.compressSeqOffsets == nullptr)))
     {
-        return invalidArgument("scatter: compressLens and seqLens (and compressSeqOffsets for rope/omni) must "
-                               "not be null");
+        return invalidArgument(
+            "scatter: compressLens and seqLens (and compressSeqOffsets for rope/omni) must "
+            "not be null");
     }
     if (p.mode == CompressMode::kROPE && (!isFloatType(p.keyType) || (hasValue && p.valueType != p.keyType)))
     {
-        return invalidArgument("scatter: rope compression needs float32, float16 or bfloat16 key and the same "
-                               "value dtype");
+        return invalidArgument(
+            "scatter: rope compression needs float32, float16 or bfloat16 key and the same "
+            "value dtype");
     }
     return cudaSuccess;
 }
@@ -275,7 +281,7 @@ cudaError_t checkScatter(ScatterParams const& p)
 // kernels may read either. Returns the vector width that suits both slots' source and
 // destination addresses and their bytes per copy (the \p bytes member).
 template <typename Rows>
-int mirrorRowsAndVectorWidth(Rows (&rows)[2], int32_t numTensors, int64_t Rows::*bytes)
+int mirrorRowsAndVectorWidth(Rows (&rows)[2], int32_t numTensors, int64_t Rows::* bytes)
 {
     if (numTensors == 1)
     {

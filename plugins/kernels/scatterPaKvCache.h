@@ -16,48 +16,48 @@ namespace kernels
 //! docs/SPEC.md S2: which write a 3-D key performs. A 4-D key always performs S6.
 enum class CacheLayout : int32_t
 {
-    kND = 0,  //!< [NB, BS, H, D]
-    kNZ = 1,  //!< [NB, H*D/L, BS, L], L = 32 / itemsize
-    kHND = 2, //!< [NB, H, BS, D]
+    kND = contract::kLAYOUT_ND,   //!< [NB, BS, H, D]
+    kNZ = contract::kLAYOUT_NZ,   //!< [NB, H*D/L, BS, L], L = 32 / itemsize
+    kHND = contract::kLAYOUT_HND, //!< [NB, H, BS, D]
 };
 
 //! docs/SPEC.md S6 compress modes (4-D key).
 enum class CompressMode : int32_t
 {
-    kROPE = 0,
-    kOMNI = 1,
-    kALIBI = 2,
+    kROPE = contract::kMODE_ROPE,
+    kOMNI = contract::kMODE_OMNI,
+    kALIBI = contract::kMODE_ALIBI,
 };
 
 //! All arguments of one scatter call. Pointers are device (or unified) addresses of
 //! dense row-major tensors. Shapes in the comments use docs/SPEC.md's letters.
 struct ScatterParams
 {
-    void const* key{nullptr};          //!< [T, H, Dk] (3-D) | [B, Smax, H, Dk] (4-D)
-    void const* value{nullptr};        //!< [T, H, Dv] | [B, Smax, H, Dv]; nullptr: key-only write
-    void* keyCache{nullptr};           //!< layout-dependent, see CacheLayout; [NB, BS, 1, Dk] for 4-D
-    void* valueCache{nullptr};         //!< as keyCache with Dv; nullptr exactly when value is
-    void const* slotMapping{nullptr};  //!< [T] | [B, H]; negative = padding
-    void const* compressLens{nullptr}; //!< [B, H] (4-D only)
+    void const* key{nullptr};                //!< [T, H, Dk] (3-D) | [B, Smax, H, Dk] (4-D)
+    void const* value{nullptr};              //!< [T, H, Dv] | [B, Smax, H, Dv]; nullptr: key-only write
+    void* keyCache{nullptr};                 //!< layout-dependent, see CacheLayout; [NB, BS, 1, Dk] for 4-D
+    void* valueCache{nullptr};               //!< as keyCache with Dv; nullptr exactly when value is
+    void const* slotMapping{nullptr};        //!< [T] | [B, H]; negative = padding
+    void const* compressLens{nullptr};       //!< [B, H] (4-D only)
     void const* compressSeqOffsets{nullptr}; //!< [B*H] (4-D only); nullptr allowed for alibi
-    void const* seqLens{nullptr};      //!< [B] (4-D only)
+    void const* seqLens{nullptr};            //!< [B] (4-D only)
 
     DataType keyType{DataType::kFLOAT16};   //!< dtype of key and keyCache
     DataType valueType{DataType::kFLOAT16}; //!< dtype of value and valueCache
     DataType indexType{DataType::kINT32};   //!< kINT32 or kINT64, shared by all index tensors
 
-    bool compress{false};                   //!< true: 4-D key, docs/SPEC.md S6
-    CacheLayout layout{CacheLayout::kND};   //!< 3-D key only
+    bool compress{false};                    //!< true: 4-D key, docs/SPEC.md S6
+    CacheLayout layout{CacheLayout::kND};    //!< 3-D key only
     CompressMode mode{CompressMode::kALIBI}; //!< 4-D key only
 
-    int64_t numTokens{0};  //!< T (3-D key)
-    int32_t batch{0};      //!< B (4-D key)
-    int32_t maxSeqLen{0};  //!< Smax (4-D key)
-    int32_t numHeads{0};   //!< H
-    int32_t headSizeK{0};  //!< Dk
-    int32_t headSizeV{0};  //!< Dv
-    int64_t numBlocks{0};  //!< NB (same for both caches)
-    int32_t blockSize{0};  //!< BS (same for both caches)
+    int64_t numTokens{0}; //!< T (3-D key)
+    int32_t batch{0};     //!< B (4-D key)
+    int32_t maxSeqLen{0}; //!< Smax (4-D key)
+    int32_t numHeads{0};  //!< H
+    int32_t headSizeK{0}; //!< Dk
+    int32_t headSizeV{0}; //!< Dv
+    int64_t numBlocks{0}; //!< NB (same for both caches)
+    int32_t blockSize{0}; //!< BS (same for both caches)
 };
 
 //! Enqueue one scatter call on \p stream: a single launch, no host synchronization, no

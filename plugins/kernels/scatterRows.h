@@ -24,17 +24,16 @@ constexpr int32_t kROW_MEAN = -2;
 //! constraints make an empty run (the kernels stay in bounds; the reference raises).
 struct CompressRun
 {
-    int32_t rows{0};     //!< number of cache rows written: base .. base+rows-1
-    int32_t offset{0};   //!< o (rope/omni, compressed runs)
-    int32_t width{0};    //!< w
-    int32_t seqLen{0};   //!< L
+    int32_t rows{0};   //!< number of cache rows written: base .. base+rows-1
+    int32_t offset{0}; //!< o (rope/omni, compressed runs)
+    int32_t width{0};  //!< w
+    int32_t seqLen{0}; //!< L
     bool compressed{false};
 };
 
 //! Plan the run of one (b, h): \p seqLen = seq_lens[b], \p width = compress_lens[b, h],
 //! \p offset = compress_seq_offsets[b*H + h] (ignored by alibi), \p maxSeqLen = Smax.
-PYTRT_KV_HD CompressRun compressRun(CompressMode mode, int64_t seqLen, int64_t width, int64_t offset,
-    int64_t maxSeqLen)
+PYTRT_KV_HD CompressRun compressRun(CompressMode mode, int64_t seqLen, int64_t width, int64_t offset, int64_t maxSeqLen)
 {
     CompressRun run;
     // L > Smax would read past the padded key row: an invalid run writes nothing.

@@ -6,6 +6,7 @@
 #include "pluginCommon.h"
 
 #include <array>
+#include <iterator>
 #include <limits>
 
 using namespace nvinfer1;
@@ -17,9 +18,10 @@ namespace plugin
 namespace
 {
 
-constexpr char const* kCACHE_LAYOUT{"cache_layout"};
-constexpr char const* kCOMPRESS_MODE{"compress_mode"};
-constexpr char const* kALIAS_IO{"alias_io"};
+namespace op = contract::scatterPaKvCache;
+constexpr char const* kCACHE_LAYOUT{op::kFIELD_CACHE_LAYOUT};
+constexpr char const* kCOMPRESS_MODE{op::kFIELD_COMPRESS_MODE};
+constexpr char const* kALIAS_IO{op::kFIELD_ALIAS_IO};
 
 // docs/SPEC.md S8 dtypes that TensorRT can hand a plugin: uint8 is not a legal plugin I/O type
 // and TensorRT has no FP8 E5M2, so those two stay eager/reference-only.
@@ -39,8 +41,7 @@ bool isIndexType(DataType t) noexcept
     return t == DataType::kINT32 || t == DataType::kINT64;
 }
 
-char const* const kINPUT_NAMES[] = {"key", "value", "key_cache", "value_cache", "slot_mapping", "compress_lens",
-    "compress_seq_offsets", "seq_lens"};
+constexpr auto const& kINPUT_NAMES = op::kINPUT_NAMES;
 
 struct CacheGeometry
 {
@@ -49,8 +50,8 @@ struct CacheGeometry
 };
 
 // Checks one 3-D-key cache against docs/SPEC.md S3-S5 and returns its NB and BS.
-CacheGeometry checkLayoutCache(Dims const& cache, kernels::CacheLayout layout, int64_t heads, int64_t headSize,
-    int32_t itemSize, char const* name)
+CacheGeometry checkLayoutCache(
+    Dims const& cache, kernels::CacheLayout layout, int64_t heads, int64_t headSize, int32_t itemSize, char const* name)
 {
     checkRank(cache, 4, name);
     switch (layout)
@@ -63,13 +64,12 @@ CacheGeometry checkLayoutCache(Dims const& cache, kernels::CacheLayout layout, i
         checkDim(cache, 1, heads, name, "H, layout hnd [NB, H, BS, D]");
         checkDim(cache, 3, headSize, name, "D, layout hnd [NB, H, BS, D]");
         return {cache.d[0], cache.d[2]};
-    case kernels::CacheLayout::kNZ:
-    {
+    case kernels::CacheLayout::kNZ: {
         int64_t const lanes = 32 / itemSize;
         if (known(heads) && known(headSize))
         {
-            check((heads * headSize * itemSize) % 32 == 0, name, ": layout nz needs H*D*itemsize % 32 == 0, got H=",
-                heads, " D=", headSize, " itemsize=", itemSize);
+            check((heads * headSize * itemSize) % 32 == 0, name,
+                ": layout nz needs H*D*itemsize % 32 == 0, got H=", heads, " D=", headSize, " itemsize=", itemSize);
         }
         checkDim(cache, 1, known(heads) && known(headSize) ? heads * headSize / lanes : -1, name,
             "H*D/L, layout nz [NB, H*D/L, BS, L]");
@@ -104,9 +104,12 @@ kernels::CacheLayout parseLayout(std::string const& s)
 std::vector<FieldSpec> const& ScatterPaKvCachePlugin::fieldSpecs()
 {
     static std::vector<FieldSpec> const kSPECS{
-        {kCACHE_LAYOUT, FieldKind::kSTRING, 0, "", {"", "nd", "nz", "hnd"}, 0, 0},
-        {kCOMPRESS_MODE, FieldKind::kSTRING, 0, "", {"", "rope", "omni", "alibi"}, 0, 0},
-        {kALIAS_IO, FieldKind::kINT, 1, "", {}, 0, 1},
+        {kCACHE_LAYOUT, FieldKind::kSTRING, 0, op::kFIELD_CACHE_LAYOUT_DEFAULT,
+            {std::begin(op::kFIELD_CACHE_LAYOUT_CHOICES), std::end(op::kFIELD_CACHE_LAYOUT_CHOICES)}, 0, 0},
+        {kCOMPRESS_MODE, FieldKind::kSTRING, 0, op::kFIELD_COMPRESS_MODE_DEFAULT,
+            {std::begin(op::kFIELD_COMPRESS_MODE_CHOICES), std::end(op::kFIELD_COMPRESS_MODE_CHOICES)}, 0, 0},
+        {kALIAS_IO, FieldKind::kINT, op::kFIELD_ALIAS_IO_DEFAULT, "", {}, op::kFIELD_ALIAS_IO_CHOICES[0],
+            op::kFIELD_ALIAS_IO_CHOICES[1]},
     };
     return kSPECS;
 }
@@ -122,8 +125,8 @@ ScatterPaKvCachePlugin::ScatterPaKvCachePlugin(PluginFields fields)
 void ScatterPaKvCachePlugin::checkTypes(DataType const* types, int32_t nbInputs) const
 {
     (void) kernelTypeOf(types[kIN_KEY], "key");
-    check(types[kIN_KEY_CACHE] == types[kIN_KEY], "key_cache: expected the dtype of key (", dataTypeName(types[kIN_KEY]),
-        "), got ", dataTypeName(types[kIN_KEY_CACHE]));
+    check(types[kIN_KEY_CACHE] == types[kIN_KEY], "key_cache: expected the dtype of key (",
+        dataTypeName(types[kIN_KEY]), "), got ", dataTypeName(types[kIN_KEY_CACHE]));
     check(types[kIN_VALUE_CACHE] == types[kIN_VALUE], "value_cache: expected the dtype of value (",
         dataTypeName(types[kIN_VALUE]), "), got ", dataTypeName(types[kIN_VALUE_CACHE]));
     check(isIndexType(types[kIN_SLOT_MAPPING]), "slot_mapping: expected kINT32 or kINT64, got ",
@@ -151,8 +154,7 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
     Dims const& keyCache = dims[kIN_KEY_CACHE];
     Dims const& valueCache = dims[kIN_VALUE_CACHE];
     Dims const& slots = dims[kIN_SLOT_MAPPING];
-    check(key.nbDims == 3 || key.nbDims == 4, "key: expected [T, H, Dk] or [B, Smax, H, Dk], got ",
-        dimsText(key));
+    check(key.nbDims == 3 || key.nbDims == 4, "key: expected [T, H, Dk] or [B, Smax, H, Dk], got ", dimsText(key));
 
     checkTypes(types, nbInputs);
     p.keyType = kernelTypeOf(types[kIN_KEY], "key");
@@ -167,8 +169,8 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
 
     if (key.nbDims == 3)
     {
-        check(mCompressMode.empty(), "compress_mode: applies to a 4-D key only, got \"", mCompressMode,
-            "\" with key ", dimsText(key));
+        check(mCompressMode.empty(), "compress_mode: applies to a 4-D key only, got \"", mCompressMode, "\" with key ",
+            dimsText(key));
         p.compress = false;
         p.layout = parseLayout(mCacheLayout);
         int64_t const tokens = key.d[0];
@@ -196,8 +198,7 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
             headV = value.d[2];
             CacheGeometry const vg = checkLayoutCache(valueCache, p.layout, heads, headV, valueSize, "value_cache");
             check(sameOrUnknown(vg.numBlocks, kg.numBlocks) && sameOrUnknown(vg.blockSize, kg.blockSize),
-                "value_cache: expected NB and BS of key_cache ", dimsText(keyCache), ", got ",
-                dimsText(valueCache));
+                "value_cache: expected NB and BS of key_cache ", dimsText(keyCache), ", got ", dimsText(valueCache));
         }
         p.numTokens = tokens;
         p.numHeads = known(heads) ? toInt32(heads, "key dim 1 (H)") : -1;
@@ -266,8 +267,9 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
         p.mode = mCompressMode == "rope" ? kernels::CompressMode::kROPE
             : mCompressMode == "omni"    ? kernels::CompressMode::kOMNI
                                          : kernels::CompressMode::kALIBI;
-        check(p.mode == kernels::CompressMode::kALIBI || hasOffsets || pairs == 0, "compress_seq_offsets: ",
-            "compress_mode \"", mCompressMode, "\" needs compress_seq_offsets [B*H], got ", dimsText(offsets));
+        check(p.mode == kernels::CompressMode::kALIBI || hasOffsets || pairs == 0,
+            "compress_seq_offsets: ", "compress_mode \"", mCompressMode, "\" needs compress_seq_offsets [B*H], got ",
+            dimsText(offsets));
     }
     if (p.mode == kernels::CompressMode::kROPE)
     {
@@ -291,8 +293,8 @@ int32_t ScatterPaKvCachePlugin::configurePlugin(
     {
         check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2 (key_cache_out, value_cache_out), got ", nbOutputs);
-        check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ",
-            nbInputs);
+        check(
+            nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ", nbInputs);
         std::array<Dims, kNB_INPUTS_COMPRESS> dims{};
         std::array<DataType, kNB_INPUTS_COMPRESS> types{};
         for (int32_t i = 0; i < nbInputs; ++i)
@@ -350,8 +352,8 @@ int32_t ScatterPaKvCachePlugin::getOutputDataTypes(
     {
         check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
-        check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ",
-            nbInputs);
+        check(
+            nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ", nbInputs);
         // Checked here, where TensorRT first shows all input types: supportsFormatCombination
         // can only say no, and a builder then reports "no supported formats", not why.
         checkTypes(inputTypes, nbInputs);
@@ -374,8 +376,8 @@ int32_t ScatterPaKvCachePlugin::getOutputShapes(DimsExprs const* inputs, int32_t
     {
         check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
-        check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ",
-            nbInputs);
+        check(
+            nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ", nbInputs);
         // In place: each output is its cache, shape included.
         outputs[kOUT_KEY_CACHE] = inputs[kIN_KEY_CACHE];
         outputs[kOUT_VALUE_CACHE] = inputs[kIN_VALUE_CACHE];
@@ -418,8 +420,8 @@ int32_t ScatterPaKvCachePlugin::onShapeChange(
     {
         check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
-        check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ",
-            nbInputs);
+        check(
+            nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ", nbInputs);
         std::array<Dims, kNB_INPUTS_COMPRESS> dims{};
         std::array<DataType, kNB_INPUTS_COMPRESS> types{};
         for (int32_t i = 0; i < nbInputs; ++i)
@@ -454,9 +456,9 @@ int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         // The shapes were validated by onShapeChange: only make sure these are the same.
         for (int32_t i = 0; i < mNbInputs; ++i)
         {
-            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ",
-                kINPUT_NAMES[i], " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type),
-                ", not the ", dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
+            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ", kINPUT_NAMES[i],
+                " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type), ", not the ",
+                dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
         }
         bool const hasValue = mShape.hasValue;
 
@@ -466,8 +468,8 @@ int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
                  std::pair<int32_t, int32_t>{kOUT_VALUE_CACHE, kIN_VALUE_CACHE}})
         {
             cudaError_t const st = copyIfDistinct(outputs[o], inputs[i], inputDesc[i], stream);
-            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i], " to its output failed: ",
-                cudaGetErrorName(st));
+            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i],
+                " to its output failed: ", cudaGetErrorName(st));
         }
 
         kernels::ScatterParams p = mShape.params;

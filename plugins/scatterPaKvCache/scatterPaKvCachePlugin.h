@@ -14,6 +14,7 @@
 #pragma once
 
 #include "NvInferRuntime.h"
+#include "kvContract.h"
 #include "pluginBase.h"
 #include "pluginFields.h"
 #include "scatterPaKvCache.h"
@@ -31,24 +32,24 @@ namespace plugin
 class ScatterPaKvCachePlugin : public PluginBase<ScatterPaKvCachePlugin>
 {
 public:
-    //! TensorRT plugin name (specs.py SCATTER_PA_KV_CACHE.name).
-    static constexpr char const* kPLUGIN_NAME{"ScatterPaKvCache"};
+    //! TensorRT plugin name (kvContract.h, generated from pytrt_kv/specs.py).
+    static constexpr char const* kPLUGIN_NAME{contract::scatterPaKvCache::kNAME};
     //! Input indices (specs.py SCATTER_PA_KV_CACHE.inputs).
-    static constexpr int32_t kIN_KEY{0};
-    static constexpr int32_t kIN_VALUE{1};
-    static constexpr int32_t kIN_KEY_CACHE{2};
-    static constexpr int32_t kIN_VALUE_CACHE{3};
-    static constexpr int32_t kIN_SLOT_MAPPING{4};
-    static constexpr int32_t kIN_COMPRESS_LENS{5};
-    static constexpr int32_t kIN_COMPRESS_SEQ_OFFSETS{6};
-    static constexpr int32_t kIN_SEQ_LENS{7};
+    static constexpr int32_t kIN_KEY{contract::scatterPaKvCache::kIN_KEY};
+    static constexpr int32_t kIN_VALUE{contract::scatterPaKvCache::kIN_VALUE};
+    static constexpr int32_t kIN_KEY_CACHE{contract::scatterPaKvCache::kIN_KEY_CACHE};
+    static constexpr int32_t kIN_VALUE_CACHE{contract::scatterPaKvCache::kIN_VALUE_CACHE};
+    static constexpr int32_t kIN_SLOT_MAPPING{contract::scatterPaKvCache::kIN_SLOT_MAPPING};
+    static constexpr int32_t kIN_COMPRESS_LENS{contract::scatterPaKvCache::kIN_COMPRESS_LENS};
+    static constexpr int32_t kIN_COMPRESS_SEQ_OFFSETS{contract::scatterPaKvCache::kIN_COMPRESS_SEQ_OFFSETS};
+    static constexpr int32_t kIN_SEQ_LENS{contract::scatterPaKvCache::kIN_SEQ_LENS};
     //! Accepted input counts: without / with the compress tensors.
     static constexpr int32_t kNB_INPUTS_BASIC{5};
-    static constexpr int32_t kNB_INPUTS_COMPRESS{8};
+    static constexpr int32_t kNB_INPUTS_COMPRESS{contract::scatterPaKvCache::kNB_INPUTS};
     //! Output indices (specs.py SCATTER_PA_KV_CACHE.outputs).
-    static constexpr int32_t kOUT_KEY_CACHE{0};
-    static constexpr int32_t kOUT_VALUE_CACHE{1};
-    static constexpr int32_t kNB_OUTPUTS{2};
+    static constexpr int32_t kOUT_KEY_CACHE{contract::scatterPaKvCache::kOUT_KEY_CACHE_OUT};
+    static constexpr int32_t kOUT_VALUE_CACHE{contract::scatterPaKvCache::kOUT_VALUE_CACHE_OUT};
+    static constexpr int32_t kNB_OUTPUTS{contract::scatterPaKvCache::kNB_OUTPUTS};
 
     //! The plugin's fields: cache_layout, compress_mode (strings), alias_io (int).
     static std::vector<FieldSpec> const& fieldSpecs();
@@ -79,18 +80,18 @@ public:
         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
     bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
         int32_t nbOutputs) noexcept override;
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
-        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
-    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
-        nvinfer1::DimsExprs const* shapeInputs, int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs,
-        int32_t nbOutputs, nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
+        int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
+        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
+        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
     int32_t getAliasedInput(int32_t outputIndex) noexcept override;
 
     // IPluginV3OneRuntime
-    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
-        nvinfer1::PluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
+        int32_t nbOutputs) noexcept override;
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
         void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
 

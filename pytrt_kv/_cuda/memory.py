@@ -1,0 +1,205 @@
+"""Memory pytrt_kv allocates or pins itself: :class:`DeviceArray` (device memory exposed
+through ``__cuda_array_interface__``), :class:`PinnedHost` / :class:`HostArray` (pinned,
+mapped host memory), copies to the host, and the gather's :class:`WorkspaceCache`."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from .._errors import describe, type_error, value_error
+from ..dtypes import name_of, numpy_dtype
+from . import abi
+from .abi import check_status, kernels
+from .buffers import HOST, Buffer, BufferView, locate
+from .streams import stream_handle
+
+
+class DeviceArray:
+    """Device memory allocated by the kernel library, exposed through
+    ``__cuda_array_interface__`` (so torch/CuPy can wrap it without copies); used when no
+    framework allocator is at hand, and for the outputs ``pytrt_kv.trt`` allocates.
+
+    Parameters
+    ----------
+    shape : tuple of int
+    dtype : dtype
+        Any dtype :func:`pytrt_kv.dtypes.name_of` accepts (NumPy/ml_dtypes, torch, name).
+    device : int
+        CUDA device; -1 (default): the current one.
+    """
+
+    def __init__(self, shape: Tuple[int, ...], dtype: Any, device: int = -1):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = numpy_dtype(dtype)
+        self.device = device
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        ptr = ctypes.c_void_p()
+        # Zero-element arrays still get a valid address (TensorRT refuses null ones).
+        check_status(kernels().pytrt_kv_device_malloc(max(self.nbytes, 1), device,
+                                                      ctypes.byref(ptr)), "cudaMalloc")
+        self.ptr = int(ptr.value or 0)
+
+    @classmethod
+    def from_numpy(cls, a: np.ndarray, device: int = -1) -> "DeviceArray":
+        """A device copy of the NumPy array ``a`` (synchronous)."""
+        a = np.ascontiguousarray(a)
+        return cls(a.shape, a.dtype, device).copy_from(a)
+
+    @property
+    def address(self) -> int:
+        return self.ptr
+
+    def view(self) -> BufferView:
+        return BufferView(self.ptr, self.shape, name_of(self.dtype))
+
+    @property
+    def __cuda_array_interface__(self) -> Dict[str, Any]:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
+                "strides": None, "version": 3}
+
+    def copy_from(self, host: np.ndarray, stream: Any = 0) -> "DeviceArray":
+        """Host -> device copy of ``host`` (same shape and dtype), ordered on ``stream``;
+        returns when it is done."""
+        host = np.ascontiguousarray(host)
+        if tuple(host.shape) != self.shape or numpy_dtype(host.dtype) != self.dtype:
+            raise value_error("host", f"{name_of(self.dtype)}{list(self.shape)}",
+                              f"{host.dtype}{list(host.shape)}")
+        if self.nbytes:
+            check_status(kernels().pytrt_kv_copy(self.ptr, host.ctypes.data, self.nbytes,
+                                                 stream_handle(stream), self.device),
+                         "copy to device")
+        return self
+
+    def get(self, stream: Any = 0) -> np.ndarray:
+        """Copy to a NumPy array (waits for ``stream``)."""
+        out = np.empty(self.shape, self.dtype)
+        copy_to_host(out, self.ptr, stream_handle(stream), self.device)
+        return out
+
+    to_numpy = get
+
+    def free(self) -> None:
+        lib = abi.loaded()
+        if getattr(self, "ptr", 0) and lib is not None:
+            lib.pytrt_kv_device_free(self.ptr, self.device)
+        self.ptr = 0
+
+    def __del__(self):
+        self.free()
+
+
+def copy_to_host(out: np.ndarray, ptr: int, stream: int, device: int) -> np.ndarray:
+    """Fill the C-contiguous ``out`` from device address ``ptr``, ordered on ``stream``."""
+    if out.nbytes:
+        check_status(kernels().pytrt_kv_copy(out.ctypes.data, ptr, out.nbytes, stream, device),
+                     "copy to host")
+    return out
+
+
+def read_back(buf: Buffer, stream: int) -> np.ndarray:
+    """The values of a device buffer as a NumPy array (synchronizes ``stream``)."""
+    return copy_to_host(np.empty(buf.shape, buf.dtype), buf.ptr, stream, buf.device)
+
+
+class PinnedHost:
+    """Pins (cudaHostRegister, mapped) a C-contiguous NumPy array for its lifetime, so that
+    it can be passed as a host-resident full cache (to ``pytrt_kv.ops`` as the array, to
+    TensorRT bindings as this object: its device-side :attr:`address`)."""
+
+    def __init__(self, a: np.ndarray):
+        if not a.flags.c_contiguous:
+            raise type_error("a", "a C-contiguous NumPy array to pin",
+                             f"a strided {describe(a)} with strides {a.strides}")
+        self.array = a
+        self._ptr = int(a.ctypes.data) if a.nbytes else 0
+        self._nbytes = int(a.nbytes)
+        self._device_ptr: Optional[int] = None
+        if self._ptr:
+            check_status(kernels().pytrt_kv_host_register(self._ptr, a.nbytes, 0),
+                         "cudaHostRegister")
+
+    @property
+    def address(self) -> int:
+        """The device-side address of the pinned memory (0 for an empty array)."""
+        if self._device_ptr is None:
+            buf = Buffer("array", self.array, self._ptr, (self._nbytes,), np.dtype(np.uint8),
+                         True, HOST)
+            self._device_ptr = locate(buf).ptr
+        return self._device_ptr
+
+    def view(self) -> BufferView:
+        a = self.array
+        return BufferView(self.address, tuple(a.shape), name_of(a.dtype), host=True)
+
+    def close(self) -> None:
+        lib = abi.loaded()
+        if self._ptr and lib is not None:
+            lib.pytrt_kv_host_unregister(self._ptr)
+        self._ptr = 0
+
+    free = close
+
+    def __del__(self):
+        self.close()
+
+
+class HostArray(PinnedHost):
+    """Pinned, mapped host memory as a NumPy array: a host-resident full cache the gather
+    kernel reads over PCIe (docs/SPEC.md G7).
+
+    ``.array`` is the NumPy view (fill it like any array); bindings use its device-side
+    :attr:`address`. Keep the object alive while an engine may read it.
+
+    Parameters
+    ----------
+    shape : tuple of int
+    dtype : dtype
+        Any dtype :func:`pytrt_kv.dtypes.name_of` accepts.
+    """
+
+    def __init__(self, shape: Tuple[int, ...], dtype: Any):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = numpy_dtype(dtype)
+        nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        # Whole pages of its own (cudaHostRegister refuses a page registered twice), and a
+        # valid address for zero-element arrays too (TensorRT refuses null ones).
+        page = mmap.PAGESIZE
+        size = -(-max(nbytes, 1) // page) * page
+        raw = np.empty(size + page, np.uint8)
+        offset = -int(raw.ctypes.data) % page
+        raw = raw[offset:offset + size]
+        super().__init__(raw)
+        self.array = raw[:nbytes].view(self.dtype).reshape(self.shape)
+        self._raw = raw
+
+
+class WorkspaceCache:
+    """Gather workspaces per (device, stream): grow-only, so steady-state calls allocate
+    nothing. Outgrown buffers are kept (not freed) so that CUDA graphs captured with them
+    stay valid; allocation is not allowed during capture, hence the warm-up call that
+    graph capture needs (see pytrt_kv.ops)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: Dict[Tuple[int, int], DeviceArray] = {}
+        self._retired: list = []
+
+    def get(self, device: int, stream: int, nbytes: int) -> Tuple[int, int]:
+        if nbytes == 0:
+            return 0, 0
+        key = (device, stream)
+        with self._lock:
+            buf = self._current.get(key)
+            if buf is None or buf.nbytes < nbytes:
+                if buf is not None:
+                    self._retired.append(buf)
+                # Round up so that slowly growing batches do not reallocate every call.
+                size = 1 << max(12, (nbytes - 1).bit_length())
+                buf = DeviceArray((size,), np.uint8, device)
+                self._current[key] = buf
+            return buf.ptr, buf.nbytes
