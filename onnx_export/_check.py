@@ -1,10 +1,10 @@
 """Export-time validation of one pytrt_kv node, shared by the schemas' shape inference,
 the onnx-graphsurgeon helpers and :func:`onnx_export.single_op_model`.
 
-The rules themselves live in ``pytrt_kv._scatter.check_scatter`` and
-``pytrt_kv._gather.check_gather`` (docs/SPEC.md S and G); this module only turns graph tensors
+The rules themselves live in ``pytrt_kv.contract.scatter.check_scatter`` and
+``pytrt_kv.contract.gather.check_gather`` (docs/SPEC.md S and G); this module only turns graph tensors
 into the ``.shape``/``.dtype`` stand-ins those functions take, checks the node's
-attributes against ``pytrt_kv.specs`` and computes the output types.
+attributes against ``pytrt_kv.contract.specs`` and computes the output types.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from pytrt_kv import dtypes, specs
+from pytrt_kv.contract import dtypes, specs
 
 #: A dimension: an int when static, a str (symbolic name) or None when dynamic.
 Dim = Any
@@ -171,7 +171,7 @@ def _scatter(given: Mapping[str, TensorInfo], attrs: Dict[str, Any], static: boo
              where: str) -> Dict[str, Any]:
     key = given["key"]
     if static:
-        from pytrt_kv._scatter import check_scatter
+        from pytrt_kv.contract.scatter import check_scatter
 
         stand = {k: _Stand(v) for k, v in given.items()}
         meta = check_scatter(
@@ -208,7 +208,7 @@ def _layout_with_dynamic_tokens(given: Mapping[str, TensorInfo], attrs: Dict[str
     """cache_layout of a 3-D scatter whose only dynamic dims are T and NB: detected by
     check_scatter on stand-ins with T = NB = 1; otherwise a ValueError saying what to
     pass."""
-    from pytrt_kv._scatter import check_scatter
+    from pytrt_kv.contract.scatter import check_scatter
 
     dynamic = []
     for name, info in given.items():
@@ -250,7 +250,7 @@ def _gather(given: Mapping[str, TensorInfo], attrs: Dict[str, Any], static: bool
     del where
     if not static:
         return
-    from pytrt_kv._gather import check_gather
+    from pytrt_kv.contract.gather import check_gather
 
     stand = {k: _Stand(v) for k, v in given.items()}
     check_gather(*(stand[n] for n in specs.GATHER_SELECTION_KV_CACHE.input_names),

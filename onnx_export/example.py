@@ -48,7 +48,7 @@ from typing import List
 import numpy as np
 import onnx
 
-from pytrt_kv import dtypes, specs
+from pytrt_kv.contract import dtypes, specs
 
 #: Graph inputs updated in place, with the graph output that is their new version.
 CACHE_OUTPUTS = {

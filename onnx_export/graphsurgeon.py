@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import onnx_graphsurgeon as gs
 
-from pytrt_kv import dtypes, specs
+from pytrt_kv.contract import dtypes, specs
 
 from . import schemas  # noqa: F401  (registers the schemas)
 from ._check import TensorInfo, dtype_name, validate_node

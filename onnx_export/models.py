@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from pytrt_kv import dtypes, specs
+from pytrt_kv.contract import dtypes, specs
 
 from . import schemas  # noqa: F401  (registers the schemas)
 from ._check import TensorInfo, dtype_name, validate_node

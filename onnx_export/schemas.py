@@ -19,7 +19,7 @@ import onnx
 import onnx.defs
 from onnx import helper
 
-from pytrt_kv import dtypes, specs
+from pytrt_kv.contract import dtypes, specs
 
 from ._check import TensorInfo, dtype_name, validate_node
 

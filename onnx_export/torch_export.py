@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from pytrt_kv import dtypes, specs
+from pytrt_kv.contract import dtypes, specs
 
 from . import schemas  # noqa: F401  (registers the schemas)
 from ._check import TensorInfo, validate_node

@@ -57,7 +57,7 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 def initial_state(sizes, prompt_len: int, rng: np.random.Generator) -> Dict[str, np.ndarray]:
     """Caches and tables before the first decode step (prompt already in the full cache)."""
-    from pytrt_kv import dtypes
+    from pytrt_kv.contract import dtypes
 
     z = sizes
     cdt = dtypes.numpy_dtype(z.dtype)
@@ -81,7 +81,7 @@ def initial_state(sizes, prompt_len: int, rng: np.random.Generator) -> Dict[str,
 def step_feeds(sizes, state: Dict[str, np.ndarray], rng: np.random.Generator
                ) -> Dict[str, np.ndarray]:
     """Feeds of the next decode step: one new token per sequence at position kv_len."""
-    from pytrt_kv import dtypes
+    from pytrt_kv.contract import dtypes
 
     z = sizes
     cdt = dtypes.numpy_dtype(z.dtype)

@@ -48,10 +48,10 @@ import numpy as np
 
 from . import _cuda
 from ._cuda import Buffer
-from ._alias import buffer_range, check_no_alias
-from ._errors import describe, value_error
-from ._gather import GATHER_WRITTEN, check_gather, check_gather_values
-from ._scatter import SCATTER_WRITTEN, check_scatter, check_scatter_values
+from .contract.alias import buffer_range, check_no_alias
+from .contract.errors import describe, value_error
+from .contract.gather import GATHER_WRITTEN, check_gather, check_gather_values
+from .contract.scatter import SCATTER_WRITTEN, check_scatter, check_scatter_values
 
 __all__ = ["scatter_pa_kv_cache", "gather_selection_kv_cache", "gather_workspace_size",
            "prepare_scatter", "prepare_gather", "Launch"]

@@ -8,7 +8,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from pytrt_kv import _alias
+from pytrt_kv.contract import alias as _alias
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache
 
 from test_reference_gather import base_case, make_case

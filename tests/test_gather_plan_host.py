@@ -1,5 +1,5 @@
 """The gather planning code of the kernels (plugins/kernels/gatherPlan.h), compiled for
-the host, against the reference (pytrt_kv/_gather.py, docs/SPEC.md G3-G5).
+the host, against the reference (pytrt_kv/contract/gather.py, docs/SPEC.md G3-G5).
 
 gatherPlan.h holds the planning kernel's phases once, for the GPU and the host: the host
 entry points run the very same code (hash, scan, miss-list compaction) for every virtual
@@ -25,8 +25,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytrt_kv import _cuda, _gather
-from pytrt_kv._gather import plan_row
+from pytrt_kv import _cuda, reference
+from pytrt_kv.contract import gather as _gather
+from pytrt_kv.contract.gather import plan_row
 
 
 def _ptr(a: np.ndarray, ctype):
@@ -335,7 +336,7 @@ def run_call_steps(lib, rng, *, B, S, K, tbs, sbs, fbs, extra_rows, layout, step
         want = expected_misses(plans, kv_len, S, tbs, sel_table, full_table, sbs, fbs)
 
         ref_cache, ref_status = sel_cache.copy(), status.reshape(shape + (K + 1,)).copy()
-        ref_actual = _gather.gather_selection_kv_cache(
+        ref_actual = reference.gather_selection_kv_cache(
             np.zeros(0, np.float16), ref_cache, sel_table, ref_status,
             topk.reshape(shape + (K,)), np.zeros(0, np.float16), full_cache, full_table,
             kv_len, np.ones(B, np.int32), selection_topk_block_size=tbs)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pytrt_kv import _cuda
-from pytrt_kv._scatter import scatter_pa_kv_cache
+from pytrt_kv.reference import scatter_pa_kv_cache
 
 INVALID_VALUE = 1  # cudaErrorInvalidValue
 

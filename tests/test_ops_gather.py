@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pytrt_kv import dtypes
-from pytrt_kv._gather import gather_selection_kv_cache as ref_gather, plan_row
+from pytrt_kv.contract import dtypes
+from pytrt_kv.contract.gather import plan_row
+from pytrt_kv.reference import gather_selection_kv_cache as ref_gather
 
 from test_ops_scatter import (assert_same_bits, random_data, sentinel, to_numpy, to_torch,
                               torch_mod, FakeCudaArray)

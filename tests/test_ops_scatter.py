@@ -14,8 +14,10 @@ import sys
 import numpy as np
 import pytest
 
-from pytrt_kv import _cuda, dtypes
-from pytrt_kv._scatter import nz_last_dim, scatter_pa_kv_cache as ref_scatter
+from pytrt_kv import _cuda
+from pytrt_kv.contract import dtypes
+from pytrt_kv.contract.scatter import nz_last_dim
+from pytrt_kv.reference import scatter_pa_kv_cache as ref_scatter
 
 gpu = pytest.mark.gpu
 

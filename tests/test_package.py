@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import pytrt_kv
-from pytrt_kv import _lib, dtypes, specs
+from pytrt_kv import _lib
+from pytrt_kv.contract import dtypes, specs
 from pytrt_kv.__main__ import SUBCOMMANDS, build_parser, main
 
 
@@ -29,6 +30,27 @@ def test_import_needs_no_optional_runtime():
         "print(','.join(bad))")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "", f"imported eagerly: {r.stdout.strip()}"
+
+
+def test_old_import_paths_are_the_contract():
+    # Code written before the contract layer (pytrt_kv.retrieval among it) keeps importing
+    # the old paths: they must be the very same modules and objects, not copies.
+    import importlib
+
+    from pytrt_kv import contract, reference
+    from pytrt_kv.contract import gather, scatter
+
+    for old, new in (("specs", "specs"), ("dtypes", "dtypes"), ("_errors", "errors"),
+                     ("_alias", "alias")):
+        assert importlib.import_module(f"pytrt_kv.{old}") is getattr(contract, new)
+    old_scatter = importlib.import_module("pytrt_kv._scatter")
+    old_gather = importlib.import_module("pytrt_kv._gather")
+    for name in scatter.__all__:
+        assert getattr(old_scatter, name) is getattr(scatter, name), name
+    for name in gather.__all__:
+        assert getattr(old_gather, name) is getattr(gather, name), name
+    assert old_scatter.scatter_pa_kv_cache is reference.scatter_pa_kv_cache
+    assert old_gather.gather_selection_kv_cache is reference.gather_selection_kv_cache
 
 
 def test_public_functions_are_the_reference():

@@ -14,10 +14,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import pytest
 
-from pytrt_kv import specs
-from pytrt_kv._gather import (GatherMeta, check_gather, check_gather_values,
-                              gather_selection_kv_cache, plan_row)
-from pytrt_kv.dtypes import name_of, numpy_dtype
+from pytrt_kv.contract import specs
+from pytrt_kv.contract.gather import GatherMeta, check_gather, check_gather_values, plan_row
+from pytrt_kv.reference import gather_selection_kv_cache
+from pytrt_kv.contract.dtypes import name_of, numpy_dtype
 
 I32 = np.int32
 NAMES = ("selection_k_rope", "selection_kv_cache", "selection_kv_block_table",

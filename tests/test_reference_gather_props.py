@@ -19,9 +19,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytrt_kv import specs
-from pytrt_kv._gather import gather_selection_kv_cache
-from pytrt_kv.dtypes import numpy_dtype
+from pytrt_kv.contract import specs
+from pytrt_kv.reference import gather_selection_kv_cache
+from pytrt_kv.contract.dtypes import numpy_dtype
 
 I32 = np.int32
 

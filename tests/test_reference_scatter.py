@@ -16,10 +16,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pytrt_kv import specs
-from pytrt_kv._scatter import (ScatterMeta, check_scatter, check_scatter_values,
-                               scatter_pa_kv_cache)
-from pytrt_kv.dtypes import numpy_dtype
+from pytrt_kv.contract import specs
+from pytrt_kv.contract.scatter import ScatterMeta, check_scatter, check_scatter_values
+from pytrt_kv.reference import scatter_pa_kv_cache
+from pytrt_kv.contract.dtypes import numpy_dtype
 from pytrt_kv.reference import scatter_pa_kv_cache as reexported
 
 DATA_DTYPES = specs.SCATTER_DATA_DTYPES

@@ -16,7 +16,7 @@ import pytest
 
 import pytrt_kv.trt as ptrt
 from onnx_export import single_op_model
-from pytrt_kv import specs
+from pytrt_kv.contract import specs
 from pytrt_kv.trt import _tensorrt, buffers, model as trt_model, runner as trt_runner
 from pytrt_kv.trt import build as trt_build
 

@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .._errors import describe
+from ..contract.errors import describe
 from .types import CacheDesc, KvCacheExtParam, LLMRole, param_invalid
 
 

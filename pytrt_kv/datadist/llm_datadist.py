@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .._errors import describe
+from ..contract.errors import describe
 from . import control, memory
 from .contract import check_transfer
 from .transport import READ, WRITE, CacheInfo, Transport, Xfer, make_transport

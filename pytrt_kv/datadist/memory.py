@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Tuple
 import numpy as np
 
 from .. import _cuda
-from .._errors import describe
+from ..contract.errors import describe
 from .types import CacheDesc
 
 

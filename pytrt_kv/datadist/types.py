@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from ..dtypes import NUMPY, name_of
+from ..contract.dtypes import NUMPY, name_of
 
 
 class LLMStatus(enum.IntEnum):

@@ -59,7 +59,7 @@ class PytrtKvRefRunner(BaseRunner):
     def get_input_metadata_impl(self):
         from polygraphy.datatype import DataType
 
-        from pytrt_kv import dtypes
+        from pytrt_kv.contract import dtypes
 
         inits = {i.name for i in self.model.graph.initializer}
         meta = TensorMetadata()

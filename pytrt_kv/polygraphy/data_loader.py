@@ -53,8 +53,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from pytrt_kv import dtypes, specs
-from pytrt_kv._errors import value_error
+from pytrt_kv.contract import dtypes, specs
+from pytrt_kv.contract.errors import value_error
 
 _FLOAT = {specs.FLOAT32, specs.FLOAT16, specs.BFLOAT16, specs.FLOAT8_E4M3, specs.FLOAT8_E5M2}
 
@@ -471,7 +471,7 @@ def _scatter_indices(model, info, rng, table, kv_len, B, S) -> Dict[str, np.ndar
 
 
 def _gather_indices(model, info, rng, B, S, K, kv_len) -> Dict[str, np.ndarray]:
-    from pytrt_kv._gather import plan_row
+    from pytrt_kv.contract.gather import plan_row
 
     if K is None:
         _need(info, "selection_kv_block_status", "the data loader reads K from it")

@@ -10,7 +10,7 @@ import onnx
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 
-from .. import dtypes, specs
+from ..contract import dtypes, specs
 from ..reference import gather_selection_kv_cache, scatter_pa_kv_cache
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .. import specs
-from .._errors import value_error
+from ..contract import specs
+from ..contract.errors import value_error
 from . import _rtx
 from ._tensorrt import flavour_of, import_tensorrt
 from .model import alias_pairs, needs_aliased_io, prepare_for_tensorrt

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from .. import specs
+from ..contract import specs
 
 SCATTER = specs.SCATTER_PA_KV_CACHE
 GATHER = specs.GATHER_SELECTION_KV_CACHE
@@ -212,7 +212,7 @@ def prepare_for_tensorrt(model):
 
 
 def _check_node_dtypes(tag: str, op, ins: List[str], types) -> None:
-    from .. import dtypes  # noqa: PLC0415
+    from ..contract import dtypes  # noqa: PLC0415
 
     index_types: Dict[str, str] = {}
     for k, name in enumerate(ins):

@@ -15,7 +15,9 @@ import threading
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from .. import _lib, specs
+from .. import _lib
+
+from ..contract import specs
 from ._tensorrt import flavour_of, import_tensorrt
 
 _lock = threading.Lock()

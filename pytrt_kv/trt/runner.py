@@ -6,9 +6,9 @@ from typing import Any, Dict, Mapping, Optional
 
 import numpy as np
 
-from .. import dtypes, specs
+from ..contract import dtypes, specs
 from .._cuda import BufferView, DeviceArray, binding_view, stream_handle
-from .._errors import type_error, value_error
+from ..contract.errors import type_error, value_error
 from ._tensorrt import check_cuda, import_cudart, import_tensorrt
 
 
