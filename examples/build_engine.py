@@ -23,7 +23,7 @@ import onnx
 
 from onnx_export.example import build_example_model
 from pytrt_kv import runtime
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv.graph.feeds import make_feeds
 from pytrt_kv.trt import DeviceArray, EngineRunner, availability, build_engine, plugin_layers
 
 

@@ -29,7 +29,7 @@ from polygraphy.comparator import Comparator, CompareFunc
 from onnx_export.example import ExampleSizes, build_example_model
 from pytrt_kv.demo import expected_step
 from pytrt_kv.polygraphy import PytrtKvRefRunner
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv.graph.feeds import make_feeds
 
 SIZES = ExampleSizes()
 

@@ -21,7 +21,7 @@ import onnx_graphsurgeon as gs
 import pytrt_kv
 from onnx_export import add_gather_selection_kv_cache, add_scatter_pa_kv_cache, export_model
 from pytrt_kv import runtime
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv.graph.feeds import make_feeds
 
 B, KV, ROPE = 2, 16, 8          # batch, latent width, rope width
 NB, FBS, FMAX = 8, 4, 4         # full cache: blocks, block size, table columns per sequence

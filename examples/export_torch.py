@@ -24,7 +24,7 @@ except ImportError:
 
 from onnx_export import torch_export as pk
 from pytrt_kv import runtime
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv.graph.feeds import make_feeds
 
 B, KV, ROPE = 2, 16, 8          # batch, latent width, rope width
 NB, FBS, FMAX = 8, 4, 4         # full cache: blocks, block size, table columns

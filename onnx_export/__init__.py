@@ -11,7 +11,7 @@ Importing this package registers both op schemas with ``onnx.defs`` so that
   (``pytrt-kv export-example``).
 """
 
-from . import schemas
+from pytrt_kv.graph import schemas
 from .graphsurgeon import (add_gather_selection_kv_cache, add_node, add_scatter_pa_kv_cache,
                            export_model)
 from .models import finalize_model, single_op_model

@@ -27,8 +27,8 @@ import onnx_graphsurgeon as gs
 
 from pytrt_kv.contract import dtypes, specs
 
-from . import schemas  # noqa: F401  (registers the schemas)
-from ._check import TensorInfo, dtype_name, validate_node
+from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
+from pytrt_kv.graph.check import TensorInfo, dtype_name, validate_node
 
 
 def tensor_info(arg: str, tensor: Any) -> TensorInfo:

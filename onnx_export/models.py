@@ -10,8 +10,8 @@ from onnx import helper
 
 from pytrt_kv.contract import dtypes, specs
 
-from . import schemas  # noqa: F401  (registers the schemas)
-from ._check import TensorInfo, dtype_name, validate_node
+from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
+from pytrt_kv.graph.check import TensorInfo, dtype_name, validate_node
 
 
 def finalize_model(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:

@@ -27,8 +27,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pytrt_kv.contract import dtypes, specs
 
-from . import schemas  # noqa: F401  (registers the schemas)
-from ._check import TensorInfo, validate_node
+from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
+from pytrt_kv.graph.check import TensorInfo, validate_node
 
 
 def _torch():

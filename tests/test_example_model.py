@@ -11,7 +11,7 @@ import pytest
 from onnx_export import example
 from onnx_export.example import CACHE_OUTPUTS, ExampleSizes, build_example_model
 from pytrt_kv import runtime
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv.graph.feeds import make_feeds
 
 SIZES = [ExampleSizes(), ExampleSizes(batch=3, topk=5, selection_block_size=4, block_size=5,
                                       max_blocks_per_seq=3, num_blocks=10, dtype="float32",

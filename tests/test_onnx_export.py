@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from onnx_export import (add_gather_selection_kv_cache, add_scatter_pa_kv_cache, export_model,
                          single_op_model)
 from pytrt_kv import runtime
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv.graph.feeds import make_feeds
 
 from test_onnx_ops import assert_bits_equal, gather_skeleton  # noqa: E402
 

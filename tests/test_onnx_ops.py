@@ -12,7 +12,7 @@ import pytest
 from onnx_export import single_op_model
 from pytrt_kv import runtime
 from pytrt_kv.contract import dtypes, specs
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv.graph.feeds import make_feeds
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache
 
 SENTINEL = 13

@@ -14,7 +14,7 @@ pytest.importorskip("onnxscript", reason="onnxscript not installed (extra 'torch
 
 from onnx_export import torch_export as pk  # noqa: E402
 from pytrt_kv import runtime  # noqa: E402
-from pytrt_kv.polygraphy.data_loader import make_feeds  # noqa: E402
+from pytrt_kv.graph.feeds import make_feeds  # noqa: E402
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache  # noqa: E402
 
 from test_onnx_ops import assert_bits_equal, gather_skeleton  # noqa: E402

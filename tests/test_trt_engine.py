@@ -17,7 +17,7 @@ import pytest
 
 from onnx_export import single_op_model
 from pytrt_kv import runtime
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv.graph.feeds import make_feeds
 
 from conftest import polygraphy_command
 from trt_models import compress_model, gather_model, scatter_model

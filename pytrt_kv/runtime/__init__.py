@@ -24,7 +24,7 @@ Example
 (3.0, 0.0)
 """
 
-from ._evaluator import (GatherSelectionKvCacheOp, ScatterPaKvCacheOp, check_feeds,
+from ..graph.runtime import (GatherSelectionKvCacheOp, ScatterPaKvCacheOp, check_feeds,
                          make_evaluator, run, validate_model, validate_node)
 
 __all__ = ["run", "make_evaluator", "validate_model", "validate_node", "check_feeds",

@@ -23,7 +23,7 @@ from typing import Dict, List, Mapping, Sequence
 
 import numpy as np
 
-from .model import alias_pairs, needs_aliased_io, prepare_for_tensorrt
+from ..graph.tensorrt import alias_pairs, needs_aliased_io, prepare_for_tensorrt
 
 __all__ = [
     "availability", "run_model_steps", "load_plugins", "build_plan", "build_engine", "load_engine", "Engine",

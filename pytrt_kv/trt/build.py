@@ -13,7 +13,7 @@ from ..contract import specs
 from ..contract.errors import value_error
 from . import _rtx
 from ._tensorrt import flavour_of, import_tensorrt
-from .model import alias_pairs, needs_aliased_io, prepare_for_tensorrt
+from ..graph.tensorrt import alias_pairs, needs_aliased_io, prepare_for_tensorrt
 from .plugins import load_plugins
 
 Shape = Tuple[int, ...]
@@ -391,7 +391,7 @@ def load_engine(plan, *, aliases: Optional[Mapping[str, str]] = None,
     """Deserialize ``plan`` (bytes or an engine file path) after loading the plugins.
 
     ``aliases`` (graph output -> graph input) should come from the model
-    (:func:`pytrt_kv.trt.model.alias_pairs`); without it, only the pairs TensorRT reports
+    (:func:`pytrt_kv.graph.tensorrt.alias_pairs`); without it, only the pairs TensorRT reports
     (``get_aliased_input_tensor``, TensorRT 10.14+) and the ``*_out`` naming of
     specs.py are used.
     """
