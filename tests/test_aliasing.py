@@ -11,7 +11,7 @@ import pytest
 from pytrt_kv.contract import alias as _alias
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache
 
-from test_reference_gather import base_case, make_case
+from support.gather_cases import base_case, make_case
 
 
 def _f16(rng, shape):

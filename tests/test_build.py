@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from support.env import REPO
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not on PATH")

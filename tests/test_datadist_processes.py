@@ -40,10 +40,11 @@ def _env(**extra):
 
 
 class Node:
-    """A tests/datadist_node.py process; replies are read on a thread, waits are bounded."""
+    """A tests/support/datadist_node.py process; replies are read on a thread, waits are bounded."""
 
     def __init__(self, *args, env=None):
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "datadist_node.py"), *args],
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "support" / "datadist_node.py"),
+                                      *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env or _env())
         self.replies: "queue.Queue[dict]" = queue.Queue()

@@ -26,7 +26,7 @@ from typing import List, Tuple
 
 import pytest
 
-from conftest import gpu_unavailable_reason, polygraphy_command, trt_unavailable_reason
+from support.env import gpu_unavailable_reason, polygraphy_command, trt_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]

@@ -14,7 +14,8 @@ from onnx_export import (add_gather_selection_kv_cache, add_scatter_pa_kv_cache,
 from pytrt_kv import runtime
 from pytrt_kv.graph.feeds import make_feeds
 
-from test_onnx_ops import assert_bits_equal, gather_skeleton  # noqa: E402
+from support.arrays import assert_same_bits  # noqa: E402
+from support.gather_cases import gather_skeleton  # noqa: E402
 
 
 def scatter_feeds(key_dt=np.float16, cache_dt=np.float16, key_shape=(3, 2, 16),
@@ -156,7 +157,7 @@ def test_graphsurgeon_scatter_then_gather_graph():
     want = feeds["kc"].copy()
     want[0, 3, 0] = feeds["key"][0, 0]
     want[5, 2, 0] = feeds["key"][1, 0]
-    assert_bits_equal(res, want, "key_cache_out_1")
+    assert_same_bits(res, want, "key_cache_out_1")
 
 
 def test_graphsurgeon_gather_outputs_and_names():

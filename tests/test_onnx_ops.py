@@ -14,17 +14,10 @@ from pytrt_kv import runtime
 from pytrt_kv.contract import dtypes, specs
 from pytrt_kv.graph.feeds import make_feeds
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache
+from support.arrays import assert_same_bits, bits
+from support.gather_cases import gather_skeleton
 
 SENTINEL = 13
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint8)
-
-
-def assert_bits_equal(got: np.ndarray, want: np.ndarray, name: str) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.dtype, want.dtype)
-    assert np.array_equal(_bits(got), _bits(want)), f"{name} differs from the reference"
 
 
 def _sentinel(shape, dt) -> np.ndarray:
@@ -46,11 +39,11 @@ def _run_and_compare(op_type, feeds, attrs, reference):
     before = {k: v.copy() for k, v in feeds.items()}
     out = runtime.run(model, feeds)
     for k, v in feeds.items():                     # functional: feeds are not modified
-        assert_bits_equal(v, before[k], k)
+        assert_same_bits(v, before[k], k)
     want = reference({k: v.copy() for k, v in feeds.items()})
     assert list(out) == [o.name for o in model.graph.output]
     for name, w in want.items():
-        assert_bits_equal(out[name], w, name)
+        assert_same_bits(out[name], w, name)
     return out, attrs_out
 
 
@@ -111,7 +104,7 @@ def test_scatter_3d(layout, dtype, index, with_value):
         out, attrs = _run_and_compare("ScatterPaKvCache", feeds, {"cache_layout": layout},
                                       _scatter_ref(layout, None))
         assert attrs["cache_layout"] == layout.encode()
-        assert not np.array_equal(_bits(out["key_cache_out"]), _bits(feeds["key_cache"]))
+        assert not np.array_equal(bits(out["key_cache_out"]), bits(feeds["key_cache"]))
 
 
 @pytest.mark.parametrize("layout,key,cache", [("nd", (2, 3, 16), (4, 6, 3, 16)),
@@ -125,7 +118,7 @@ def test_scatter_layout_resolved_from_shapes(layout, key, cache):
     assert attrs["cache_layout"] == layout.encode()
     out = runtime.run(m, feeds)
     want = _scatter_ref(layout, None)({k: v.copy() for k, v in feeds.items()})
-    assert_bits_equal(out["key_cache_out"], want["key_cache_out"], "key_cache_out")
+    assert_same_bits(out["key_cache_out"], want["key_cache_out"], "key_cache_out")
 
 
 @pytest.mark.parametrize("mode,dtype,offsets", [
@@ -171,28 +164,6 @@ def _gather_ref(tbs):
     return ref
 
 
-def gather_skeleton(dt, *, B=2, S=1, K=5, tbs=1, layout="BSND", k_rope=4, SBS=8, FBS=8,
-                    FMAX=4, extra_rows=1):
-    rows = B * S
-    smax = -(-K * tbs // SBS)
-    R = rows + extra_rows
-    snb = R * smax
-    fnb = B * FMAX + 2
-    kr_sel = (snb, SBS, k_rope) if k_rope else (0,)
-    kr_full = (fnb, FBS, k_rope) if k_rope else (0,)
-    lead = (B, S, 1) if layout == "BSND" else (rows, 1)
-    i32 = np.int32
-    return {
-        "selection_k_rope": np.zeros(kr_sel, dt), "selection_kv_cache": np.zeros((snb, SBS, 32), dt),
-        "selection_kv_block_table": np.zeros((R, smax), i32),
-        "selection_kv_block_status": np.zeros(lead + (K + 1,), i32),
-        "selection_topk_indices": np.zeros(lead + (K,), i32),
-        "full_k_rope": np.zeros(kr_full, dt), "full_kv_cache": np.zeros((fnb, FBS, 32), dt),
-        "full_kv_block_table": np.zeros((B, FMAX), i32), "full_kv_actual_seq": np.zeros(B, i32),
-        "full_q_actual_seq": np.zeros(B, i32),
-    }
-
-
 @pytest.mark.parametrize("dtype", [specs.FLOAT16, specs.BFLOAT16, specs.INT8, specs.FLOAT32,
                                    specs.FLOAT8_E5M2])
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
@@ -212,8 +183,8 @@ def test_gather(dtype, layout, tbs, S, k_rope):
             feeds[name] = _sentinel(feeds[name].shape, dt)
         out, _ = _run_and_compare("GatherSelectionKvCache", feeds,
                                   {"selection_topk_block_size": tbs}, _gather_ref(tbs))
-        copied += int(np.count_nonzero(_bits(out["selection_kv_cache_out"])
-                                       != _bits(feeds["selection_kv_cache"])))
+        copied += int(np.count_nonzero(bits(out["selection_kv_cache_out"])
+                                       != bits(feeds["selection_kv_cache"])))
     assert copied > 0  # the grid moves data, not just status
 
 

@@ -15,8 +15,8 @@ from pytrt_kv.contract import dtypes
 from pytrt_kv.contract.gather import plan_row
 from pytrt_kv.reference import gather_selection_kv_cache as ref_gather
 
-from test_ops_scatter import (assert_same_bits, random_data, sentinel, to_numpy, to_torch,
-                              torch_mod, FakeCudaArray)
+from support.arrays import (FakeCudaArray, assert_same_bits, random_data, sentinel,
+                            to_numpy, to_torch, torch_mod)
 
 gpu = pytest.mark.gpu
 

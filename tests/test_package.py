@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,3 +199,15 @@ def test_numpy_of_onnx_covers_standard_types_and_names_the_input():
     assert dtypes.numpy_of_onnx(onnx.TensorProto.DOUBLE) == np.dtype(np.float64)
     with pytest.raises(TypeError, match="mask: expected an ONNX tensor type .* got type number 0"):
         dtypes.numpy_of_onnx(onnx.TensorProto.UNDEFINED, "mask")
+
+
+def test_gpu_workload_imports_without_a_gpu():
+    # scripts/gpu_workload.py only runs under scripts/gpu_check.sh on a GPU machine; its
+    # imports must follow the package's moves here, where CI runs.
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_workload.py"
+    spec = importlib.util.spec_from_file_location("gpu_workload", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert callable(module.main)

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, trt_include_dir
+from support.env import REPO, trt_include_dir
 from pytrt_kv.contract import specs
 
 pytestmark = pytest.mark.trt_headers

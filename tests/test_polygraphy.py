@@ -16,8 +16,8 @@ from onnx_export.example import ExampleSizes, build_example_model
 from pytrt_kv import runtime
 from pytrt_kv.polygraphy import data_loader
 
-from conftest import polygraphy_command
-from test_onnx_ops import gather_skeleton
+from support.env import polygraphy_command
+from support.gather_cases import gather_skeleton
 
 REPO = Path(__file__).resolve().parents[1]
 LOADER = REPO / "pytrt_kv" / "polygraphy" / "data_loader.py"

@@ -21,7 +21,7 @@ import pytest
 from onnx_export import single_op_model
 from pytrt_kv import _lib
 
-from trt_models import compress_model, engine_test_models, gather_model, scatter_model
+from support.models import compress_model, engine_test_models, gather_model, scatter_model
 
 TARGETS = ["sm80", "sm89", "sm120"]
 

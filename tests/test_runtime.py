@@ -83,7 +83,7 @@ def _set_attr(node, name, value):
 
 
 def _gather_model():
-    from test_onnx_ops import gather_skeleton
+    from support.gather_cases import gather_skeleton
 
     return single_op_model("GatherSelectionKvCache", gather_skeleton(np.float16, tbs=1),
                            selection_topk_block_size=1)

@@ -17,7 +17,8 @@ from pytrt_kv import runtime  # noqa: E402
 from pytrt_kv.graph.feeds import make_feeds  # noqa: E402
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache  # noqa: E402
 
-from test_onnx_ops import assert_bits_equal, gather_skeleton  # noqa: E402
+from support.arrays import assert_same_bits  # noqa: E402
+from support.gather_cases import gather_skeleton  # noqa: E402
 
 
 class WriteThenGather(torch.nn.Module):
@@ -82,7 +83,7 @@ def test_dynamo_export_round_trip(tmp_path):
     feeds = dict(zip(names, [*scatter.values(), *g.values()]))
     got = list(runtime.run(path, feeds).values())
     for i, (a, b) in enumerate(zip(got, _numpy_reference(scatter, g))):
-        assert_bits_equal(a, b, f"output {i}")
+        assert_same_bits(a, b, f"output {i}")
 
 
 def test_eager_mode_runs_the_reference():
@@ -93,7 +94,7 @@ def test_eager_mode_runs_the_reference():
     for a, b in zip(args, before):
         assert torch.equal(a, b)                            # functional: inputs untouched
     for i, (a, b) in enumerate(zip(got, _numpy_reference(scatter, g))):
-        assert_bits_equal(a.numpy(), b, f"output {i}")
+        assert_same_bits(a.numpy(), b, f"output {i}")
 
 
 def test_eager_bfloat16_and_validation():

@@ -19,8 +19,8 @@ from onnx_export import single_op_model
 from pytrt_kv import runtime
 from pytrt_kv.graph.feeds import make_feeds
 
-from conftest import polygraphy_command
-from trt_models import compress_model, gather_model, scatter_model
+from support.env import polygraphy_command
+from support.models import compress_model, gather_model, scatter_model
 
 pytestmark = pytest.mark.trt
 

@@ -2,7 +2,7 @@
 (tests/test_datadist_processes.py). One JSON command per stdin line; each reply is one
 stdout line starting with ``@@`` (anything else on stdout is ignored by the driver).
 
-    python tests/datadist_node.py --cluster-id 2 --role decoder --backend nixl \
+    python tests/support/datadist_node.py --cluster-id 2 --role decoder --backend nixl \
         --cache 4,8x64,float16
 
 Commands: ``link`` {addr}, ``read`` {tag, timeout_s} (waits for the tag, returns the

@@ -10,7 +10,7 @@ from onnx_export import single_op_model
 
 
 def _np(name):
-    from pytrt_kv import dtypes
+    from pytrt_kv.contract import dtypes
 
     return dtypes.numpy_dtype(name)
 

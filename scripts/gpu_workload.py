@@ -4,7 +4,10 @@ scripts/gpu_check.sh. Uses only NumPy and the kernel library (device buffers are
 ``pytrt_kv._cuda.DeviceArray``, host-resident full caches are pinned NumPy arrays), so the
 sanitizer sees our kernels and nothing of torch or CuPy.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/sanitize_smoke.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/gpu_workload.py
+
+It lives beside gpu_check.sh because it is a check, not a benchmark: the benchmark is
+``pytrt-kv bench`` (``pytrt_kv/bench.py``, shipped in the wheel; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import sys
 import numpy as np
 
 from pytrt_kv import _cuda, ops
-from pytrt_kv._gather import gather_selection_kv_cache as ref_gather
-from pytrt_kv._scatter import nz_last_dim, scatter_pa_kv_cache as ref_scatter
-from pytrt_kv.dtypes import numpy_dtype
+from pytrt_kv.contract.dtypes import numpy_dtype
+from pytrt_kv.contract.scatter import nz_last_dim
+from pytrt_kv.reference import gather_selection_kv_cache as ref_gather
+from pytrt_kv.reference import scatter_pa_kv_cache as ref_scatter
 
 BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
@@ -144,7 +148,7 @@ def main() -> int:
         gather_case(rng, K=8, tbs=4, sbs=8, fbs=12, S=2, rope=0, host=host)
     gather_case(rng, K=33, tbs=1, sbs=5, fbs=7, S=3, rope=8, host=False)
     gather_case(rng, K=40, tbs=4, sbs=16, fbs=8, S=2, rope=8, host=True)  # K > 32, TBS > 1
-    print("sanitize_smoke: all kernel paths match the reference")
+    print("gpu_workload: all kernel paths match the reference")
     return 0
 
 
