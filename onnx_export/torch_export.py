@@ -82,7 +82,7 @@ def _call(op: specs.OpSpec, tensors: Dict[str, Any], attributes: Dict[str, Any])
         inputs: List[Optional[Any]] = [tensors.get(t.name) for t in op.inputs[:last + 1]]
         out_dtypes = [getattr(torch, info.dtype) for info in outs.values()]
         out_shapes = []
-        for name, info in outs.items():
+        for name in outs:
             src = op.aliases.get(name)
             # Reuse the input's (possibly symbolic) shape so dynamic dims survive.
             out_shapes.append(list(tensors[src].shape) if src else

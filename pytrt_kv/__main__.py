@@ -16,9 +16,15 @@ SUBCOMMANDS = (
     ("info", "pytrt_kv.info", "print versions and what is available (native libraries, TensorRT, GPU)"),
     ("demo", "pytrt_kv.demo", "export the example sparse-attention decode model and run it step by step, verified"),
     ("export-example", "onnx_export.example", "write the example model (ScatterPaKvCache + GatherSelectionKvCache) to an .onnx file"),
-    ("bench", "pytrt_kv.bench", "benchmark the CUDA kernels against same-run baselines (needs a GPU); `bench datadist`: block push over NIXL"),
-    ("build", "pytrt_kv.trt.cli_build", "build a TensorRT engine (plan) from an ONNX model; with TensorRT-RTX also without a GPU, for --target compute capabilities"),
-    ("prepare", "pytrt_kv.trt.cli_prepare", "rewrite pytrt_kv nodes into the TensorRT plugins' positional form (for polygraphy/trtexec)"),
+    ("bench", "pytrt_kv.bench",
+     "benchmark the CUDA kernels against same-run baselines (needs a GPU); "
+     "`bench datadist`: block push over NIXL"),
+    ("build", "pytrt_kv.trt.cli_build",
+     "build a TensorRT engine (plan) from an ONNX model; with TensorRT-RTX also without a "
+     "GPU, for --target compute capabilities"),
+    ("prepare", "pytrt_kv.trt.cli_prepare",
+     "rewrite pytrt_kv nodes into the TensorRT plugins' positional form "
+     "(for polygraphy/trtexec)"),
 )
 
 

@@ -1,11 +1,17 @@
-"""Old import path of :mod:`pytrt_kv.contract.alias` (the contract layer, docs/ARCHITECTURE.md).
+"""Old import path of :mod:`pytrt_kv.contract.alias` (the contract layer,
+docs/ARCHITECTURE.md).
 
-``pytrt_kv._alias`` IS that module (same object in sys.modules), so old imports,
-attribute reads and monkeypatching keep working. New code imports ``pytrt_kv.contract.alias``.
+``pytrt_kv._alias`` IS that module (same object in sys.modules), so old imports, attribute
+reads and monkeypatching keep working. New code imports ``pytrt_kv.contract.alias``.
 """
 
 import sys
+from typing import TYPE_CHECKING
 
 from .contract import alias as _module
+
+if TYPE_CHECKING:  # what type checkers see; at run time the module object below
+    from .contract.alias import *  # noqa: F403
+
 
 sys.modules[__name__] = _module

@@ -148,7 +148,7 @@ def bench_scatter(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]
             kflat.index_copy_(0, slots64, key)
             vflat.index_copy_(0, slots64, value)
 
-        r = {"op": "scatter nd bf16", "tokens": T, "heads": H, "dim": D, "bytes": moved,
+        r: Dict[str, Any] = {"op": "scatter nd bf16", "tokens": T, "heads": H, "dim": D, "bytes": moved,
              "kernel_us": timer.eager(launch), "kernel_graph_us": timer.graph(launch),
              "copy_us": timer.eager(lambda: dst.copy_(src)),
              "copy_graph_us": timer.graph(lambda: dst.copy_(src)),
@@ -238,7 +238,7 @@ def bench_gather(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]:
                 launches[state["i"] & 1]()
                 state["i"] += 1
 
-            r = {"op": f"gather {'host' if host else 'device'} bf16", "rows": rows_bs, "K": K,
+            r: Dict[str, Any] = {"op": f"gather {'host' if host else 'device'} bf16", "rows": rows_bs, "K": K,
                  "overlap": overlap}
             r["kernel_us"] = timer.eager(alternate)
             r["kernel_graph_us"] = timer.graph(alternate, calls=20)

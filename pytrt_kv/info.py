@@ -29,7 +29,7 @@ def package_versions() -> Dict[str, str]:
         ver = getattr(mod, "__version__", None)
         if ver is None and name == "cuda":
             try:
-                from cuda import bindings  # type: ignore
+                from cuda import bindings
 
                 ver = bindings.__version__
             except Exception:
@@ -86,9 +86,13 @@ def run(args: argparse.Namespace) -> int:
     info = _lib.build_info()
     if info:
         cuda = info.get("cuda") == "ON"
-        print(f"  built with CUDA    {'yes, ' + info.get('cuda_version', '') + ' for ' + info.get('cuda_architectures', '') if cuda else 'no: ' + info.get('no_cuda_reason', '')}")
+        built = (f"yes, {info.get('cuda_version', '')} for {info.get('cuda_architectures', '')}"
+                 if cuda else f"no: {info.get('no_cuda_reason', '')}")
+        print(f"  built with CUDA    {built}")
         plugins = info.get("plugins") == "ON"
-        print(f"  TensorRT plugins   {'yes (headers ' + info.get('tensorrt_version', '?') + ')' if plugins else 'no: ' + info.get('no_plugins_reason', '')}")
+        built = (f"yes (headers {info.get('tensorrt_version', '?')})"
+                 if plugins else f"no: {info.get('no_plugins_reason', '')}")
+        print(f"  TensorRT plugins   {built}")
     else:
         print("  no build record (package not installed through its CMake build)")
     for lib in (_lib.KERNELS_LIB, _lib.PLUGINS_LIB, _lib.PLUGINS_AUTOREG_LIB):
@@ -115,5 +119,6 @@ def run(args: argparse.Namespace) -> int:
     for i, n in enumerate(names):
         print(f"  cuda:{i} {n}")
     if not names:
-        print("  none: the reference, ONNX export and CPU runtime work; kernels and engines need a GPU")
+        print("  none: the reference, ONNX export and CPU runtime work; kernels and engines "
+              "need a GPU")
     return 0

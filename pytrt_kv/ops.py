@@ -195,9 +195,11 @@ def prepare_scatter(key: Any, value: Any, key_cache: Any, value_cache: Any,
     _check_alias(bufs, SCATTER_WRITTEN)
     handle = _cuda.resolve_stream(stream, list(named.values()), device)
     if validate:
-        idx = {k: (None if bufs[k] is None else _cuda.read_back(bufs[k], handle))
+        idx = {k: (None if (b := bufs[k]) is None else _cuda.read_back(b, handle))
                for k in ("slot_mapping", "compress_lens", "compress_seq_offsets", "seq_lens")}
-        check_scatter_values(meta, idx["slot_mapping"], compress_lens=idx["compress_lens"],
+        slots = idx["slot_mapping"]
+        assert slots is not None  # check_scatter refused a missing slot_mapping
+        check_scatter_values(meta, slots, compress_lens=idx["compress_lens"],
                              compress_seq_offsets=idx["compress_seq_offsets"],
                              seq_lens=idx["seq_lens"])
     p = _cuda.ScatterParams()
@@ -332,8 +334,10 @@ def prepare_gather(selection_k_rope: Any, selection_kv_cache: Any,
              "full_kv_cache": full_kv_cache, "full_kv_block_table": full_kv_block_table,
              "full_kv_actual_seq": full_kv_actual_seq, "full_q_actual_seq": full_q_actual_seq}
     bufs = _buffers(named)
-    meta = check_gather(*(bufs[k] for k in named),
+    meta = check_gather(**{k: bufs[k] for k in named},
                         selection_topk_block_size=selection_topk_block_size)
+    # check_gather refused a missing tensor: every gather buffer exists from here on.
+    present = {k: b for k, b in bufs.items() if b is not None}
     # full_q_actual_seq is never read: it may live anywhere.
     placed = {k: v for k, v in bufs.items() if k != "full_q_actual_seq"}
     out_buf = None
@@ -345,10 +349,10 @@ def prepare_gather(selection_k_rope: Any, selection_kv_cache: Any,
     _check_alias(placed, GATHER_WRITTEN + ("out",))
     handle = _cuda.resolve_stream(stream, list(named.values()), device)
     if out_buf is None:
-        out = _new_output(bufs["selection_kv_cache"], meta.rows, device)
+        out = _new_output(present["selection_kv_cache"], meta.rows, device)
         out_buf = _cuda.buffer("out", out)
     if validate:
-        idx = {k: _cuda.read_back(bufs[k], handle)
+        idx = {k: _cuda.read_back(present[k], handle)
                for k in ("selection_kv_block_table", "selection_kv_block_status",
                          "selection_topk_indices", "full_kv_block_table", "full_kv_actual_seq")}
         check_gather_values(meta, **idx)

@@ -33,7 +33,7 @@ _BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 
 def _bits(x: np.ndarray) -> np.ndarray:
     """Same memory viewed as unsigned integers of the element size (any strides)."""
-    return x.view(_BITS[x.dtype.itemsize])
+    return x.view(_BITS[x.dtype.itemsize])  # type: ignore[call-overload]  # numpy stubs: dtype
 
 
 def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray,
@@ -83,7 +83,7 @@ def _write_runs(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray, base: np.
     for b, h in np.argwhere(base >= 0):
         start = int(base[b, h])
         offset = -1 if offsets is None else int(offsets[b, h])
-        copies, mean = _plan_run(meta.mode, int(seq[b]), int(lens[b, h]), offset)
+        copies, mean = _plan_run(str(meta.mode), int(seq[b]), int(lens[b, h]), offset)
         for row, token, count in copies:
             rows[start + row:start + row + count] = bits[b, token:token + count, h]
         if mean is not None:
@@ -168,17 +168,21 @@ def scatter_pa_kv_cache(key: np.ndarray, value: Optional[np.ndarray], key_cache:
     check_scatter_numpy(args)
     check_scatter_values(meta, slot_mapping, compress_lens=compress_lens,
                          compress_seq_offsets=compress_seq_offsets, seq_lens=seq_lens)
-    pairs = [(key, key_cache)] + ([(value, value_cache)] if meta.has_value else [])
+    pairs = [(key, key_cache)]
+    if value is not None and value_cache is not None:  # check_scatter: both or neither
+        pairs.append((value, value_cache))
     if not meta.compress:
         slots = slot_mapping.astype(np.int64)
         for src, cache in pairs:
             _write_tokens(meta, src, cache, slots)
         return
+    # check_scatter required these two for a 4-D key (and offsets for rope / omni).
+    assert compress_lens is not None and seq_lens is not None
     shape_bh = (meta.batch, meta.num_heads)
     base = slot_mapping.astype(np.int64)
     lens = compress_lens.astype(np.int64)
     seq = seq_lens.astype(np.int64)
-    offsets = (None if meta.mode == "alibi"
+    offsets = (None if meta.mode == "alibi" or compress_seq_offsets is None
                else compress_seq_offsets.astype(np.int64).reshape(shape_bh))
     for src, cache in pairs:
         _write_runs(meta, src, cache, base, lens, offsets, seq)

@@ -16,8 +16,10 @@ from support.env import REPO
 pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
 
 V10 = "#define NV_TENSORRT_MAJOR {0}\n#define NV_TENSORRT_MINOR {1}\n#define NV_TENSORRT_PATCH {2}\n"
-V11 = ("#define TRT_MAJOR_ENTERPRISE {0}\n#define TRT_MINOR_ENTERPRISE {1}\n#define TRT_PATCH_ENTERPRISE {2}\n"
-       "#define NV_TENSORRT_MAJOR TRT_MAJOR_ENTERPRISE\n#define NV_TENSORRT_MINOR TRT_MINOR_ENTERPRISE\n"
+V11 = ("#define TRT_MAJOR_ENTERPRISE {0}\n#define TRT_MINOR_ENTERPRISE {1}\n"
+       "#define TRT_PATCH_ENTERPRISE {2}\n"
+       "#define NV_TENSORRT_MAJOR TRT_MAJOR_ENTERPRISE\n"
+       "#define NV_TENSORRT_MINOR TRT_MINOR_ENTERPRISE\n"
        "#define NV_TENSORRT_PATCH TRT_PATCH_ENTERPRISE\n")
 
 

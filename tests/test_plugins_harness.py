@@ -122,7 +122,8 @@ def test_loader_library_exports_only_the_entry_points(build):
             "n = ctypes.c_int32(-1)\n"
             "l.getCreators.restype = ctypes.c_void_p\n"
             "p = l.getCreators(ctypes.byref(n))\n"
-            "print(n.value, bool(p), hasattr(l, 'setLoggerFinder'), hasattr(l, 'pytrt_kv_registered_creators'))\n")
+            "print(n.value, bool(p), hasattr(l, 'setLoggerFinder'),\n"
+            "      hasattr(l, 'pytrt_kv_registered_creators'))\n")
     r = _run([sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["2", "True", "True", "False"]

@@ -253,7 +253,8 @@ def test_nz_hand_computed_multi_column():
 
 
 def test_torch_npu_example_scenario_1(rng):
-    """the torch_npu.npu_scatter_pa_kv_cache API page single-op example: bs=16, H=4, Dk=32, Dv=64, NB=2, BS=32, L=16."""
+    """the torch_npu.npu_scatter_pa_kv_cache API page single-op example: bs=16, H=4, Dk=32,
+    Dv=64, NB=2, BS=32, L=16."""
     bs, num_head, k_head_size, v_head_size, num_blocks, last_dim, block_size = (
         16, 4, 32, 64, 2, 16, 32)
     key = rng.standard_normal((bs, num_head, k_head_size)).astype(np.float16)

@@ -33,7 +33,8 @@ def _unavailable() -> str:
         info = _lib.build_info()
         if info.get("plugins") == "ON":
             return ""  # built but missing: the tests fail and say so
-        return f"{_lib.PLUGINS_LIB} was not built: {info.get('no_plugins_reason') or 'no build record'}"
+        why = info.get("no_plugins_reason") or "no build record"
+        return f"{_lib.PLUGINS_LIB} was not built: {why}"
     return ""
 
 

@@ -160,7 +160,8 @@ def test_inplace_binding_and_inserted_copies(tmp_path, alias_io, record_property
     record_property("copy_layers", len(copies))
     record_property("engine_us", round(t_engine, 2))
     record_property("eager_us", round(t_eager, 2))
-    print(f"alias_io={alias_io}: {len(copies)} copy layers, engine {t_engine:.1f} us, eager {t_eager:.1f} us")
+    print(f"alias_io={alias_io}: {len(copies)} copy layers, engine {t_engine:.1f} us, "
+          f"eager {t_eager:.1f} us")
     cudart.cudaStreamDestroy(stream)
 
 

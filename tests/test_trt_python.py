@@ -624,8 +624,10 @@ def test_build_refuses_a_timing_cache_tensorrt_rejects(tmp_path, monkeypatch, ac
     src, cache = tmp_path / "m.onnx", tmp_path / "cache.bin"
     onnx.save(single_op_model("ScatterPaKvCache", _scatter_inputs(False)), src)
     cache.write_bytes(b"cache from another GPU")
-    call = lambda: ptrt.build_engine(src, timing_cache=cache, aliased_plugin_io=False,  # noqa: E731
-                                     detailed_profile=False)
+    def call():
+        return ptrt.build_engine(src, timing_cache=cache, aliased_plugin_io=False,
+                                 detailed_profile=False)
+
     if not accept:
         with pytest.raises(ValueError, match=r"^timing_cache: expected a timing cache TensorRT "
                                              r"accepts.*got .*cache\.bin$"):

@@ -25,7 +25,7 @@ import numpy as np
 from .errors import value_error
 
 #: A byte range [start, end), or None for a tensor that holds no bytes.
-Range = Optional[Tuple[int, int]]
+Range = tuple[int, int] | None
 
 try:  # NumPy >= 2
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
@@ -56,7 +56,8 @@ def _share(x: Any, y: Any) -> bool:
     if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)):
         return True
     try:
-        return bool(np.shares_memory(x, y, max_work=1 << 20))
+        # numpy's stubs only allow -1 / 0, the runtime takes any bound (NumPy docs: max_work).
+        return bool(np.shares_memory(x, y, max_work=1 << 20))  # type: ignore[arg-type]
     except _TOO_HARD:
         return True  # not decidable cheaply: refuse rather than risk racing writes
 

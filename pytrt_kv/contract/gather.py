@@ -454,7 +454,7 @@ def plan_row(old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S:
     # max_id are dropped silently.
     max_id = _ceil_div(eff, tbs) - 1
     valid: List[int] = []
-    position = {}  # valid id -> its position in topk_row
+    position: Dict[int, int] = {}  # valid id -> its position in topk_row
     for i, v in enumerate(topk):
         if v < 0 or v > max_id:
             continue
@@ -476,7 +476,7 @@ def plan_row(old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S:
                           "of the row (a corrupted status; reset it to -1)",
                           f"{old_ids[hole]} in slot {hole} before {old_ids[late]} in "
                           f"slot {late}")
-    old_slot = {}
+    old_slot: Dict[int, int] = {}  # old id -> its slot
     for j, v in enumerate(old_ids[:old_n]):
         if v in old_slot:
             raise value_error("selection_kv_block_status", "distinct ids in the row (a "
@@ -494,14 +494,14 @@ def plan_row(old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S:
     slot_id: List[Optional[int]] = [None] * n
     pinned = set()
     for v in valid:
-        j = old_slot.get(v)
-        if j is None or j >= n or j == old_tail:
+        old_j = old_slot.get(v)
+        if old_j is None or old_j >= n or old_j == old_tail:
             continue
         if (v + 1) * tbs > kv_len - S:
             continue
-        if reserve and (j == n - 1 or v == max_id):
+        if reserve and (old_j == n - 1 or v == max_id):
             continue
-        slot_id[j] = v
+        slot_id[old_j] = v
         pinned.add(v)
     if reserve:
         slot_id[n - 1] = max_id
@@ -516,10 +516,11 @@ def plan_row(old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S:
     status = np.full(K + 1, -1, dtype=np.int32)
     copy = np.zeros(K, dtype=bool)
     actual_seq = 0
-    for j, v in enumerate(slot_id):
-        status[j] = v
-        copy[j] = v not in pinned
-        actual_seq += id_size(v, eff, tbs)
+    for j, sid in enumerate(slot_id):
+        assert sid is not None  # step 4 filled every free slot
+        status[j] = sid
+        copy[j] = sid not in pinned
+        actual_seq += id_size(sid, eff, tbs)
     status[K] = actual_seq
     return RowPlan(status=status, actual_seq=actual_seq, copy=copy, skipped=False)
 

@@ -103,10 +103,10 @@ def _shape(arg: str, x: Any) -> Tuple[int, ...]:
 
 def _dtype(arg: str, x: Any, allowed: Sequence[str], what: str, why: str = "") -> str:
     try:
-        name = name_of(x.dtype)
+        name: Optional[str] = name_of(x.dtype)
     except TypeError:
         name = None
-    if name not in allowed:
+    if name is None or name not in allowed:
         raise type_error(arg, f"{what} dtype ({', '.join(allowed)}){why}",
                          f"{x.dtype} ({describe(x)})")
     return name
@@ -491,6 +491,7 @@ def _run_rows(meta: ScatterMeta, base: np.ndarray, lens: np.ndarray,
                               f"= {seq[b]}")
         rows = lens
     else:
+        assert offsets is not None  # rope and omni: check_scatter_values required them
         uncompressed = (offsets == -1) | (lens == 0) | (offsets == seq_bh)
         comp = active & ~uncompressed
         bad = comp & ((offsets < 0) | (offsets > seq_bh))
@@ -551,9 +552,9 @@ def check_scatter_values(meta: ScatterMeta, slot_mapping: np.ndarray,
     n_slots = meta.num_slots
     if not meta.compress:
         slots = _as_index("slot_mapping", slot_mapping, (meta.num_tokens,))
-        bad = np.flatnonzero(slots >= n_slots)
-        if bad.size:
-            t = int(bad[0])
+        over = np.flatnonzero(slots >= n_slots)
+        if over.size:
+            t = int(over[0])
             raise value_error("slot_mapping", f"every non-negative slot < NB*BS = {n_slots}",
                               f"slot {slots[t]} for token {t}")
         used = slots[slots >= 0]

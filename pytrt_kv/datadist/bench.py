@@ -70,8 +70,9 @@ class _Buffers:
         if memory == "host":
             from .memory import _aligned_host
 
-            self.src = _aligned_host(nb * block).reshape(nb, block)
-            self.dst = _aligned_host(nb * block).reshape(nb, block)
+            # Host blocks are NumPy arrays, device ones _cuda.DeviceArray / HostArray.
+            self.src: Any = _aligned_host(nb * block).reshape(nb, block)
+            self.dst: Any = _aligned_host(nb * block).reshape(nb, block)
             self.src[...] = np.random.default_rng(0).integers(0, 256, self.src.shape, np.uint8)
             self.dst[...] = 0
             self.src_place = self.dst_place = "host"
@@ -80,6 +81,7 @@ class _Buffers:
         from .. import _cuda
 
         dst = _cuda.DeviceArray((nb, block), np.uint8)
+        src: Any
         if memory == "device":
             src = _cuda.DeviceArray.from_numpy(
                 np.random.default_rng(0).integers(0, 256, (nb, block), np.uint8))
@@ -211,7 +213,7 @@ def _machine() -> Dict[str, str]:
     except OSError:
         pass
     return {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(),
-            "load": "%.1f" % os.getloadavg()[0],
+            "load": f"{os.getloadavg()[0]:.1f}",
             "nixl": nixl_version,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 

@@ -114,8 +114,10 @@ class TransferHandle:
             raise self._error
         if self._done:
             return True
+        xfer = self._xfer
+        assert xfer is not None  # not done, so the transfer is still held
         try:
-            state = self._xfer.state()
+            state = xfer.state()
         except LLMException as exc:
             self._fail(exc)
         if state == "DONE":
@@ -304,7 +306,7 @@ class LlmDataDist:
                    owned: bool) -> Cache:
         with self._lock:
             cache = Cache(next(self._ids), desc, addrs, tensors, next(self._generations), owned)
-            cache._backend_state = self._transport.register(self._info(cache))
+            cache._backend_state = self._require().register(self._info(cache))
             self._caches[cache.cache_id] = cache
         return cache
 
@@ -335,7 +337,7 @@ class LlmDataDist:
                 control.request(peer.address, msg, float(self.options["control_timeout_s"]))
             except OSError:
                 peer.broken = True
-        self._transport.deregister(cache._backend_state)
+        self._require().deregister(cache._backend_state)
         cache._backend_state = None
         if cache.owned:
             for t in cache.tensors:
@@ -351,7 +353,8 @@ class LlmDataDist:
             caches = [self._info(c).to_dict() for c in self._caches.values()]
         return {"version": 1, "cluster_id": self.cluster_id, "role": self.role.value,
                 "backend": self.backend, "agent": transport.name,
-                "address": list(self.listen_address), "transport": transport.metadata(),
+                "address": list(self.listen_address or ()),  # initialized: an address
+                "transport": transport.metadata(),
                 "caches": caches}
 
     def local_metadata(self) -> bytes:
@@ -368,13 +371,13 @@ class LlmDataDist:
         cid = int(md["cluster_id"])
         if cid == self.cluster_id:
             raise LLMException(LLMStatus.FAILED, f"peer has this node's own cluster_id {cid}")
-        self._transport.add_peer(md["agent"], md["transport"])
+        self._require().add_peer(md["agent"], md["transport"])
         caches = {int(c["cache_id"]): CacheInfo.from_dict(c) for c in md["caches"]}
         with self._lock:
             peer = self._peers.get(cid)
             if peer is None or peer.agent != md["agent"]:
                 if peer is not None:  # the cluster restarted: a new agent
-                    self._transport.remove_peer(peer.agent)
+                    self._require().remove_peer(peer.agent)
                 peer = _Peer(cid, md["agent"], tuple(md["address"]))
                 self._peers[cid] = peer
             self._set_caches(peer, caches)
@@ -385,7 +388,7 @@ class LlmDataDist:
         for cid, old in list(peer.caches.items()):
             new = caches.get(cid)
             if new is None or new.generation != old.generation:
-                self._transport.forget_remote(peer.agent, old)
+                self._require().forget_remote(peer.agent, old)
         peer.caches = caches
 
     def link_clusters(self, clusters: Iterable[Any], timeout_s: Optional[float] = None
@@ -433,11 +436,11 @@ class LlmDataDist:
                 peer = self._peers.pop(cid, None)
             if peer is None:
                 raise LLMException(LLMStatus.NOT_YET_LINK, f"cluster {cid} is not linked")
-            self._transport.remove_peer(peer.agent)
+            self._require().remove_peer(peer.agent)
             if not peer.broken:
                 try:
                     control.request(peer.address, {"op": "bye", "from": self.cluster_id,
-                                                   "agent": self._transport.name}, timeout)
+                                                   "agent": self._require().name}, timeout)
                 except OSError:
                     pass  # gone already: nothing to tell
 
@@ -462,13 +465,13 @@ class LlmDataDist:
                     old = peer.caches.get(int(msg["cache_id"]))
                     if old is not None and old.generation == int(msg["generation"]):
                         del peer.caches[old.cache_id]
-                        self._transport.forget_remote(peer.agent, old)
+                        self._require().forget_remote(peer.agent, old)
             return {}
         if op == "bye":
             if peer is not None and peer.agent == msg.get("agent"):
                 with self._lock:
                     self._peers.pop(peer.cluster_id, None)
-                self._transport.remove_peer(peer.agent)
+                self._require().remove_peer(peer.agent)
             return {}
         return {"error": f"unknown request {op!r}"}
 
@@ -538,10 +541,10 @@ class LlmDataDist:
         notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode()
         try:
             if plan.num_copies == 0:
-                self._transport.notify(peer.agent, notif)
+                self._require().notify(peer.agent, notif)
                 xfer = None
             else:
-                xfer = self._transport.post(op, plan, self._info(local), local._backend_state,
+                xfer = self._require().post(op, plan, self._info(local), local._backend_state,
                                             remote, peer.agent, notif)
         except LLMException as exc:
             if exc.status == LLMStatus.NOT_YET_LINK:

@@ -2,8 +2,8 @@
 the onnx-graphsurgeon helpers, :func:`onnx_export.single_op_model` and the CPU runtime.
 
 The rules themselves live in ``pytrt_kv.contract.scatter.check_scatter`` and
-``pytrt_kv.contract.gather.check_gather`` (docs/SPEC.md S and G); this module only turns graph tensors
-into the ``.shape``/``.dtype`` stand-ins those functions take, checks the node's
+``pytrt_kv.contract.gather.check_gather`` (docs/SPEC.md S and G); this module only turns
+graph tensors into the ``.shape``/``.dtype`` stand-ins those functions take, checks the node's
 attributes against ``pytrt_kv.contract.specs`` and computes the output types.
 """
 
@@ -43,6 +43,7 @@ class _Stand:
     """``.shape``/``.dtype`` stand-in handed to check_scatter/check_gather (never read)."""
 
     def __init__(self, info: TensorInfo):
+        assert info.shape is not None  # stand-ins are made for known shapes only
         self.shape = tuple(int(d) for d in info.shape)
         self.dtype = dtypes.numpy_dtype(info.dtype)
 
@@ -228,13 +229,14 @@ def _layout_with_dynamic_tokens(given: Mapping[str, TensorInfo], attrs: Dict[str
     # stand-ins agree with each other wherever the model is static.
     groups = (("key", "value", "slot_mapping"), ("key_cache", "value_cache"))
     fill = {}
+    # Every rank is known here (an unknown one is listed as dynamic above).
+    shapes = {name: info.shape for name, info in given.items() if info.shape is not None}
     for group in groups:
-        static = [given[n].shape[0] for n in group
-                  if n in given and isinstance(given[n].shape[0], int)]
+        static = [shapes[n][0] for n in group if n in shapes and isinstance(shapes[n][0], int)]
         fill.update({n: static[0] if static else 1 for n in group})
     stand = {}
     for name, info in given.items():
-        shape = tuple(d if isinstance(d, int) else fill.get(name, 1) for d in info.shape)
+        shape = tuple(d if isinstance(d, int) else fill.get(name, 1) for d in shapes[name])
         stand[name] = _Stand(TensorInfo(shape, info.dtype))
     meta = check_scatter(
         stand["key"], stand.get("value"), stand["key_cache"], stand.get("value_cache"),
@@ -242,6 +244,7 @@ def _layout_with_dynamic_tokens(given: Mapping[str, TensorInfo], attrs: Dict[str
         compress_seq_offsets=stand.get("compress_seq_offsets"),
         seq_lens=stand.get("seq_lens"), cache_layout=None,
         compress_mode=attrs["compress_mode"] or None)
+    assert meta.layout is not None  # a 3-D key always has a layout
     return meta.layout
 
 
@@ -253,7 +256,7 @@ def _gather(given: Mapping[str, TensorInfo], attrs: Dict[str, Any], static: bool
     from ..contract.gather import check_gather
 
     stand = {k: _Stand(v) for k, v in given.items()}
-    check_gather(*(stand[n] for n in specs.GATHER_SELECTION_KV_CACHE.input_names),
+    check_gather(**{n: stand[n] for n in specs.GATHER_SELECTION_KV_CACHE.input_names},
                  selection_topk_block_size=attrs["selection_topk_block_size"])
 
 

@@ -404,7 +404,7 @@ def _scatter_indices(model, info, rng, table, kv_len, B, S) -> Dict[str, np.ndar
     out: Dict[str, np.ndarray] = {}
     sm_shape, sm_dt = info["slot_mapping"]
     ports = _scatter_node_ports(model)
-    cache_name = ports.get("key_cache")
+    cache_name = ports.get("key_cache", "")
     if cache_name not in info:
         cache_name = "key_cache" if "key_cache" in info else "full_kv_cache"
     cshape, _ = _need(info, cache_name, "the data loader sizes slot_mapping from the cache "
@@ -441,7 +441,9 @@ def _scatter_indices(model, info, rng, table, kv_len, B, S) -> Dict[str, np.ndar
     if len(sm_shape) != 2:
         raise value_error("slot_mapping", "[T] or [B, H]", list(sm_shape))
     # Compressing write: slot_mapping [B, H], each (b, h) run gets Smax private rows.
-    key_name = ports.get("key") if ports.get("key") in info else "key"
+    key_name = ports.get("key", "")
+    if key_name not in info:
+        key_name = "key"
     key_shape, _ = _need(info, key_name, "the data loader reads Smax from the 4-D key")
     if len(key_shape) != 4:
         raise value_error(key_name, "a 4-D key [B, Smax, H, Dk] with slot_mapping [B, H]",

@@ -103,25 +103,26 @@ def _make_inference(op: specs.OpSpec):
             proto = ctx.get_attribute(a.name)
             if proto is not None:
                 attributes[a.name] = helper.get_attribute_value(proto)
-        if any(v is None for v in inputs.values()):
+        known = {k: v for k, v in inputs.items() if v is not None}
+        if len(known) != len(inputs):
             return  # input types not known yet: nothing to infer or check
-        if any(v.shape is None for v in inputs.values()):
+        if any(v.shape is None for v in known.values()):
             # Unknown ranks: outputs still take their input's type.
-            shapes_known = {k: TensorInfo(v.shape, v.dtype) for k, v in inputs.items()}
+            shapes_known = {k: TensorInfo(v.shape, v.dtype) for k, v in known.items()}
             outs = {t.name: shapes_known[op.aliases[t.name]] for t in op.outputs
                     if t.name in op.aliases and op.aliases[t.name] in shapes_known}
         else:
             # The plugins' positional form (pytrt_kv.trt.prepare_for_tensorrt) passes absent
             # optional inputs as zero-element placeholders: check the node without them.
-            absent = specs.absent_placeholders({k: v.shape for k, v in inputs.items()}) \
+            absent = specs.absent_placeholders({k: v.shape for k, v in known.items()}) \
                 if op is specs.SCATTER_PA_KV_CACHE else ()
-            present = {k: v for k, v in inputs.items() if k not in absent}
+            present = {k: v for k, v in known.items() if k not in absent}
             _, outs = validate_node(op.name, present, attributes,
                                     where=f"{ctx.get_display_name()}: ")
             for name in absent:  # an absent cache's output is its placeholder
                 out_name = next((o for o, i in op.aliases.items() if i == name), None)
                 if out_name is not None and out_name not in outs:
-                    outs[out_name] = inputs[name]
+                    outs[out_name] = known[name]
         for i, t in enumerate(op.outputs):
             if i < ctx.get_num_outputs() and ctx.has_output(i) and t.name in outs:
                 ctx.set_output_type(i, _type_proto(outs[t.name]))

@@ -1,11 +1,17 @@
 """Old import path of :mod:`pytrt_kv.graph.runtime` (the graph layer, docs/ARCHITECTURE.md).
 
-``pytrt_kv.runtime._evaluator`` IS that module (same object in ``sys.modules``), so old imports, attribute
-reads and monkeypatching keep working. New code imports ``pytrt_kv.graph.runtime``.
+``pytrt_kv.runtime._evaluator`` IS that module (same object in ``sys.modules``), so old
+imports, attribute reads and monkeypatching keep working. New code imports
+``pytrt_kv.graph.runtime``.
 """
 
 import sys
+from typing import TYPE_CHECKING
 
 from ..graph import runtime as _module
+
+if TYPE_CHECKING:  # what type checkers see; at run time the module object below
+    from ..graph.runtime import *  # noqa: F403
+
 
 sys.modules[__name__] = _module

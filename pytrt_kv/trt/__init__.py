@@ -19,7 +19,7 @@ ImportError that says how to install it. See docs/TENSORRT.md.
 from __future__ import annotations
 
 import importlib
-from typing import Dict, List, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -71,8 +71,8 @@ def availability() -> str:
     return ""
 
 
-def _profile(feeds_list: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, tuple]:
-    shapes: Dict[str, List[tuple]] = {}
+def _profile(feeds_list: Sequence[Mapping[str, np.ndarray]]) -> dict[str, tuple]:
+    shapes: dict[str, list[tuple]] = {}
     for feeds in feeds_list:
         for name, a in feeds.items():
             shapes.setdefault(name, []).append(tuple(np.shape(a)))
@@ -88,7 +88,7 @@ def _profile(feeds_list: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, tuple]
 
 
 def run_model_steps(onnx_path, feeds_list: Sequence[Mapping[str, np.ndarray]], *,
-                    timing_cache=None) -> List[Dict[str, np.ndarray]]:
+                    timing_cache=None) -> list[dict[str, np.ndarray]]:
     """Build an engine from ``onnx_path`` once and run it on each step's feeds.
 
     Functional semantics, as the CPU runtime: each step's feeds (caches included) are the

@@ -169,7 +169,7 @@ def build_in_worker(onnx_path: str, kwargs: Dict[str, Any]) -> bytes:
                 extra = [ln for ln in _worker.plugin_lines if ln not in message]
                 if extra:
                     message += "; " + "; ".join(extra)
-                raise _ERRORS.get(answer.get("type"), RuntimeError)(message)
+                raise _ERRORS.get(str(answer.get("type")), RuntimeError)(message)
             return Path(out).read_bytes()
         finally:
             Path(out).unlink(missing_ok=True)
@@ -185,7 +185,7 @@ def serve(answer_fd: int) -> None:
             try:
                 plan = build_plan(req["onnx_path"], flavour="rtx", **req["kwargs"])
                 Path(req["out"]).write_bytes(plan)
-                answer = {"ok": True}
+                answer: Dict[str, Any] = {"ok": True}
             except Exception as exc:  # every error goes back to the caller, typed
                 answer = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
             sys.stdout.flush()

@@ -132,7 +132,7 @@ def import_cudart() -> Any:
     except ImportError:
         pass
     try:
-        from cuda import cudart  # type: ignore  # noqa: PLC0415 - cuda-python < 12.6
+        from cuda import cudart  # noqa: PLC0415 - cuda-python < 12.6
         return cudart
     except ImportError as exc:
         raise ImportError("pytrt_kv.trt needs cuda-python for streams and device memory; "
@@ -142,6 +142,7 @@ def import_cudart() -> Any:
 
 def check_cuda(result: Any, what: str) -> Any:
     """Unwrap a cuda-python ``(err, *values)`` tuple; RuntimeError naming ``what`` on error."""
+    err: Any
     if isinstance(result, tuple):
         err, rest = result[0], result[1:]
     else:

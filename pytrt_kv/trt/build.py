@@ -57,7 +57,8 @@ def _logger(trt, verbose: bool):
     else:
         threshold = 4 if verbose else 2  # Severity: 0 internal error .. 2 warning .. 4 verbose
 
-        class _Recorder(base):
+        # base is TensorRT's ILogger, found at run time (mypy cannot type a runtime base).
+        class _Recorder(base):  # type: ignore[misc,valid-type]
             def __init__(self):
                 base.__init__(self)
                 self.errors: List[str] = []

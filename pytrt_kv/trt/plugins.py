@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _lib
 
@@ -22,7 +22,7 @@ from ._tensorrt import flavour_of, import_tensorrt
 
 _lock = threading.Lock()
 _loaded: Dict[str, Tuple[str, Path]] = {}  # flavour -> ("loader" or "autoreg", library)
-_keep = []  # handles that must stay alive as long as the process
+_keep: List[Any] = []  # handles that must stay alive as long as the process
 
 
 def _creator_registered(trt, name: str) -> bool:

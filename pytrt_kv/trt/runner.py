@@ -48,7 +48,8 @@ class EngineRunner:
     Examples
     --------
     >>> runner = EngineRunner(build_engine("model.onnx"))           # doctest: +SKIP
-    >>> runner.run({"key": key_t, "key_cache": kc_t, ...}, stream=torch.cuda.current_stream())  # doctest: +SKIP
+    >>> stream = torch.cuda.current_stream()                          # doctest: +SKIP
+    >>> runner.run({"key": key_t, "key_cache": kc_t, ...}, stream=stream)  # doctest: +SKIP
     >>> graph = runner.capture_graph(stream)   # replay with graph.launch(stream)  # doctest: +SKIP
     """
 

@@ -78,8 +78,9 @@ def engine_test_models():
         for tnd in [False, True]:
             for tbs in [1, 4]:
                 for rope in [True, False]:
-                    out.append((f"gather-{dt}-{'tnd' if tnd else 'bsnd'}-tbs{tbs}-{'rope' if rope else 'c8'}",
-                                gather_model(dt, tnd, tbs, rope)))
+                    name = (f"gather-{dt}-{'tnd' if tnd else 'bsnd'}-tbs{tbs}-"
+                            f"{'rope' if rope else 'c8'}")
+                    out.append((name, gather_model(dt, tnd, tbs, rope)))
     out.append(("gather-alias-off", gather_model("float16", False, 4, alias_io=0)))
     out.append(("example", build_example_model()))
     return out
