@@ -23,8 +23,9 @@ import ctypes
 import mmap
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -35,9 +36,16 @@ from .dtypes import NUMPY, name_of, numpy_dtype
 # --- the library -------------------------------------------------------------------------
 
 #: DataType of plugins/kernels/kvCommon.h for each dtype name.
-DTYPE_CODE: Dict[str, int] = {
-    specs.FLOAT32: 0, specs.FLOAT16: 1, specs.BFLOAT16: 2, specs.INT8: 3, specs.UINT8: 4,
-    specs.FLOAT8_E4M3: 5, specs.FLOAT8_E5M2: 6, specs.INT32: 7, specs.INT64: 8,
+DTYPE_CODE: dict[str, int] = {
+    specs.FLOAT32: 0,
+    specs.FLOAT16: 1,
+    specs.BFLOAT16: 2,
+    specs.INT8: 3,
+    specs.UINT8: 4,
+    specs.FLOAT8_E4M3: 5,
+    specs.FLOAT8_E5M2: 6,
+    specs.INT32: 7,
+    specs.INT64: 8,
 }
 LAYOUT_CODE = {"nd": 0, "nz": 1, "hnd": 2}
 MODE_CODE = {"rope": 0, "omni": 1, "alibi": 2}
@@ -49,17 +57,28 @@ class ScatterParams(ctypes.Structure):
     """Mirror of ``pytrt_kv::kernels::ScatterParams`` (scatterPaKvCache.h)."""
 
     _fields_ = [
-        ("key", ctypes.c_void_p), ("value", ctypes.c_void_p),
-        ("keyCache", ctypes.c_void_p), ("valueCache", ctypes.c_void_p),
-        ("slotMapping", ctypes.c_void_p), ("compressLens", ctypes.c_void_p),
-        ("compressSeqOffsets", ctypes.c_void_p), ("seqLens", ctypes.c_void_p),
-        ("keyType", ctypes.c_int32), ("valueType", ctypes.c_int32),
-        ("indexType", ctypes.c_int32), ("compress", ctypes.c_bool),
-        ("layout", ctypes.c_int32), ("mode", ctypes.c_int32),
-        ("numTokens", ctypes.c_int64), ("batch", ctypes.c_int32),
-        ("maxSeqLen", ctypes.c_int32), ("numHeads", ctypes.c_int32),
-        ("headSizeK", ctypes.c_int32), ("headSizeV", ctypes.c_int32),
-        ("numBlocks", ctypes.c_int64), ("blockSize", ctypes.c_int32),
+        ("key", ctypes.c_void_p),
+        ("value", ctypes.c_void_p),
+        ("keyCache", ctypes.c_void_p),
+        ("valueCache", ctypes.c_void_p),
+        ("slotMapping", ctypes.c_void_p),
+        ("compressLens", ctypes.c_void_p),
+        ("compressSeqOffsets", ctypes.c_void_p),
+        ("seqLens", ctypes.c_void_p),
+        ("keyType", ctypes.c_int32),
+        ("valueType", ctypes.c_int32),
+        ("indexType", ctypes.c_int32),
+        ("compress", ctypes.c_bool),
+        ("layout", ctypes.c_int32),
+        ("mode", ctypes.c_int32),
+        ("numTokens", ctypes.c_int64),
+        ("batch", ctypes.c_int32),
+        ("maxSeqLen", ctypes.c_int32),
+        ("numHeads", ctypes.c_int32),
+        ("headSizeK", ctypes.c_int32),
+        ("headSizeV", ctypes.c_int32),
+        ("numBlocks", ctypes.c_int64),
+        ("blockSize", ctypes.c_int32),
     ]
 
 
@@ -67,19 +86,32 @@ class GatherSelectionParams(ctypes.Structure):
     """Mirror of ``pytrt_kv::kernels::GatherSelectionParams`` (gatherSelectionKvCache.h)."""
 
     _fields_ = [
-        ("selectionKRope", ctypes.c_void_p), ("selectionKvCache", ctypes.c_void_p),
-        ("selectionKvBlockTable", ctypes.c_void_p), ("selectionKvBlockStatus", ctypes.c_void_p),
-        ("selectionTopkIndices", ctypes.c_void_p), ("fullKRope", ctypes.c_void_p),
-        ("fullKvCache", ctypes.c_void_p), ("fullKvBlockTable", ctypes.c_void_p),
-        ("fullKvActualSeq", ctypes.c_void_p), ("selectionKvActualSeq", ctypes.c_void_p),
-        ("cacheType", ctypes.c_int32), ("batch", ctypes.c_int32),
-        ("seqPerBatch", ctypes.c_int32), ("topk", ctypes.c_int32),
-        ("topkBlockSize", ctypes.c_int32), ("selectionRows", ctypes.c_int32),
-        ("selectionBlockNum", ctypes.c_int64), ("selectionBlockSize", ctypes.c_int32),
-        ("selectionMaxBlockNum", ctypes.c_int32), ("fullBlockNum", ctypes.c_int64),
-        ("fullBlockSize", ctypes.c_int32), ("fullMaxBlockNum", ctypes.c_int32),
-        ("kRopeDim", ctypes.c_int32), ("kvDim", ctypes.c_int32),
-        ("workspace", ctypes.c_void_p), ("workspaceBytes", ctypes.c_size_t),
+        ("selectionKRope", ctypes.c_void_p),
+        ("selectionKvCache", ctypes.c_void_p),
+        ("selectionKvBlockTable", ctypes.c_void_p),
+        ("selectionKvBlockStatus", ctypes.c_void_p),
+        ("selectionTopkIndices", ctypes.c_void_p),
+        ("fullKRope", ctypes.c_void_p),
+        ("fullKvCache", ctypes.c_void_p),
+        ("fullKvBlockTable", ctypes.c_void_p),
+        ("fullKvActualSeq", ctypes.c_void_p),
+        ("selectionKvActualSeq", ctypes.c_void_p),
+        ("cacheType", ctypes.c_int32),
+        ("batch", ctypes.c_int32),
+        ("seqPerBatch", ctypes.c_int32),
+        ("topk", ctypes.c_int32),
+        ("topkBlockSize", ctypes.c_int32),
+        ("selectionRows", ctypes.c_int32),
+        ("selectionBlockNum", ctypes.c_int64),
+        ("selectionBlockSize", ctypes.c_int32),
+        ("selectionMaxBlockNum", ctypes.c_int32),
+        ("fullBlockNum", ctypes.c_int64),
+        ("fullBlockSize", ctypes.c_int32),
+        ("fullMaxBlockNum", ctypes.c_int32),
+        ("kRopeDim", ctypes.c_int32),
+        ("kvDim", ctypes.c_int32),
+        ("workspace", ctypes.c_void_p),
+        ("workspaceBytes", ctypes.c_size_t),
     ]
 
 
@@ -102,15 +134,19 @@ _SIGNATURES = {
     "pytrt_kv_copy": (_I32, [_P, _P, ctypes.c_size_t, _P, _I32]),
     "pytrt_kv_host_register": (_I32, [_P, ctypes.c_size_t, ctypes.c_uint32]),
     "pytrt_kv_host_unregister": (_I32, [_P]),
-    "pytrt_kv_gather_plan_rows_host": (_I32, [_I32, _I32, _I32, _I32, _I32P, _I32P, _I32P, _I32P,
-                                              _I32P, _U8P, _I32P, _U8P]),
+    "pytrt_kv_gather_plan_rows_host": (
+        _I32,
+        [_I32, _I32, _I32, _I32, _I32P, _I32P, _I32P, _I32P, _I32P, _U8P, _I32P, _U8P],
+    ),
     "pytrt_kv_gather_plan_host": (_I32, [ctypes.POINTER(GatherSelectionParams)]),
-    "pytrt_kv_compress_rows_host": (_I32, [_I32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                           _I32, _I32P]),
+    "pytrt_kv_compress_rows_host": (
+        _I32,
+        [_I32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I32, _I32P],
+    ),
 }
 
 _LOCK = threading.Lock()
-_KERNELS: Optional[ctypes.CDLL] = None
+_KERNELS: ctypes.CDLL | None = None
 
 
 def kernels() -> ctypes.CDLL:
@@ -127,7 +163,8 @@ def kernels() -> ctypes.CDLL:
             if abi != ABI_VERSION:
                 raise RuntimeError(
                     f"{_lib.KERNELS_LIB}: ABI version {abi}, this pytrt_kv expects "
-                    f"{ABI_VERSION}; reinstall the package so library and Python match")
+                    f"{ABI_VERSION}; reinstall the package so library and Python match"
+                )
             _KERNELS = lib
         return _KERNELS
 
@@ -153,7 +190,8 @@ def check_status(code: int, what: str) -> None:
             raise RuntimeError(
                 f"{what}: {detail}. pytrt_kv.ops needs an NVIDIA GPU and its driver; the "
                 f"NumPy reference (pytrt_kv.reference) and the CPU runtime "
-                f"(pytrt_kv.runtime) work without one")
+                f"(pytrt_kv.runtime) work without one"
+            )
     lib = kernels()
     detail = (lib.pytrt_kv_get_last_error() or b"").decode(errors="replace")
     text = (lib.pytrt_kv_error_string(code) or b"").decode(errors="replace")
@@ -180,20 +218,20 @@ class Buffer:
     arg: str
     obj: Any
     ptr: int
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     dtype: np.dtype
     contiguous: bool
     kind: int = DEVICE
     device: int = -1
     keepalive: Any = None
-    strides: Optional[Tuple[int, ...]] = None  #: in bytes; None = C order
+    strides: tuple[int, ...] | None = None  #: in bytes; None = C order
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def _c_contiguous(shape: Sequence[int], strides: Optional[Sequence[int]], itemsize: int) -> bool:
+def _c_contiguous(shape: Sequence[int], strides: Sequence[int] | None, itemsize: int) -> bool:
     """Strides in bytes (None = C order); size-1 and empty dims never break contiguity."""
     if strides is None or int(np.prod(shape, dtype=np.int64)) == 0:
         return True
@@ -230,13 +268,25 @@ def _from_torch(arg: str, t: Any) -> Buffer:
     elif t.device.type == "cpu":
         kind, device = (PINNED if t.is_pinned() else HOST), -1
     else:
-        raise type_error(arg, "a CUDA tensor (or a pinned CPU tensor for the full caches)",
-                         f"a tensor on {t.device}")
-    return Buffer(arg, t, int(t.data_ptr()), shape, dtype,
-                  _c_contiguous(shape, strides, dtype.itemsize), kind, device, strides=strides)
+        raise type_error(
+            arg,
+            "a CUDA tensor (or a pinned CPU tensor for the full caches)",
+            f"a tensor on {t.device}",
+        )
+    return Buffer(
+        arg,
+        t,
+        int(t.data_ptr()),
+        shape,
+        dtype,
+        _c_contiguous(shape, strides, dtype.itemsize),
+        kind,
+        device,
+        strides=strides,
+    )
 
 
-def _from_cai(arg: str, obj: Any, cai: Dict[str, Any], opaque_ok: bool = False) -> Buffer:
+def _from_cai(arg: str, obj: Any, cai: dict[str, Any], opaque_ok: bool = False) -> Buffer:
     shape = tuple(int(d) for d in cai["shape"])
     typestr = cai["typestr"]
     if typestr[1] == "V" and opaque_ok and getattr(obj, "dtype", None) is None:
@@ -249,8 +299,9 @@ def _from_cai(arg: str, obj: Any, cai: Dict[str, Any], opaque_ok: bool = False) 
     strides = None if strides is None else tuple(int(s) for s in strides)
     ptr = int(cai["data"][0] or 0)
     # CAI v3 "stream": the producer's stream; we order work on the caller's stream only.
-    return Buffer(arg, obj, ptr, shape, dtype, _c_contiguous(shape, strides, dtype.itemsize),
-                  strides=strides)
+    return Buffer(
+        arg, obj, ptr, shape, dtype, _c_contiguous(shape, strides, dtype.itemsize), strides=strides
+    )
 
 
 class _DLDevice(ctypes.Structure):
@@ -262,16 +313,30 @@ class _DLDataType(ctypes.Structure):
 
 
 class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
 
 
 #: DLPack (code, bits) -> dtype name. Codes: 0 int, 1 uint, 2 float, 4 bfloat,
 #: 10 float8_e4m3fn, 12 float8_e5m2 (DLPack 1.0).
-_DL_DTYPES = {(0, 8): specs.INT8, (0, 32): specs.INT32, (0, 64): specs.INT64,
-              (1, 8): specs.UINT8, (2, 16): specs.FLOAT16, (2, 32): specs.FLOAT32,
-              (4, 16): specs.BFLOAT16, (10, 8): specs.FLOAT8_E4M3, (12, 8): specs.FLOAT8_E5M2}
+_DL_DTYPES = {
+    (0, 8): specs.INT8,
+    (0, 32): specs.INT32,
+    (0, 64): specs.INT64,
+    (1, 8): specs.UINT8,
+    (2, 16): specs.FLOAT16,
+    (2, 32): specs.FLOAT32,
+    (4, 16): specs.BFLOAT16,
+    (10, 8): specs.FLOAT8_E4M3,
+    (12, 8): specs.FLOAT8_E5M2,
+}
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
 
@@ -290,20 +355,34 @@ def _from_dlpack(arg: str, obj: Any) -> Buffer:
     shape = tuple(int(t.shape[i]) for i in range(t.ndim))
     key = (int(t.dtype.code), int(t.dtype.bits))
     if key not in _DL_DTYPES or t.dtype.lanes != 1:
-        raise type_error(arg, f"a dtype in {sorted(NUMPY)}",
-                         f"DLPack dtype code {key[0]}, {key[1]} bits x {t.dtype.lanes}")
+        raise type_error(
+            arg,
+            f"a dtype in {sorted(NUMPY)}",
+            f"DLPack dtype code {key[0]}, {key[1]} bits x {t.dtype.lanes}",
+        )
     dtype = NUMPY[_DL_DTYPES[key]]
-    strides = (None if not t.strides else
-               tuple(int(t.strides[i]) * dtype.itemsize for i in range(t.ndim)))
+    strides = (
+        None if not t.strides else tuple(int(t.strides[i]) * dtype.itemsize for i in range(t.ndim))
+    )
     dev = int(t.device.device_type)
-    kind = {_DL_CUDA: DEVICE, _DL_CUDA_HOST: PINNED, _DL_CUDA_MANAGED: MANAGED,
-            _DL_CPU: HOST}.get(dev)
+    kind = {_DL_CUDA: DEVICE, _DL_CUDA_HOST: PINNED, _DL_CUDA_MANAGED: MANAGED, _DL_CPU: HOST}.get(
+        dev
+    )
     if kind is None:
         raise type_error(arg, "a CUDA buffer", f"a DLPack tensor on device type {dev}")
     device = int(t.device.device_id) if kind in (DEVICE, MANAGED) else -1
-    return Buffer(arg, obj, int(t.data or 0) + int(t.byte_offset), shape, dtype,
-                  _c_contiguous(shape, strides, dtype.itemsize), kind, device, keepalive=capsule,
-                  strides=strides)
+    return Buffer(
+        arg,
+        obj,
+        int(t.data or 0) + int(t.byte_offset),
+        shape,
+        dtype,
+        _c_contiguous(shape, strides, dtype.itemsize),
+        kind,
+        device,
+        keepalive=capsule,
+        strides=strides,
+    )
 
 
 def buffer(arg: str, obj: Any, *, opaque_ok: bool = False) -> Buffer:
@@ -326,13 +405,25 @@ def buffer(arg: str, obj: Any, *, opaque_ok: bool = False) -> Buffer:
         # A NumPy array is host memory: usable only if pinned (cudaHostRegister). Read
         # directly, not through DLPack, which refuses ml_dtypes (bfloat16, float8) arrays.
         shape = tuple(int(d) for d in obj.shape)
-        return Buffer(arg, obj, int(obj.ctypes.data), shape, _numpy_dtype(arg, obj, None),
-                      bool(obj.flags.c_contiguous), HOST, -1,
-                      strides=tuple(int(s) for s in obj.strides))
+        return Buffer(
+            arg,
+            obj,
+            int(obj.ctypes.data),
+            shape,
+            _numpy_dtype(arg, obj, None),
+            bool(obj.flags.c_contiguous),
+            HOST,
+            -1,
+            strides=tuple(int(s) for s in obj.strides),
+        )
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         return _from_dlpack(arg, obj)
-    raise type_error(arg, "a CUDA buffer: torch tensor, CuPy array, PyCUDA GPUArray or any "
-                          "object with __cuda_array_interface__ or DLPack", describe(obj))
+    raise type_error(
+        arg,
+        "a CUDA buffer: torch tensor, CuPy array, PyCUDA GPUArray or any "
+        "object with __cuda_array_interface__ or DLPack",
+        describe(obj),
+    )
 
 
 def locate(buf: Buffer) -> Buffer:
@@ -341,9 +432,12 @@ def locate(buf: Buffer) -> Buffer:
     if buf.nbytes == 0 or buf.ptr == 0:
         return buf
     kind, device, dptr = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_void_p()
-    check_status(kernels().pytrt_kv_pointer_info(buf.ptr, ctypes.byref(kind),
-                                                  ctypes.byref(device), ctypes.byref(dptr)),
-                 f"{buf.arg}: cudaPointerGetAttributes")
+    check_status(
+        kernels().pytrt_kv_pointer_info(
+            buf.ptr, ctypes.byref(kind), ctypes.byref(device), ctypes.byref(dptr)
+        ),
+        f"{buf.arg}: cudaPointerGetAttributes",
+    )
     buf.kind = kind.value
     if buf.kind in (DEVICE, MANAGED):
         buf.device = device.value
@@ -360,8 +454,8 @@ class BufferView:
     """What a TensorRT binding needs: a device-visible address, and shape/dtype when known."""
 
     address: int
-    shape: Optional[Tuple[int, ...]]
-    dtype: Optional[str]  #: specs.py dtype name; None: the engine's dtype decides
+    shape: tuple[int, ...] | None
+    dtype: str | None  #: specs.py dtype name; None: the engine's dtype decides
     host: bool = False  #: pinned host memory seen through its device address
 
 
@@ -372,7 +466,7 @@ def _has_cai(obj: Any) -> bool:
         return False
 
 
-def _raw_address(obj: Any) -> Optional[int]:
+def _raw_address(obj: Any) -> int | None:
     """A cuda.core ``Buffer`` (``.handle``), ``CUdeviceptr`` or int, else None."""
     if isinstance(obj, (bool, str, bytes)):
         return None
@@ -402,18 +496,29 @@ def binding_view(arg: str, obj: Any) -> BufferView:
     if isinstance(obj, (DeviceArray, PinnedHost)):
         return obj.view()
     if getattr(obj, "is_cuda", True) is False:  # a torch CPU tensor: int(x) would read its value
-        raise type_error(arg, "a CUDA tensor (or pinned host memory: pytrt_kv.trt.HostArray)",
-                         f"a CPU tensor {tuple(obj.shape)}")
+        raise type_error(
+            arg,
+            "a CUDA tensor (or pinned host memory: pytrt_kv.trt.HostArray)",
+            f"a CPU tensor {tuple(obj.shape)}",
+        )
     array_like = _is_torch(obj) or _has_cai(obj) or isinstance(obj, np.ndarray)
-    if not array_like and getattr(obj, "handle", None) is None and hasattr(obj, "__dlpack__") \
-            and hasattr(obj, "__dlpack_device__"):
+    if (
+        not array_like
+        and getattr(obj, "handle", None) is None
+        and hasattr(obj, "__dlpack__")
+        and hasattr(obj, "__dlpack_device__")
+    ):
         array_like = True  # DLPack; a cuda.core Buffer (handle) is bound as a raw address
     if not array_like:
         address = _raw_address(obj)
         if address is None:
-            raise type_error(arg, "a CUDA array (torch, CuPy, PyCUDA, Numba: "
-                                  "__cuda_array_interface__), a pinned host array, a cuda-python "
-                                  "allocation or an address", type(obj).__name__)
+            raise type_error(
+                arg,
+                "a CUDA array (torch, CuPy, PyCUDA, Numba: "
+                "__cuda_array_interface__), a pinned host array, a cuda-python "
+                "allocation or an address",
+                type(obj).__name__,
+            )
         return BufferView(address, None, None)
     buf = buffer(arg, obj, opaque_ok=True)
     if not buf.contiguous:
@@ -421,10 +526,13 @@ def binding_view(arg: str, obj: Any) -> BufferView:
     if buf.kind in (HOST, PINNED):  # pinned: bind the device-side address, as ops do
         locate(buf)
         if buf.kind == HOST:
-            raise type_error(arg, "a device buffer or pinned host memory (pytrt_kv.trt.HostArray)",
-                             "a pageable host array")
+            raise type_error(
+                arg,
+                "a device buffer or pinned host memory (pytrt_kv.trt.HostArray)",
+                "a pageable host array",
+            )
     try:
-        dtype: Optional[str] = name_of(buf.dtype)
+        dtype: str | None = name_of(buf.dtype)
     except TypeError:  # the void dtype of an opaque bfloat16/float8 array
         dtype = None
     return BufferView(buf.ptr, buf.shape, dtype, host=buf.kind == PINNED)
@@ -433,7 +541,7 @@ def binding_view(arg: str, obj: Any) -> BufferView:
 # --- streams -------------------------------------------------------------------------------
 
 
-def _frameworks_of(objs: Sequence[Any]) -> Tuple[bool, bool]:
+def _frameworks_of(objs: Sequence[Any]) -> tuple[bool, bool]:
     torch_in = any(_is_torch(o) for o in objs)
     cupy_in = any(type(o).__module__.startswith("cupy") for o in objs)
     return torch_in, cupy_in
@@ -502,19 +610,21 @@ class DeviceArray:
         CUDA device; -1 (default): the current one.
     """
 
-    def __init__(self, shape: Tuple[int, ...], dtype: Any, device: int = -1):
+    def __init__(self, shape: tuple[int, ...], dtype: Any, device: int = -1):
         self.shape = tuple(int(d) for d in shape)
         self.dtype = numpy_dtype(dtype)
         self.device = device
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         ptr = ctypes.c_void_p()
         # Zero-element arrays still get a valid address (TensorRT refuses null ones).
-        check_status(kernels().pytrt_kv_device_malloc(max(self.nbytes, 1), device,
-                                                      ctypes.byref(ptr)), "cudaMalloc")
+        check_status(
+            kernels().pytrt_kv_device_malloc(max(self.nbytes, 1), device, ctypes.byref(ptr)),
+            "cudaMalloc",
+        )
         self.ptr = int(ptr.value or 0)
 
     @classmethod
-    def from_numpy(cls, a: np.ndarray, device: int = -1) -> "DeviceArray":
+    def from_numpy(cls, a: np.ndarray, device: int = -1) -> DeviceArray:
         """A device copy of the NumPy array ``a`` (synchronous)."""
         a = np.ascontiguousarray(a)
         return cls(a.shape, a.dtype, device).copy_from(a)
@@ -527,21 +637,32 @@ class DeviceArray:
         return BufferView(self.ptr, self.shape, name_of(self.dtype))
 
     @property
-    def __cuda_array_interface__(self) -> Dict[str, Any]:
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
-                "strides": None, "version": 3}
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr, False),
+            "strides": None,
+            "version": 3,
+        }
 
-    def copy_from(self, host: np.ndarray, stream: Any = 0) -> "DeviceArray":
+    def copy_from(self, host: np.ndarray, stream: Any = 0) -> DeviceArray:
         """Host -> device copy of ``host`` (same shape and dtype), ordered on ``stream``;
         returns when it is done."""
         host = np.ascontiguousarray(host)
         if tuple(host.shape) != self.shape or numpy_dtype(host.dtype) != self.dtype:
-            raise value_error("host", f"{name_of(self.dtype)}{list(self.shape)}",
-                              f"{host.dtype}{list(host.shape)}")
+            raise value_error(
+                "host",
+                f"{name_of(self.dtype)}{list(self.shape)}",
+                f"{host.dtype}{list(host.shape)}",
+            )
         if self.nbytes:
-            check_status(kernels().pytrt_kv_copy(self.ptr, host.ctypes.data, self.nbytes,
-                                                 stream_handle(stream), self.device),
-                         "copy to device")
+            check_status(
+                kernels().pytrt_kv_copy(
+                    self.ptr, host.ctypes.data, self.nbytes, stream_handle(stream), self.device
+                ),
+                "copy to device",
+            )
         return self
 
     def get(self, stream: Any = 0) -> np.ndarray:
@@ -564,8 +685,10 @@ class DeviceArray:
 def copy_to_host(out: np.ndarray, ptr: int, stream: int, device: int) -> np.ndarray:
     """Fill the C-contiguous ``out`` from device address ``ptr``, ordered on ``stream``."""
     if out.nbytes:
-        check_status(kernels().pytrt_kv_copy(out.ctypes.data, ptr, out.nbytes, stream, device),
-                     "copy to host")
+        check_status(
+            kernels().pytrt_kv_copy(out.ctypes.data, ptr, out.nbytes, stream, device),
+            "copy to host",
+        )
     return out
 
 
@@ -581,22 +704,27 @@ class PinnedHost:
 
     def __init__(self, a: np.ndarray):
         if not a.flags.c_contiguous:
-            raise type_error("a", "a C-contiguous NumPy array to pin",
-                             f"a strided {describe(a)} with strides {a.strides}")
+            raise type_error(
+                "a",
+                "a C-contiguous NumPy array to pin",
+                f"a strided {describe(a)} with strides {a.strides}",
+            )
         self.array = a
         self._ptr = int(a.ctypes.data) if a.nbytes else 0
         self._nbytes = int(a.nbytes)
-        self._device_ptr: Optional[int] = None
+        self._device_ptr: int | None = None
         if self._ptr:
-            check_status(kernels().pytrt_kv_host_register(self._ptr, a.nbytes, 0),
-                         "cudaHostRegister")
+            check_status(
+                kernels().pytrt_kv_host_register(self._ptr, a.nbytes, 0), "cudaHostRegister"
+            )
 
     @property
     def address(self) -> int:
         """The device-side address of the pinned memory (0 for an empty array)."""
         if self._device_ptr is None:
-            buf = Buffer("array", self.array, self._ptr, (self._nbytes,), np.dtype(np.uint8),
-                         True, HOST)
+            buf = Buffer(
+                "array", self.array, self._ptr, (self._nbytes,), np.dtype(np.uint8), True, HOST
+            )
             self._device_ptr = locate(buf).ptr
         return self._device_ptr
 
@@ -629,7 +757,7 @@ class HostArray(PinnedHost):
         Any dtype :func:`pytrt_kv.dtypes.name_of` accepts.
     """
 
-    def __init__(self, shape: Tuple[int, ...], dtype: Any):
+    def __init__(self, shape: tuple[int, ...], dtype: Any):
         self.shape = tuple(int(d) for d in shape)
         self.dtype = numpy_dtype(dtype)
         nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
@@ -639,7 +767,7 @@ class HostArray(PinnedHost):
         size = -(-max(nbytes, 1) // page) * page
         raw = np.empty(size + page, np.uint8)
         offset = -int(raw.ctypes.data) % page
-        raw = raw[offset:offset + size]
+        raw = raw[offset : offset + size]
         super().__init__(raw)
         self.array = raw[:nbytes].view(self.dtype).reshape(self.shape)
         self._raw = raw
@@ -653,10 +781,10 @@ class WorkspaceCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._current: Dict[Tuple[int, int], DeviceArray] = {}
+        self._current: dict[tuple[int, int], DeviceArray] = {}
         self._retired: list = []
 
-    def get(self, device: int, stream: int, nbytes: int) -> Tuple[int, int]:
+    def get(self, device: int, stream: int, nbytes: int) -> tuple[int, int]:
         if nbytes == 0:
             return 0, 0
         key = (device, stream)

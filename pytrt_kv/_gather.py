@@ -5,11 +5,32 @@ The checks and the G5 planner are :mod:`pytrt_kv.contract.gather`, the data move
 imports those.
 """
 
-from .contract.gather import (GATHER_ARG_NAMES, GATHER_READ_OR_WRITTEN, GATHER_WRITTEN,
-                              MAX_TOPK, GatherMeta, RowPlan, check_gather,
-                              check_gather_numpy, check_gather_values, id_size, plan_row)
+from .contract.gather import (
+    GATHER_ARG_NAMES,
+    GATHER_READ_OR_WRITTEN,
+    GATHER_WRITTEN,
+    MAX_TOPK,
+    GatherMeta,
+    RowPlan,
+    check_gather,
+    check_gather_numpy,
+    check_gather_values,
+    id_size,
+    plan_row,
+)
 from .reference import gather_selection_kv_cache
 
-__all__ = ["GatherMeta", "RowPlan", "MAX_TOPK", "GATHER_WRITTEN", "GATHER_READ_OR_WRITTEN",
-           "GATHER_ARG_NAMES", "check_gather", "check_gather_values", "check_gather_numpy",
-           "plan_row", "id_size", "gather_selection_kv_cache"]
+__all__ = [
+    "GatherMeta",
+    "RowPlan",
+    "MAX_TOPK",
+    "GATHER_WRITTEN",
+    "GATHER_READ_OR_WRITTEN",
+    "GATHER_ARG_NAMES",
+    "check_gather",
+    "check_gather_values",
+    "check_gather_numpy",
+    "plan_row",
+    "id_size",
+    "gather_selection_kv_cache",
+]

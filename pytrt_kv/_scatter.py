@@ -5,9 +5,22 @@ The checks are :mod:`pytrt_kv.contract.scatter`, the data movement is
 those.
 """
 
-from .contract.scatter import (SCATTER_WRITTEN, ScatterMeta, check_scatter,
-                               check_scatter_numpy, check_scatter_values, nz_last_dim)
+from .contract.scatter import (
+    SCATTER_WRITTEN,
+    ScatterMeta,
+    check_scatter,
+    check_scatter_numpy,
+    check_scatter_values,
+    nz_last_dim,
+)
 from .reference import scatter_pa_kv_cache
 
-__all__ = ["ScatterMeta", "SCATTER_WRITTEN", "check_scatter", "check_scatter_values",
-           "check_scatter_numpy", "scatter_pa_kv_cache", "nz_last_dim"]
+__all__ = [
+    "ScatterMeta",
+    "SCATTER_WRITTEN",
+    "check_scatter",
+    "check_scatter_values",
+    "check_scatter_numpy",
+    "scatter_pa_kv_cache",
+    "nz_last_dim",
+]

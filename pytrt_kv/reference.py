@@ -15,8 +15,6 @@ serialized by the caller.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
 import numpy as np
 
 from .contract.gather import RowPlan, check_gather, check_gather_numpy, check_gather_values, id_size
@@ -36,12 +34,11 @@ def _bits(x: np.ndarray) -> np.ndarray:
     return x.view(_BITS[x.dtype.itemsize])  # type: ignore[call-overload]  # numpy stubs: dtype
 
 
-def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray,
-                  slots: np.ndarray) -> None:
+def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray, slots: np.ndarray) -> None:
     """docs/SPEC.md S3-S5 for one (tensor, cache) pair; negative slots skipped."""
     valid = slots >= 0
     s = slots[valid]
-    rows = _bits(src)[valid]                      # [n, H, D]
+    rows = _bits(src)[valid]  # [n, H, D]
     out = _bits(cache)
     nb, bs = meta.num_blocks, meta.block_size
     if meta.layout == "nd":
@@ -50,13 +47,14 @@ def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray,
         return
     blk, off = s // bs, s % bs
     if meta.layout == "hnd":
-        out[blk, :, off, :] = rows                # indexes [n, H, D]
-    else:                                         # "nz": f = h*D + d -> [f // L, f % L]
+        out[blk, :, off, :] = rows  # indexes [n, H, D]
+    else:  # "nz": f = h*D + d -> [f // L, f % L]
         out[blk, :, off, :] = rows.reshape(len(s), out.shape[1], out.shape[3])
 
 
-def _plan_run(mode: str, seq_len: int, width: int,
-              offset: int) -> Tuple[List[Tuple[int, int, int]], Optional[Tuple[int, int]]]:
+def _plan_run(
+    mode: str, seq_len: int, width: int, offset: int
+) -> tuple[list[tuple[int, int, int]], tuple[int, int] | None]:
     """docs/SPEC.md S6 for one (b, h): copies [(first row, first token, count)] and the mean
     row (row, first token) or None; rows are relative to the run's base slot."""
     if mode == "alibi":
@@ -75,8 +73,15 @@ def _mean_row(tokens: np.ndarray) -> np.ndarray:
     return (acc / np.float32(len(tokens))).astype(tokens.dtype)
 
 
-def _write_runs(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray, base: np.ndarray,
-                lens: np.ndarray, offsets: Optional[np.ndarray], seq: np.ndarray) -> None:
+def _write_runs(
+    meta: ScatterMeta,
+    src: np.ndarray,
+    cache: np.ndarray,
+    base: np.ndarray,
+    lens: np.ndarray,
+    offsets: np.ndarray | None,
+    seq: np.ndarray,
+) -> None:
     """docs/SPEC.md S6 for one (tensor, cache) pair: row q is cache[q // BS, q % BS, 0, :]."""
     rows = _bits(cache).reshape(meta.num_slots, cache.shape[3])
     bits = _bits(src)
@@ -85,19 +90,25 @@ def _write_runs(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray, base: np.
         offset = -1 if offsets is None else int(offsets[b, h])
         copies, mean = _plan_run(str(meta.mode), int(seq[b]), int(lens[b, h]), offset)
         for row, token, count in copies:
-            rows[start + row:start + row + count] = bits[b, token:token + count, h]
+            rows[start + row : start + row + count] = bits[b, token : token + count, h]
         if mean is not None:
             row, token = mean
-            rows[start + row] = _bits(_mean_row(src[b, token:token + lens[b, h], h]))
+            rows[start + row] = _bits(_mean_row(src[b, token : token + lens[b, h], h]))
 
 
-def scatter_pa_kv_cache(key: np.ndarray, value: Optional[np.ndarray], key_cache: np.ndarray,
-                        value_cache: Optional[np.ndarray], slot_mapping: np.ndarray, *,
-                        compress_lens: Optional[np.ndarray] = None,
-                        compress_seq_offsets: Optional[np.ndarray] = None,
-                        seq_lens: Optional[np.ndarray] = None,
-                        cache_layout: Optional[str] = None,
-                        compress_mode: Optional[str] = None) -> None:
+def scatter_pa_kv_cache(
+    key: np.ndarray,
+    value: np.ndarray | None,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray | None,
+    slot_mapping: np.ndarray,
+    *,
+    compress_lens: np.ndarray | None = None,
+    compress_seq_offsets: np.ndarray | None = None,
+    seq_lens: np.ndarray | None = None,
+    cache_layout: str | None = None,
+    compress_mode: str | None = None,
+) -> None:
     """Write new key/value tokens into a paged KV cache, in place (docs/SPEC.md S).
 
     Same arguments, order and names as ``torch_npu.npu_scatter_pa_kv_cache``.
@@ -158,16 +169,36 @@ def scatter_pa_kv_cache(key: np.ndarray, value: Optional[np.ndarray], key_cache:
     >>> int((key_cache == -1).sum())          # everything else untouched
     20
     """
-    args = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
-            "slot_mapping": slot_mapping, "compress_lens": compress_lens,
-            "compress_seq_offsets": compress_seq_offsets, "seq_lens": seq_lens}
-    meta = check_scatter(key, value, key_cache, value_cache, slot_mapping,
-                         compress_lens=compress_lens,
-                         compress_seq_offsets=compress_seq_offsets, seq_lens=seq_lens,
-                         cache_layout=cache_layout, compress_mode=compress_mode)
+    args = {
+        "key": key,
+        "value": value,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "slot_mapping": slot_mapping,
+        "compress_lens": compress_lens,
+        "compress_seq_offsets": compress_seq_offsets,
+        "seq_lens": seq_lens,
+    }
+    meta = check_scatter(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        compress_lens=compress_lens,
+        compress_seq_offsets=compress_seq_offsets,
+        seq_lens=seq_lens,
+        cache_layout=cache_layout,
+        compress_mode=compress_mode,
+    )
     check_scatter_numpy(args)
-    check_scatter_values(meta, slot_mapping, compress_lens=compress_lens,
-                         compress_seq_offsets=compress_seq_offsets, seq_lens=seq_lens)
+    check_scatter_values(
+        meta,
+        slot_mapping,
+        compress_lens=compress_lens,
+        compress_seq_offsets=compress_seq_offsets,
+        seq_lens=seq_lens,
+    )
     pairs = [(key, key_cache)]
     if value is not None and value_cache is not None:  # check_scatter: both or neither
         pairs.append((value, value_cache))
@@ -182,18 +213,19 @@ def scatter_pa_kv_cache(key: np.ndarray, value: Optional[np.ndarray], key_cache:
     base = slot_mapping.astype(np.int64)
     lens = compress_lens.astype(np.int64)
     seq = seq_lens.astype(np.int64)
-    offsets = (None if meta.mode == "alibi" or compress_seq_offsets is None
-               else compress_seq_offsets.astype(np.int64).reshape(shape_bh))
+    offsets = (
+        None
+        if meta.mode == "alibi" or compress_seq_offsets is None
+        else compress_seq_offsets.astype(np.int64).reshape(shape_bh)
+    )
     for src, cache in pairs:
         _write_runs(meta, src, cache, base, lens, offsets, seq)
-
 
 
 # --- GatherSelectionKvCache (docs/SPEC.md G) -----------------------------------------------
 
 
-def _row_tokens(plan: RowPlan, eff: int, tbs: int) -> Tuple[np.ndarray, np.ndarray,
-                                                             np.ndarray]:
+def _row_tokens(plan: RowPlan, eff: int, tbs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Token-level copies of one row: ``(slot, src_pos, dst_q)``, int64 ``[N]`` each.
 
     Token i of copied slot j holding id v reads full position ``v*TBS + i`` and writes
@@ -205,18 +237,27 @@ def _row_tokens(plan: RowPlan, eff: int, tbs: int) -> Tuple[np.ndarray, np.ndarr
     # Offset of each token inside its id's run: 0..size-1, concatenated over ids.
     starts = np.cumsum(sizes) - sizes
     within = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(starts, sizes)
-    return (np.repeat(slots, sizes), np.repeat(ids * tbs, sizes) + within,
-            np.repeat(slots * tbs, sizes) + within)
+    return (
+        np.repeat(slots, sizes),
+        np.repeat(ids * tbs, sizes) + within,
+        np.repeat(slots * tbs, sizes) + within,
+    )
 
 
-
-def gather_selection_kv_cache(selection_k_rope: np.ndarray, selection_kv_cache: np.ndarray,
-                              selection_kv_block_table: np.ndarray,
-                              selection_kv_block_status: np.ndarray,
-                              selection_topk_indices: np.ndarray, full_k_rope: np.ndarray,
-                              full_kv_cache: np.ndarray, full_kv_block_table: np.ndarray,
-                              full_kv_actual_seq: np.ndarray, full_q_actual_seq: np.ndarray,
-                              *, selection_topk_block_size: int = 64) -> np.ndarray:
+def gather_selection_kv_cache(
+    selection_k_rope: np.ndarray,
+    selection_kv_cache: np.ndarray,
+    selection_kv_block_table: np.ndarray,
+    selection_kv_block_status: np.ndarray,
+    selection_topk_indices: np.ndarray,
+    full_k_rope: np.ndarray,
+    full_kv_cache: np.ndarray,
+    full_kv_block_table: np.ndarray,
+    full_kv_actual_seq: np.ndarray,
+    full_q_actual_seq: np.ndarray,
+    *,
+    selection_topk_block_size: int = 64,
+) -> np.ndarray:
     """Gather the top-k selected tokens of a paged full cache into a selection cache.
 
     Reference of ``custom.npu_gather_selection_kv_cache`` (docs/SPEC.md section G). Ids already
@@ -285,16 +326,28 @@ def gather_selection_kv_cache(selection_k_rope: np.ndarray, selection_kv_cache: 
     >>> sel[0, :3, 0].tolist()   # tokens 5, 9, 2 (element 0 of token p is 2*p)
     [10.0, 18.0, 4.0]
     """
-    args = (selection_k_rope, selection_kv_cache, selection_kv_block_table,
-            selection_kv_block_status, selection_topk_indices, full_k_rope, full_kv_cache,
-            full_kv_block_table, full_kv_actual_seq, full_q_actual_seq)
+    args = (
+        selection_k_rope,
+        selection_kv_cache,
+        selection_kv_block_table,
+        selection_kv_block_status,
+        selection_topk_indices,
+        full_k_rope,
+        full_kv_cache,
+        full_kv_block_table,
+        full_kv_actual_seq,
+        full_q_actual_seq,
+    )
     meta = check_gather(*args, selection_topk_block_size=selection_topk_block_size)
     check_gather_numpy(meta, args)
     plans = check_gather_values(
-        meta, selection_kv_block_table=selection_kv_block_table,
+        meta,
+        selection_kv_block_table=selection_kv_block_table,
         selection_kv_block_status=selection_kv_block_status,
         selection_topk_indices=selection_topk_indices,
-        full_kv_block_table=full_kv_block_table, full_kv_actual_seq=full_kv_actual_seq)
+        full_kv_block_table=full_kv_block_table,
+        full_kv_actual_seq=full_kv_actual_seq,
+    )
 
     # Everything is valid: from here on, only writes.
     tbs, sbs, fbs = meta.tbs, meta.sel_block_size, meta.full_block_size
@@ -317,4 +370,3 @@ def gather_selection_kv_cache(selection_k_rope: np.ndarray, selection_kv_cache: 
         actual_seq[r] = plan.actual_seq
     selection_kv_block_status[...] = new_status.reshape(selection_kv_block_status.shape)
     return actual_seq
-

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from support.env import gpu_unavailable_reason, trt_include_dir, trt_unavailable_reason
+
 
 def pytest_collection_modifyitems(config, items):
     del config
@@ -17,8 +19,11 @@ def pytest_collection_modifyitems(config, items):
         if "trt_headers" in item.keywords:
             inc = trt_include_dir()
             if inc is None:
-                item.add_marker(pytest.mark.skip(
-                    reason="TensorRT headers: set TensorRT_INCLUDE_DIR (or TensorRT_ROOT)"))
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason="TensorRT headers: set TensorRT_INCLUDE_DIR (or TensorRT_ROOT)"
+                    )
+                )
             # Set but wrong is not skipped: the test fails on the missing headers.
 
 

@@ -37,13 +37,14 @@ def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
             out.append((node.lineno, target))
-            out += [(node.lineno, f"{target}.{alias.name}") for alias in node.names
-                    if alias.name != "*"]
+            out += [
+                (node.lineno, f"{target}.{alias.name}") for alias in node.names if alias.name != "*"
+            ]
     return out
 
 
@@ -54,8 +55,9 @@ def all_imports() -> list[tuple[str, str, int, str]]:
         for path in sorted((REPO / top).rglob("*.py")):
             mod = module_name(path)
             rel = str(path.relative_to(REPO))
-            for line, target in imports(path.read_text(encoding="utf-8"), mod,
-                                        path.name == "__init__.py"):
+            for line, target in imports(
+                path.read_text(encoding="utf-8"), mod, path.name == "__init__.py"
+            ):
                 out.append((mod, rel, line, target))
     return out
 
@@ -70,20 +72,28 @@ def violations(found: list[tuple[str, str, int, str]]) -> list[str]:
         where = f"{rel}:{line}: imports {target}"
         ours = _in(target, "pytrt_kv")
         if _in(mod, "pytrt_kv.contract") and (
-                (ours and not _in(target, "pytrt_kv.contract")) or _in(target, "onnx_export")):
+            (ours and not _in(target, "pytrt_kv.contract")) or _in(target, "onnx_export")
+        ):
             bad.append(f"{where} (the contract imports nothing else of pytrt_kv)")
         if mod == "pytrt_kv.reference" and ours and not _in(target, "pytrt_kv.contract"):
             bad.append(f"{where} (the reference imports only the contract)")
         if _in(mod, "pytrt_kv.graph") and (
-                (ours and not _in(target, "pytrt_kv.contract", "pytrt_kv.reference",
-                                  "pytrt_kv.graph")) or _in(target, "onnx_export")):
-            bad.append(f"{where} (the graph layer imports only the contract, the reference "
-                       "and itself)")
+            (ours and not _in(target, "pytrt_kv.contract", "pytrt_kv.reference", "pytrt_kv.graph"))
+            or _in(target, "onnx_export")
+        ):
+            bad.append(
+                f"{where} (the graph layer imports only the contract, the reference and itself)"
+            )
         if _in(mod, "pytrt_kv") and mod not in CLI and _in(target, "onnx_export"):
-            bad.append(f"{where} (onnx_export builds on pytrt_kv, not the other way; only "
-                       "the CLI may import it)")
-        if _in(mod, "onnx_export") and ours and any(
-                part.startswith("_") for part in target.split(".")[1:]):
+            bad.append(
+                f"{where} (onnx_export builds on pytrt_kv, not the other way; only "
+                "the CLI may import it)"
+            )
+        if (
+            _in(mod, "onnx_export")
+            and ours
+            and any(part.startswith("_") for part in target.split(".")[1:])
+        ):
             bad.append(f"{where} (onnx_export uses public pytrt_kv modules only)")
     return bad
 
@@ -95,21 +105,23 @@ def test_imports_follow_the_layers():
     assert not bad, "imports against docs/ARCHITECTURE.md:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("mod, source, broken", [
-    ("pytrt_kv.contract.x", "from .. import ops\n", "contract imports nothing else"),
-    ("pytrt_kv.contract.x", "from . import specs\n", None),
-    ("pytrt_kv.reference", "from .graph import feeds\n", "reference imports only"),
-    ("pytrt_kv.graph.x", "def f():\n    from ..trt import build\n", "graph layer imports"),
-    ("pytrt_kv.graph.x", "import onnx_export.models\n", "graph layer imports"),
-    ("pytrt_kv.graph.x", "from ..contract.specs import OPS\nimport onnx\n", None),
-    ("pytrt_kv.trt.x", "def f():\n    import onnx_export\n", "only the CLI"),
-    ("pytrt_kv.demo", "def f():\n    from onnx_export.example import x\n", None),
-    ("onnx_export.x", "from pytrt_kv._scatter import check_scatter\n", "public pytrt_kv"),
-    ("onnx_export.x", "from pytrt_kv.graph.check import TensorInfo\n", None),
-])
+@pytest.mark.parametrize(
+    "mod, source, broken",
+    [
+        ("pytrt_kv.contract.x", "from .. import ops\n", "contract imports nothing else"),
+        ("pytrt_kv.contract.x", "from . import specs\n", None),
+        ("pytrt_kv.reference", "from .graph import feeds\n", "reference imports only"),
+        ("pytrt_kv.graph.x", "def f():\n    from ..trt import build\n", "graph layer imports"),
+        ("pytrt_kv.graph.x", "import onnx_export.models\n", "graph layer imports"),
+        ("pytrt_kv.graph.x", "from ..contract.specs import OPS\nimport onnx\n", None),
+        ("pytrt_kv.trt.x", "def f():\n    import onnx_export\n", "only the CLI"),
+        ("pytrt_kv.demo", "def f():\n    from onnx_export.example import x\n", None),
+        ("onnx_export.x", "from pytrt_kv._scatter import check_scatter\n", "public pytrt_kv"),
+        ("onnx_export.x", "from pytrt_kv.graph.check import TensorInfo\n", None),
+    ],
+)
 def test_rules_catch_a_broken_import(mod, source, broken):
-    found = [(mod, "f.py", line, target)
-             for line, target in imports(source, mod, is_package=False)]
+    found = [(mod, "f.py", line, target) for line, target in imports(source, mod, is_package=False)]
     bad = violations(found)
     if broken is None:
         assert bad == []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -13,13 +12,18 @@ import pytest
 
 import pytrt_kv
 from pytrt_kv import _lib
-from pytrt_kv.contract import dtypes, specs
 from pytrt_kv.__main__ import SUBCOMMANDS, build_parser, main
+from pytrt_kv.contract import dtypes, specs
 
 
 def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def test_import_needs_no_optional_runtime():
@@ -28,7 +32,8 @@ def test_import_needs_no_optional_runtime():
         "import sys, pytrt_kv, pytrt_kv.reference, pytrt_kv.specs\n"
         "bad = [m for m in ('torch', 'tensorrt', 'cupy', 'cuda', 'pycuda', 'onnxruntime')"
         " if m in sys.modules]\n"
-        "print(','.join(bad))")
+        "print(','.join(bad))"
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "", f"imported eagerly: {r.stdout.strip()}"
 
@@ -41,8 +46,12 @@ def test_old_import_paths_are_the_contract():
     from pytrt_kv import contract, reference
     from pytrt_kv.contract import gather, scatter
 
-    for old, new in (("specs", "specs"), ("dtypes", "dtypes"), ("_errors", "errors"),
-                     ("_alias", "alias")):
+    for old, new in (
+        ("specs", "specs"),
+        ("dtypes", "dtypes"),
+        ("_errors", "errors"),
+        ("_alias", "alias"),
+    ):
         assert importlib.import_module(f"pytrt_kv.{old}") is getattr(contract, new)
     old_scatter = importlib.import_module("pytrt_kv._scatter")
     old_gather = importlib.import_module("pytrt_kv._gather")
@@ -82,18 +91,38 @@ def test_op_identity_matches_ops_md():
     # docs/SPEC.md section O and G1/S1: names and order are part of the contract.
     s = specs.SCATTER_PA_KV_CACHE
     assert s.name == "ScatterPaKvCache"
-    assert s.input_names == ("key", "value", "key_cache", "value_cache", "slot_mapping",
-                             "compress_lens", "compress_seq_offsets", "seq_lens")
+    assert s.input_names == (
+        "key",
+        "value",
+        "key_cache",
+        "value_cache",
+        "slot_mapping",
+        "compress_lens",
+        "compress_seq_offsets",
+        "seq_lens",
+    )
     assert s.output_names == ("key_cache_out", "value_cache_out")
     assert s.attribute_names == ("cache_layout", "compress_mode", "alias_io")
     g = specs.GATHER_SELECTION_KV_CACHE
     assert g.name == "GatherSelectionKvCache"
     assert g.input_names == (
-        "selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
-        "selection_kv_block_status", "selection_topk_indices", "full_k_rope",
-        "full_kv_cache", "full_kv_block_table", "full_kv_actual_seq", "full_q_actual_seq")
-    assert g.output_names == ("selection_k_rope_out", "selection_kv_cache_out",
-                              "selection_kv_block_status_out", "selection_kv_actual_seq")
+        "selection_k_rope",
+        "selection_kv_cache",
+        "selection_kv_block_table",
+        "selection_kv_block_status",
+        "selection_topk_indices",
+        "full_k_rope",
+        "full_kv_cache",
+        "full_kv_block_table",
+        "full_kv_actual_seq",
+        "full_q_actual_seq",
+    )
+    assert g.output_names == (
+        "selection_k_rope_out",
+        "selection_kv_cache_out",
+        "selection_kv_block_status_out",
+        "selection_kv_actual_seq",
+    )
     assert g.attribute("selection_topk_block_size").default == 64
     assert specs.NAMESPACE == specs.DOMAIN == "pytrt_kv" and specs.PLUGIN_VERSION == "1"
     assert specs.ONNX_IR_VERSION == 10 and specs.ONNX_OPSET >= 17
@@ -177,8 +206,9 @@ def test_cli_info_runs(capsys):
 
 
 def test_module_entry_point():
-    r = subprocess.run([sys.executable, "-m", "pytrt_kv", "--help"], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytrt_kv", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert "info" in r.stdout and "demo" in r.stdout
 
@@ -186,7 +216,11 @@ def test_module_entry_point():
 def test_parser_subcommands_have_runners():
     parser = build_parser()
     for name, _, _ in SUBCOMMANDS:
-        positional = {"export-example": ["x.onnx"], "build": ["x.onnx"], "prepare": ["x.onnx", "y.onnx"]}
+        positional = {
+            "export-example": ["x.onnx"],
+            "build": ["x.onnx"],
+            "prepare": ["x.onnx", "y.onnx"],
+        }
         args = parser.parse_args([name] + positional.get(name, []))
         assert callable(args._run)
 

@@ -18,7 +18,8 @@ of one projection) is allowed.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ try:  # NumPy >= 2
 except ImportError:  # NumPy 1.x
     _byte_bounds = np.byte_bounds  # type: ignore[attr-defined]
 
-_TOO_HARD = getattr(getattr(np, "exceptions", np), "TooHardError")
+_TOO_HARD = getattr(np, "exceptions", np).TooHardError
 
 
 def array_range(x: Any) -> Range:
@@ -44,7 +45,7 @@ def array_range(x: Any) -> Range:
     return int(lo), int(hi)
 
 
-def buffer_range(ptr: Optional[int], nbytes: int) -> Range:
+def buffer_range(ptr: int | None, nbytes: int) -> Range:
     """Byte range of a dense buffer at address ``ptr``; None when empty or null."""
     if not ptr or nbytes <= 0:
         return None
@@ -62,8 +63,9 @@ def _share(x: Any, y: Any) -> bool:
         return True  # not decidable cheaply: refuse rather than risk racing writes
 
 
-def check_no_alias(ranges: Mapping[str, Range], written: Sequence[str],
-                   arrays: Optional[Mapping[str, Any]] = None) -> None:
+def check_no_alias(
+    ranges: Mapping[str, Range], written: Sequence[str], arrays: Mapping[str, Any] | None = None
+) -> None:
     """Refuse any two arguments whose memory overlaps when at least one is written.
 
     Parameters
@@ -89,10 +91,15 @@ def check_no_alias(ranges: Mapping[str, Range], written: Sequence[str],
             if a not in written and b not in written:
                 continue
             lo_a, hi_a = ranges[a]  # type: ignore[misc]
-            if lo_a < hi_b and lo_b < hi_a and (
-                    arrays is None or _share(arrays.get(a), arrays.get(b))):
+            if (
+                lo_a < hi_b
+                and lo_b < hi_a
+                and (arrays is None or _share(arrays.get(a), arrays.get(b)))
+            ):
                 subject, other = (b, a) if b in written else (a, b)
                 raise value_error(
-                    subject, f"memory separate from {other} ({subject} is written by the "
-                             f"op, so no other argument may share its memory)",
-                    f"an array overlapping {other}")
+                    subject,
+                    f"memory separate from {other} ({subject} is written by the "
+                    f"op, so no other argument may share its memory)",
+                    f"an array overlapping {other}",
+                )

@@ -5,7 +5,7 @@ NumPy has no bfloat16 or float8; those are the ``ml_dtypes`` types (docs/SPEC.md
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -13,7 +13,7 @@ import numpy as np
 from . import specs
 
 #: dtype name -> NumPy dtype.
-NUMPY: Dict[str, np.dtype] = {
+NUMPY: dict[str, np.dtype] = {
     specs.FLOAT32: np.dtype(np.float32),
     specs.FLOAT16: np.dtype(np.float16),
     specs.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
@@ -27,7 +27,7 @@ NUMPY: Dict[str, np.dtype] = {
 
 #: dtype name -> ``onnx.TensorProto`` data type number (kept numeric so that this
 #: module does not import onnx).
-ONNX: Dict[str, int] = {
+ONNX: dict[str, int] = {
     specs.FLOAT32: 1,
     specs.UINT8: 2,
     specs.INT8: 3,
@@ -38,10 +38,10 @@ ONNX: Dict[str, int] = {
     specs.FLOAT8_E4M3: 17,
     specs.FLOAT8_E5M2: 19,
 }
-ONNX_TO_NAME: Dict[int, str] = {v: k for k, v in ONNX.items()}
+ONNX_TO_NAME: dict[int, str] = {v: k for k, v in ONNX.items()}
 
 #: dtype name -> name of the ``tensorrt.DataType`` member (looked up lazily).
-TENSORRT: Dict[str, str] = {
+TENSORRT: dict[str, str] = {
     specs.FLOAT32: "FLOAT",
     specs.FLOAT16: "HALF",
     specs.BFLOAT16: "BF16",
@@ -68,13 +68,15 @@ def name_of(dtype: Any) -> str:
         text = str(dtype).replace("torch.", "")
         if text in NUMPY:
             return text
-        raise TypeError(f"dtype: torch dtype {dtype} is not supported; expected one of "
-                        f"{sorted(NUMPY)}")
+        raise TypeError(
+            f"dtype: torch dtype {dtype} is not supported; expected one of {sorted(NUMPY)}"
+        )
     try:
         dt = np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype: expected a NumPy, ml_dtypes or torch dtype, got "
-                        f"{dtype!r}") from None
+        raise TypeError(
+            f"dtype: expected a NumPy, ml_dtypes or torch dtype, got {dtype!r}"
+        ) from None
     for name, known in NUMPY.items():
         if dt == known:
             return name
@@ -107,5 +109,7 @@ def numpy_of_onnx(elem_type: int, arg: str = "dtype") -> np.dtype:
     try:
         return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(int(elem_type)))
     except (KeyError, ValueError, TypeError):
-        raise TypeError(f"{arg}: expected an ONNX tensor type with a NumPy equivalent, got "
-                        f"type number {int(elem_type)}") from None
+        raise TypeError(
+            f"{arg}: expected an ONNX tensor type with a NumPy equivalent, got "
+            f"type number {int(elem_type)}"
+        ) from None

@@ -67,8 +67,9 @@ Decisions where docs/SPEC.md is silent (the reference raises ``ValueError`` unle
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -77,9 +78,19 @@ from .alias import array_range, check_no_alias
 from .dtypes import name_of
 from .errors import describe, type_error, value_error
 
-__all__ = ["GatherMeta", "RowPlan", "MAX_TOPK", "GATHER_WRITTEN", "GATHER_READ_OR_WRITTEN",
-           "GATHER_ARG_NAMES", "check_gather", "check_gather_values", "check_gather_numpy",
-           "plan_row", "id_size"]
+__all__ = [
+    "GatherMeta",
+    "RowPlan",
+    "MAX_TOPK",
+    "GATHER_WRITTEN",
+    "GATHER_READ_OR_WRITTEN",
+    "GATHER_ARG_NAMES",
+    "check_gather",
+    "check_gather_values",
+    "check_gather_numpy",
+    "plan_row",
+    "id_size",
+]
 
 #: docs/SPEC.md G2: largest K, for every TBS. (The Ascend kernel also requires TBS == 1 when
 #: K > 32; pytrt_kv lifts that limit: retrieval recalls ~190 blocks of 128 tokens at 128K,
@@ -88,9 +99,16 @@ MAX_TOPK = 2048
 
 #: The ten tensors of the op, in its order.
 GATHER_ARG_NAMES = _ARG_NAMES = (
-    "selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
-    "selection_kv_block_status", "selection_topk_indices", "full_k_rope", "full_kv_cache",
-    "full_kv_block_table", "full_kv_actual_seq", "full_q_actual_seq",
+    "selection_k_rope",
+    "selection_kv_cache",
+    "selection_kv_block_table",
+    "selection_kv_block_status",
+    "selection_topk_indices",
+    "full_k_rope",
+    "full_kv_cache",
+    "full_kv_block_table",
+    "full_kv_actual_seq",
+    "full_q_actual_seq",
 )
 
 #: The arguments a gather writes in place (the eager GPU API adds its ``out``).
@@ -148,7 +166,7 @@ class RowPlan:
 # --- shape / dtype validation --------------------------------------------------------
 
 
-def _shape(arg: str, x: Any) -> Tuple[int, ...]:
+def _shape(arg: str, x: Any) -> tuple[int, ...]:
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise type_error(arg, "a tensor (anything with .shape and .dtype)", describe(x))
     return tuple(int(d) for d in x.shape)
@@ -164,7 +182,7 @@ def _dtype(arg: str, x: Any, allowed: Sequence[str]) -> str:
     return name
 
 
-def _numel(shape: Tuple[int, ...]) -> int:
+def _numel(shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64)) if shape else 1
 
 
@@ -172,20 +190,28 @@ def _ceil_div(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-
-
-def _check_gather_dtypes(by_name: Dict[str, Any]) -> str:
+def _check_gather_dtypes(by_name: dict[str, Any]) -> str:
     """docs/SPEC.md G2 dtypes: one cache dtype for the four caches, int32 indices."""
-    cache_dtype = _dtype("selection_kv_cache", by_name["selection_kv_cache"],
-                         specs.GATHER_CACHE_DTYPES)
+    cache_dtype = _dtype(
+        "selection_kv_cache", by_name["selection_kv_cache"], specs.GATHER_CACHE_DTYPES
+    )
     for name in ("selection_k_rope", "full_kv_cache", "full_k_rope"):
         got = _dtype(name, by_name[name], specs.GATHER_CACHE_DTYPES)
         if got != cache_dtype:
-            raise type_error(name, f"the cache dtype {cache_dtype} of selection_kv_cache "
-                             "(all four caches share one dtype)", describe(by_name[name]))
-    for name in ("selection_kv_block_table", "selection_kv_block_status",
-                 "selection_topk_indices", "full_kv_block_table", "full_kv_actual_seq",
-                 "full_q_actual_seq"):
+            raise type_error(
+                name,
+                f"the cache dtype {cache_dtype} of selection_kv_cache "
+                "(all four caches share one dtype)",
+                describe(by_name[name]),
+            )
+    for name in (
+        "selection_kv_block_table",
+        "selection_kv_block_status",
+        "selection_topk_indices",
+        "full_kv_block_table",
+        "full_kv_actual_seq",
+        "full_q_actual_seq",
+    ):
         _dtype(name, by_name[name], specs.GATHER_INDEX_DTYPES)
     return cache_dtype
 
@@ -209,132 +235,199 @@ class _Caches(NamedTuple):
     k_rope_dim: int
 
 
-def _check_k_rope(shapes: Dict[str, Tuple[int, ...]], by_name: Dict[str, Any],
-                  sel_block_num: int, sbs: int, full_block_num: int, fbs: int) -> int:
+def _check_k_rope(
+    shapes: dict[str, tuple[int, ...]],
+    by_name: dict[str, Any],
+    sel_block_num: int,
+    sbs: int,
+    full_block_num: int,
+    fbs: int,
+) -> int:
     """K_ROPE of the k_rope pair, 0 when both are zero-element (decision 8 above)."""
     srope, frope = shapes["selection_k_rope"], shapes["full_k_rope"]
-    both_shaped = (len(srope) == 3 and len(frope) == 3 and srope[2] >= 1
-                   and srope[2] == frope[2])
+    both_shaped = len(srope) == 3 and len(frope) == 3 and srope[2] >= 1 and srope[2] == frope[2]
     if _numel(srope) == 0 and _numel(frope) == 0 and not both_shaped:
         return 0
     if _numel(srope) == 0 and _numel(frope) != 0 and not both_shaped:
-        raise value_error("selection_k_rope", "[S_BLOCK_NUM, SBS, K_ROPE] like full_k_rope "
-                          "(the k_rope pair is both present or both zero-element)",
-                          describe(by_name["selection_k_rope"]))
+        raise value_error(
+            "selection_k_rope",
+            "[S_BLOCK_NUM, SBS, K_ROPE] like full_k_rope "
+            "(the k_rope pair is both present or both zero-element)",
+            describe(by_name["selection_k_rope"]),
+        )
     if len(srope) != 3 or srope[:2] != (sel_block_num, sbs) or srope[2] < 1:
-        raise value_error("selection_k_rope", f"shape [{sel_block_num}, {sbs}, K_ROPE "
-                          ">= 1] (S_BLOCK_NUM, SBS of selection_kv_cache) or "
-                          "zero-element", describe(by_name["selection_k_rope"]))
+        raise value_error(
+            "selection_k_rope",
+            f"shape [{sel_block_num}, {sbs}, K_ROPE "
+            ">= 1] (S_BLOCK_NUM, SBS of selection_kv_cache) or "
+            "zero-element",
+            describe(by_name["selection_k_rope"]),
+        )
     k_rope_dim = srope[2]
     if frope != (full_block_num, fbs, k_rope_dim):
-        raise value_error("full_k_rope", f"shape [{full_block_num}, {fbs}, {k_rope_dim}]"
-                          " (F_BLOCK_NUM, FBS of full_kv_cache, K_ROPE of "
-                          "selection_k_rope; the k_rope pair is both present or both "
-                          "zero-element)", describe(by_name["full_k_rope"]))
+        raise value_error(
+            "full_k_rope",
+            f"shape [{full_block_num}, {fbs}, {k_rope_dim}]"
+            " (F_BLOCK_NUM, FBS of full_kv_cache, K_ROPE of "
+            "selection_k_rope; the k_rope pair is both present or both "
+            "zero-element)",
+            describe(by_name["full_k_rope"]),
+        )
     return k_rope_dim
 
 
-def _check_caches(shapes: Dict[str, Tuple[int, ...]], by_name: Dict[str, Any]) -> _Caches:
+def _check_caches(shapes: dict[str, tuple[int, ...]], by_name: dict[str, Any]) -> _Caches:
     """docs/SPEC.md G2: the two kv caches and the k_rope pair."""
     skv = shapes["selection_kv_cache"]
     if len(skv) != 3 or skv[1] < 1 or skv[2] < 1:
-        raise value_error("selection_kv_cache", "shape [S_BLOCK_NUM, SBS >= 1, KV >= 1]",
-                          describe(by_name["selection_kv_cache"]))
+        raise value_error(
+            "selection_kv_cache",
+            "shape [S_BLOCK_NUM, SBS >= 1, KV >= 1]",
+            describe(by_name["selection_kv_cache"]),
+        )
     sel_block_num, sbs, kv_dim = skv
     fkv = shapes["full_kv_cache"]
     if len(fkv) != 3 or fkv[1] < 1 or fkv[2] != kv_dim:
-        raise value_error("full_kv_cache", f"shape [F_BLOCK_NUM, FBS >= 1, KV = {kv_dim}] "
-                          "(KV of selection_kv_cache)", describe(by_name["full_kv_cache"]))
+        raise value_error(
+            "full_kv_cache",
+            f"shape [F_BLOCK_NUM, FBS >= 1, KV = {kv_dim}] (KV of selection_kv_cache)",
+            describe(by_name["full_kv_cache"]),
+        )
     full_block_num, fbs, _ = fkv
     k_rope_dim = _check_k_rope(shapes, by_name, sel_block_num, sbs, full_block_num, fbs)
     return _Caches(sel_block_num, sbs, kv_dim, full_block_num, fbs, k_rope_dim)
 
 
-def _check_batch(shapes: Dict[str, Tuple[int, ...]], by_name: Dict[str, Any]) -> Tuple[int, int]:
+def _check_batch(shapes: dict[str, tuple[int, ...]], by_name: dict[str, Any]) -> tuple[int, int]:
     """B (from full_kv_actual_seq) and F_MAX_BLOCK_NUM."""
     kvs = shapes["full_kv_actual_seq"]
     if len(kvs) != 1 or kvs[0] < 1:
-        raise value_error("full_kv_actual_seq", "shape [B] with B >= 1",
-                          describe(by_name["full_kv_actual_seq"]))
+        raise value_error(
+            "full_kv_actual_seq", "shape [B] with B >= 1", describe(by_name["full_kv_actual_seq"])
+        )
     batch = kvs[0]
     if shapes["full_q_actual_seq"] != (batch,):
-        raise value_error("full_q_actual_seq", f"shape [{batch}] (B of full_kv_actual_seq)",
-                          describe(by_name["full_q_actual_seq"]))
+        raise value_error(
+            "full_q_actual_seq",
+            f"shape [{batch}] (B of full_kv_actual_seq)",
+            describe(by_name["full_q_actual_seq"]),
+        )
     ftab = shapes["full_kv_block_table"]
     if len(ftab) != 2 or ftab[0] != batch:
-        raise value_error("full_kv_block_table", f"shape [{batch}, F_MAX_BLOCK_NUM] "
-                          "(B of full_kv_actual_seq)", describe(by_name["full_kv_block_table"]))
+        raise value_error(
+            "full_kv_block_table",
+            f"shape [{batch}, F_MAX_BLOCK_NUM] (B of full_kv_actual_seq)",
+            describe(by_name["full_kv_block_table"]),
+        )
     return batch, ftab[1]
 
 
-def _check_rows(shapes: Dict[str, Tuple[int, ...]], by_name: Dict[str, Any],
-                batch: int) -> Tuple[str, int, int, int]:
+def _check_rows(
+    shapes: dict[str, tuple[int, ...]], by_name: dict[str, Any], batch: int
+) -> tuple[str, int, int, int]:
     """Status and top-k tensors: (layout, S, H, K)."""
     st, tk = shapes["selection_kv_block_status"], shapes["selection_topk_indices"]
     topk_x = by_name["selection_topk_indices"]
     if len(tk) not in (3, 4):
-        raise value_error("selection_topk_indices", "BSND [B, S, H, K] or TND [B*S, H, K]",
-                          describe(topk_x))
+        raise value_error(
+            "selection_topk_indices", "BSND [B, S, H, K] or TND [B*S, H, K]", describe(topk_x)
+        )
     layout = "BSND" if len(tk) == 4 else "TND"
     if len(st) != len(tk):
         want = "[B, S, H, K+1]" if layout == "BSND" else "[B*S, H, K+1]"
-        raise value_error("selection_kv_block_status", f"{layout} {want}, the layout of "
-                          "selection_topk_indices (both must agree)",
-                          describe(by_name["selection_kv_block_status"]))
+        raise value_error(
+            "selection_kv_block_status",
+            f"{layout} {want}, the layout of selection_topk_indices (both must agree)",
+            describe(by_name["selection_kv_block_status"]),
+        )
     topk = tk[-1]
     heads = tk[-2]
     if layout == "BSND":
         if tk[0] != batch:
-            raise value_error("selection_topk_indices", f"BSND [B = {batch}, S, H, K] "
-                              "(B of full_kv_actual_seq)", describe(topk_x))
+            raise value_error(
+                "selection_topk_indices",
+                f"BSND [B = {batch}, S, H, K] (B of full_kv_actual_seq)",
+                describe(topk_x),
+            )
         seq = tk[1]
     else:
         if tk[0] % batch != 0:
-            raise value_error("selection_topk_indices", f"TND [T, H, K] with T a multiple of "
-                              f"B = {batch}", describe(topk_x))
+            raise value_error(
+                "selection_topk_indices",
+                f"TND [T, H, K] with T a multiple of B = {batch}",
+                describe(topk_x),
+            )
         seq = tk[0] // batch
     if seq < 1:
-        raise value_error("selection_topk_indices", f"{layout} with S >= 1 query tokens per "
-                          "batch", describe(topk_x))
+        raise value_error(
+            "selection_topk_indices",
+            f"{layout} with S >= 1 query tokens per batch",
+            describe(topk_x),
+        )
     if heads != 1:
-        raise value_error("selection_topk_indices", "H == 1 (the only head count "
-                          "supported)", describe(topk_x))
+        raise value_error(
+            "selection_topk_indices", "H == 1 (the only head count supported)", describe(topk_x)
+        )
     if not 1 <= topk <= MAX_TOPK:
-        raise value_error("selection_topk_indices", f"1 <= K <= {MAX_TOPK} (last dim)",
-                          describe(topk_x))
+        raise value_error(
+            "selection_topk_indices", f"1 <= K <= {MAX_TOPK} (last dim)", describe(topk_x)
+        )
     if st != tk[:-1] + (topk + 1,):
-        raise value_error("selection_kv_block_status",
-                          f"shape {list(tk[:-1] + (topk + 1,))} (selection_topk_indices with "
-                          "last dim K+1)", describe(by_name["selection_kv_block_status"]))
+        raise value_error(
+            "selection_kv_block_status",
+            f"shape {list(tk[:-1] + (topk + 1,))} (selection_topk_indices with last dim K+1)",
+            describe(by_name["selection_kv_block_status"]),
+        )
     return layout, seq, heads, topk
 
 
-def _check_selection_table(shapes: Dict[str, Tuple[int, ...]], by_name: Dict[str, Any],
-                           tbs: int, sbs: int, fbs: int, topk: int,
-                           rows_needed: int) -> Tuple[int, int]:
+def _check_selection_table(
+    shapes: dict[str, tuple[int, ...]],
+    by_name: dict[str, Any],
+    tbs: int,
+    sbs: int,
+    fbs: int,
+    topk: int,
+    rows_needed: int,
+) -> tuple[int, int]:
     """docs/SPEC.md G2 constraints: TBS divides SBS and FBS; the selection table is big
     enough. Returns (R, S_MAX_BLOCK_NUM)."""
     if sbs % tbs != 0:
-        raise value_error("selection_topk_block_size", f"a divisor of SBS = {sbs} "
-                          "(block size of selection_kv_cache)", tbs)
+        raise value_error(
+            "selection_topk_block_size",
+            f"a divisor of SBS = {sbs} (block size of selection_kv_cache)",
+            tbs,
+        )
     if fbs % tbs != 0:
-        raise value_error("selection_topk_block_size", f"a divisor of FBS = {fbs} "
-                          "(block size of full_kv_cache)", tbs)
+        raise value_error(
+            "selection_topk_block_size",
+            f"a divisor of FBS = {fbs} (block size of full_kv_cache)",
+            tbs,
+        )
     stab = shapes["selection_kv_block_table"]
     need_cols = _ceil_div(topk * tbs, sbs)
     if len(stab) != 2 or stab[0] < rows_needed or stab[1] < need_cols:
-        raise value_error("selection_kv_block_table",
-                          f"shape [R >= B*S*H = {rows_needed}, S_MAX_BLOCK_NUM >= "
-                          f"ceil(K*TBS/SBS) = {need_cols}]",
-                          describe(by_name["selection_kv_block_table"]))
+        raise value_error(
+            "selection_kv_block_table",
+            f"shape [R >= B*S*H = {rows_needed}, S_MAX_BLOCK_NUM >= ceil(K*TBS/SBS) = {need_cols}]",
+            describe(by_name["selection_kv_block_table"]),
+        )
     return stab[0], stab[1]
 
 
-def check_gather(selection_k_rope: Any, selection_kv_cache: Any,
-                 selection_kv_block_table: Any, selection_kv_block_status: Any,
-                 selection_topk_indices: Any, full_k_rope: Any, full_kv_cache: Any,
-                 full_kv_block_table: Any, full_kv_actual_seq: Any, full_q_actual_seq: Any,
-                 selection_topk_block_size: Any = 64) -> GatherMeta:
+def check_gather(
+    selection_k_rope: Any,
+    selection_kv_cache: Any,
+    selection_kv_block_table: Any,
+    selection_kv_block_status: Any,
+    selection_topk_indices: Any,
+    full_k_rope: Any,
+    full_kv_cache: Any,
+    full_kv_block_table: Any,
+    full_kv_actual_seq: Any,
+    full_q_actual_seq: Any,
+    selection_topk_block_size: Any = 64,
+) -> GatherMeta:
     """Validate the shapes, dtypes and attribute of a gather call (docs/SPEC.md G2).
 
     Values are never read, so the arguments may be NumPy arrays, torch tensors or CuPy
@@ -370,9 +463,18 @@ def check_gather(selection_k_rope: Any, selection_kv_cache: Any,
     >>> meta.layout, meta.batch, meta.seq, meta.topk, meta.k_rope_dim
     ('BSND', 2, 1, 4, 64)
     """
-    tensors = (selection_k_rope, selection_kv_cache, selection_kv_block_table,
-               selection_kv_block_status, selection_topk_indices, full_k_rope, full_kv_cache,
-               full_kv_block_table, full_kv_actual_seq, full_q_actual_seq)
+    tensors = (
+        selection_k_rope,
+        selection_kv_cache,
+        selection_kv_block_table,
+        selection_kv_block_status,
+        selection_topk_indices,
+        full_k_rope,
+        full_kv_cache,
+        full_kv_block_table,
+        full_kv_actual_seq,
+        full_q_actual_seq,
+    )
     shapes = {name: _shape(name, x) for name, x in zip(_ARG_NAMES, tensors)}
     by_name = dict(zip(_ARG_NAMES, tensors))
     cache_dtype = _check_gather_dtypes(by_name)
@@ -380,14 +482,27 @@ def check_gather(selection_k_rope: Any, selection_kv_cache: Any,
     c = _check_caches(shapes, by_name)
     batch, full_max_block_num = _check_batch(shapes, by_name)
     layout, seq, heads, topk = _check_rows(shapes, by_name, batch)
-    rows, sel_max_block_num = _check_selection_table(shapes, by_name, tbs, c.sbs, c.fbs, topk,
-                                                     batch * seq * heads)
+    rows, sel_max_block_num = _check_selection_table(
+        shapes, by_name, tbs, c.sbs, c.fbs, topk, batch * seq * heads
+    )
     return GatherMeta(
-        cache_dtype=cache_dtype, layout=layout, batch=batch, seq=seq, heads=heads,
-        topk=topk, tbs=tbs, rows=rows, sel_block_num=c.sel_block_num, sel_block_size=c.sbs,
-        sel_max_block_num=sel_max_block_num, full_block_num=c.full_block_num,
-        full_block_size=c.fbs, full_max_block_num=full_max_block_num,
-        k_rope_dim=c.k_rope_dim, kv_dim=c.kv_dim)
+        cache_dtype=cache_dtype,
+        layout=layout,
+        batch=batch,
+        seq=seq,
+        heads=heads,
+        topk=topk,
+        tbs=tbs,
+        rows=rows,
+        sel_block_num=c.sel_block_num,
+        sel_block_size=c.sbs,
+        sel_max_block_num=sel_max_block_num,
+        full_block_num=c.full_block_num,
+        full_block_size=c.fbs,
+        full_max_block_num=full_max_block_num,
+        k_rope_dim=c.k_rope_dim,
+        kv_dim=c.kv_dim,
+    )
 
 
 # --- G3-G5: placement of one row -----------------------------------------------------
@@ -399,8 +514,9 @@ def id_size(v: int, eff: int, tbs: int) -> int:
     return eff - max_id * tbs if v == max_id else tbs
 
 
-def plan_row(old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S: int,
-             s: int, tbs: int) -> RowPlan:
+def plan_row(
+    old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S: int, s: int, tbs: int
+) -> RowPlan:
     """G5 placement of one row: which id goes to which slot and which slots are copied.
 
     Parameters
@@ -438,29 +554,34 @@ def plan_row(old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S:
     topk = [int(x) for x in np.asarray(topk_row).reshape(-1)]
     K = len(topk)
     if len(old) != K + 1:
-        raise value_error("selection_kv_block_status", f"a row of K+1 = {K + 1} entries",
-                          len(old))
+        raise value_error("selection_kv_block_status", f"a row of K+1 = {K + 1} entries", len(old))
     if tbs < 1 or S < 1 or not 0 <= s < S:
-        raise value_error("plan_row", "tbs >= 1, S >= 1 and 0 <= s < S",
-                          f"tbs={tbs}, S={S}, s={s}")
+        raise value_error("plan_row", "tbs >= 1, S >= 1 and 0 <= s < S", f"tbs={tbs}, S={S}, s={s}")
 
     # G3: the query token s sees eff tokens; rows with nothing visible are skipped.
     eff = kv_len - (S - 1 - s)
     if kv_len <= 0 or eff <= 0:
-        return RowPlan(status=np.array(old, dtype=np.int32), actual_seq=0,
-                       copy=np.zeros(K, dtype=bool), skipped=True)
+        return RowPlan(
+            status=np.array(old, dtype=np.int32),
+            actual_seq=0,
+            copy=np.zeros(K, dtype=bool),
+            skipped=True,
+        )
 
     # G4: valid ids in topk order; negatives are padding wherever they stand, ids past
     # max_id are dropped silently.
     max_id = _ceil_div(eff, tbs) - 1
-    valid: List[int] = []
-    position: Dict[int, int] = {}  # valid id -> its position in topk_row
+    valid: list[int] = []
+    position: dict[int, int] = {}  # valid id -> its position in topk_row
     for i, v in enumerate(topk):
         if v < 0 or v > max_id:
             continue
         if v in position:
-            raise value_error("selection_topk_indices", "distinct valid ids in a row",
-                              f"id {v} at positions {position[v]} and {i}")
+            raise value_error(
+                "selection_topk_indices",
+                "distinct valid ids in a row",
+                f"id {v} at positions {position[v]} and {i}",
+            )
         position[v] = i
         valid.append(v)
     n = len(valid)
@@ -472,16 +593,19 @@ def plan_row(old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S:
     if any(x < 0 for x in old_ids[:old_n]):
         hole = next(j for j, x in enumerate(old_ids) if x < 0)
         late = next(j for j, x in enumerate(old_ids) if x >= 0 and j > hole)
-        raise value_error("selection_kv_block_status", "non-negative entries as a prefix "
-                          "of the row (a corrupted status; reset it to -1)",
-                          f"{old_ids[hole]} in slot {hole} before {old_ids[late]} in "
-                          f"slot {late}")
-    old_slot: Dict[int, int] = {}  # old id -> its slot
+        raise value_error(
+            "selection_kv_block_status",
+            "non-negative entries as a prefix of the row (a corrupted status; reset it to -1)",
+            f"{old_ids[hole]} in slot {hole} before {old_ids[late]} in slot {late}",
+        )
+    old_slot: dict[int, int] = {}  # old id -> its slot
     for j, v in enumerate(old_ids[:old_n]):
         if v in old_slot:
-            raise value_error("selection_kv_block_status", "distinct ids in the row (a "
-                              "corrupted status; reset it to -1)",
-                              f"id {v} in slots {old_slot[v]} and {j}")
+            raise value_error(
+                "selection_kv_block_status",
+                "distinct ids in the row (a corrupted status; reset it to -1)",
+                f"id {v} in slots {old_slot[v]} and {j}",
+            )
         old_slot[v] = j
     old_tail = old_n - 1 if tbs > 1 and old[K] % tbs != 0 else None
 
@@ -491,7 +615,7 @@ def plan_row(old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S:
 
     # G5 step 2: keep an id in place when its old slot survives, is complete, and none of
     # its tokens is among this step's newest S positions.
-    slot_id: List[Optional[int]] = [None] * n
+    slot_id: list[int | None] = [None] * n
     pinned = set()
     for v in valid:
         old_j = old_slot.get(v)
@@ -527,14 +651,20 @@ def plan_row(old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S:
 
 # --- value rules ---------------------------------------------------------------------
 
-def _row_batch(meta: GatherMeta, r: int) -> Tuple[int, int]:
+
+def _row_batch(meta: GatherMeta, r: int) -> tuple[int, int]:
     return r // meta.seq, r % meta.seq
 
 
-def check_gather_values(meta: GatherMeta, *, selection_kv_block_table: np.ndarray,
-                        selection_kv_block_status: np.ndarray,
-                        selection_topk_indices: np.ndarray, full_kv_block_table: np.ndarray,
-                        full_kv_actual_seq: np.ndarray) -> List[RowPlan]:
+def check_gather_values(
+    meta: GatherMeta,
+    *,
+    selection_kv_block_table: np.ndarray,
+    selection_kv_block_status: np.ndarray,
+    selection_topk_indices: np.ndarray,
+    full_kv_block_table: np.ndarray,
+    full_kv_actual_seq: np.ndarray,
+) -> list[RowPlan]:
     """Apply every value rule of docs/SPEC.md G4/G5 (and the decisions of this module).
 
     Parameters
@@ -571,11 +701,15 @@ def check_gather_values(meta: GatherMeta, *, selection_kv_block_table: np.ndarra
     capacity = meta.full_max_block_num * fbs
     for b, kv_len in enumerate(kv_lens):
         if kv_len > capacity:
-            raise value_error(f"full_kv_actual_seq[{b}]", f"at most F_MAX_BLOCK_NUM * FBS = "
-                              f"{meta.full_max_block_num} * {fbs} = {capacity} (the tokens "
-                              "full_kv_block_table can address)", kv_len)
+            raise value_error(
+                f"full_kv_actual_seq[{b}]",
+                f"at most F_MAX_BLOCK_NUM * FBS = "
+                f"{meta.full_max_block_num} * {fbs} = {capacity} (the tokens "
+                "full_kv_block_table can address)",
+                kv_len,
+            )
 
-    plans: List[RowPlan] = []
+    plans: list[RowPlan] = []
     written = []  # per row: flat selection addresses (block * SBS + offset) written
     for r in range(n_rows):
         b, s = _row_batch(meta, r)
@@ -596,16 +730,22 @@ def check_gather_values(meta: GatherMeta, *, selection_kv_block_table: np.ndarra
         bad = np.flatnonzero(src_col >= meta.full_max_block_num)
         if bad.size:  # unreachable after the capacity rule; kept as a guard
             k = bad[0]
-            raise value_error(f"selection_topk_indices row {r}", f"ids whose tokens lie in "
-                              f"the {meta.full_max_block_num} columns of full_kv_block_table",
-                              f"id {ids[k]} needing column {src_col[k]}")
+            raise value_error(
+                f"selection_topk_indices row {r}",
+                f"ids whose tokens lie in "
+                f"the {meta.full_max_block_num} columns of full_kv_block_table",
+                f"id {ids[k]} needing column {src_col[k]}",
+            )
         src_blk = full_table[b, src_col]
         bad = np.flatnonzero((src_blk < 0) | (src_blk >= meta.full_block_num))
         if bad.size:
             k = bad[0]
-            raise value_error(f"full_kv_block_table[{b}, {src_col[k]}]",
-                              f"a block in [0, F_BLOCK_NUM = {meta.full_block_num}) (read "
-                              f"for id {ids[k]} of row {r})", int(src_blk[k]))
+            raise value_error(
+                f"full_kv_block_table[{b}, {src_col[k]}]",
+                f"a block in [0, F_BLOCK_NUM = {meta.full_block_num}) (read "
+                f"for id {ids[k]} of row {r})",
+                int(src_blk[k]),
+            )
 
         dst_q = slot * tbs
         dst_col = dst_q // sbs
@@ -613,9 +753,11 @@ def check_gather_values(meta: GatherMeta, *, selection_kv_block_table: np.ndarra
         bad = np.flatnonzero((dst_blk < 0) | (dst_blk >= meta.sel_block_num))
         if bad.size:
             k = bad[0]
-            raise value_error(f"selection_kv_block_table[{r}, {dst_col[k]}]",
-                              f"a block in [0, S_BLOCK_NUM = {meta.sel_block_num}) (written "
-                              f"for slot {slot[k]})", int(dst_blk[k]))
+            raise value_error(
+                f"selection_kv_block_table[{r}, {dst_col[k]}]",
+                f"a block in [0, S_BLOCK_NUM = {meta.sel_block_num}) (written for slot {slot[k]})",
+                int(dst_blk[k]),
+            )
         # A slot writes at most TBS tokens from a TBS-aligned offset of its block: two
         # slots' writes overlap exactly when their first tokens share an address.
         written.append((r, slot, dst_blk.astype(np.int64) * sbs + dst_q % sbs))
@@ -624,7 +766,7 @@ def check_gather_values(meta: GatherMeta, *, selection_kv_block_table: np.ndarra
     return plans
 
 
-def _check_no_write_collision(written: List[Tuple[int, np.ndarray, np.ndarray]]) -> None:
+def _check_no_write_collision(written: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
     if not written:
         return
     rows = np.concatenate([np.full(a.size, r, dtype=np.int64) for r, _, a in written])
@@ -635,12 +777,12 @@ def _check_no_write_collision(written: List[Tuple[int, np.ndarray, np.ndarray]])
     if dup.size:
         first, second = order[dup[0]], order[dup[0] + 1]
         raise value_error(
-            "selection_kv_block_table", "distinct selection cache addresses for every "
-            "written token", f"row {rows[first]} slot {slots[first]} and row "
+            "selection_kv_block_table",
+            "distinct selection cache addresses for every written token",
+            f"row {rows[first]} slot {slots[first]} and row "
             f"{rows[second]} slot {slots[second]} both writing token "
-            f"{addrs[first]} (block * SBS + offset)")
-
-
+            f"{addrs[first]} (block * SBS + offset)",
+        )
 
 
 def check_gather_numpy(meta: GatherMeta, args: Sequence[Any]) -> None:
@@ -651,8 +793,9 @@ def check_gather_numpy(meta: GatherMeta, args: Sequence[Any]) -> None:
     """
     for name, x in zip(_ARG_NAMES, args):
         if not isinstance(x, np.ndarray):
-            raise type_error(name, "a numpy.ndarray (the reference runs on the CPU)",
-                             type(x).__name__)
+            raise type_error(
+                name, "a numpy.ndarray (the reference runs on the CPU)", type(x).__name__
+            )
     named = dict(zip(_ARG_NAMES, args))
     outputs = ["selection_kv_cache", "selection_kv_block_status"]
     if meta.k_rope_dim:
@@ -660,5 +803,6 @@ def check_gather_numpy(meta: GatherMeta, args: Sequence[Any]) -> None:
     for name in outputs:
         if not named[name].flags.writeable:
             raise value_error(name, "a writeable array (updated in place)", "read-only")
-    check_no_alias({name: array_range(named[name]) for name in GATHER_READ_OR_WRITTEN},
-                   GATHER_WRITTEN, named)
+    check_no_alias(
+        {name: array_range(named[name]) for name in GATHER_READ_OR_WRITTEN}, GATHER_WRITTEN, named
+    )

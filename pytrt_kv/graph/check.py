@@ -9,8 +9,9 @@ attributes against ``pytrt_kv.contract.specs`` and computes the output types.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ class TensorInfo:
     ``shape`` is None when even the rank is unknown; ``dtype`` is a specs.py dtype name.
     """
 
-    shape: Optional[Tuple[Dim, ...]]
+    shape: tuple[Dim, ...] | None
     dtype: str
 
     @property
@@ -56,22 +57,28 @@ def dtype_name(dtype: Any) -> str:
         except KeyError:
             import onnx
 
-            name = onnx.TensorProto.DataType.Name(int(dtype)) if int(dtype) in \
-                onnx.TensorProto.DataType.values() else str(dtype)
-            raise TypeError(f"dtype: ONNX type {name} is not supported by pytrt_kv; expected "
-                            f"one of {sorted(dtypes.ONNX)}") from None
+            name = (
+                onnx.TensorProto.DataType.Name(int(dtype))
+                if int(dtype) in onnx.TensorProto.DataType.values()
+                else str(dtype)
+            )
+            raise TypeError(
+                f"dtype: ONNX type {name} is not supported by pytrt_kv; expected "
+                f"one of {sorted(dtypes.ONNX)}"
+            ) from None
     return dtypes.name_of(dtype)
 
 
-def check_attributes(op: specs.OpSpec, attributes: Mapping[str, Any],
-                     where: str) -> Dict[str, Any]:
+def check_attributes(op: specs.OpSpec, attributes: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Attributes with defaults filled in; refuses unknown names, wrong types and values."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     allowed = set(op.attribute_names) | set(specs.PLUGIN_NODE_ATTRIBUTES)
     for name, value in attributes.items():
         if name not in allowed:
-            raise ValueError(f"{where}attribute {name!r}: expected one of {sorted(allowed)}, "
-                             f"got an unknown attribute")
+            raise ValueError(
+                f"{where}attribute {name!r}: expected one of {sorted(allowed)}, "
+                f"got an unknown attribute"
+            )
         if name in specs.PLUGIN_NODE_ATTRIBUTES:
             want = specs.PLUGIN_NODE_ATTRIBUTES[name]
             if isinstance(value, bytes):
@@ -82,8 +89,10 @@ def check_attributes(op: specs.OpSpec, attributes: Mapping[str, Any],
         spec = op.attribute(name)
         if spec.type == "int":
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{where}attribute {name!r}: expected an int, got "
-                                f"{type(value).__name__} {value!r}")
+                raise TypeError(
+                    f"{where}attribute {name!r}: expected an int, got "
+                    f"{type(value).__name__} {value!r}"
+                )
             value = int(value)
         else:
             if isinstance(value, bytes):
@@ -91,23 +100,32 @@ def check_attributes(op: specs.OpSpec, attributes: Mapping[str, Any],
             if value is None:
                 value = ""
             if not isinstance(value, str):
-                raise TypeError(f"{where}attribute {name!r}: expected a string, got "
-                                f"{type(value).__name__} {value!r}")
+                raise TypeError(
+                    f"{where}attribute {name!r}: expected a string, got "
+                    f"{type(value).__name__} {value!r}"
+                )
         if spec.choices and value not in spec.choices:
-            raise ValueError(f"{where}attribute {name!r}: expected one of "
-                             f"{[c for c in spec.choices if c != '']}, got {value!r}")
+            raise ValueError(
+                f"{where}attribute {name!r}: expected one of "
+                f"{[c for c in spec.choices if c != '']}, got {value!r}"
+            )
         out[name] = value
     for spec in op.attributes:
         out.setdefault(spec.name, spec.default)
     if op is specs.GATHER_SELECTION_KV_CACHE and out["selection_topk_block_size"] < 1:
-        raise ValueError(f"{where}attribute 'selection_topk_block_size': expected an int "
-                         f">= 1, got {out['selection_topk_block_size']}")
+        raise ValueError(
+            f"{where}attribute 'selection_topk_block_size': expected an int "
+            f">= 1, got {out['selection_topk_block_size']}"
+        )
     return out
 
 
-def validate_node(op_type: str, inputs: Mapping[str, Optional[TensorInfo]],
-                  attributes: Mapping[str, Any], where: str = ""
-                  ) -> Tuple[Dict[str, Any], Dict[str, TensorInfo]]:
+def validate_node(
+    op_type: str,
+    inputs: Mapping[str, TensorInfo | None],
+    attributes: Mapping[str, Any],
+    where: str = "",
+) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     """Validate one node and compute its outputs.
 
     Parameters
@@ -138,20 +156,23 @@ def validate_node(op_type: str, inputs: Mapping[str, Optional[TensorInfo]],
     given = {k: v for k, v in inputs.items() if v is not None}
     unknown = [k for k in given if k not in op.input_names]
     if unknown:
-        raise ValueError(f"{where}inputs: expected names among {list(op.input_names)}, got "
-                         f"unknown {unknown}")
+        raise ValueError(
+            f"{where}inputs: expected names among {list(op.input_names)}, got unknown {unknown}"
+        )
     for t in op.inputs:
         if not t.optional and t.name not in given:
-            raise ValueError(f"{where}{t.name}: expected a tensor (required input of "
-                             f"{op.name}), got None")
+            raise ValueError(
+                f"{where}{t.name}: expected a tensor (required input of {op.name}), got None"
+            )
     attrs = check_attributes(op, attributes, where)
     # Pre-check dtypes from specs (also covers dynamic shapes, which the checkers
     # below cannot take).
     for name, info in given.items():
         spec = op.input(name)
         if info.dtype not in spec.dtypes:
-            raise TypeError(f"{where}{name}: expected dtype in {list(spec.dtypes)}, got "
-                            f"{info.describe()}")
+            raise TypeError(
+                f"{where}{name}: expected dtype in {list(spec.dtypes)}, got {info.describe()}"
+            )
     static = all(info.static for info in given.values())
     try:
         if op is specs.SCATTER_PA_KV_CACHE:
@@ -168,19 +189,26 @@ def validate_node(op_type: str, inputs: Mapping[str, Optional[TensorInfo]],
     return attrs, _outputs(op, given)
 
 
-def _scatter(given: Mapping[str, TensorInfo], attrs: Dict[str, Any], static: bool,
-             where: str) -> Dict[str, Any]:
+def _scatter(
+    given: Mapping[str, TensorInfo], attrs: dict[str, Any], static: bool, where: str
+) -> dict[str, Any]:
     key = given["key"]
     if static:
         from ..contract.scatter import check_scatter
 
         stand = {k: _Stand(v) for k, v in given.items()}
         meta = check_scatter(
-            stand["key"], stand.get("value"), stand["key_cache"], stand.get("value_cache"),
-            stand["slot_mapping"], compress_lens=stand.get("compress_lens"),
+            stand["key"],
+            stand.get("value"),
+            stand["key_cache"],
+            stand.get("value_cache"),
+            stand["slot_mapping"],
+            compress_lens=stand.get("compress_lens"),
             compress_seq_offsets=stand.get("compress_seq_offsets"),
-            seq_lens=stand.get("seq_lens"), cache_layout=attrs["cache_layout"] or None,
-            compress_mode=attrs["compress_mode"] or None)
+            seq_lens=stand.get("seq_lens"),
+            cache_layout=attrs["cache_layout"] or None,
+            compress_mode=attrs["compress_mode"] or None,
+        )
         attrs["cache_layout"] = meta.layout or ""
         attrs["compress_mode"] = meta.mode or ""
         return attrs
@@ -191,21 +219,30 @@ def _scatter(given: Mapping[str, TensorInfo], attrs: Dict[str, Any], static: boo
     if rank == 3 and not attrs["cache_layout"]:
         attrs["cache_layout"] = _layout_with_dynamic_tokens(given, attrs, where)
     if rank is not None and rank not in (3, 4):
-        raise ValueError(f"{where}key: expected rank 3 [T, H, Dk] or 4 [B, Smax, H, Dk], "
-                         f"got {key.describe()}")
+        raise ValueError(
+            f"{where}key: expected rank 3 [T, H, Dk] or 4 [B, Smax, H, Dk], got {key.describe()}"
+        )
     if rank == 4 and attrs["cache_layout"]:
-        raise ValueError(f"{where}cache_layout: expected nothing for a 4-D key "
-                         f"(compressing write), got {attrs['cache_layout']!r}")
+        raise ValueError(
+            f"{where}cache_layout: expected nothing for a 4-D key "
+            f"(compressing write), got {attrs['cache_layout']!r}"
+        )
     return attrs
 
 
 #: Dims of a 3-D scatter that never decide the layout: T and NB (docs/SPEC.md S2).
-_LAYOUT_FREE_DIMS = {"key": (0,), "value": (0,), "slot_mapping": (0,), "key_cache": (0,),
-                     "value_cache": (0,)}
+_LAYOUT_FREE_DIMS = {
+    "key": (0,),
+    "value": (0,),
+    "slot_mapping": (0,),
+    "key_cache": (0,),
+    "value_cache": (0,),
+}
 
 
-def _layout_with_dynamic_tokens(given: Mapping[str, TensorInfo], attrs: Dict[str, Any],
-                                where: str) -> str:
+def _layout_with_dynamic_tokens(
+    given: Mapping[str, TensorInfo], attrs: dict[str, Any], where: str
+) -> str:
     """cache_layout of a 3-D scatter whose only dynamic dims are T and NB: detected by
     check_scatter on stand-ins with T = NB = 1; otherwise a ValueError saying what to
     pass."""
@@ -224,7 +261,8 @@ def _layout_with_dynamic_tokens(given: Mapping[str, TensorInfo], attrs: Dict[str
         raise ValueError(
             f"{where}cache_layout: expected one of {list(specs.CACHE_LAYOUTS)}, because the "
             f"layout cannot be detected from dynamic dims other than T and NB: "
-            f"{', '.join(dynamic)}; pass cache_layout='nd', 'nz' or 'hnd', got nothing")
+            f"{', '.join(dynamic)}; pass cache_layout='nd', 'nz' or 'hnd', got nothing"
+        )
     # A dynamic T or NB takes the value a static counterpart has (else 1), so that the
     # stand-ins agree with each other wherever the model is static.
     groups = (("key", "value", "slot_mapping"), ("key_cache", "value_cache"))
@@ -239,29 +277,38 @@ def _layout_with_dynamic_tokens(given: Mapping[str, TensorInfo], attrs: Dict[str
         shape = tuple(d if isinstance(d, int) else fill.get(name, 1) for d in shapes[name])
         stand[name] = _Stand(TensorInfo(shape, info.dtype))
     meta = check_scatter(
-        stand["key"], stand.get("value"), stand["key_cache"], stand.get("value_cache"),
-        stand["slot_mapping"], compress_lens=stand.get("compress_lens"),
+        stand["key"],
+        stand.get("value"),
+        stand["key_cache"],
+        stand.get("value_cache"),
+        stand["slot_mapping"],
+        compress_lens=stand.get("compress_lens"),
         compress_seq_offsets=stand.get("compress_seq_offsets"),
-        seq_lens=stand.get("seq_lens"), cache_layout=None,
-        compress_mode=attrs["compress_mode"] or None)
+        seq_lens=stand.get("seq_lens"),
+        cache_layout=None,
+        compress_mode=attrs["compress_mode"] or None,
+    )
     assert meta.layout is not None  # a 3-D key always has a layout
     return meta.layout
 
 
-def _gather(given: Mapping[str, TensorInfo], attrs: Dict[str, Any], static: bool,
-            where: str) -> None:
+def _gather(
+    given: Mapping[str, TensorInfo], attrs: dict[str, Any], static: bool, where: str
+) -> None:
     del where
     if not static:
         return
     from ..contract.gather import check_gather
 
     stand = {k: _Stand(v) for k, v in given.items()}
-    check_gather(**{n: stand[n] for n in specs.GATHER_SELECTION_KV_CACHE.input_names},
-                 selection_topk_block_size=attrs["selection_topk_block_size"])
+    check_gather(
+        **{n: stand[n] for n in specs.GATHER_SELECTION_KV_CACHE.input_names},
+        selection_topk_block_size=attrs["selection_topk_block_size"],
+    )
 
 
-def _outputs(op: specs.OpSpec, given: Mapping[str, TensorInfo]) -> Dict[str, TensorInfo]:
-    out: Dict[str, TensorInfo] = {}
+def _outputs(op: specs.OpSpec, given: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
+    out: dict[str, TensorInfo] = {}
     for t in op.outputs:
         src = op.aliases.get(t.name)
         if src is not None:

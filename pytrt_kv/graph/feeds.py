@@ -45,13 +45,13 @@ input of a pytrt_kv node whose graph input has another name than the op input it
 needs that the graph does not have, or sizes that leave no room for valid data.
 """
 
-
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -65,14 +65,23 @@ DEFAULT_DYNAMIC_DIM = 1
 
 #: Inputs of our ops whose values must satisfy the value rules (docs/SPEC.md S7, G4, G5).
 INDEX_PORTS = {
-    specs.SCATTER_PA_KV_CACHE.name: ("slot_mapping", "compress_lens", "compress_seq_offsets",
-                                     "seq_lens"),
+    specs.SCATTER_PA_KV_CACHE.name: (
+        "slot_mapping",
+        "compress_lens",
+        "compress_seq_offsets",
+        "seq_lens",
+    ),
     specs.GATHER_SELECTION_KV_CACHE.name: (
-        "selection_kv_block_table", "selection_kv_block_status", "selection_topk_indices",
-        "full_kv_block_table", "full_kv_actual_seq", "full_q_actual_seq"),
+        "selection_kv_block_table",
+        "selection_kv_block_status",
+        "selection_topk_indices",
+        "full_kv_block_table",
+        "full_kv_actual_seq",
+        "full_q_actual_seq",
+    ),
 }
 
-Shape = Tuple[int, ...]
+Shape = tuple[int, ...]
 
 
 # --- the model and its inputs ---------------------------------------------------------
@@ -84,11 +93,12 @@ def _model(model: Any):
     if model is None:
         model = os.environ.get("PYTRT_KV_MODEL")
     if model is None:
-        model = next((a for a in sys.argv[1:] if a.endswith(".onnx") and os.path.exists(a)),
-                     None)
+        model = next((a for a in sys.argv[1:] if a.endswith(".onnx") and os.path.exists(a)), None)
     if model is None:
-        raise ValueError("model: expected an onnx model (argument, $PYTRT_KV_MODEL or an "
-                         "*.onnx path on the command line), got none")
+        raise ValueError(
+            "model: expected an onnx model (argument, $PYTRT_KV_MODEL or an "
+            "*.onnx path on the command line), got none"
+        )
     if isinstance(model, onnx.ModelProto):
         return model
     path = os.fspath(model)
@@ -97,10 +107,10 @@ def _model(model: Any):
     return onnx.load(path)
 
 
-def _parse_shape_args(values: Optional[Sequence[str]]) -> Dict[str, Shape]:
+def _parse_shape_args(values: Sequence[str] | None) -> dict[str, Shape]:
     """``["kv:[3,1,64]", "x:[2]"]`` -> {"kv": (3, 1, 64), "x": (2,)}; non-shape tokens
     (such as a model path swallowed by ``nargs='+'``) are skipped."""
-    out: Dict[str, Shape] = {}
+    out: dict[str, Shape] = {}
     for item in values or ():
         name, sep, dims = item.rpartition(":")
         dims = dims.strip()
@@ -110,22 +120,23 @@ def _parse_shape_args(values: Optional[Sequence[str]]) -> Dict[str, Shape]:
         try:
             out[name] = tuple(int(d) for d in body.split(",") if d != "")
         except ValueError:
-            raise ValueError(f"--input-shapes {item}: expected name:[d0,d1,...] with "
-                             f"integer dims, got {dims!r}") from None
+            raise ValueError(
+                f"--input-shapes {item}: expected name:[d0,d1,...] with integer dims, got {dims!r}"
+            ) from None
     return out
 
 
-def polygraphy_options(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+def polygraphy_options(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """The Polygraphy options the loader honours, read from ``argv`` (default
     ``sys.argv``): ``seed``, ``iterations`` (None when absent) and ``shapes``
     (``--input-shapes``, else the first ``--trt-opt-shapes`` profile)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--iterations", "--iters", type=int, default=None, dest="iterations")
-    parser.add_argument("--input-shapes", "--inputs", nargs="+", action="append",
-                        dest="shapes", default=None)
-    parser.add_argument("--trt-opt-shapes", nargs="+", action="append", dest="opt",
-                        default=None)
+    parser.add_argument(
+        "--input-shapes", "--inputs", nargs="+", action="append", dest="shapes", default=None
+    )
+    parser.add_argument("--trt-opt-shapes", nargs="+", action="append", dest="opt", default=None)
     args, _ = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     shapes = _parse_shape_args([x for group in args.shapes or [] for x in group])
     if not shapes and args.opt:
@@ -133,9 +144,7 @@ def polygraphy_options(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     return {"seed": args.seed, "iterations": args.iterations, "shapes": shapes}
 
 
-
-
-def _declared(model) -> Dict[str, Tuple[List[Any], np.dtype]]:
+def _declared(model) -> dict[str, tuple[list[Any], np.dtype]]:
     """Graph inputs (initializers excluded): dims (int, or str/None when dynamic), dtype."""
     inits = {i.name for i in model.graph.initializer}
     out = {}
@@ -143,14 +152,16 @@ def _declared(model) -> Dict[str, Tuple[List[Any], np.dtype]]:
         if vi.name in inits:
             continue
         tt = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                for d in tt.shape.dim]
+        dims = [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+        ]
         out[vi.name] = (dims, dtypes.numpy_of_onnx(tt.elem_type, vi.name))
     return out
 
 
-def resolve_shapes(model, shapes: Optional[Mapping[str, Sequence[int]]] = None
-                   ) -> Dict[str, Tuple[Shape, np.dtype]]:
+def resolve_shapes(
+    model, shapes: Mapping[str, Sequence[int]] | None = None
+) -> dict[str, tuple[Shape, np.dtype]]:
     """Concrete shape and dtype of every graph input (see the module docstring).
 
     Parameters
@@ -169,48 +180,65 @@ def resolve_shapes(model, shapes: Optional[Mapping[str, Sequence[int]]] = None
     declared = _declared(model)
     if shapes is None:
         shapes = polygraphy_options()["shapes"]
-    bound: Dict[str, Tuple[int, str]] = {}
-    given: Dict[str, Shape] = {}
+    bound: dict[str, tuple[int, str]] = {}
+    given: dict[str, Shape] = {}
     for name, shape in shapes.items():
         if name not in declared:
-            raise ValueError(f"input shapes: {name!r} is not a graph input; expected one of "
-                             f"{sorted(declared)}")
+            raise ValueError(
+                f"input shapes: {name!r} is not a graph input; expected one of {sorted(declared)}"
+            )
         dims, _ = declared[name]
         shape = tuple(int(d) for d in shape)
         if len(shape) != len(dims):
-            raise ValueError(f"{name}: expected a shape of rank {len(dims)} {dims}, got "
-                             f"{list(shape)} from the input shapes")
+            raise ValueError(
+                f"{name}: expected a shape of rank {len(dims)} {dims}, got "
+                f"{list(shape)} from the input shapes"
+            )
         for axis, (d, n) in enumerate(zip(dims, shape)):
             if n < 0:
                 raise ValueError(f"{name}: expected dims >= 0, got {list(shape)}")
             if isinstance(d, int) and d != n:
-                raise ValueError(f"{name}: expected dim {axis} = {d} (static in the model), "
-                                 f"got {list(shape)} from the input shapes")
+                raise ValueError(
+                    f"{name}: expected dim {axis} = {d} (static in the model), "
+                    f"got {list(shape)} from the input shapes"
+                )
             if isinstance(d, str):
                 prev = bound.setdefault(d, (n, name))
                 if prev[0] != n:
-                    raise ValueError(f"{name}: expected dim {axis} = {d} = {prev[0]} (as "
-                                     f"in {prev[1]}), got {n}")
+                    raise ValueError(
+                        f"{name}: expected dim {axis} = {d} = {prev[0]} (as in {prev[1]}), got {n}"
+                    )
         given[name] = shape
-    out: Dict[str, Tuple[Shape, np.dtype]] = {}
+    out: dict[str, tuple[Shape, np.dtype]] = {}
     for name, (dims, dt) in declared.items():
         if name in given:
             out[name] = (given[name], dt)
             continue
-        out[name] = (tuple(d if isinstance(d, int) else
-                           bound.get(d, (DEFAULT_DYNAMIC_DIM, ""))[0] if isinstance(d, str)
-                           else DEFAULT_DYNAMIC_DIM for d in dims), dt)
+        out[name] = (
+            tuple(
+                d
+                if isinstance(d, int)
+                else bound.get(d, (DEFAULT_DYNAMIC_DIM, ""))[0]
+                if isinstance(d, str)
+                else DEFAULT_DYNAMIC_DIM
+                for d in dims
+            ),
+            dt,
+        )
     return out
 
 
-def _our_nodes(model) -> List[Tuple[Any, specs.OpSpec, Dict[str, str]]]:
+def _our_nodes(model) -> list[tuple[Any, specs.OpSpec, dict[str, str]]]:
     """(node, op, {op input name: graph tensor}) of every pytrt_kv node."""
     out = []
     for node in model.graph.node:
         if node.domain == specs.DOMAIN and node.op_type in specs.OPS:
             op = specs.OPS[node.op_type]
-            ports = {t.name: node.input[i] for i, t in enumerate(op.inputs)
-                     if i < len(node.input) and node.input[i]}
+            ports = {
+                t.name: node.input[i]
+                for i, t in enumerate(op.inputs)
+                if i < len(node.input) and node.input[i]
+            }
             out.append((node, op, ports))
     return out
 
@@ -225,7 +253,8 @@ def _check_index_inputs(model, info: Mapping[str, Any]) -> None:
                     f"{tensor}: expected the graph input to be named {port!r}, the input of "
                     f"node {node.name or op.name!r} ({op.name}) it feeds, so that the data "
                     f"loader can make valid values for it; got the name {tensor!r}. Rename "
-                    f"it, or feed the model with data of your own (--load-inputs)")
+                    f"it, or feed the model with data of your own (--load-inputs)"
+                )
 
 
 def _node_attr(model, op_type: str, name: str, default):
@@ -261,11 +290,13 @@ def _random(rng: np.random.Generator, shape, dtype: np.dtype) -> np.ndarray:
     return x.astype(dt)
 
 
-def _need(info: Mapping[str, Any], name: str, why: str) -> Tuple[Shape, np.dtype]:
+def _need(info: Mapping[str, Any], name: str, why: str) -> tuple[Shape, np.dtype]:
     if name not in info:
-        raise ValueError(f"{name}: expected a graph input named {name!r} ({why}), got none: "
-                         f"the model computes it or names it differently; feed the model "
-                         f"with data of your own (--load-inputs)")
+        raise ValueError(
+            f"{name}: expected a graph input named {name!r} ({why}), got none: "
+            f"the model computes it or names it differently; feed the model "
+            f"with data of your own (--load-inputs)"
+        )
     return info[name]
 
 
@@ -278,8 +309,9 @@ def _at_least(name: str, what: str, value: int, low: int, shape: Shape) -> int:
 # --- feeds ----------------------------------------------------------------------------
 
 
-def make_feeds(model: Any = None, seed: int = 0,
-               shapes: Optional[Mapping[str, Sequence[int]]] = None) -> Dict[str, np.ndarray]:
+def make_feeds(
+    model: Any = None, seed: int = 0, shapes: Mapping[str, Sequence[int]] | None = None
+) -> dict[str, np.ndarray]:
     """One valid feed dict for ``model`` (ModelProto or path); see the module docstring.
 
     Parameters
@@ -300,7 +332,7 @@ def make_feeds(model: Any = None, seed: int = 0,
     rng = np.random.default_rng(seed)
     info = resolve_shapes(model, shapes)
     _check_index_inputs(model, info)
-    feeds: Dict[str, np.ndarray] = {}
+    feeds: dict[str, np.ndarray] = {}
 
     def shape(n):
         return info[n][0]
@@ -311,17 +343,24 @@ def make_feeds(model: Any = None, seed: int = 0,
     # --- geometry shared by both ops ------------------------------------------------
     B = S = K = None
     if "selection_kv_block_status" in info or "selection_topk_indices" in info:
-        ref = "selection_kv_block_status" if "selection_kv_block_status" in info \
+        ref = (
+            "selection_kv_block_status"
+            if "selection_kv_block_status" in info
             else "selection_topk_indices"
+        )
         sh = shape(ref)
         if len(sh) not in (3, 4):
             raise value_error(ref, "BSND [B, S, 1, *] or TND [B*S, 1, *]", list(sh))
         K = sh[-1] - 1 if ref == "selection_kv_block_status" else sh[-1]
-        _at_least(ref, "K (last dim" + (" - 1)" if ref.endswith("status") else ")"), K, 1,
-                  sh)
+        _at_least(ref, "K (last dim" + (" - 1)" if ref.endswith("status") else ")"), K, 1, sh)
         if "full_kv_actual_seq" in info:
-            B = _at_least("full_kv_actual_seq", "B", shape("full_kv_actual_seq")[0], 1,
-                          shape("full_kv_actual_seq"))
+            B = _at_least(
+                "full_kv_actual_seq",
+                "B",
+                shape("full_kv_actual_seq")[0],
+                1,
+                shape("full_kv_actual_seq"),
+            )
         if len(sh) == 4:
             if B is not None and sh[0] != B:
                 raise value_error(ref, f"B = {B} (of full_kv_actual_seq) as dim 0", list(sh))
@@ -348,15 +387,22 @@ def make_feeds(model: Any = None, seed: int = 0,
         fmax = _at_least("full_kv_block_table", "F_MAX_BLOCK_NUM", tshape[1], 1, tshape)
         if B * fmax > fnb:
             # Shared blocks would make two batches' tokens collide (duplicate slots, S7).
-            raise value_error("full_kv_cache", f"at least B*F_MAX_BLOCK_NUM = {B * fmax} blocks "
-                              "so every batch gets private blocks", f"{fnb} blocks")
-        table = rng.permutation(fnb)[:B * fmax].reshape(B, fmax)
+            raise value_error(
+                "full_kv_cache",
+                f"at least B*F_MAX_BLOCK_NUM = {B * fmax} blocks "
+                "so every batch gets private blocks",
+                f"{fnb} blocks",
+            )
+        table = rng.permutation(fnb)[: B * fmax].reshape(B, fmax)
         feeds["full_kv_block_table"] = table.astype(dt("full_kv_block_table"))
         S = S or 1
         cap = fmax * fbs
         if cap < S:
-            raise value_error("full_kv_block_table", f"room for S = {S} tokens per batch "
-                              f"(F_MAX_BLOCK_NUM * FBS >= S)", f"{fmax} * {fbs} = {cap}")
+            raise value_error(
+                "full_kv_block_table",
+                f"room for S = {S} tokens per batch (F_MAX_BLOCK_NUM * FBS >= S)",
+                f"{fmax} * {fbs} = {cap}",
+            )
         kv_len = rng.integers(S, cap + 1, size=B)
         if B > 1:
             kv_len[rng.integers(B)] = cap  # the full table is exercised every time
@@ -364,26 +410,37 @@ def make_feeds(model: Any = None, seed: int = 0,
             feeds["full_kv_actual_seq"] = kv_len.astype(dt("full_kv_actual_seq"))
     if "full_q_actual_seq" in info:
         if B is None:
-            B = _at_least("full_q_actual_seq", "B", shape("full_q_actual_seq")[0], 1,
-                          shape("full_q_actual_seq"))
+            B = _at_least(
+                "full_q_actual_seq",
+                "B",
+                shape("full_q_actual_seq")[0],
+                1,
+                shape("full_q_actual_seq"),
+            )
         feeds["full_q_actual_seq"] = (np.arange(1, B + 1) * (S or 1)).astype(
-            dt("full_q_actual_seq"))
+            dt("full_q_actual_seq")
+        )
 
     # --- ScatterPaKvCache ------------------------------------------------------------
     if "slot_mapping" in info:
         feeds.update(_scatter_indices(model, info, rng, table, kv_len, B, S))
     for name in ("compress_lens", "compress_seq_offsets", "seq_lens"):
         if name in info and name not in feeds:
-            raise value_error(name, "slot_mapping as a graph input too (the runs are made "
-                                    "together)", "no slot_mapping")
+            raise value_error(
+                name,
+                "slot_mapping as a graph input too (the runs are made together)",
+                "no slot_mapping",
+            )
 
     # --- GatherSelectionKvCache -------------------------------------------------------
-    for name in ("selection_kv_block_status", "selection_topk_indices",
-                 "selection_kv_block_table"):
+    for name in ("selection_kv_block_status", "selection_topk_indices", "selection_kv_block_table"):
         if name in info:
             if kv_len is None:
-                _need(info, "full_kv_block_table", f"the data loader derives the kv_len that "
-                      f"{name} must agree with from it")
+                _need(
+                    info,
+                    "full_kv_block_table",
+                    f"the data loader derives the kv_len that {name} must agree with from it",
+                )
             feeds.update(_gather_indices(model, info, rng, B, S, K, kv_len))
             break
 
@@ -393,33 +450,44 @@ def make_feeds(model: Any = None, seed: int = 0,
     return {n: feeds[n] for n in info}
 
 
-def _scatter_node_ports(model) -> Dict[str, str]:
+def _scatter_node_ports(model) -> dict[str, str]:
     for _, op, ports in _our_nodes(model):
         if op is specs.SCATTER_PA_KV_CACHE:
             return ports
     return {}
 
 
-def _scatter_indices(model, info, rng, table, kv_len, B, S) -> Dict[str, np.ndarray]:
-    out: Dict[str, np.ndarray] = {}
+def _scatter_indices(model, info, rng, table, kv_len, B, S) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
     sm_shape, sm_dt = info["slot_mapping"]
     ports = _scatter_node_ports(model)
     cache_name = ports.get("key_cache", "")
     if cache_name not in info:
         cache_name = "key_cache" if "key_cache" in info else "full_kv_cache"
-    cshape, _ = _need(info, cache_name, "the data loader sizes slot_mapping from the cache "
-                                        "ScatterPaKvCache writes")
+    cshape, _ = _need(
+        info,
+        cache_name,
+        "the data loader sizes slot_mapping from the cache ScatterPaKvCache writes",
+    )
     if len(cshape) != 4:
         raise value_error(cache_name, "a 4-D cache", list(cshape))
-    if (len(sm_shape) == 1 and table is not None and kv_len is not None
-            and cache_name == "full_kv_cache"):
+    if (
+        len(sm_shape) == 1
+        and table is not None
+        and kv_len is not None
+        and cache_name == "full_kv_cache"
+    ):
         # A decode step writing the full cache: token t = b*S + s is position
         # kv_len[b] - S + s of batch b.
         fbs = cshape[1]
         T = sm_shape[0]
         if T != B * S:
-            raise value_error("slot_mapping", f"T = B*S = {B}*{S} = {B * S} tokens (one per "
-                              f"query token of each batch in a decode step)", f"T = {T}")
+            raise value_error(
+                "slot_mapping",
+                f"T = B*S = {B}*{S} = {B * S} tokens (one per "
+                f"query token of each batch in a decode step)",
+                f"T = {T}",
+            )
         slots = np.empty(T, np.int64)
         for t in range(T):
             b, s = divmod(t, S)
@@ -446,16 +514,18 @@ def _scatter_indices(model, info, rng, table, kv_len, B, S) -> Dict[str, np.ndar
         key_name = "key"
     key_shape, _ = _need(info, key_name, "the data loader reads Smax from the 4-D key")
     if len(key_shape) != 4:
-        raise value_error(key_name, "a 4-D key [B, Smax, H, Dk] with slot_mapping [B, H]",
-                          list(key_shape))
+        raise value_error(
+            key_name, "a 4-D key [B, Smax, H, Dk] with slot_mapping [B, H]", list(key_shape)
+        )
     bs = cshape[1]
     Bk, H = sm_shape
     smax = _at_least(key_name, "Smax (dim 1)", key_shape[1], 1, key_shape)
     chunks = (nb * bs) // smax
     if chunks < Bk * H:
-        raise ValueError(f"key_cache: expected room for B*H*Smax = {Bk * H * smax} rows, got "
-                         f"NB*BS = {nb * bs}")
-    base = rng.permutation(chunks)[:Bk * H].reshape(Bk, H).astype(np.int64) * smax
+        raise ValueError(
+            f"key_cache: expected room for B*H*Smax = {Bk * H * smax} rows, got NB*BS = {nb * bs}"
+        )
+    base = rng.permutation(chunks)[: Bk * H].reshape(Bk, H).astype(np.int64) * smax
     base[rng.random((Bk, H)) < 0.15] = -1
     seq = rng.integers(1, smax + 1, size=Bk)
     lens = np.zeros((Bk, H), np.int64)
@@ -476,7 +546,7 @@ def _scatter_indices(model, info, rng, table, kv_len, B, S) -> Dict[str, np.ndar
     return out
 
 
-def _gather_indices(model, info, rng, B, S, K, kv_len) -> Dict[str, np.ndarray]:
+def _gather_indices(model, info, rng, B, S, K, kv_len) -> dict[str, np.ndarray]:
     from ..contract.gather import plan_row
 
     if K is None:
@@ -484,14 +554,17 @@ def _gather_indices(model, info, rng, B, S, K, kv_len) -> Dict[str, np.ndarray]:
     tbs = _node_attr(model, "GatherSelectionKvCache", "selection_topk_block_size", 64)
     if isinstance(tbs, bool) or not isinstance(tbs, int) or tbs < 1:
         raise value_error("selection_topk_block_size", "an int >= 1", repr(tbs))
-    out: Dict[str, np.ndarray] = {}
-    cshape, _ = _need(info, "selection_kv_cache", "its dims 0 and 1 size the selection "
-                                                  "block table")
-    tshape, _ = _need(info, "selection_kv_block_table", "the data loader writes private "
-                                                        "selection blocks into it")
+    out: dict[str, np.ndarray] = {}
+    cshape, _ = _need(info, "selection_kv_cache", "its dims 0 and 1 size the selection block table")
+    tshape, _ = _need(
+        info, "selection_kv_block_table", "the data loader writes private selection blocks into it"
+    )
     if len(cshape) != 3 or len(tshape) != 2:
-        bad, sh = ("selection_kv_cache", cshape) if len(cshape) != 3 else \
-            ("selection_kv_block_table", tshape)
+        bad, sh = (
+            ("selection_kv_cache", cshape)
+            if len(cshape) != 3
+            else ("selection_kv_block_table", tshape)
+        )
         raise value_error(bad, "a 3-D cache and a 2-D table", list(sh))
     snb, sbs = cshape[:2]
     _at_least("selection_kv_cache", "SBS (dim 1)", sbs, 1, cshape)
@@ -499,13 +572,18 @@ def _gather_indices(model, info, rng, B, S, K, kv_len) -> Dict[str, np.ndarray]:
     need = -(-K * tbs // sbs)
     rows = B * S
     if R < rows or smax < need:
-        raise value_error("selection_kv_block_table", f"[R >= B*S = {rows}, S_MAX_BLOCK_NUM >= "
-                          f"ceil(K*TBS/SBS) = {need}]", list(tshape))
+        raise value_error(
+            "selection_kv_block_table",
+            f"[R >= B*S = {rows}, S_MAX_BLOCK_NUM >= ceil(K*TBS/SBS) = {need}]",
+            list(tshape),
+        )
     if rows * need > snb:
-        raise ValueError(f"selection_kv_cache: expected at least rows*ceil(K*TBS/SBS) = "
-                         f"{rows * need} blocks for private selection rows, got {snb}")
+        raise ValueError(
+            f"selection_kv_cache: expected at least rows*ceil(K*TBS/SBS) = "
+            f"{rows * need} blocks for private selection rows, got {snb}"
+        )
     sel = rng.integers(0, snb, size=(R, smax))
-    sel[:rows, :need] = rng.permutation(snb)[:rows * need].reshape(rows, need)
+    sel[:rows, :need] = rng.permutation(snb)[: rows * need].reshape(rows, need)
     out["selection_kv_block_table"] = sel.astype(np.int32)
     status = np.full((rows, K + 1), -1, np.int64)
     topk = np.full((rows, K), -1, np.int64)
@@ -519,23 +597,24 @@ def _gather_indices(model, info, rng, B, S, K, kv_len) -> Dict[str, np.ndarray]:
         if eff > 1 and rng.random() < 0.7:
             # A previous step's state (kv_len one shorter), planned like the op would.
             old_n_ids = -(-(eff - 1) // tbs)
-            prev = rng.permutation(old_n_ids)[:int(rng.integers(1, min(K, old_n_ids) + 1))]
+            prev = rng.permutation(old_n_ids)[: int(rng.integers(1, min(K, old_n_ids) + 1))]
             prev_topk = np.full(K, -1, np.int64)
-            prev_topk[rng.permutation(K)[:len(prev)]] = prev
+            prev_topk[rng.permutation(K)[: len(prev)]] = prev
             plan = plan_row([-1] * (K + 1), prev_topk.tolist(), int(kv_len[b]) - 1, S, s, tbs)
             status[r] = plan.status
             old_ids = [int(v) for v in plan.status[:K] if v >= 0]
         n = int(rng.integers(max(1, min(K, n_ids) // 2), min(K, n_ids) + 1))
         reuse = [v for v in old_ids if v < n_ids and rng.random() < 0.6][:n]
         rest = [int(v) for v in rng.permutation(n_ids) if int(v) not in reuse]
-        ids = reuse + rest[:n - len(reuse)]
+        ids = reuse + rest[: n - len(reuse)]
         ids = [ids[i] for i in rng.permutation(len(ids))]
-        topk[r, np.sort(rng.permutation(K)[:len(ids)])] = ids
+        topk[r, np.sort(rng.permutation(K)[: len(ids)])] = ids
     if "selection_kv_block_status" in info:
         out["selection_kv_block_status"] = status.reshape(
-            info["selection_kv_block_status"][0]).astype(np.int32)
+            info["selection_kv_block_status"][0]
+        ).astype(np.int32)
     if "selection_topk_indices" in info:
         out["selection_topk_indices"] = topk.reshape(info["selection_topk_indices"][0]).astype(
-            np.int32)
+            np.int32
+        )
     return out
-

@@ -4,7 +4,8 @@ and feed validation, and the :func:`run` entry point (public path: :mod:`pytrt_k
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -13,15 +14,13 @@ from onnx.reference.op_run import OpRun
 
 from ..contract import dtypes, specs
 from ..reference import gather_selection_kv_cache, scatter_pa_kv_cache
-
-
 from . import schemas
 from .check import check_attributes
 
 schemas.register()
 
 
-def _attrs(op: specs.OpSpec, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+def _attrs(op: specs.OpSpec, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for a in op.attributes:
         v = kwargs.get(a.name, None)
@@ -31,12 +30,12 @@ def _attrs(op: specs.OpSpec, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _named(op: specs.OpSpec, args) -> Dict[str, Optional[np.ndarray]]:
+def _named(op: specs.OpSpec, args) -> dict[str, np.ndarray | None]:
     vals = list(args) + [None] * (len(op.inputs) - len(args))
     return {t.name: (None if v is None else np.asarray(v)) for t, v in zip(op.inputs, vals)}
 
 
-def _absent_placeholders(x: Dict[str, Optional[np.ndarray]]) -> Dict[str, np.ndarray]:
+def _absent_placeholders(x: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
     """Move the placeholders of absent optional inputs (``specs.ABSENT_INPUT_SHAPE``, the
     positional form of ``pytrt_kv.trt.prepare_for_tensorrt``) out of ``x``, so the CPU
     reference runs prepared models too; returns what was moved."""
@@ -58,7 +57,7 @@ def _node_where(node: onnx.NodeProto) -> str:
     return f"node {node.name or '<unnamed>'!r} ({node.op_type}): "
 
 
-def validate_node(node: onnx.NodeProto) -> Dict[str, Any]:
+def validate_node(node: onnx.NodeProto) -> dict[str, Any]:
     """Check one ``pytrt_kv`` node against its schema, with the rules of the TensorRT
     plugin creators; return its attributes with defaults filled in.
 
@@ -79,35 +78,47 @@ def validate_node(node: onnx.NodeProto) -> Dict[str, Any]:
 
     where = _node_where(node)
     if node.op_type not in specs.OPS:
-        raise ValueError(f"{where}op_type: expected one of {sorted(specs.OPS)} in domain "
-                         f"{specs.DOMAIN!r}, got {node.op_type!r}")
+        raise ValueError(
+            f"{where}op_type: expected one of {sorted(specs.OPS)} in domain "
+            f"{specs.DOMAIN!r}, got {node.op_type!r}"
+        )
     op = specs.OPS[node.op_type]
-    attrs: Dict[str, Any] = {}
+    attrs: dict[str, Any] = {}
     for a in node.attribute:
         if a.name in attrs:
             raise ValueError(f"{where}attribute {a.name!r}: expected once, got it repeated")
         spec = next((x for x in op.attributes if x.name == a.name), None)
-        want = (onnx.AttributeProto.INT if spec is not None and spec.type == "int"
-                else onnx.AttributeProto.STRING)
+        want = (
+            onnx.AttributeProto.INT
+            if spec is not None and spec.type == "int"
+            else onnx.AttributeProto.STRING
+        )
         if (spec is not None or a.name in specs.PLUGIN_NODE_ATTRIBUTES) and a.type != want:
-            raise TypeError(f"{where}attribute {a.name!r}: expected "
-                            f"{onnx.AttributeProto.AttributeType.Name(want)}, got "
-                            f"{onnx.AttributeProto.AttributeType.Name(a.type)} "
-                            f"{helper.get_attribute_value(a)!r}")
+            raise TypeError(
+                f"{where}attribute {a.name!r}: expected "
+                f"{onnx.AttributeProto.AttributeType.Name(want)}, got "
+                f"{onnx.AttributeProto.AttributeType.Name(a.type)} "
+                f"{helper.get_attribute_value(a)!r}"
+            )
         attrs[a.name] = helper.get_attribute_value(a)
     attrs = check_attributes(op, attrs, where)
 
     n_in, n_out = len(node.input), len(node.output)
     if n_in > len(op.inputs):
-        raise ValueError(f"{where}inputs: expected at most {len(op.inputs)} "
-                         f"({', '.join(op.input_names)}), got {n_in}: {list(node.input)}")
+        raise ValueError(
+            f"{where}inputs: expected at most {len(op.inputs)} "
+            f"({', '.join(op.input_names)}), got {n_in}: {list(node.input)}"
+        )
     for i, t in enumerate(op.inputs):
         if not t.optional and (i >= n_in or not node.input[i]):
-            raise ValueError(f"{where}{t.name}: expected a graph tensor (required input "
-                             f"{i}), got none")
+            raise ValueError(
+                f"{where}{t.name}: expected a graph tensor (required input {i}), got none"
+            )
     if n_out > len(op.outputs):
-        raise ValueError(f"{where}outputs: expected at most {len(op.outputs)} "
-                         f"({', '.join(op.output_names)}), got {n_out}: {list(node.output)}")
+        raise ValueError(
+            f"{where}outputs: expected at most {len(op.outputs)} "
+            f"({', '.join(op.output_names)}), got {n_out}: {list(node.output)}"
+        )
     required = [t.name for t in op.outputs if not t.optional]
     vc = op.input_index("value_cache") if op is specs.SCATTER_PA_KV_CACHE else -1
     if vc >= 0 and vc < n_in and node.input[vc]:
@@ -116,8 +127,7 @@ def validate_node(node: onnx.NodeProto) -> Dict[str, Any]:
         i = op.output_index(name)
         if i >= n_out or not node.output[i]:
             what = ", the updated value_cache" if name == "value_cache_out" else ""
-            raise ValueError(f"{where}{name}: expected a graph tensor (output {i}{what}), "
-                             f"got none")
+            raise ValueError(f"{where}{name}: expected a graph tensor (output {i}{what}), got none")
     return attrs
 
 
@@ -149,11 +159,17 @@ class ScatterPaKvCache(OpRun):
         value_cache = None if x["value_cache"] is None else x["value_cache"].copy()
         try:
             scatter_pa_kv_cache(
-                x["key"], x["value"], key_cache, value_cache, x["slot_mapping"],
+                x["key"],
+                x["value"],
+                key_cache,
+                value_cache,
+                x["slot_mapping"],
                 compress_lens=x["compress_lens"],
-                compress_seq_offsets=x["compress_seq_offsets"], seq_lens=x["seq_lens"],
+                compress_seq_offsets=x["compress_seq_offsets"],
+                seq_lens=x["seq_lens"],
                 cache_layout=a["cache_layout"] or None,
-                compress_mode=a["compress_mode"] or None)
+                compress_mode=a["compress_mode"] or None,
+            )
         except (ValueError, TypeError) as exc:
             raise _named_error(self.onnx_node, op, exc) from None
         if value_cache is not None:
@@ -177,10 +193,18 @@ class GatherSelectionKvCache(OpRun):
         status = x["selection_kv_block_status"].copy()
         try:
             actual = gather_selection_kv_cache(
-                sel_k_rope, sel_kv, x["selection_kv_block_table"], status,
-                x["selection_topk_indices"], x["full_k_rope"], x["full_kv_cache"],
-                x["full_kv_block_table"], x["full_kv_actual_seq"], x["full_q_actual_seq"],
-                selection_topk_block_size=a["selection_topk_block_size"])
+                sel_k_rope,
+                sel_kv,
+                x["selection_kv_block_table"],
+                status,
+                x["selection_topk_indices"],
+                x["full_k_rope"],
+                x["full_kv_cache"],
+                x["full_kv_block_table"],
+                x["full_kv_actual_seq"],
+                x["full_q_actual_seq"],
+                selection_topk_block_size=a["selection_topk_block_size"],
+            )
         except (ValueError, TypeError) as exc:
             raise _named_error(self.onnx_node, op, exc) from None
         return sel_k_rope, sel_kv, status, np.asarray(actual, dtype=np.int32)
@@ -191,13 +215,14 @@ ScatterPaKvCacheOp = ScatterPaKvCache
 GatherSelectionKvCacheOp = GatherSelectionKvCache
 
 
-def _load(model_or_path: Union[onnx.ModelProto, str, os.PathLike]) -> onnx.ModelProto:
+def _load(model_or_path: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     if isinstance(model_or_path, onnx.ModelProto):
         return model_or_path
     if isinstance(model_or_path, (str, os.PathLike)):
         return onnx.load(os.fspath(model_or_path))
-    raise TypeError(f"model_or_path: expected an onnx.ModelProto or a path, got "
-                    f"{type(model_or_path).__name__}")
+    raise TypeError(
+        f"model_or_path: expected an onnx.ModelProto or a path, got {type(model_or_path).__name__}"
+    )
 
 
 def validate_model(model: onnx.ModelProto) -> None:
@@ -215,12 +240,12 @@ class _Evaluator(ReferenceEvaluator):
         validate_model(model)
         super().__init__(model, new_ops=[ScatterPaKvCache, GatherSelectionKvCache])
         inits = {i.name for i in model.graph.initializer}
-        self.declared_inputs = {vi.name: vi.type for vi in model.graph.input
-                                if vi.name not in inits}
+        self.declared_inputs = {
+            vi.name: vi.type for vi in model.graph.input if vi.name not in inits
+        }
 
 
-def make_evaluator(model_or_path: Union[onnx.ModelProto, str, os.PathLike]
-                   ) -> ReferenceEvaluator:
+def make_evaluator(model_or_path: onnx.ModelProto | str | os.PathLike) -> ReferenceEvaluator:
     """A ``ReferenceEvaluator`` that knows our ops (reuse it to run a model many times).
 
     Every ``pytrt_kv`` node is validated first (:func:`validate_node`).
@@ -243,13 +268,13 @@ def _describe_type(tp: onnx.TypeProto) -> str:
         name = onnx.TensorProto.DataType.Name(tt.elem_type).lower()
     if not tt.HasField("shape"):
         return f"{name}[...]"
-    dims = [str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?")
-            for d in tt.shape.dim]
+    dims = [
+        str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim
+    ]
     return f"{name}[{', '.join(dims)}]"
 
 
-def check_feeds(declared: Mapping[str, onnx.TypeProto],
-                feeds: Mapping[str, np.ndarray]) -> None:
+def check_feeds(declared: Mapping[str, onnx.TypeProto], feeds: Mapping[str, np.ndarray]) -> None:
     """Check each feed against the dtype and shape its graph input declares.
 
     Static dims must match; a symbolic dim (``"T"``) must take one value across all the
@@ -262,7 +287,7 @@ def check_feeds(declared: Mapping[str, onnx.TypeProto],
     ValueError
         A feed's rank or a dim differs from the declaration.
     """
-    bound: Dict[str, Any] = {}
+    bound: dict[str, Any] = {}
     for name, tp in declared.items():
         if name not in feeds or not tp.HasField("tensor_type"):
             continue
@@ -284,18 +309,22 @@ def check_feeds(declared: Mapping[str, onnx.TypeProto],
             raise ValueError(f"feeds[{name!r}]: expected rank {len(dims)}: {want}, got {got}")
         for axis, (d, n) in enumerate(zip(dims, x.shape)):
             if d.HasField("dim_value") and d.dim_value != n:
-                raise ValueError(f"feeds[{name!r}]: expected dim {axis} = {d.dim_value}: "
-                                 f"{want}, got {got}")
+                raise ValueError(
+                    f"feeds[{name!r}]: expected dim {axis} = {d.dim_value}: {want}, got {got}"
+                )
             if d.HasField("dim_param") and d.dim_param:
                 prev = bound.setdefault(d.dim_param, (n, name))
                 if prev[0] != n:
                     raise ValueError(
                         f"feeds[{name!r}]: expected dim {axis} = {d.dim_param} = {prev[0]} "
-                        f"(as in feeds[{prev[1]!r}]): {want}, got {got}")
+                        f"(as in feeds[{prev[1]!r}]): {want}, got {got}"
+                    )
 
 
-def run(model_or_path: Union[onnx.ModelProto, str, os.PathLike, ReferenceEvaluator],
-        feeds: Mapping[str, np.ndarray]) -> Dict[str, np.ndarray]:
+def run(
+    model_or_path: onnx.ModelProto | str | os.PathLike | ReferenceEvaluator,
+    feeds: Mapping[str, np.ndarray],
+) -> dict[str, np.ndarray]:
     """Run a model on the CPU and return every graph output by name.
 
     Parameters
@@ -324,14 +353,19 @@ def run(model_or_path: Union[onnx.ModelProto, str, os.PathLike, ReferenceEvaluat
     The feeds are never modified, so concurrent runs are safe; a caller that feeds
     each ``*_out`` back as the next step's input must order those steps itself.
     """
-    ev = model_or_path if isinstance(model_or_path, ReferenceEvaluator) else \
-        make_evaluator(model_or_path)
+    ev = (
+        model_or_path
+        if isinstance(model_or_path, ReferenceEvaluator)
+        else make_evaluator(model_or_path)
+    )
     expected = list(ev.input_names)
     missing = [n for n in expected if n not in feeds]
     extra = [n for n in feeds if n not in expected]
     if missing or extra:
-        raise ValueError(f"feeds: expected exactly the graph inputs {expected}, got "
-                         f"{sorted(feeds)} (missing {missing}, unknown {extra})")
+        raise ValueError(
+            f"feeds: expected exactly the graph inputs {expected}, got "
+            f"{sorted(feeds)} (missing {missing}, unknown {extra})"
+        )
     arrays = {n: np.asarray(feeds[n]) for n in expected}
     declared = getattr(ev, "declared_inputs", None)
     if declared is None:  # an evaluator made elsewhere: validate its model now

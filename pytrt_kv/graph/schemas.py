@@ -14,14 +14,11 @@ Registration happens on import of this module (so of ``onnx_export`` and
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
-
 import onnx
 import onnx.defs
 from onnx import helper
 
 from ..contract import dtypes, specs
-
 from .check import TensorInfo, dtype_name, validate_node
 
 _P = onnx.defs.OpSchema.FormalParameter
@@ -42,19 +39,23 @@ def _constraint(op: specs.OpSpec, tensor: specs.TensorSpec) -> str:
 
 
 def _attr_type(spec: specs.AttrSpec):
-    return (onnx.defs.OpSchema.AttrType.INT if spec.type == "int"
-            else onnx.defs.OpSchema.AttrType.STRING)
+    return (
+        onnx.defs.OpSchema.AttrType.INT
+        if spec.type == "int"
+        else onnx.defs.OpSchema.AttrType.STRING
+    )
 
 
 def build_schema(op: specs.OpSpec) -> onnx.defs.OpSchema:
     """The :class:`onnx.defs.OpSchema` of one op, built from ``pytrt_kv.specs``."""
-    constraints: Dict[str, List[str]] = {}
+    constraints: dict[str, list[str]] = {}
 
     def param(t: specs.TensorSpec) -> _P:
         var = _constraint(op, t)
         constraints.setdefault(var, [_type_str(d) for d in t.dtypes])
-        return _P(t.name, var, t.doc,
-                  param_option=_OPTION.Optional if t.optional else _OPTION.Single)
+        return _P(
+            t.name, var, t.doc, param_option=_OPTION.Optional if t.optional else _OPTION.Single
+        )
 
     inputs = [param(t) for t in op.inputs]
     outputs = [param(t) for t in op.outputs]
@@ -63,27 +64,36 @@ def build_schema(op: specs.OpSpec) -> onnx.defs.OpSchema:
         for a in op.attributes
     ] + [
         onnx.defs.OpSchema.Attribute(
-            name, onnx.defs.OpSchema.AttrType.STRING,
-            f"TensorRT plugin {name[len('plugin_'):]}; must be {value!r}", required=True)
+            name,
+            onnx.defs.OpSchema.AttrType.STRING,
+            f"TensorRT plugin {name[len('plugin_') :]}; must be {value!r}",
+            required=True,
+        )
         for name, value in specs.PLUGIN_NODE_ATTRIBUTES.items()
     ]
     schema = onnx.defs.OpSchema(
-        op.name, specs.DOMAIN, specs.DOMAIN_VERSION, op.doc,
-        inputs=inputs, outputs=outputs,
+        op.name,
+        specs.DOMAIN,
+        specs.DOMAIN_VERSION,
+        op.doc,
+        inputs=inputs,
+        outputs=outputs,
         type_constraints=[(k, v, "") for k, v in constraints.items()],
-        attributes=attributes)
+        attributes=attributes,
+    )
     schema.set_type_and_shape_inference_function(_make_inference(op))
     return schema
 
 
-def _info(tp: onnx.TypeProto) -> Optional[TensorInfo]:
+def _info(tp: onnx.TypeProto) -> TensorInfo | None:
     if not tp.HasField("tensor_type") or tp.tensor_type.elem_type == 0:
         return None
     tt = tp.tensor_type
     shape = None
     if tt.HasField("shape"):
-        shape = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                      for d in tt.shape.dim)
+        shape = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+        )
     return TensorInfo(shape, dtype_name(tt.elem_type))
 
 
@@ -93,13 +103,14 @@ def _type_proto(info: TensorInfo) -> onnx.TypeProto:
 
 def _make_inference(op: specs.OpSpec):
     def infer(ctx) -> None:
-        inputs: Dict[str, Optional[TensorInfo]] = {}
+        inputs: dict[str, TensorInfo | None] = {}
         for i, t in enumerate(op.inputs):
             if i < ctx.get_num_inputs() and ctx.has_input(i):
                 inputs[t.name] = _info(ctx.get_input_type(i))
         attributes = {}
-        for a in list(op.attributes) + [specs.AttrSpec(n, "string", "")
-                                        for n in specs.PLUGIN_NODE_ATTRIBUTES]:
+        for a in list(op.attributes) + [
+            specs.AttrSpec(n, "string", "") for n in specs.PLUGIN_NODE_ATTRIBUTES
+        ]:
             proto = ctx.get_attribute(a.name)
             if proto is not None:
                 attributes[a.name] = helper.get_attribute_value(proto)
@@ -109,16 +120,23 @@ def _make_inference(op: specs.OpSpec):
         if any(v.shape is None for v in known.values()):
             # Unknown ranks: outputs still take their input's type.
             shapes_known = {k: TensorInfo(v.shape, v.dtype) for k, v in known.items()}
-            outs = {t.name: shapes_known[op.aliases[t.name]] for t in op.outputs
-                    if t.name in op.aliases and op.aliases[t.name] in shapes_known}
+            outs = {
+                t.name: shapes_known[op.aliases[t.name]]
+                for t in op.outputs
+                if t.name in op.aliases and op.aliases[t.name] in shapes_known
+            }
         else:
             # The plugins' positional form (pytrt_kv.trt.prepare_for_tensorrt) passes absent
             # optional inputs as zero-element placeholders: check the node without them.
-            absent = specs.absent_placeholders({k: v.shape for k, v in known.items()}) \
-                if op is specs.SCATTER_PA_KV_CACHE else ()
+            absent = (
+                specs.absent_placeholders({k: v.shape for k, v in known.items()})
+                if op is specs.SCATTER_PA_KV_CACHE
+                else ()
+            )
             present = {k: v for k, v in known.items() if k not in absent}
-            _, outs = validate_node(op.name, present, attributes,
-                                    where=f"{ctx.get_display_name()}: ")
+            _, outs = validate_node(
+                op.name, present, attributes, where=f"{ctx.get_display_name()}: "
+            )
             for name in absent:  # an absent cache's output is its placeholder
                 out_name = next((o for o, i in op.aliases.items() if i == name), None)
                 if out_name is not None and out_name not in outs:
@@ -129,8 +147,10 @@ def _make_inference(op: specs.OpSpec):
         if op is specs.GATHER_SELECTION_KV_CACHE and "selection_kv_actual_seq" not in outs:
             i = op.output_index("selection_kv_actual_seq")
             if i < ctx.get_num_outputs() and ctx.has_output(i):
-                ctx.set_output_type(i, helper.make_tensor_type_proto(
-                    dtypes.ONNX[specs.INT32], None))
+                ctx.set_output_type(
+                    i, helper.make_tensor_type_proto(dtypes.ONNX[specs.INT32], None)
+                )
+
     return infer
 
 

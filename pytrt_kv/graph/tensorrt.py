@@ -24,7 +24,7 @@ carry as plugin I/O (uint8, float8_e5m2) and index tensors of mixed int32/int64
 
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
 
 from ..contract import specs
 
@@ -64,11 +64,11 @@ def needs_aliased_io(model) -> bool:
     return any(int(_attr(n, "alias_io", 1)) != 0 for n in pytrt_kv_nodes(model))
 
 
-def _tensor_types(model) -> Dict[str, Tuple[int, Optional[Tuple]]]:
+def _tensor_types(model) -> dict[str, tuple[int, tuple | None]]:
     """name -> (ONNX elem type, shape or None) for graph inputs, outputs, value_info and
     initializers; shape inference fills the rest when our schemas are registered."""
     onnx = _onnx()
-    out: Dict[str, Tuple[int, Optional[Tuple]]] = {}
+    out: dict[str, tuple[int, tuple | None]] = {}
 
     def take(vis):
         for vi in vis:
@@ -141,8 +141,9 @@ def prepare_for_tensorrt(model):
 
     def empty_initializer(base: str, elem_type: int) -> str:
         name = fresh(base)
-        m.graph.initializer.append(onnx.helper.make_tensor(
-            name, elem_type, list(specs.ABSENT_INPUT_SHAPE), b"", raw=True))
+        m.graph.initializer.append(
+            onnx.helper.make_tensor(name, elem_type, list(specs.ABSENT_INPUT_SHAPE), b"", raw=True)
+        )
         return name
 
     for idx, node in enumerate(m.graph.node):
@@ -150,13 +151,17 @@ def prepare_for_tensorrt(model):
             continue
         tag = node.name or f"{node.op_type}_{idx}"
         op = specs.OPS[node.op_type]
-        for what, given, names in (("inputs", node.input, [t.name for t in op.inputs]),
-                                   ("outputs", node.output, [t.name for t in op.outputs])):
+        for what, given, names in (
+            ("inputs", node.input, [t.name for t in op.inputs]),
+            ("outputs", node.output, [t.name for t in op.outputs]),
+        ):
             if len(given) > len(names):
-                raise ValueError(f"{tag}: {what}: expected at most {len(names)} ({', '.join(names)}), "
-                                 f"got {len(given)}: {list(given)}")
-        ins: List[str] = list(node.input) + [""] * (len(op.inputs) - len(node.input))
-        outs: List[str] = list(node.output) + [""] * (len(op.outputs) - len(node.output))
+                raise ValueError(
+                    f"{tag}: {what}: expected at most {len(names)} ({', '.join(names)}), "
+                    f"got {len(given)}: {list(given)}"
+                )
+        ins: list[str] = list(node.input) + [""] * (len(op.inputs) - len(node.input))
+        outs: list[str] = list(node.output) + [""] * (len(op.outputs) - len(node.output))
         _check_node_dtypes(tag, op, ins, types)
         for k, out in enumerate(outs):
             src = op.aliased_input_index(k)
@@ -165,8 +170,10 @@ def prepare_for_tensorrt(model):
             shape = types.get(ins[src], (0, None))[1]
             if shape is not None and 0 in shape:
                 continue  # a zero-element input: nothing is updated
-            raise ValueError(f"{tag}: {op.outputs[k].name}: expected a name for the updated "
-                             f"{ins[src]!r} (an unnamed output would drop the cache update), got ''")
+            raise ValueError(
+                f"{tag}: {op.outputs[k].name}: expected a name for the updated "
+                f"{ins[src]!r} (an unnamed output would drop the cache update), got ''"
+            )
         present = {a.name for a in node.attribute}
         for a in op.attributes:
             if a.name not in present and a.default is not None:
@@ -174,8 +181,10 @@ def prepare_for_tensorrt(model):
         if node.op_type == SCATTER.name:
             key = ins[SCATTER.input_index("key")]
             if key not in types or types[key][1] is None:
-                raise ValueError(f"{tag}: key: expected a tensor with a known dtype and rank "
-                                 f"(graph input, initializer or value_info), got {key!r}")
+                raise ValueError(
+                    f"{tag}: key: expected a tensor with a known dtype and rank "
+                    f"(graph input, initializer or value_info), got {key!r}"
+                )
             key_type, key_shape = types[key]
             compress = len(key_shape) == 4
             idx_name = ins[SCATTER.input_index("slot_mapping")]
@@ -185,13 +194,17 @@ def prepare_for_tensorrt(model):
                 ins[iv] = empty_initializer(f"{tag}__absent_value", key_type)
                 ins[ivc] = empty_initializer(f"{tag}__absent_value_cache", key_type)
             elif not ins[iv] or not ins[ivc]:
-                raise ValueError(f"{tag}: value, value_cache: expected both or neither, got "
-                                 f"{ins[iv]!r} and {ins[ivc]!r}")
+                raise ValueError(
+                    f"{tag}: value, value_cache: expected both or neither, got "
+                    f"{ins[iv]!r} and {ins[ivc]!r}"
+                )
             if compress:
                 for name in ("compress_lens", "seq_lens"):
                     if not ins[SCATTER.input_index(name)]:
-                        raise ValueError(f"{tag}: {name}: expected a tensor for a 4-D key "
-                                         f"{list(key_shape)}, got none")
+                        raise ValueError(
+                            f"{tag}: {name}: expected a tensor for a 4-D key "
+                            f"{list(key_shape)}, got none"
+                        )
                 io = SCATTER.input_index("compress_seq_offsets")
                 if not ins[io]:
                     ins[io] = empty_initializer(f"{tag}__absent_compress_seq_offsets", idx_type)
@@ -200,7 +213,9 @@ def prepare_for_tensorrt(model):
                 ins = ins[:5] if not any(ins[5:8]) else ins[:8]
                 for k in range(5, len(ins)):
                     if not ins[k]:
-                        ins[k] = empty_initializer(f"{tag}__absent_{SCATTER.inputs[k].name}", idx_type)
+                        ins[k] = empty_initializer(
+                            f"{tag}__absent_{SCATTER.inputs[k].name}", idx_type
+                        )
         for k, name in enumerate(outs):
             if not name:
                 outs[k] = fresh(f"{tag}__unused_{op.outputs[k].name}")
@@ -211,10 +226,10 @@ def prepare_for_tensorrt(model):
     return m
 
 
-def _check_node_dtypes(tag: str, op, ins: List[str], types) -> None:
+def _check_node_dtypes(tag: str, op, ins: list[str], types) -> None:
     from ..contract import dtypes  # noqa: PLC0415
 
-    index_types: Dict[str, str] = {}
+    index_types: dict[str, str] = {}
     for k, name in enumerate(ins):
         if not name or name not in types:
             continue
@@ -224,31 +239,35 @@ def _check_node_dtypes(tag: str, op, ins: List[str], types) -> None:
         except KeyError:
             continue  # not a dtype of the contract: the schema check names it
         if dtype in TENSORRT_UNSUPPORTED_DTYPES:
-            raise ValueError(f"{tag}: {spec.name}: expected a dtype TensorRT can pass to a plugin "
-                             f"(float16, bfloat16, float32, int8, float8_e4m3fn), got {dtype} "
-                             f"({name!r}); use the CPU runtime or the eager kernels for {dtype} caches")
+            raise ValueError(
+                f"{tag}: {spec.name}: expected a dtype TensorRT can pass to a plugin "
+                f"(float16, bfloat16, float32, int8, float8_e4m3fn), got {dtype} "
+                f"({name!r}); use the CPU runtime or the eager kernels for {dtype} caches"
+            )
         if spec.dtype_group == "index":
             index_types[spec.name] = dtype
     if len(set(index_types.values())) > 1:
         first = ins[op.input_index("slot_mapping")] if "slot_mapping" in index_types else None
         want = index_types.get("slot_mapping", next(iter(index_types.values())))
         odd = {n: t for n, t in index_types.items() if t != want}
-        raise ValueError(f"{tag}: {', '.join(odd)}: expected the index dtype of slot_mapping "
-                         f"({want}{', ' + repr(first) if first else ''}), got "
-                         f"{', '.join(f'{n} {t}' for n, t in odd.items())}; cast them in the model "
-                         f"(TensorRT passes one index dtype to the plugin)")
+        raise ValueError(
+            f"{tag}: {', '.join(odd)}: expected the index dtype of slot_mapping "
+            f"({want}{', ' + repr(first) if first else ''}), got "
+            f"{', '.join(f'{n} {t}' for n, t in odd.items())}; cast them in the model "
+            f"(TensorRT passes one index dtype to the plugin)"
+        )
 
 
-def alias_pairs(model) -> Dict[str, str]:
+def alias_pairs(model) -> dict[str, str]:
     """Graph output name -> graph input name, for every ``*_out`` of a pytrt_kv node whose
     input is a graph input: the pairs a runner binds to one address (docs/SPEC.md O)."""
     graph_inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
-    readers: Dict[str, List[str]] = {}
+    readers: dict[str, list[str]] = {}
     for idx, node in enumerate(model.graph.node):
         for name in set(node.input):
             readers.setdefault(name, []).append(node.name or f"{node.op_type}_{idx}")
-    pairs: Dict[str, str] = {}
+    pairs: dict[str, str] = {}
     for node in pytrt_kv_nodes(model):
         op = specs.OPS[node.op_type]
         for k, out in enumerate(node.output):
@@ -264,6 +283,7 @@ def alias_pairs(model) -> Dict[str, str]:
                 raise ValueError(
                     f"{inp}: expected a cache input consumed only by its op and updated only "
                     f"through {out} (docs/SPEC.md O), got readers {readers.get(inp, [])}"
-                    f"{' and it is also a graph output' if inp in graph_outputs else ''}")
+                    f"{' and it is also a graph output' if inp in graph_outputs else ''}"
+                )
             pairs[out] = inp
     return pairs

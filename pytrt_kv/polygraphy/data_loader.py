@@ -47,22 +47,39 @@ needs that the graph does not have, or sizes that leave no room for valid data.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Union
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 # Re-exported: the names this module had before the generator moved to the graph layer.
-from pytrt_kv.graph.feeds import (DEFAULT_DYNAMIC_DIM, INDEX_PORTS, _model, _our_nodes,
-                                  make_feeds, polygraphy_options, resolve_shapes)
+from pytrt_kv.graph.feeds import (
+    DEFAULT_DYNAMIC_DIM,
+    INDEX_PORTS,
+    _model,
+    _our_nodes,
+    make_feeds,
+    polygraphy_options,
+    resolve_shapes,
+)
 
-__all__ = ["load_data", "make_feeds", "resolve_shapes", "polygraphy_options", "INDEX_PORTS",
-           "DEFAULT_DYNAMIC_DIM", "_our_nodes"]
+__all__ = [
+    "load_data",
+    "make_feeds",
+    "resolve_shapes",
+    "polygraphy_options",
+    "INDEX_PORTS",
+    "DEFAULT_DYNAMIC_DIM",
+    "_our_nodes",
+]
 
 
-def load_data(model: Union[str, os.PathLike, Any, None] = None,
-              iterations: Optional[int] = None, seed: Optional[int] = None,
-              shapes: Optional[Mapping[str, Sequence[int]]] = None
-              ) -> Iterator[Dict[str, np.ndarray]]:
+def load_data(
+    model: str | os.PathLike | Any | None = None,
+    iterations: int | None = None,
+    seed: int | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
     """Yield valid feed dicts (Polygraphy ``--data-loader-script`` entry).
 
     Parameters

@@ -37,6 +37,7 @@ def sentinel(shape, dtype: str) -> np.ndarray:
 
 # --- torch conversions (bit views: bfloat16 / float8 have no NumPy equivalent) ------------
 
+
 def torch_mod():
     import torch
 
@@ -49,8 +50,11 @@ def to_torch(a: np.ndarray, device="cuda", pinned=False, offset_elems=0):
     torch = torch_mod()
     a = np.ascontiguousarray(a)
     signed = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
-    raw = torch.from_numpy(a.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-                                  [a.dtype.itemsize]).reshape(-1).copy())
+    raw = torch.from_numpy(
+        a.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize])
+        .reshape(-1)
+        .copy()
+    )
     name = dtypes.name_of(a.dtype)
     tdt = getattr(torch, name)
     if offset_elems:
@@ -87,6 +91,10 @@ class FakeCudaArray:
     """An object with only __cuda_array_interface__ (like a PyCUDA GPUArray)."""
 
     def __init__(self, shape, typestr, strides=None, ptr=0x7F0000000000):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
-                                         "data": (ptr, False), "strides": strides,
-                                         "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "strides": strides,
+            "version": 3,
+        }

@@ -24,8 +24,9 @@ SENTINEL = 99
 
 
 def _bytes(cache) -> str:
-    return base64.b64encode(b"".join(np.ascontiguousarray(t).tobytes()
-                                     for t in cache.tensors)).decode()
+    return base64.b64encode(
+        b"".join(np.ascontiguousarray(t).tobytes() for t in cache.tensors)
+    ).decode()
 
 
 def _reply(**kw) -> None:
@@ -66,8 +67,14 @@ def main() -> int:
                 _reply(data=_bytes(cache))
             elif op == "pull":
                 ext = KvCacheExtParam(*cmd["ext"]) if cmd.get("ext") else None
-                node.pull_kv_blocks(CacheIndex(cmd["cluster"], cmd["cache"]), cache, cmd["src"],
-                                    cmd["dst"], ext, timeout_s=5)
+                node.pull_kv_blocks(
+                    CacheIndex(cmd["cluster"], cmd["cache"]),
+                    cache,
+                    cmd["src"],
+                    cmd["dst"],
+                    ext,
+                    timeout_s=5,
+                )
                 _reply(data=_bytes(cache))
             else:
                 _reply(error=f"unknown command {op!r}")

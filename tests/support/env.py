@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpu_unavailable_reason() -> str:
     """'' when CUDA tests can run here, else why not."""
     from pytrt_kv import _lib
@@ -28,7 +28,7 @@ def gpu_unavailable_reason() -> str:
     return ""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trt_unavailable_reason() -> str:
     gpu = gpu_unavailable_reason()
     if gpu:
