@@ -366,6 +366,45 @@ def _check_token_write(
     return _Sizes(layout, None, tokens, 0, 0, heads, dk, dv, blocks)
 
 
+def _check_run_indices(
+    slot_mapping: Any,
+    indices: dict[str, Any],
+    idx_shapes: dict[str, tuple[int, ...]],
+    batch: int,
+    heads: int,
+) -> None:
+    """docs/SPEC.md S6 index shapes: slot_mapping and compress_lens [B, H], seq_lens [B]
+    (both required), compress_seq_offsets [B*H] (optional here)."""
+    if idx_shapes["slot_mapping"] != (batch, heads):
+        raise value_error(
+            "slot_mapping", f"shape [B={batch}, H={heads}] for a 4-D key", describe(slot_mapping)
+        )
+    for arg, expected in (
+        ("compress_lens", (batch, heads)),
+        ("seq_lens", (batch,)),
+        ("compress_seq_offsets", (batch * heads,)),
+    ):
+        if indices[arg] is None:
+            if arg != "compress_seq_offsets":
+                raise value_error(arg, f"a tensor of shape {_fmt(expected)} for a 4-D key", "None")
+        elif idx_shapes[arg] != expected:
+            raise value_error(arg, f"shape {_fmt(expected)}", describe(indices[arg]))
+
+
+def _compress_mode(mode: str | None, offsets: Any, runs: int) -> str:
+    """The mode of a compressing write: the given one, else "rope" with offsets and "alibi"
+    without; "rope" and "omni" need the offsets."""
+    if mode is None:
+        mode = "rope" if offsets is not None else "alibi"
+    if mode in ("rope", "omni") and offsets is None:
+        raise value_error(
+            "compress_seq_offsets",
+            f"a tensor of shape [B*H={runs}] for compress_mode={mode!r}",
+            "None",
+        )
+    return mode
+
+
 def _check_compress_write(
     d: _Data,
     key: Any,
@@ -412,29 +451,8 @@ def _check_compress_write(
         if shape[2:] != (1, size):
             raise value_error(arg, f"[NB, BS, 1, {size}] for a 4-D key", describe(x))
         blocks.append(((shape[0], shape[1]), arg, x))
-    if idx_shapes["slot_mapping"] != (batch, heads):
-        raise value_error(
-            "slot_mapping", f"shape [B={batch}, H={heads}] for a 4-D key", describe(slot_mapping)
-        )
-    for arg, expected in (
-        ("compress_lens", (batch, heads)),
-        ("seq_lens", (batch,)),
-        ("compress_seq_offsets", (batch * heads,)),
-    ):
-        if indices[arg] is None:
-            if arg != "compress_seq_offsets":
-                raise value_error(arg, f"a tensor of shape {_fmt(expected)} for a 4-D key", "None")
-        elif idx_shapes[arg] != expected:
-            raise value_error(arg, f"shape {_fmt(expected)}", describe(indices[arg]))
-    offsets = indices["compress_seq_offsets"]
-    if mode is None:
-        mode = "rope" if offsets is not None else "alibi"
-    if mode in ("rope", "omni") and offsets is None:
-        raise value_error(
-            "compress_seq_offsets",
-            f"a tensor of shape [B*H={batch * heads}] for compress_mode={mode!r}",
-            "None",
-        )
+    _check_run_indices(slot_mapping, indices, idx_shapes, batch, heads)
+    mode = _compress_mode(mode, indices["compress_seq_offsets"], batch * heads)
     if mode == "rope":
         for arg, x in (("key", key), ("value", value))[: 1 + d.has_value]:
             _dtype(
