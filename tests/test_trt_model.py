@@ -1,5 +1,5 @@
-"""pytrt_kv.trt.model.alias_pairs enforces docs/SPEC.md O: a cache bound in place is read by its
-op alone (no TensorRT needed)."""
+"""pytrt_kv.graph.tensorrt.alias_pairs enforces docs/SPEC.md O: a cache bound in place is
+read by its op alone (no TensorRT needed)."""
 
 from __future__ import annotations
 
