@@ -23,7 +23,7 @@ import onnx
 
 from onnx_export.example import build_example_model
 from pytrt_kv import runtime
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv.graph.feeds import make_feeds
 from pytrt_kv.trt import DeviceArray, EngineRunner, availability, build_engine, plugin_layers
 
 
@@ -42,23 +42,24 @@ def main(argv):
 
     engine = build_engine(onnx_path, engine_path=plan_path)
     names = [str(layer.get("Name", "?")) for layer in plugin_layers(engine)]
-    print(f"engine written: {plan_path} ({plan_path.stat().st_size} bytes), "
-          f"plugin layers {names}")
+    print(f"engine written: {plan_path} ({plan_path.stat().st_size} bytes), plugin layers {names}")
 
     feeds = make_feeds(model, seed=0)
-    feeds["selection_kv_block_status"][...] = -1    # fresh rows: attention sees real tokens
-    want = runtime.run(model, feeds)                # functional: feeds stay as they are
+    feeds["selection_kv_block_status"][...] = -1  # fresh rows: attention sees real tokens
+    want = runtime.run(model, feeds)  # functional: feeds stay as they are
 
     runner = EngineRunner(engine)
     device = {n: DeviceArray(a.shape, a.dtype).copy_from(a) for n, a in feeds.items()}
-    runner.run(device)                              # legacy default stream
+    runner.run(device)  # legacy default stream
     # An aliased output lives in its input's buffer: the cache was updated in place.
-    got = {n: (device[runner.aliases[n]] if n in runner.aliases else runner.output(n)).get()
-           for n in runner.output_names}
+    got = {
+        n: (device[runner.aliases[n]] if n in runner.aliases else runner.output(n)).get()
+        for n in runner.output_names
+    }
     for name, expected in want.items():
-        if name == "attn_out":                          # float math: rounding may differ
+        if name == "attn_out":  # float math: rounding may differ
             ok = np.allclose(got[name], expected, atol=1e-3, rtol=1e-3)
-        else:                                           # data movement: exact
+        else:  # data movement: exact
             ok = np.array_equal(got[name].view(np.uint8), expected.view(np.uint8))
         if not ok:
             print(f"MISMATCH: {name}")

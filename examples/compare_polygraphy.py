@@ -28,8 +28,8 @@ from polygraphy.comparator import Comparator, CompareFunc
 
 from onnx_export.example import ExampleSizes, build_example_model
 from pytrt_kv.demo import expected_step
+from pytrt_kv.graph.feeds import make_feeds
 from pytrt_kv.polygraphy import PytrtKvRefRunner
-from pytrt_kv.polygraphy.data_loader import make_feeds
 
 SIZES = ExampleSizes()
 
@@ -49,16 +49,20 @@ class NumpyStepRunner(BaseRunner):
         meta = TensorMetadata()
         for vi in self.model.graph.input:
             tt = vi.type.tensor_type
-            meta.add(vi.name, dtype=onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type),
-                     shape=[d.dim_value for d in tt.shape.dim])
+            meta.add(
+                vi.name,
+                dtype=onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type),
+                shape=[d.dim_value for d in tt.shape.dim],
+            )
         return meta
 
     def infer_impl(self, feed_dict):
         start = time.time()
         exp = expected_step(SIZES, dict(feed_dict))
         self.inference_time = time.time() - start
-        return OrderedDict((n, exp[n]) for n in ("full_kv_cache_out", "full_k_rope_out",
-                                                   "attn_out"))
+        return OrderedDict(
+            (n, exp[n]) for n in ("full_kv_cache_out", "full_k_rope_out", "attn_out")
+        )
 
     def deactivate_impl(self):
         pass
@@ -85,7 +89,7 @@ def trt_runner(path):
         return None, reason
     from polygraphy.backend.trt import TrtRunner
 
-    engine = build_engine(path)                   # loads the plugins, strongly typed
+    engine = build_engine(path)  # loads the plugins, strongly typed
     # Polygraphy binds every output to its own buffer: the plugins then copy each cache
     # input to its output before updating it (docs/SPEC.md O), so results are the same.
     return TrtRunner(engine.engine, name="tensorrt"), ""

@@ -43,8 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from onnx_export.example import CACHE_OUTPUTS, ExampleSizes, build_example_model  # noqa: E402
 from pytrt_kv import demo, dtypes, runtime  # noqa: E402
-from pytrt_kv.datadist import (CacheDesc, CacheIndex, KvCacheExtParam,  # noqa: E402
-                               LlmDataDist)
+from pytrt_kv.datadist import CacheDesc, CacheIndex, KvCacheExtParam, LlmDataDist  # noqa: E402
 
 PREFILL_ID, DECODE_ID = 1, 2
 #: The full caches (graph inputs of the example model) that the prefill node fills.
@@ -64,8 +63,11 @@ def _prompt_digest(z, caches, table, kv_len) -> str:
     for name in CACHES:
         for b, n in enumerate(kv_len):
             p = np.arange(int(n))
-            h.update(np.ascontiguousarray(caches[name][table[b, p // z.block_size],
-                                                       p % z.block_size]).tobytes())
+            h.update(
+                np.ascontiguousarray(
+                    caches[name][table[b, p // z.block_size], p % z.block_size]
+                ).tobytes()
+            )
     return h.hexdigest()
 
 
@@ -76,6 +78,7 @@ def _say(msg: dict) -> None:
 
 # --- decode node ---------------------------------------------------------------------------
 
+
 def decode(args) -> int:
     z = ExampleSizes()
     rng = np.random.default_rng(args.seed + 1)
@@ -83,14 +86,28 @@ def decode(args) -> int:
     node.initialize("127.0.0.1", 0)
     try:
         # The engine's own buffers, registered (not copied): blocks land where it reads.
-        full = {name: np.full((z.num_blocks,) + _block_shape(z, name), -7.0,
-                              dtypes.numpy_dtype(z.dtype)) for name in CACHES}
-        caches = {name: node.register_cache(CacheDesc(1, full[name].shape, z.dtype), [full[name]])
-                  for name in CACHES}
-        table = rng.permutation(z.num_blocks)[:z.batch * z.max_blocks_per_seq] \
-            .reshape(z.batch, z.max_blocks_per_seq).astype(np.int32)
-        _say({"address": list(node.listen_address), "table": table.tolist(),
-              "caches": {name: c.cache_id for name, c in caches.items()}})
+        full = {
+            name: np.full(
+                (z.num_blocks,) + _block_shape(z, name), -7.0, dtypes.numpy_dtype(z.dtype)
+            )
+            for name in CACHES
+        }
+        caches = {
+            name: node.register_cache(CacheDesc(1, full[name].shape, z.dtype), [full[name]])
+            for name in CACHES
+        }
+        table = (
+            rng.permutation(z.num_blocks)[: z.batch * z.max_blocks_per_seq]
+            .reshape(z.batch, z.max_blocks_per_seq)
+            .astype(np.int32)
+        )
+        _say(
+            {
+                "address": list(node.listen_address),
+                "table": table.tolist(),
+                "caches": {name: c.cache_id for name, c in caches.items()},
+            }
+        )
 
         ready, _, _ = select.select([sys.stdin], [], [], WAIT_S)
         if not ready:
@@ -103,21 +120,29 @@ def decode(args) -> int:
         if _prompt_digest(z, full, table, kv_len) != request["digest"]:
             print("decode: the received prompt KV differs from what the prefill node sent")
             return 1
-        print(f"decode: received the prompt KV of {z.batch} sequences (kv_len "
-              f"{kv_len.tolist()}), digest matches")
+        print(
+            f"decode: received the prompt KV of {z.batch} sequences (kv_len "
+            f"{kv_len.tolist()}), digest matches"
+        )
 
         model = build_example_model(z)
         evaluator = runtime.make_evaluator(model)
         state = demo.initial_state(z, int(kv_len[0]), rng)
-        state.update(full_kv_cache=full["full_kv_cache"], full_k_rope=full["full_k_rope"],
-                     full_kv_block_table=table, kv_len=kv_len)
+        state.update(
+            full_kv_cache=full["full_kv_cache"],
+            full_k_rope=full["full_k_rope"],
+            full_kv_block_table=table,
+            kv_len=kv_len,
+        )
         fails = []
         for step in range(1, args.steps + 1):
             feeds = demo.step_feeds(z, state, rng)
             out = runtime.run(evaluator, feeds)
             step_fails, stats = demo.verify_step(z, feeds, out, demo.expected_step(z, feeds))
-            print(f"decode: step {step}: kv_len {feeds['full_kv_actual_seq'].tolist()}, "
-                  f"max |attn err| {stats['err']:.3g}: {'ok' if not step_fails else 'FAILED'}")
+            print(
+                f"decode: step {step}: kv_len {feeds['full_kv_actual_seq'].tolist()}, "
+                f"max |attn err| {stats['err']:.3g}: {'ok' if not step_fails else 'FAILED'}"
+            )
             fails += step_fails
             if step_fails:
                 break
@@ -134,16 +159,29 @@ def decode(args) -> int:
 
 # --- prefill node --------------------------------------------------------------------------
 
+
 def prefill(args) -> int:
     z = ExampleSizes()
     last = args.prompt_len + z.batch - 1 + args.steps
     if args.prompt_len < 1 or last > z.max_tokens:
-        raise SystemExit(f"--prompt-len/--steps: need prompt_len + batch - 1 + steps <= "
-                         f"{z.max_tokens}")
-    child = subprocess.Popen([sys.executable, __file__, "--decode",
-                              "--steps", str(args.steps), "--seed", str(args.seed)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    lines: "queue.Queue[str]" = queue.Queue()
+        raise SystemExit(
+            f"--prompt-len/--steps: need prompt_len + batch - 1 + steps <= {z.max_tokens}"
+        )
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--decode",
+            "--steps",
+            str(args.steps),
+            "--seed",
+            str(args.seed),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
 
     def pump():
         for line in child.stdout:
@@ -167,34 +205,47 @@ def prefill(args) -> int:
         hello = next_message()
         dtable = np.array(hello["table"], np.int32)
         node.link_clusters([tuple(hello["address"])], timeout_s=10)
-        print(f"prefill: linked to the decode node at {hello['address'][0]}:"
-              f"{hello['address'][1]}")
+        print(f"prefill: linked to the decode node at {hello['address'][0]}:{hello['address'][1]}")
 
         # The prompt's KV in this node's own paged caches (more blocks, another table).
         rng = np.random.default_rng(args.seed)
         nb = 2 * z.num_blocks
-        caches = {name: node.allocate_cache(CacheDesc(1, (nb,) + _block_shape(z, name), z.dtype))
-                  for name in CACHES}
+        caches = {
+            name: node.allocate_cache(CacheDesc(1, (nb,) + _block_shape(z, name), z.dtype))
+            for name in CACHES
+        }
         for c in caches.values():
             c.tensors[0][...] = rng.standard_normal(c.tensors[0].shape)
-        ptable = rng.permutation(nb)[:z.batch * z.max_blocks_per_seq] \
-            .reshape(z.batch, z.max_blocks_per_seq)
+        ptable = rng.permutation(nb)[: z.batch * z.max_blocks_per_seq].reshape(
+            z.batch, z.max_blocks_per_seq
+        )
         kv_len = np.array([args.prompt_len + b for b in range(z.batch)], np.int32)
         used = -(-kv_len // z.block_size)  # blocks holding each sequence's prompt
-        src_blocks = np.concatenate([ptable[b, :used[b]] for b in range(z.batch)])
-        dst_blocks = np.concatenate([dtable[b, :used[b]] for b in range(z.batch)])
+        src_blocks = np.concatenate([ptable[b, : used[b]] for b in range(z.batch)])
+        dst_blocks = np.concatenate([dtable[b, : used[b]] for b in range(z.batch)])
 
         tags = []
         for name, c in caches.items():
-            tags.append(node.push_kv_blocks(c, CacheIndex(DECODE_ID, hello["caches"][name]),
-                                            src_blocks.tolist(), dst_blocks.tolist(), ONE_TENSOR,
-                                            tag=f"prompt:{name}", timeout_s=WAIT_S))
-        print(f"prefill: pushed {len(src_blocks)} blocks x {len(CACHES)} caches "
-              f"({len(src_blocks) * sum(c.cache_desc.block_bytes for c in caches.values())} "
-              f"bytes), tags {tags}")
+            tags.append(
+                node.push_kv_blocks(
+                    c,
+                    CacheIndex(DECODE_ID, hello["caches"][name]),
+                    src_blocks.tolist(),
+                    dst_blocks.tolist(),
+                    ONE_TENSOR,
+                    tag=f"prompt:{name}",
+                    timeout_s=WAIT_S,
+                )
+            )
+        print(
+            f"prefill: pushed {len(src_blocks)} blocks x {len(CACHES)} caches "
+            f"({len(src_blocks) * sum(c.cache_desc.block_bytes for c in caches.values())} "
+            f"bytes), tags {tags}"
+        )
         digest = _prompt_digest(z, {n: c.tensors[0] for n, c in caches.items()}, ptable, kv_len)
-        child.stdin.write(json.dumps({"kv_len": kv_len.tolist(), "tags": tags,
-                                      "digest": digest}) + "\n")
+        child.stdin.write(
+            json.dumps({"kv_len": kv_len.tolist(), "tags": tags, "digest": digest}) + "\n"
+        )
         child.stdin.flush()
         while True:
             line = lines.get(timeout=WAIT_S * 2)
@@ -212,8 +263,12 @@ def prefill(args) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="decode steps (default 3)")
-    ap.add_argument("--prompt-len", type=int, default=37,
-                    help="prompt tokens of sequence 0 (sequence b has prompt_len + b)")
+    ap.add_argument(
+        "--prompt-len",
+        type=int,
+        default=37,
+        help="prompt tokens of sequence 0 (sequence b has prompt_len + b)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decode", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -11,10 +11,22 @@ Importing this package registers both op schemas with ``onnx.defs`` so that
   (``pytrt-kv export-example``).
 """
 
-from . import schemas
-from .graphsurgeon import (add_gather_selection_kv_cache, add_node, add_scatter_pa_kv_cache,
-                           export_model)
+from pytrt_kv.graph import schemas
+
+from .graphsurgeon import (
+    add_gather_selection_kv_cache,
+    add_node,
+    add_scatter_pa_kv_cache,
+    export_model,
+)
 from .models import finalize_model, single_op_model
 
-__all__ = ["schemas", "single_op_model", "finalize_model", "add_node",
-           "add_scatter_pa_kv_cache", "add_gather_selection_kv_cache", "export_model"]
+__all__ = [
+    "schemas",
+    "single_op_model",
+    "finalize_model",
+    "add_node",
+    "add_scatter_pa_kv_cache",
+    "add_gather_selection_kv_cache",
+    "export_model",
+]

@@ -43,12 +43,11 @@ import argparse
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import List
 
 import numpy as np
 import onnx
 
-from pytrt_kv import dtypes, specs
+from pytrt_kv.contract import dtypes, specs
 
 #: Graph inputs updated in place, with the graph output that is their new version.
 CACHE_OUTPUTS = {
@@ -64,16 +63,16 @@ CACHE_OUTPUTS = {
 class ExampleSizes:
     """Sizes of the example model (defaults keep the demo fast on a small CPU)."""
 
-    batch: int = 2                 #: B: sequences decoded together
-    heads: int = 4                 #: Hq: query heads sharing the latent cache (MLA)
-    kv_dim: int = 64               #: KV: latent width
-    rope_dim: int = 16             #: R: rope key width
-    num_blocks: int = 16           #: NB: blocks of the full cache
-    block_size: int = 16           #: FBS: tokens per full-cache block
-    max_blocks_per_seq: int = 4    #: FMAX: columns of full_kv_block_table
-    topk: int = 8                  #: K: tokens selected per step
+    batch: int = 2  #: B: sequences decoded together
+    heads: int = 4  #: Hq: query heads sharing the latent cache (MLA)
+    kv_dim: int = 64  #: KV: latent width
+    rope_dim: int = 16  #: R: rope key width
+    num_blocks: int = 16  #: NB: blocks of the full cache
+    block_size: int = 16  #: FBS: tokens per full-cache block
+    max_blocks_per_seq: int = 4  #: FMAX: columns of full_kv_block_table
+    topk: int = 8  #: K: tokens selected per step
     selection_block_size: int = 8  #: SBS: tokens per selection-cache block
-    dtype: str = specs.FLOAT16     #: cache dtype
+    dtype: str = specs.FLOAT16  #: cache dtype
 
     @property
     def max_tokens(self) -> int:
@@ -90,7 +89,7 @@ class ExampleSizes:
         """SNB: private selection blocks for every row."""
         return self.batch * self.selection_max_blocks
 
-    def validate(self) -> "ExampleSizes":
+    def validate(self) -> ExampleSizes:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name != "dtype" and (not isinstance(v, int) or v < 1):
@@ -101,10 +100,13 @@ class ExampleSizes:
             raise ValueError(
                 f"num_blocks: expected >= batch * max_blocks_per_seq = "
                 f"{self.batch * self.max_blocks_per_seq} (private blocks per sequence), got "
-                f"{self.num_blocks}")
+                f"{self.num_blocks}"
+            )
         if self.topk > self.max_tokens:
-            raise ValueError(f"topk: expected <= max_blocks_per_seq * block_size = "
-                             f"{self.max_tokens}, got {self.topk}")
+            raise ValueError(
+                f"topk: expected <= max_blocks_per_seq * block_size = "
+                f"{self.max_tokens}, got {self.topk}"
+            )
         if self.topk > 2048:
             raise ValueError(f"topk: expected <= 2048 (docs/SPEC.md G2), got {self.topk}")
         return self
@@ -114,8 +116,9 @@ class ExampleSizes:
 BATCH_DIM = "batch"
 
 
-def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int = 1,
-                        dynamic: bool = False):
+def build_example_graph(
+    sizes: ExampleSizes = ExampleSizes(), *, alias_io: int = 1, dynamic: bool = False
+):
     """The example as an onnx-graphsurgeon graph (see the module docstring).
 
     With ``dynamic``, every per-sequence dim is the symbolic :data:`BATCH_DIM` (so the
@@ -131,8 +134,12 @@ def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int =
     Bc = -1 if dynamic else z.batch  # the batch dim in Reshape targets
     Hq, KV, R = z.heads, z.kv_dim, z.rope_dim
     NB, FBS, FMAX, K = z.num_blocks, z.block_size, z.max_blocks_per_seq, z.topk
-    SBS, SMAX, SNB, P = (z.selection_block_size, z.selection_max_blocks,
-                         z.selection_num_blocks, z.max_tokens)
+    SBS, SMAX, SNB, P = (
+        z.selection_block_size,
+        z.selection_max_blocks,
+        z.selection_num_blocks,
+        z.max_tokens,
+    )
     cdt = dtypes.numpy_dtype(z.dtype)
     i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
 
@@ -161,26 +168,47 @@ def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int =
     def const(name: str, value) -> gs.Constant:
         return gs.Constant(f"{name}_{next(counter)}", np.asarray(value))
 
-    def op(op_type: str, inputs: List, dtype, shape, **attrs) -> gs.Variable:
-        (out,) = g.layer(op=op_type, name=f"{op_type}_{next(counter)}", inputs=inputs,
-                         outputs=[V(f"{op_type.lower()}_{next(counter)}", dtype, shape)],
-                         attrs=attrs)
+    def op(op_type: str, inputs: list, dtype, shape, **attrs) -> gs.Variable:
+        (out,) = g.layer(
+            op=op_type,
+            name=f"{op_type}_{next(counter)}",
+            inputs=inputs,
+            outputs=[V(f"{op_type.lower()}_{next(counter)}", dtype, shape)],
+            attrs=attrs,
+        )
         return out
 
     # 1. Write the new token (latent + rope) into the full paged caches.
     full_kv_out, full_rope_out = add_scatter_pa_kv_cache(
-        g, inp["kv"], inp["k_rope"], inp["full_kv_cache"], inp["full_k_rope"],
-        inp["slot_mapping"], cache_layout="nd", alias_io=alias_io, name="write_new_token",
-        output_names=["full_kv_cache_out", "full_k_rope_out"])
-    full_kv3 = op("Reshape", [full_kv_out, const("shape", np.array([NB, FBS, KV], np.int64))],
-                  cdt, (NB, FBS, KV))
-    full_rope3 = op("Reshape", [full_rope_out, const("shape", np.array([NB, FBS, R], np.int64))],
-                    cdt, (NB, FBS, R))
+        g,
+        inp["kv"],
+        inp["k_rope"],
+        inp["full_kv_cache"],
+        inp["full_k_rope"],
+        inp["slot_mapping"],
+        cache_layout="nd",
+        alias_io=alias_io,
+        name="write_new_token",
+        output_names=["full_kv_cache_out", "full_k_rope_out"],
+    )
+    full_kv3 = op(
+        "Reshape",
+        [full_kv_out, const("shape", np.array([NB, FBS, KV], np.int64))],
+        cdt,
+        (NB, FBS, KV),
+    )
+    full_rope3 = op(
+        "Reshape",
+        [full_rope_out, const("shape", np.array([NB, FBS, R], np.int64))],
+        cdt,
+        (NB, FBS, R),
+    )
 
     # 2. Indexer: one score per cached position, from the updated cache.
     tokens = op("Gather", [full_kv3, inp["full_kv_block_table"]], cdt, (B, FMAX, FBS, KV), axis=0)
-    tokens = op("Reshape", [tokens, const("shape", np.array([Bc, P, KV], np.int64))], cdt,
-                (B, P, KV))
+    tokens = op(
+        "Reshape", [tokens, const("shape", np.array([Bc, P, KV], np.int64))], cdt, (B, P, KV)
+    )
     tokens = op("Cast", [tokens], f32, (B, P, KV), to=onnx.TensorProto.FLOAT)
     iq = op("Cast", [inp["index_q"]], f32, (B, KV), to=onnx.TensorProto.FLOAT)
     iq = op("Unsqueeze", [iq, const("axes", np.array([2], np.int64))], f32, (B, KV, 1))
@@ -188,70 +216,128 @@ def build_example_graph(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int =
     scores = op("Reshape", [scores, const("shape", np.array([Bc, P], np.int64))], f32, (B, P))
 
     # 3. Top-K over the visible positions p < kv_len.
-    kv_len = op("Unsqueeze", [inp["full_kv_actual_seq"], const("axes", np.array([1], np.int64))],
-                i32, (B, 1))
-    visible = op("Less", [const("positions", np.arange(P, dtype=np.int32)[None]), kv_len],
-                 np.dtype(bool), (B, P))
+    kv_len = op(
+        "Unsqueeze",
+        [inp["full_kv_actual_seq"], const("axes", np.array([1], np.int64))],
+        i32,
+        (B, 1),
+    )
+    visible = op(
+        "Less",
+        [const("positions", np.arange(P, dtype=np.int32)[None]), kv_len],
+        np.dtype(bool),
+        (B, P),
+    )
     neg_inf = const("neg_inf", np.array(-np.inf, np.float32))
     masked = op("Where", [visible, scores, neg_inf], f32, (B, P))
     top_vals, top_idx = g.layer(
-        op="TopK", name="topk", inputs=[masked, const("k", np.array([K], np.int64))],
+        op="TopK",
+        name="topk",
+        inputs=[masked, const("k", np.array([K], np.int64))],
         outputs=[V("topk_values", f32, (B, K)), V("topk_positions", np.dtype(np.int64), (B, K))],
-        attrs={"axis": -1, "largest": 1, "sorted": 1})
+        attrs={"axis": -1, "largest": 1, "sorted": 1},
+    )
     idx32 = op("Cast", [top_idx], i32, (B, K), to=onnx.TensorProto.INT32)
     padding = op("Equal", [top_vals, neg_inf], np.dtype(bool), (B, K))
     topk = op("Where", [padding, const("pad", np.array(-1, np.int32)), idx32], i32, (B, K))
-    topk = g.layer(op="Reshape", name="topk_bsnd",
-                   inputs=[topk, const("shape", np.array([Bc, 1, 1, K], np.int64))],
-                   outputs=[V("topk_indices", i32, (B, 1, 1, K))])[0]
+    topk = g.layer(
+        op="Reshape",
+        name="topk_bsnd",
+        inputs=[topk, const("shape", np.array([Bc, 1, 1, K], np.int64))],
+        outputs=[V("topk_indices", i32, (B, 1, 1, K))],
+    )[0]
 
     # 4. Gather the selected tokens into the selection cache (reusing resident ones).
     sel_rope_out, sel_kv_out, status_out, actual = add_gather_selection_kv_cache(
-        g, inp["selection_k_rope"], inp["selection_kv_cache"], inp["selection_kv_block_table"],
-        inp["selection_kv_block_status"], topk, full_rope3, full_kv3,
-        inp["full_kv_block_table"], inp["full_kv_actual_seq"], inp["full_q_actual_seq"],
-        selection_topk_block_size=1, alias_io=alias_io, name="gather_selection",
-        output_names=["selection_k_rope_out", "selection_kv_cache_out",
-                      "selection_kv_block_status_out", "selection_kv_actual_seq"])
+        g,
+        inp["selection_k_rope"],
+        inp["selection_kv_cache"],
+        inp["selection_kv_block_table"],
+        inp["selection_kv_block_status"],
+        topk,
+        full_rope3,
+        full_kv3,
+        inp["full_kv_block_table"],
+        inp["full_kv_actual_seq"],
+        inp["full_q_actual_seq"],
+        selection_topk_block_size=1,
+        alias_io=alias_io,
+        name="gather_selection",
+        output_names=[
+            "selection_k_rope_out",
+            "selection_kv_cache_out",
+            "selection_kv_block_status_out",
+            "selection_kv_actual_seq",
+        ],
+    )
 
     # 5. Attention of the query over the K selection slots; slots >= actual_seq masked.
     def slots(cache: gs.Variable, width: int) -> gs.Variable:
-        x = op("Gather", [cache, inp["selection_kv_block_table"]], cdt, (B, SMAX, SBS, width),
-               axis=0)
-        x = op("Reshape", [x, const("shape", np.array([Bc, SMAX * SBS, width], np.int64))], cdt,
-               (B, SMAX * SBS, width))
-        x = op("Slice", [x, const("starts", np.array([0], np.int64)),
-                         const("ends", np.array([K], np.int64)),
-                         const("axes", np.array([1], np.int64))], cdt, (B, K, width))
+        x = op(
+            "Gather", [cache, inp["selection_kv_block_table"]], cdt, (B, SMAX, SBS, width), axis=0
+        )
+        x = op(
+            "Reshape",
+            [x, const("shape", np.array([Bc, SMAX * SBS, width], np.int64))],
+            cdt,
+            (B, SMAX * SBS, width),
+        )
+        x = op(
+            "Slice",
+            [
+                x,
+                const("starts", np.array([0], np.int64)),
+                const("ends", np.array([K], np.int64)),
+                const("axes", np.array([1], np.int64)),
+            ],
+            cdt,
+            (B, K, width),
+        )
         return op("Cast", [x], f32, (B, K, width), to=onnx.TensorProto.FLOAT)
 
     sel_kv = slots(sel_kv_out, KV)
     sel_rope = slots(sel_rope_out, R)
     qn = op("Cast", [inp["q_nope"]], f32, (B, Hq, KV), to=onnx.TensorProto.FLOAT)
     qr = op("Cast", [inp["q_rope"]], f32, (B, Hq, R), to=onnx.TensorProto.FLOAT)
-    s_nope = op("MatMul", [qn, op("Transpose", [sel_kv], f32, (B, KV, K), perm=[0, 2, 1])],
-                f32, (B, Hq, K))
-    s_rope = op("MatMul", [qr, op("Transpose", [sel_rope], f32, (B, R, K), perm=[0, 2, 1])],
-                f32, (B, Hq, K))
+    s_nope = op(
+        "MatMul", [qn, op("Transpose", [sel_kv], f32, (B, KV, K), perm=[0, 2, 1])], f32, (B, Hq, K)
+    )
+    s_rope = op(
+        "MatMul", [qr, op("Transpose", [sel_rope], f32, (B, R, K), perm=[0, 2, 1])], f32, (B, Hq, K)
+    )
     s = op("Add", [s_nope, s_rope], f32, (B, Hq, K))
-    s = op("Mul", [s, const("scale", np.array(1.0 / math.sqrt(KV + R), np.float32))], f32,
-           (B, Hq, K))
-    n_sel = op("Reshape", [actual, const("shape", np.array([Bc, 1, 1], np.int64))], i32,
-               (B, 1, 1))
-    keep = op("Less", [const("slots", np.arange(K, dtype=np.int32)[None, None]), n_sel],
-              np.dtype(bool), (B, 1, K))
+    s = op(
+        "Mul", [s, const("scale", np.array(1.0 / math.sqrt(KV + R), np.float32))], f32, (B, Hq, K)
+    )
+    n_sel = op("Reshape", [actual, const("shape", np.array([Bc, 1, 1], np.int64))], i32, (B, 1, 1))
+    keep = op(
+        "Less",
+        [const("slots", np.arange(K, dtype=np.int32)[None, None]), n_sel],
+        np.dtype(bool),
+        (B, 1, K),
+    )
     s = op("Where", [keep, s, neg_inf], f32, (B, Hq, K))
     p = op("Softmax", [s], f32, (B, Hq, K), axis=-1)
-    attn = g.layer(op="MatMul", name="attn_out", inputs=[p, sel_kv],
-                   outputs=[V("attn_out", f32, (B, Hq, KV))])[0]
+    attn = g.layer(
+        op="MatMul", name="attn_out", inputs=[p, sel_kv], outputs=[V("attn_out", f32, (B, Hq, KV))]
+    )[0]
 
-    g.outputs = [attn, topk, full_kv_out, full_rope_out, sel_rope_out, sel_kv_out, status_out,
-                 actual]
+    g.outputs = [
+        attn,
+        topk,
+        full_kv_out,
+        full_rope_out,
+        sel_rope_out,
+        sel_kv_out,
+        status_out,
+        actual,
+    ]
     return g
 
 
-def build_example_model(sizes: ExampleSizes = ExampleSizes(), *, alias_io: int = 1,
-                        dynamic: bool = False) -> onnx.ModelProto:
+def build_example_model(
+    sizes: ExampleSizes = ExampleSizes(), *, alias_io: int = 1, dynamic: bool = False
+) -> onnx.ModelProto:
     """The example model: IR 10, opset 17 + pytrt_kv 1, checked with ``full_check``.
 
     ``dynamic``: the dynamic-batch variant (see :func:`build_example_graph`); one model
@@ -283,11 +369,16 @@ def add_size_arguments(parser: argparse.ArgumentParser) -> None:
     for f in fields(ExampleSizes):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "dtype":
-            parser.add_argument(flag, default=f.default, choices=[specs.FLOAT16, specs.FLOAT32],
-                                help=f"{_HELP[f.name]} (default {f.default})")
+            parser.add_argument(
+                flag,
+                default=f.default,
+                choices=[specs.FLOAT16, specs.FLOAT32],
+                help=f"{_HELP[f.name]} (default {f.default})",
+            )
         else:
-            parser.add_argument(flag, type=int, default=f.default,
-                                help=f"{_HELP[f.name]} (default {f.default})")
+            parser.add_argument(
+                flag, type=int, default=f.default, help=f"{_HELP[f.name]} (default {f.default})"
+            )
 
 
 def sizes_from_args(args: argparse.Namespace) -> ExampleSizes:
@@ -296,12 +387,20 @@ def sizes_from_args(args: argparse.Namespace) -> ExampleSizes:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", help="where to write the .onnx file")
-    parser.add_argument("--alias-io", type=int, choices=(0, 1), default=1,
-                        help="alias_io attribute of both nodes (default 1: declare in-place I/O)")
-    parser.add_argument("--dynamic", action="store_true",
-                        help=f"dynamic-batch variant: per-sequence dims (and the token count "
-                             f"T) are the symbolic {BATCH_DIM!r}; --batch sizes the caches "
-                             f"for that many sequences at most")
+    parser.add_argument(
+        "--alias-io",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="alias_io attribute of both nodes (default 1: declare in-place I/O)",
+    )
+    parser.add_argument(
+        "--dynamic",
+        action="store_true",
+        help=f"dynamic-batch variant: per-sequence dims (and the token count "
+        f"T) are the symbolic {BATCH_DIM!r}; --batch sizes the caches "
+        f"for that many sequences at most",
+    )
     add_size_arguments(parser)
 
 
@@ -318,8 +417,9 @@ def output_path(arg: str, value: str) -> Path:
     """
     path = Path(value)
     if path.is_dir():
-        raise ValueError(f"{arg}: expected the path of an .onnx file to write, got the "
-                         f"directory {value!r}")
+        raise ValueError(
+            f"{arg}: expected the path of an .onnx file to write, got the directory {value!r}"
+        )
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{arg}: directory {str(path.parent)!r} does not exist")
     return path
@@ -328,11 +428,19 @@ def output_path(arg: str, value: str) -> Path:
 def run(args: argparse.Namespace) -> int:
     sizes = sizes_from_args(args)
     path = output_path("path", args.path)
-    model = build_example_model(sizes, alias_io=args.alias_io,
-                                dynamic=getattr(args, "dynamic", False))
+    model = build_example_model(
+        sizes, alias_io=args.alias_io, dynamic=getattr(args, "dynamic", False)
+    )
     onnx.save(model, str(path))
-    ops = sorted({f"{n.domain or 'ai.onnx'}::{n.op_type}" for n in model.graph.node
-                  if n.domain == specs.DOMAIN})
-    print(f"wrote {path} ({len(model.graph.node)} nodes; custom ops {', '.join(ops)}; "
-          f"sizes {asdict(sizes)})")
+    ops = sorted(
+        {
+            f"{n.domain or 'ai.onnx'}::{n.op_type}"
+            for n in model.graph.node
+            if n.domain == specs.DOMAIN
+        }
+    )
+    print(
+        f"wrote {path} ({len(model.graph.node)} nodes; custom ops {', '.join(ops)}; "
+        f"sizes {asdict(sizes)})"
+    )
     return 0

@@ -21,26 +21,32 @@ Example
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import onnx_graphsurgeon as gs
 
-from pytrt_kv import dtypes, specs
-
-from . import schemas  # noqa: F401  (registers the schemas)
-from ._check import TensorInfo, dtype_name, validate_node
+from pytrt_kv.contract import dtypes, specs
+from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
+from pytrt_kv.graph.check import TensorInfo, dtype_name, validate_node
 
 
 def tensor_info(arg: str, tensor: Any) -> TensorInfo:
     """TensorInfo of a gs tensor (Variable or Constant); clear error when untyped."""
     if not isinstance(tensor, gs.Tensor):
-        raise TypeError(f"{arg}: expected an onnx_graphsurgeon Variable or Constant, got "
-                        f"{type(tensor).__name__}")
+        raise TypeError(
+            f"{arg}: expected an onnx_graphsurgeon Variable or Constant, got "
+            f"{type(tensor).__name__}"
+        )
     if tensor.dtype is None:
-        raise TypeError(f"{arg}: expected a tensor with a dtype, got {tensor.name!r} with "
-                        f"dtype None")
-    shape = None if tensor.shape is None else tuple(
-        int(d) if isinstance(d, int) else d for d in tensor.shape)
+        raise TypeError(
+            f"{arg}: expected a tensor with a dtype, got {tensor.name!r} with dtype None"
+        )
+    shape = (
+        None
+        if tensor.shape is None
+        else tuple(int(d) if isinstance(d, int) else d for d in tensor.shape)
+    )
     return TensorInfo(shape, dtype_name(tensor.dtype))
 
 
@@ -53,9 +59,15 @@ def _unique_name(base: str, taken: set) -> str:
     return name
 
 
-def add_node(graph: gs.Graph, op_type: str, inputs: Mapping[str, Optional[gs.Tensor]],
-             attributes: Optional[Mapping[str, Any]] = None, *, name: Optional[str] = None,
-             output_names: Optional[Sequence[str]] = None) -> List[gs.Variable]:
+def add_node(
+    graph: gs.Graph,
+    op_type: str,
+    inputs: Mapping[str, gs.Tensor | None],
+    attributes: Mapping[str, Any] | None = None,
+    *,
+    name: str | None = None,
+    output_names: Sequence[str] | None = None,
+) -> list[gs.Variable]:
     """Append one pytrt_kv node (any op of ``pytrt_kv.specs``) to ``graph``.
 
     Parameters
@@ -83,26 +95,39 @@ def add_node(graph: gs.Graph, op_type: str, inputs: Mapping[str, Optional[gs.Ten
     taken_nodes = {n.name for n in graph.nodes}
     if node_name is None:
         node_name = _unique_name(op.name, taken_nodes)
-    attrs, outs = validate_node(op.name, infos, dict(attributes or {}),
-                                where=f"{op.name} node {node_name!r}: ")
+    attrs, outs = validate_node(
+        op.name, infos, dict(attributes or {}), where=f"{op.name} node {node_name!r}: "
+    )
     if output_names is not None and len(output_names) != len(outs):
-        raise ValueError(f"output_names: expected {len(outs)} names ({list(outs)}), got "
-                         f"{list(output_names)}")
+        raise ValueError(
+            f"output_names: expected {len(outs)} names ({list(outs)}), got {list(output_names)}"
+        )
     taken = set(graph.tensors().keys())
-    out_vars: List[gs.Variable] = []
+    out_vars: list[gs.Variable] = []
     for i, (out_name, info) in enumerate(outs.items()):
-        tname = output_names[i] if output_names is not None else _unique_name(
-            out_name, taken)
-        out_vars.append(gs.Variable(tname, dtype=dtypes.numpy_dtype(info.dtype),
-                                    shape=list(info.shape) if info.shape is not None else None))
+        tname = output_names[i] if output_names is not None else _unique_name(out_name, taken)
+        out_vars.append(
+            gs.Variable(
+                tname,
+                dtype=dtypes.numpy_dtype(info.dtype),
+                shape=list(info.shape) if info.shape is not None else None,
+            )
+        )
     # ONNX addresses optional inputs by position: absent ones in the middle are empty.
-    node_inputs: List[gs.Tensor] = []
+    node_inputs: list[gs.Tensor] = []
     last = max(op.input_index(k) for k in infos)
-    for t in op.inputs[:last + 1]:
-        node_inputs.append(inputs.get(t.name) if inputs.get(t.name) is not None
-                           else gs.Variable.empty())
-    node = gs.Node(op=op.name, name=node_name, domain=specs.DOMAIN, attrs=attrs,
-                   inputs=node_inputs, outputs=out_vars)
+    for t in op.inputs[: last + 1]:
+        node_inputs.append(
+            inputs.get(t.name) if inputs.get(t.name) is not None else gs.Variable.empty()
+        )
+    node = gs.Node(
+        op=op.name,
+        name=node_name,
+        domain=specs.DOMAIN,
+        attrs=attrs,
+        inputs=node_inputs,
+        outputs=out_vars,
+    )
     graph.nodes.append(node)
     _import_domain(graph)
     return out_vars
@@ -119,15 +144,23 @@ def _import_domain(graph: gs.Graph) -> None:
     graph.import_domains = domains
 
 
-def add_scatter_pa_kv_cache(graph: gs.Graph, key: gs.Tensor, value: Optional[gs.Tensor],
-                            key_cache: gs.Tensor, value_cache: Optional[gs.Tensor],
-                            slot_mapping: gs.Tensor, *, compress_lens: Optional[gs.Tensor] = None,
-                            compress_seq_offsets: Optional[gs.Tensor] = None,
-                            seq_lens: Optional[gs.Tensor] = None,
-                            cache_layout: Optional[str] = None,
-                            compress_mode: Optional[str] = None, alias_io: int = 1,
-                            name: Optional[str] = None,
-                            output_names: Optional[Sequence[str]] = None) -> List[gs.Variable]:
+def add_scatter_pa_kv_cache(
+    graph: gs.Graph,
+    key: gs.Tensor,
+    value: gs.Tensor | None,
+    key_cache: gs.Tensor,
+    value_cache: gs.Tensor | None,
+    slot_mapping: gs.Tensor,
+    *,
+    compress_lens: gs.Tensor | None = None,
+    compress_seq_offsets: gs.Tensor | None = None,
+    seq_lens: gs.Tensor | None = None,
+    cache_layout: str | None = None,
+    compress_mode: str | None = None,
+    alias_io: int = 1,
+    name: str | None = None,
+    output_names: Sequence[str] | None = None,
+) -> list[gs.Variable]:
     """Append a ScatterPaKvCache node (docs/SPEC.md S, O); arguments as in the reference.
 
     Parameters
@@ -149,29 +182,48 @@ def add_scatter_pa_kv_cache(graph: gs.Graph, key: gs.Tensor, value: Optional[gs.
     -------
     [key_cache_out] or [key_cache_out, value_cache_out]
     """
-    attrs: Dict[str, Any] = {"alias_io": alias_io}
+    attrs: dict[str, Any] = {"alias_io": alias_io}
     if cache_layout is not None:
         attrs["cache_layout"] = cache_layout
     if compress_mode is not None:
         attrs["compress_mode"] = compress_mode
-    return add_node(graph, specs.SCATTER_PA_KV_CACHE.name, {
-        "key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
-        "slot_mapping": slot_mapping, "compress_lens": compress_lens,
-        "compress_seq_offsets": compress_seq_offsets, "seq_lens": seq_lens,
-    }, attrs, name=name, output_names=output_names)
+    return add_node(
+        graph,
+        specs.SCATTER_PA_KV_CACHE.name,
+        {
+            "key": key,
+            "value": value,
+            "key_cache": key_cache,
+            "value_cache": value_cache,
+            "slot_mapping": slot_mapping,
+            "compress_lens": compress_lens,
+            "compress_seq_offsets": compress_seq_offsets,
+            "seq_lens": seq_lens,
+        },
+        attrs,
+        name=name,
+        output_names=output_names,
+    )
 
 
-def add_gather_selection_kv_cache(graph: gs.Graph, selection_k_rope: gs.Tensor,
-                                  selection_kv_cache: gs.Tensor,
-                                  selection_kv_block_table: gs.Tensor,
-                                  selection_kv_block_status: gs.Tensor,
-                                  selection_topk_indices: gs.Tensor, full_k_rope: gs.Tensor,
-                                  full_kv_cache: gs.Tensor, full_kv_block_table: gs.Tensor,
-                                  full_kv_actual_seq: gs.Tensor, full_q_actual_seq: gs.Tensor,
-                                  *, selection_topk_block_size: int = 64, alias_io: int = 1,
-                                  name: Optional[str] = None,
-                                  output_names: Optional[Sequence[str]] = None
-                                  ) -> List[gs.Variable]:
+def add_gather_selection_kv_cache(
+    graph: gs.Graph,
+    selection_k_rope: gs.Tensor,
+    selection_kv_cache: gs.Tensor,
+    selection_kv_block_table: gs.Tensor,
+    selection_kv_block_status: gs.Tensor,
+    selection_topk_indices: gs.Tensor,
+    full_k_rope: gs.Tensor,
+    full_kv_cache: gs.Tensor,
+    full_kv_block_table: gs.Tensor,
+    full_kv_actual_seq: gs.Tensor,
+    full_q_actual_seq: gs.Tensor,
+    *,
+    selection_topk_block_size: int = 64,
+    alias_io: int = 1,
+    name: str | None = None,
+    output_names: Sequence[str] | None = None,
+) -> list[gs.Variable]:
     """Append a GatherSelectionKvCache node (docs/SPEC.md G, O); tensors as in docs/SPEC.md G2.
 
     Returns
@@ -180,15 +232,25 @@ def add_gather_selection_kv_cache(graph: gs.Graph, selection_k_rope: gs.Tensor,
      selection_kv_actual_seq]
         The first three are the updated inputs; the last is int32 ``[R]``.
     """
-    return add_node(graph, specs.GATHER_SELECTION_KV_CACHE.name, {
-        "selection_k_rope": selection_k_rope, "selection_kv_cache": selection_kv_cache,
-        "selection_kv_block_table": selection_kv_block_table,
-        "selection_kv_block_status": selection_kv_block_status,
-        "selection_topk_indices": selection_topk_indices, "full_k_rope": full_k_rope,
-        "full_kv_cache": full_kv_cache, "full_kv_block_table": full_kv_block_table,
-        "full_kv_actual_seq": full_kv_actual_seq, "full_q_actual_seq": full_q_actual_seq,
-    }, {"selection_topk_block_size": selection_topk_block_size, "alias_io": alias_io},
-        name=name, output_names=output_names)
+    return add_node(
+        graph,
+        specs.GATHER_SELECTION_KV_CACHE.name,
+        {
+            "selection_k_rope": selection_k_rope,
+            "selection_kv_cache": selection_kv_cache,
+            "selection_kv_block_table": selection_kv_block_table,
+            "selection_kv_block_status": selection_kv_block_status,
+            "selection_topk_indices": selection_topk_indices,
+            "full_k_rope": full_k_rope,
+            "full_kv_cache": full_kv_cache,
+            "full_kv_block_table": full_kv_block_table,
+            "full_kv_actual_seq": full_kv_actual_seq,
+            "full_q_actual_seq": full_q_actual_seq,
+        },
+        {"selection_topk_block_size": selection_topk_block_size, "alias_io": alias_io},
+        name=name,
+        output_names=output_names,
+    )
 
 
 def export_model(graph: gs.Graph, *, check: bool = True):

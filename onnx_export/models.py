@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper
 
-from pytrt_kv import dtypes, specs
-
-from . import schemas  # noqa: F401  (registers the schemas)
-from ._check import TensorInfo, dtype_name, validate_node
+from pytrt_kv.contract import dtypes, specs
+from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
+from pytrt_kv.graph.check import TensorInfo, dtype_name, validate_node
 
 
 def finalize_model(model: onnx.ModelProto, *, check: bool = True) -> onnx.ModelProto:
@@ -41,8 +41,9 @@ def _value_info(name: str, info: TensorInfo) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(name, dtypes.ONNX[info.dtype], info.shape)
 
 
-def single_op_model(op_type: str, inputs: Mapping[str, np.ndarray],
-                    **attributes: Any) -> onnx.ModelProto:
+def single_op_model(
+    op_type: str, inputs: Mapping[str, np.ndarray], **attributes: Any
+) -> onnx.ModelProto:
     """A model made of one pytrt_kv node whose graph I/O carry the docs/SPEC.md names.
 
     Parameters
@@ -72,7 +73,7 @@ def single_op_model(op_type: str, inputs: Mapping[str, np.ndarray],
     (['key_cache_out'], b'nd', b'pytrt_kv')
     """
     op = specs.get_op(op_type)
-    infos: Dict[str, TensorInfo] = {}
+    infos: dict[str, TensorInfo] = {}
     for name, arr in inputs.items():
         if arr is None:
             continue
@@ -82,14 +83,21 @@ def single_op_model(op_type: str, inputs: Mapping[str, np.ndarray],
     attrs, outs = validate_node(op.name, infos, attributes, where=f"{op.name}: ")
     present = [t.name for t in op.inputs if t.name in infos]
     last = max(op.input_index(n) for n in present)
-    node_inputs: List[str] = [t.name if t.name in infos else "" for t in op.inputs[:last + 1]]
-    node = helper.make_node(op.name, node_inputs, list(outs), name=op.name,
-                            domain=specs.DOMAIN, **attrs)
+    node_inputs: list[str] = [t.name if t.name in infos else "" for t in op.inputs[: last + 1]]
+    node = helper.make_node(
+        op.name, node_inputs, list(outs), name=op.name, domain=specs.DOMAIN, **attrs
+    )
     graph = helper.make_graph(
-        [node], f"{op.name}_single",
+        [node],
+        f"{op.name}_single",
         [_value_info(n, infos[n]) for n in present],
-        [_value_info(n, info) for n, info in outs.items()])
-    model = helper.make_model(graph, opset_imports=[
-        helper.make_opsetid("", specs.ONNX_OPSET),
-        helper.make_opsetid(specs.DOMAIN, specs.DOMAIN_VERSION)])
+        [_value_info(n, info) for n, info in outs.items()],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[
+            helper.make_opsetid("", specs.ONNX_OPSET),
+            helper.make_opsetid(specs.DOMAIN, specs.DOMAIN_VERSION),
+        ],
+    )
     return finalize_model(model)

@@ -23,12 +23,12 @@ Example
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
-from pytrt_kv import dtypes, specs
-
-from . import schemas  # noqa: F401  (registers the schemas)
-from ._check import TensorInfo, validate_node
+from pytrt_kv.contract import dtypes, specs
+from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
+from pytrt_kv.graph.check import TensorInfo, validate_node
 
 
 def _torch():
@@ -37,7 +37,8 @@ def _torch():
     except ImportError as exc:  # pragma: no cover - exercised only without torch
         raise ImportError(
             "onnx_export.torch_export needs torch (>= 2.13) and onnxscript: "
-            "pip install 'pytrt-kv[torch]'") from exc
+            "pip install 'pytrt-kv[torch]'"
+        ) from exc
     return torch
 
 
@@ -73,54 +74,84 @@ def _from_numpy(a, like):
     return torch.from_numpy(a.copy()).to(like.device)
 
 
-def _call(op: specs.OpSpec, tensors: Dict[str, Any], attributes: Dict[str, Any]) -> Tuple:
+def _call(op: specs.OpSpec, tensors: dict[str, Any], attributes: dict[str, Any]) -> tuple:
     torch = _torch()
     infos = {k: _info(k, v) for k, v in tensors.items() if v is not None}
     attrs, outs = validate_node(op.name, infos, attributes, where=f"{op.name}: ")
     if torch.onnx.is_in_onnx_export():
         last = max(op.input_index(k) for k in infos)
-        inputs: List[Optional[Any]] = [tensors.get(t.name) for t in op.inputs[:last + 1]]
+        inputs: list[Any | None] = [tensors.get(t.name) for t in op.inputs[: last + 1]]
         out_dtypes = [getattr(torch, info.dtype) for info in outs.values()]
         out_shapes = []
-        for name, info in outs.items():
+        for name in outs:
             src = op.aliases.get(name)
             # Reuse the input's (possibly symbolic) shape so dynamic dims survive.
-            out_shapes.append(list(tensors[src].shape) if src else
-                              [tensors["selection_kv_block_table"].shape[0]])
-        return tuple(torch.onnx.ops.symbolic_multi_out(
-            f"{specs.DOMAIN}::{op.name}", inputs, attrs, dtypes=out_dtypes, shapes=out_shapes,
-            version=specs.DOMAIN_VERSION))
+            out_shapes.append(
+                list(tensors[src].shape) if src else [tensors["selection_kv_block_table"].shape[0]]
+            )
+        return tuple(
+            torch.onnx.ops.symbolic_multi_out(
+                f"{specs.DOMAIN}::{op.name}",
+                inputs,
+                attrs,
+                dtypes=out_dtypes,
+                shapes=out_shapes,
+                version=specs.DOMAIN_VERSION,
+            )
+        )
     return _eager(op, tensors, attrs, outs)
 
 
-def _eager(op, tensors, attrs, outs) -> Tuple:
+def _eager(op, tensors, attrs, outs) -> tuple:
     import numpy as np
 
     from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache
 
     x = {k: (None if v is None else _to_numpy(v)) for k, v in tensors.items()}
     if op is specs.SCATTER_PA_KV_CACHE:
-        scatter_pa_kv_cache(x["key"], x["value"], x["key_cache"], x["value_cache"],
-                            x["slot_mapping"], compress_lens=x["compress_lens"],
-                            compress_seq_offsets=x["compress_seq_offsets"],
-                            seq_lens=x["seq_lens"], cache_layout=attrs.get("cache_layout"),
-                            compress_mode=attrs.get("compress_mode"))
+        scatter_pa_kv_cache(
+            x["key"],
+            x["value"],
+            x["key_cache"],
+            x["value_cache"],
+            x["slot_mapping"],
+            compress_lens=x["compress_lens"],
+            compress_seq_offsets=x["compress_seq_offsets"],
+            seq_lens=x["seq_lens"],
+            cache_layout=attrs.get("cache_layout"),
+            compress_mode=attrs.get("compress_mode"),
+        )
         res = [x["key_cache"]] + ([x["value_cache"]] if x["value_cache"] is not None else [])
         like = [tensors["key_cache"], tensors["value_cache"]]
     else:
         actual = gather_selection_kv_cache(
             *(x[n] for n in op.input_names),
-            selection_topk_block_size=attrs["selection_topk_block_size"])
-        res = [x["selection_k_rope"], x["selection_kv_cache"], x["selection_kv_block_status"],
-               np.asarray(actual, np.int32)]
+            selection_topk_block_size=attrs["selection_topk_block_size"],
+        )
+        res = [
+            x["selection_k_rope"],
+            x["selection_kv_cache"],
+            x["selection_kv_block_status"],
+            np.asarray(actual, np.int32),
+        ]
         like = [tensors["selection_kv_cache"]] * 4
     return tuple(_from_numpy(a, t) for a, t in zip(res, like))
 
 
-def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
-                        compress_lens=None, compress_seq_offsets=None, seq_lens=None,
-                        cache_layout: Optional[str] = None, compress_mode: Optional[str] = None,
-                        alias_io: int = 1) -> Tuple:
+def scatter_pa_kv_cache(
+    key,
+    value,
+    key_cache,
+    value_cache,
+    slot_mapping,
+    *,
+    compress_lens=None,
+    compress_seq_offsets=None,
+    seq_lens=None,
+    cache_layout: str | None = None,
+    compress_mode: str | None = None,
+    alias_io: int = 1,
+) -> tuple:
     """ScatterPaKvCache (docs/SPEC.md S) as a functional torch op.
 
     Tensors as in the reference (``value``/``value_cache`` may be None). ``cache_layout``
@@ -131,22 +162,42 @@ def scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
     (key_cache_out,) or (key_cache_out, value_cache_out)
         New tensors; the inputs are not modified.
     """
-    attrs: Dict[str, Any] = {"alias_io": alias_io}
+    attrs: dict[str, Any] = {"alias_io": alias_io}
     if cache_layout is not None:
         attrs["cache_layout"] = cache_layout
     if compress_mode is not None:
         attrs["compress_mode"] = compress_mode
-    return _call(specs.SCATTER_PA_KV_CACHE, {
-        "key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
-        "slot_mapping": slot_mapping, "compress_lens": compress_lens,
-        "compress_seq_offsets": compress_seq_offsets, "seq_lens": seq_lens}, attrs)
+    return _call(
+        specs.SCATTER_PA_KV_CACHE,
+        {
+            "key": key,
+            "value": value,
+            "key_cache": key_cache,
+            "value_cache": value_cache,
+            "slot_mapping": slot_mapping,
+            "compress_lens": compress_lens,
+            "compress_seq_offsets": compress_seq_offsets,
+            "seq_lens": seq_lens,
+        },
+        attrs,
+    )
 
 
-def gather_selection_kv_cache(selection_k_rope, selection_kv_cache, selection_kv_block_table,
-                              selection_kv_block_status, selection_topk_indices, full_k_rope,
-                              full_kv_cache, full_kv_block_table, full_kv_actual_seq,
-                              full_q_actual_seq, *, selection_topk_block_size: int = 64,
-                              alias_io: int = 1) -> Tuple:
+def gather_selection_kv_cache(
+    selection_k_rope,
+    selection_kv_cache,
+    selection_kv_block_table,
+    selection_kv_block_status,
+    selection_topk_indices,
+    full_k_rope,
+    full_kv_cache,
+    full_kv_block_table,
+    full_kv_actual_seq,
+    full_q_actual_seq,
+    *,
+    selection_topk_block_size: int = 64,
+    alias_io: int = 1,
+) -> tuple:
     """GatherSelectionKvCache (docs/SPEC.md G) as a functional torch op.
 
     Returns
@@ -156,9 +207,20 @@ def gather_selection_kv_cache(selection_k_rope, selection_kv_cache, selection_kv
         The first three are updated copies of their inputs; the last is int32 ``[R]``.
     """
     names: Sequence[str] = specs.GATHER_SELECTION_KV_CACHE.input_names
-    vals = (selection_k_rope, selection_kv_cache, selection_kv_block_table,
-            selection_kv_block_status, selection_topk_indices, full_k_rope, full_kv_cache,
-            full_kv_block_table, full_kv_actual_seq, full_q_actual_seq)
-    return _call(specs.GATHER_SELECTION_KV_CACHE, dict(zip(names, vals)),
-                 {"selection_topk_block_size": selection_topk_block_size,
-                  "alias_io": alias_io})
+    vals = (
+        selection_k_rope,
+        selection_kv_cache,
+        selection_kv_block_table,
+        selection_kv_block_status,
+        selection_topk_indices,
+        full_k_rope,
+        full_kv_cache,
+        full_kv_block_table,
+        full_kv_actual_seq,
+        full_q_actual_seq,
+    )
+    return _call(
+        specs.GATHER_SELECTION_KV_CACHE,
+        dict(zip(names, vals)),
+        {"selection_topk_block_size": selection_topk_block_size, "alias_io": alias_io},
+    )

@@ -9,7 +9,7 @@ Importing this package needs only NumPy and ml_dtypes: TensorRT, torch, CUDA and
 are loaded lazily by the submodules that use them (``pytrt_kv.ops``, ``pytrt_kv.trt``).
 """
 
-from . import specs
+from .contract import specs
 from .reference import gather_selection_kv_cache, scatter_pa_kv_cache
 
 from .contract.limits import VERSION as __version__  # the one source of the version

@@ -9,16 +9,43 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 #: (subcommand, module, one-line help)
 SUBCOMMANDS = (
-    ("info", "pytrt_kv.info", "print versions and what is available (native libraries, TensorRT, GPU)"),
-    ("demo", "pytrt_kv.demo", "export the example sparse-attention decode model and run it step by step, verified"),
-    ("export-example", "onnx_export.example", "write the example model (ScatterPaKvCache + GatherSelectionKvCache) to an .onnx file"),
-    ("bench", "pytrt_kv.bench", "benchmark the CUDA kernels against same-run baselines (needs a GPU); `bench datadist`: block push over NIXL"),
-    ("build", "pytrt_kv.trt.cli_build", "build a TensorRT engine (plan) from an ONNX model; with TensorRT-RTX also without a GPU, for --target compute capabilities"),
-    ("prepare", "pytrt_kv.trt.cli_prepare", "rewrite pytrt_kv nodes into the TensorRT plugins' positional form (for polygraphy/trtexec)"),
+    (
+        "info",
+        "pytrt_kv.info",
+        "print versions and what is available (native libraries, TensorRT, GPU)",
+    ),
+    (
+        "demo",
+        "pytrt_kv.demo",
+        "export the example sparse-attention decode model and run it step by step, verified",
+    ),
+    (
+        "export-example",
+        "onnx_export.example",
+        "write the example model (ScatterPaKvCache + GatherSelectionKvCache) to an .onnx file",
+    ),
+    (
+        "bench",
+        "pytrt_kv.bench",
+        "benchmark the CUDA kernels against same-run baselines (needs a GPU); "
+        "`bench datadist`: block push over NIXL",
+    ),
+    (
+        "build",
+        "pytrt_kv.trt.cli_build",
+        "build a TensorRT engine (plan) from an ONNX model; with TensorRT-RTX also without a "
+        "GPU, for --target compute capabilities",
+    ),
+    (
+        "prepare",
+        "pytrt_kv.trt.cli_prepare",
+        "rewrite pytrt_kv nodes into the TensorRT plugins' positional form "
+        "(for polygraphy/trtexec)",
+    ),
 )
 
 
@@ -26,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pytrt-kv",
         description="Paged-KV-cache ops (ScatterPaKvCache, GatherSelectionKvCache) for "
-                    "TensorRT engines: reference, ONNX export, CPU runtime, kernels, plugins.")
+        "TensorRT engines: reference, ONNX export, CPU runtime, kernels, plugins.",
+    )
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"pytrt_kv {__version__}")
@@ -39,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(argv) if argv is not None else None)
     if not getattr(args, "_run", None):

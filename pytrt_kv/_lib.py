@@ -17,7 +17,6 @@ import json
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Dict, List, Optional
 
 #: Environment variable naming a folder searched before the package's own.
 LIB_DIR_ENV = "PYTRT_KV_LIB_DIR"
@@ -40,7 +39,7 @@ def _package_lib_dir() -> Path:
 DIST_NAME = "pytrt-kv"
 
 
-def installed_lib_dir() -> Optional[Path]:
+def installed_lib_dir() -> Path | None:
     """``lib`` folder of the installed ``pytrt-kv`` distribution, or None (not installed,
     or installed without libraries)."""
     from importlib import metadata
@@ -53,7 +52,7 @@ def installed_lib_dir() -> Optional[Path]:
     return path if path.is_dir() else None
 
 
-def search_dirs() -> List[Path]:
+def search_dirs() -> list[Path]:
     """Folders searched for the libraries, in order (see the module docstring)."""
     dirs = []
     env = os.environ.get(LIB_DIR_ENV)
@@ -67,7 +66,7 @@ def search_dirs() -> List[Path]:
     return dirs
 
 
-def build_info() -> Dict[str, str]:
+def build_info() -> dict[str, str]:
     """What the native build found (written by CMake at install time); {} if absent."""
     for d in search_dirs():
         f = d / "build_info.json"
@@ -79,7 +78,7 @@ def build_info() -> Dict[str, str]:
     return {}
 
 
-def find(filename: str) -> Optional[Path]:
+def find(filename: str) -> Path | None:
     """Path of ``filename`` in the search folders, or None."""
     for d in search_dirs():
         p = d / filename
@@ -102,9 +101,12 @@ def require(filename: str) -> Path:
         why = f" The plugins were not built: {info['no_plugins_reason']}."
     own = _package_lib_dir()
     if not own.is_dir():
-        why += (f" The imported pytrt_kv ({own.parent}) has no lib folder: it is a source "
-                f"tree, and no installed {DIST_NAME} with libraries was found.")
+        why += (
+            f" The imported pytrt_kv ({own.parent}) has no lib folder: it is a source "
+            f"tree, and no installed {DIST_NAME} with libraries was found."
+        )
     raise FileNotFoundError(
         f"{filename} not found; searched {searched}.{why} Reinstall with nvcc on PATH "
         f"(and -DTensorRT_INCLUDE_DIR for the plugins), or point {LIB_DIR_ENV} at a "
-        f"folder holding the library.")
+        f"folder holding the library."
+    )

@@ -22,42 +22,59 @@ import json
 import platform
 import statistics
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 #: Targets of issue 4 (H100/H200).
 TARGETS = {
     "scatter_large_copy_ratio": 0.90,  # >= 90% of same-run D2D copy bandwidth
-    "scatter_decode_us": 4.0,          # <= 4 us per call (<= 256 tokens)
-    "scatter_decode_vs_torch": 5.0,    # >= 5x faster than torch indexing
+    "scatter_decode_us": 4.0,  # <= 4 us per call (<= 256 tokens)
+    "scatter_decode_vs_torch": 5.0,  # >= 5x faster than torch indexing
     "gather_device_copy_ratio": 0.85,  # >= 85% of copy bandwidth
-    "gather_host_h2d_ratio": 0.80,     # >= 80% of pinned H2D memcpy bandwidth
-    "gather_reuse90_time_ratio": 0.15, # <= 0.15x of the no-reuse time
+    "gather_host_h2d_ratio": 0.80,  # >= 80% of pinned H2D memcpy bandwidth
+    "gather_reuse90_time_ratio": 0.15,  # <= 0.15x of the no-reuse time
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     # `pytrt-kv bench datadist`: block push over NIXL (pytrt_kv/datadist/bench.py).
-    parser.add_argument("what", nargs="?", choices=("kernels", "datadist"), default="kernels",
-                        help="kernels (default) or datadist: block push over NIXL, no GPU needed")
+    parser.add_argument(
+        "what",
+        nargs="?",
+        choices=("kernels", "datadist"),
+        default="kernels",
+        help="kernels (default) or datadist: block push over NIXL, no GPU needed",
+    )
     from .datadist import bench as datadist_bench
+
     datadist_bench.add_arguments(parser)
-    parser.add_argument("--op", choices=("scatter", "gather", "all"), default="all",
-                        help="which kernels to time (default all)")
-    parser.add_argument("--quick", action="store_true",
-                        help="fewer sizes and iterations (a smoke run, not for BENCHMARKS.md)")
-    parser.add_argument("--iters", type=int, default=200,
-                        help="calls per timed run (default 200)")
-    parser.add_argument("--warmup", type=int, default=20,
-                        help="untimed calls before each timed run (default 20)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="timed runs; the median is kept (default 5)")
-    parser.add_argument("--output", metavar="PATH",
-                        help="write the Markdown results (with device, driver, CUDA and date) "
-                             "to this file")
-    parser.add_argument("--json", metavar="PATH", help="write the raw results as JSON to "
-                                                       "this file")
-    parser.add_argument("--device", type=int, default=0,
-                        help="CUDA device index to run on (default 0)")
+    parser.add_argument(
+        "--op",
+        choices=("scatter", "gather", "all"),
+        default="all",
+        help="which kernels to time (default all)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer sizes and iterations (a smoke run, not for BENCHMARKS.md)",
+    )
+    parser.add_argument("--iters", type=int, default=200, help="calls per timed run (default 200)")
+    parser.add_argument(
+        "--warmup", type=int, default=20, help="untimed calls before each timed run (default 20)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed runs; the median is kept (default 5)"
+    )
+    parser.add_argument(
+        "--output",
+        metavar="PATH",
+        help="write the Markdown results (with device, driver, CUDA and date) to this file",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the raw results as JSON to this file")
+    parser.add_argument(
+        "--device", type=int, default=0, help="CUDA device index to run on (default 0)"
+    )
 
 
 class Timer:
@@ -90,6 +107,7 @@ class Timer:
             def body():
                 for _ in range(self.iters):
                     fn()
+
             return self._events(body) / self.iters
 
     def graph(self, fn: Callable[[], None], calls: int = 0) -> float:
@@ -110,20 +128,26 @@ class Timer:
         return per_replay / calls
 
 
-def _device_info(torch: Any, device: int) -> Dict[str, str]:
+def _device_info(torch: Any, device: int) -> dict[str, str]:
     from .info import cuda_devices
 
     props = torch.cuda.get_device_properties(device)
     _, driver = cuda_devices()
-    return {"device": props.name, "driver": driver, "cuda_torch": str(torch.version.cuda),
-            "torch": torch.__version__, "sms": str(props.multi_processor_count),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "python": platform.python_version()}
+    return {
+        "device": props.name,
+        "driver": driver,
+        "cuda_torch": str(torch.version.cuda),
+        "torch": torch.__version__,
+        "sms": str(props.multi_processor_count),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+    }
 
 
 # --- scatter -------------------------------------------------------------------------------
 
-def bench_scatter(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]:
+
+def bench_scatter(torch: Any, timer: Timer, quick: bool) -> list[dict[str, Any]]:
     from . import ops
 
     H, D, BS = 8, 128, 16
@@ -148,11 +172,19 @@ def bench_scatter(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]
             kflat.index_copy_(0, slots64, key)
             vflat.index_copy_(0, slots64, value)
 
-        r = {"op": "scatter nd bf16", "tokens": T, "heads": H, "dim": D, "bytes": moved,
-             "kernel_us": timer.eager(launch), "kernel_graph_us": timer.graph(launch),
-             "copy_us": timer.eager(lambda: dst.copy_(src)),
-             "copy_graph_us": timer.graph(lambda: dst.copy_(src)),
-             "torch_us": timer.eager(torch_index), "torch_graph_us": timer.graph(torch_index)}
+        r: dict[str, Any] = {
+            "op": "scatter nd bf16",
+            "tokens": T,
+            "heads": H,
+            "dim": D,
+            "bytes": moved,
+            "kernel_us": timer.eager(launch),
+            "kernel_graph_us": timer.graph(launch),
+            "copy_us": timer.eager(lambda: dst.copy_(src)),
+            "copy_graph_us": timer.graph(lambda: dst.copy_(src)),
+            "torch_us": timer.eager(torch_index),
+            "torch_graph_us": timer.graph(torch_index),
+        }
         r["copy_ratio"] = r["copy_graph_us"] / r["kernel_graph_us"]
         r["vs_torch"] = r["torch_graph_us"] / r["kernel_graph_us"]
         r["gbps"] = 2 * moved / r["kernel_graph_us"] / 1e3  # read + write
@@ -160,16 +192,21 @@ def bench_scatter(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]
             r["target"] = f"copy ratio >= {TARGETS['scatter_large_copy_ratio']:.2f}"
             r["met"] = r["copy_ratio"] >= TARGETS["scatter_large_copy_ratio"]
         elif T <= 256:
-            r["target"] = (f"<= {TARGETS['scatter_decode_us']} us and >= "
-                           f"{TARGETS['scatter_decode_vs_torch']:.0f}x torch")
-            r["met"] = (r["kernel_graph_us"] <= TARGETS["scatter_decode_us"]
-                        and r["vs_torch"] >= TARGETS["scatter_decode_vs_torch"])
+            r["target"] = (
+                f"<= {TARGETS['scatter_decode_us']} us and >= "
+                f"{TARGETS['scatter_decode_vs_torch']:.0f}x torch"
+            )
+            r["met"] = (
+                r["kernel_graph_us"] <= TARGETS["scatter_decode_us"]
+                and r["vs_torch"] >= TARGETS["scatter_decode_vs_torch"]
+            )
         rows.append(r)
         print(_line(r), flush=True)
     return rows
 
 
 # --- gather --------------------------------------------------------------------------------
+
 
 def _gather_buffers(torch: Any, *, rows_bs: int, K: int, kv: int, rope: int, host: bool):
     """Caches and tables of a decode-like gather (TBS 1, kv_len 8*K per row). Contents are
@@ -190,8 +227,18 @@ def _gather_buffers(torch: Any, *, rows_bs: int, K: int, kv: int, rope: int, hos
     full_table = torch.randperm(fbn, device="cuda").to(torch.int32).view(B, fmax)
     kv_lens = torch.full((B,), kv_len, dtype=torch.int32, device="cuda")
     q_lens = torch.ones(B, dtype=torch.int32, device="cuda")
-    return [sel_rope, sel_kv, sel_table, None, None, full_rope, full_kv, full_table,
-            kv_lens, q_lens], kv_len
+    return [
+        sel_rope,
+        sel_kv,
+        sel_table,
+        None,
+        None,
+        full_rope,
+        full_kv,
+        full_table,
+        kv_lens,
+        q_lens,
+    ], kv_len
 
 
 def _topk_pair(torch: Any, rows_bs: int, K: int, kv_len: int, overlap: float, seed: int = 0):
@@ -202,19 +249,22 @@ def _topk_pair(torch: Any, rows_bs: int, K: int, kv_len: int, overlap: float, se
     keep = int(round(overlap * K))
     tops = [torch.empty(rows_bs, 1, 1, K, dtype=torch.int32) for _ in range(2)]
     for b in range(rows_bs):
-        perm = torch.randperm(kv_len - 1, generator=g)[:2 * K - keep].to(torch.int32)
-        shared, a_only, b_only = perm[:keep], perm[keep:K], perm[K:2 * K - keep]
+        perm = torch.randperm(kv_len - 1, generator=g)[: 2 * K - keep].to(torch.int32)
+        shared, a_only, b_only = perm[:keep], perm[keep:K], perm[K : 2 * K - keep]
         tops[0][b, 0, 0] = torch.cat([shared, a_only])[torch.randperm(K, generator=g)]
         tops[1][b, 0, 0] = torch.cat([shared, b_only])[torch.randperm(K, generator=g)]
     return [t.cuda() for t in tops]
 
 
-def bench_gather(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]:
+def bench_gather(torch: Any, timer: Timer, quick: bool) -> list[dict[str, Any]]:
     from . import ops
 
     K, kv, rope = 2048, 512, 64
-    configs = [(4, False), (16, False), (16, True)] if quick else \
-        [(1, False), (4, False), (16, False), (64, False), (4, True), (16, True), (64, True)]
+    configs = (
+        [(4, False), (16, False), (16, True)]
+        if quick
+        else [(1, False), (4, False), (16, False), (64, False), (4, True), (16, True), (64, True)]
+    )
     rows = []
     for rows_bs, host in configs:
         no_reuse_us = None
@@ -222,7 +272,7 @@ def bench_gather(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]:
         # Time against overlap shows whether the work is proportional to the misses: with
         # the miss list, the time should fall about like (1 - overlap) down to the fixed
         # cost of the two launches (vs_no_reuse beside the ideal 1 - overlap).
-        for overlap in ((0.0, 0.9) if quick else (0.0, 0.5, 0.9, 0.99)):
+        for overlap in (0.0, 0.9) if quick else (0.0, 0.5, 0.9, 0.99):
             tops = _topk_pair(torch, rows_bs, K, kv_len, overlap)
             args[3] = torch.full((rows_bs, 1, 1, K + 1), -1, dtype=torch.int32, device="cuda")
             out = torch.empty(rows_bs, dtype=torch.int32, device="cuda")
@@ -230,16 +280,23 @@ def bench_gather(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]:
             for t in tops:
                 a = list(args)
                 a[4] = t
-                launches.append(ops.prepare_gather(*a, selection_topk_block_size=1,
-                                                   stream=timer.stream, out=out))
+                launches.append(
+                    ops.prepare_gather(
+                        *a, selection_topk_block_size=1, stream=timer.stream, out=out
+                    )
+                )
             state = {"i": 0}
 
             def alternate():
                 launches[state["i"] & 1]()
                 state["i"] += 1
 
-            r = {"op": f"gather {'host' if host else 'device'} bf16", "rows": rows_bs, "K": K,
-                 "overlap": overlap}
+            r: dict[str, Any] = {
+                "op": f"gather {'host' if host else 'device'} bf16",
+                "rows": rows_bs,
+                "K": K,
+                "overlap": overlap,
+            }
             r["kernel_us"] = timer.eager(alternate)
             r["kernel_graph_us"] = timer.graph(alternate, calls=20)
             copied = K - int(round(overlap * K))  # tokens copied per row and call
@@ -249,9 +306,11 @@ def bench_gather(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]:
             r["gbps"] = moved / r["kernel_graph_us"] / 1e3
             if overlap == 0.0:
                 no_reuse_us = r["kernel_graph_us"]
-                src = torch.empty(moved, dtype=torch.uint8,
-                                  pin_memory=True) if host else torch.empty(
-                    moved, dtype=torch.uint8, device="cuda")
+                src = (
+                    torch.empty(moved, dtype=torch.uint8, pin_memory=True)
+                    if host
+                    else torch.empty(moved, dtype=torch.uint8, device="cuda")
+                )
                 dst = torch.empty(moved, dtype=torch.uint8, device="cuda")
                 r["copy_us"] = timer.eager(lambda: dst.copy_(src, non_blocking=True))
                 r["copy_graph_us"] = timer.graph(lambda: dst.copy_(src, non_blocking=True))
@@ -260,8 +319,7 @@ def bench_gather(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]:
                     full_kv = args[6].view(-1, kv)
                     full_rope = args[5].view(-1, rope)
                     sel_kv, sel_rope = args[1].view(-1, kv), args[0].view(-1, rope)
-                    src_rows = torch.randint(0, full_kv.shape[0], (rows_bs * K,),
-                                             device="cuda")
+                    src_rows = torch.randint(0, full_kv.shape[0], (rows_bs * K,), device="cuda")
                     dst_rows = torch.arange(rows_bs * K, device="cuda")
 
                     def torch_index():
@@ -287,6 +345,7 @@ def bench_gather(torch: Any, timer: Timer, quick: bool) -> List[Dict[str, Any]]:
 
 # --- report --------------------------------------------------------------------------------
 
+
 def _fmt(v: Any) -> str:
     if isinstance(v, bool):
         return "yes" if v else "**NO**"
@@ -295,32 +354,60 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _line(r: Dict[str, Any]) -> str:
+def _line(r: dict[str, Any]) -> str:
     return "  ".join(f"{k}={_fmt(v)}" for k, v in r.items())
 
 
 _COLUMNS = {
-    "scatter": ["tokens", "kernel_us", "kernel_graph_us", "copy_graph_us", "torch_graph_us",
-                "gbps", "copy_ratio", "vs_torch", "target", "met"],
-    "gather": ["op", "rows", "K", "overlap", "kernel_us", "kernel_graph_us", "gbps",
-               "copy_graph_us", "copy_ratio", "torch_graph_us", "vs_torch", "copied_tokens",
-               "vs_no_reuse", "ideal_vs_no_reuse",
-               "target", "met"],
+    "scatter": [
+        "tokens",
+        "kernel_us",
+        "kernel_graph_us",
+        "copy_graph_us",
+        "torch_graph_us",
+        "gbps",
+        "copy_ratio",
+        "vs_torch",
+        "target",
+        "met",
+    ],
+    "gather": [
+        "op",
+        "rows",
+        "K",
+        "overlap",
+        "kernel_us",
+        "kernel_graph_us",
+        "gbps",
+        "copy_graph_us",
+        "copy_ratio",
+        "torch_graph_us",
+        "vs_torch",
+        "copied_tokens",
+        "vs_no_reuse",
+        "ideal_vs_no_reuse",
+        "target",
+        "met",
+    ],
 }
 
 
-def markdown(info: Dict[str, str], results: Dict[str, List[Dict[str, Any]]]) -> str:
-    lines = [f"### {info['device']} ({info['sms']} SMs), {info['driver']}, torch "
-             f"{info['torch']} (CUDA {info['cuda_torch']}), {info['date']}", ""]
-    lines.append("Times are microseconds per call (median of repeats); `*_graph_us` from CUDA "
-                 "graph replay. gbps = bytes read+written (scatter) or gathered / time. "
-                 "copy_ratio = copy time / kernel time for the same bytes.")
+def markdown(info: dict[str, str], results: dict[str, list[dict[str, Any]]]) -> str:
+    lines = [
+        f"### {info['device']} ({info['sms']} SMs), {info['driver']}, torch "
+        f"{info['torch']} (CUDA {info['cuda_torch']}), {info['date']}",
+        "",
+    ]
+    lines.append(
+        "Times are microseconds per call (median of repeats); `*_graph_us` from CUDA "
+        "graph replay. gbps = bytes read+written (scatter) or gathered / time. "
+        "copy_ratio = copy time / kernel time for the same bytes."
+    )
     for op, rows in results.items():
         if not rows:
             continue
         cols = _COLUMNS[op]
-        lines += ["", f"#### {op}", "", "| " + " | ".join(cols) + " |",
-                  "|" + "---|" * len(cols)]
+        lines += ["", f"#### {op}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in rows:
             lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
     return "\n".join(lines) + "\n"
@@ -329,24 +416,28 @@ def markdown(info: Dict[str, str], results: Dict[str, List[Dict[str, Any]]]) -> 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "what", "kernels") == "datadist":
         from .datadist import bench as datadist_bench
+
         return datadist_bench.run(args)
     try:
         import torch
     except ImportError:
         raise RuntimeError("pytrt-kv bench needs torch with CUDA (pip install torch)") from None
     if not torch.cuda.is_available():
-        raise RuntimeError("pytrt-kv bench needs a CUDA GPU (torch.cuda.is_available() is "
-                           "False)")
+        raise RuntimeError("pytrt-kv bench needs a CUDA GPU (torch.cuda.is_available() is False)")
     from . import _cuda
 
     _cuda.kernels()  # the library's own error if it is missing
     torch.cuda.set_device(args.device)
     iters = 20 if args.quick else args.iters
-    timer = Timer(torch, iters=iters, warmup=3 if args.quick else args.warmup,
-                  repeats=3 if args.quick else args.repeats)
+    timer = Timer(
+        torch,
+        iters=iters,
+        warmup=3 if args.quick else args.warmup,
+        repeats=3 if args.quick else args.repeats,
+    )
     info = _device_info(torch, args.device)
     print(f"pytrt-kv bench on {info['device']} ({info['driver']}), {info['date']}")
-    results: Dict[str, List[Dict[str, Any]]] = {"scatter": [], "gather": []}
+    results: dict[str, list[dict[str, Any]]] = {"scatter": [], "gather": []}
     if args.op in ("scatter", "all"):
         results["scatter"] = bench_scatter(torch, timer, args.quick)
     if args.op in ("gather", "all"):
@@ -362,12 +453,15 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"info": info, "results": results}, f, indent=1)
     missed = [r for rows in results.values() for r in rows if r.get("met") is False]
     if missed:
-        print(f"{len(missed)} target(s) missed (see the 'met' column); targets are goals "
-              f"for BENCHMARKS.md, not a failure of the run.", file=sys.stderr)
+        print(
+            f"{len(missed)} target(s) missed (see the 'met' column); targets are goals "
+            f"for BENCHMARKS.md, not a failure of the run.",
+            file=sys.stderr,
+        )
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pytrt-kv bench", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))

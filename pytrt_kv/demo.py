@@ -21,7 +21,6 @@ import math
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -36,14 +35,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from onnx_export.example import add_size_arguments
 
     parser.add_argument("--steps", type=int, default=6, help="decode steps (default 6)")
-    parser.add_argument("--prompt-len", type=int, default=5,
-                        help="tokens already cached before the first step (default 5; "
-                             "batch b starts with prompt_len + b)")
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=5,
+        help="tokens already cached before the first step (default 5; "
+        "batch b starts with prompt_len + b)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--model", default=None,
-                        help="where to write the example .onnx (default: a temporary file)")
-    parser.add_argument("--no-trt", action="store_true",
-                        help="do not run the TensorRT engine even where it is available")
+    parser.add_argument(
+        "--model", default=None, help="where to write the example .onnx (default: a temporary file)"
+    )
+    parser.add_argument(
+        "--no-trt",
+        action="store_true",
+        help="do not run the TensorRT engine even where it is available",
+    )
     add_size_arguments(parser)
 
 
@@ -55,9 +62,9 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(_bits(a), _bits(b)))
 
 
-def initial_state(sizes, prompt_len: int, rng: np.random.Generator) -> Dict[str, np.ndarray]:
+def initial_state(sizes, prompt_len: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Caches and tables before the first decode step (prompt already in the full cache)."""
-    from pytrt_kv import dtypes
+    from pytrt_kv.contract import dtypes
 
     z = sizes
     cdt = dtypes.numpy_dtype(z.dtype)
@@ -65,23 +72,28 @@ def initial_state(sizes, prompt_len: int, rng: np.random.Generator) -> Dict[str,
     return {
         "full_kv_cache": rng.standard_normal((z.num_blocks, z.block_size, 1, z.kv_dim)).astype(cdt),
         "full_k_rope": rng.standard_normal((z.num_blocks, z.block_size, 1, z.rope_dim)).astype(cdt),
-        "full_kv_block_table": rng.permutation(z.num_blocks)[:B * FMAX].reshape(B, FMAX)
+        "full_kv_block_table": rng.permutation(z.num_blocks)[: B * FMAX]
+        .reshape(B, FMAX)
         .astype(np.int32),
         "kv_len": np.array([prompt_len + b for b in range(B)], np.int32),
-        "selection_k_rope": np.full((z.selection_num_blocks, z.selection_block_size, z.rope_dim),
-                                    SENTINEL, cdt),
-        "selection_kv_cache": np.full((z.selection_num_blocks, z.selection_block_size, z.kv_dim),
-                                      SENTINEL, cdt),
-        "selection_kv_block_table": rng.permutation(z.selection_num_blocks).reshape(B, SMAX)
+        "selection_k_rope": np.full(
+            (z.selection_num_blocks, z.selection_block_size, z.rope_dim), SENTINEL, cdt
+        ),
+        "selection_kv_cache": np.full(
+            (z.selection_num_blocks, z.selection_block_size, z.kv_dim), SENTINEL, cdt
+        ),
+        "selection_kv_block_table": rng.permutation(z.selection_num_blocks)
+        .reshape(B, SMAX)
         .astype(np.int32),
         "selection_kv_block_status": np.full((B, 1, 1, z.topk + 1), -1, np.int32),
     }
 
 
-def step_feeds(sizes, state: Dict[str, np.ndarray], rng: np.random.Generator
-               ) -> Dict[str, np.ndarray]:
+def step_feeds(
+    sizes, state: dict[str, np.ndarray], rng: np.random.Generator
+) -> dict[str, np.ndarray]:
     """Feeds of the next decode step: one new token per sequence at position kv_len."""
-    from pytrt_kv import dtypes
+    from pytrt_kv.contract import dtypes
 
     z = sizes
     cdt = dtypes.numpy_dtype(z.dtype)
@@ -109,7 +121,7 @@ def step_feeds(sizes, state: Dict[str, np.ndarray], rng: np.random.Generator
     }
 
 
-def expected_step(sizes, feeds: Dict[str, np.ndarray]) -> Dict[str, object]:
+def expected_step(sizes, feeds: dict[str, np.ndarray]) -> dict[str, object]:
     """The step computed directly in NumPy, without the reference gather or the graph.
 
     Returns the updated full caches, per batch the set of selected positions (top-K of
@@ -124,30 +136,35 @@ def expected_step(sizes, feeds: Dict[str, np.ndarray]) -> Dict[str, object]:
         full_kv[slot // fbs, slot % fbs, 0] = feeds["kv"][b, 0]
         full_rope[slot // fbs, slot % fbs, 0] = feeds["k_rope"][b, 0]
     table = feeds["full_kv_block_table"]
-    selected: List[List[int]] = []
+    selected: list[list[int]] = []
     attn = np.zeros((z.batch, z.heads, z.kv_dim), np.float32)
     for b in range(z.batch):
         n = int(feeds["full_kv_actual_seq"][b])
         p = np.arange(n)
-        tok = full_kv[table[b, p // fbs], p % fbs, 0].astype(np.float32)      # [n, KV]
-        rope = full_rope[table[b, p // fbs], p % fbs, 0].astype(np.float32)   # [n, R]
+        tok = full_kv[table[b, p // fbs], p % fbs, 0].astype(np.float32)  # [n, KV]
+        rope = full_rope[table[b, p // fbs], p % fbs, 0].astype(np.float32)  # [n, R]
         score = tok @ feeds["index_q"][b].astype(np.float32)
-        top = np.argsort(-score, kind="stable")[:z.topk]
+        top = np.argsort(-score, kind="stable")[: z.topk]
         selected.append(sorted(int(t) for t in top))
-        logits = (feeds["q_nope"][b].astype(np.float32) @ tok[top].T
-                  + feeds["q_rope"][b].astype(np.float32) @ rope[top].T) / math.sqrt(
-                      z.kv_dim + z.rope_dim)
+        logits = (
+            feeds["q_nope"][b].astype(np.float32) @ tok[top].T
+            + feeds["q_rope"][b].astype(np.float32) @ rope[top].T
+        ) / math.sqrt(z.kv_dim + z.rope_dim)
         w = np.exp(logits - logits.max(axis=-1, keepdims=True))
         w /= w.sum(axis=-1, keepdims=True)
         attn[b] = w @ tok[top]
-    return {"full_kv_cache_out": full_kv, "full_k_rope_out": full_rope,
-            "selected": selected, "attn_out": attn}
+    return {
+        "full_kv_cache_out": full_kv,
+        "full_k_rope_out": full_rope,
+        "selected": selected,
+        "attn_out": attn,
+    }
 
 
-def verify_step(sizes, feeds, out, exp) -> Tuple[List[str], Dict[str, object]]:
+def verify_step(sizes, feeds, out, exp) -> tuple[list[str], dict[str, object]]:
     """Compare one step's outputs with :func:`expected_step`; returns (failures, stats)."""
     z = sizes
-    fails: List[str] = []
+    fails: list[str] = []
     for name in ("full_kv_cache_out", "full_k_rope_out"):
         if not _same(out[name], exp[name]):
             fails.append(f"{name} differs from the NumPy write of the new token")
@@ -158,28 +175,35 @@ def verify_step(sizes, feeds, out, exp) -> Tuple[List[str], Dict[str, object]]:
     kept = copied = 0
     for b in range(z.batch):
         n = len(exp["selected"][b])
-        ids = status[b, :z.topk]
+        ids = status[b, : z.topk]
         if sorted(ids[:n].tolist()) != exp["selected"][b] or (ids[n:] != -1).any():
-            fails.append(f"batch {b}: selected {ids.tolist()}, expected the set "
-                         f"{exp['selected'][b]}")
+            fails.append(
+                f"batch {b}: selected {ids.tolist()}, expected the set {exp['selected'][b]}"
+            )
         if int(actual[b]) != n or int(status[b, z.topk]) != n:
-            fails.append(f"batch {b}: selection_kv_actual_seq {int(actual[b])}, status[K] "
-                         f"{int(status[b, z.topk])}, expected {n}")
+            fails.append(
+                f"batch {b}: selection_kv_actual_seq {int(actual[b])}, status[K] "
+                f"{int(status[b, z.topk])}, expected {n}"
+            )
         for j in range(z.topk):
             q = j  # TBS = 1: slot j holds one token
             blk = feeds["selection_kv_block_table"][b, q // z.selection_block_size]
             row = (blk, q % z.selection_block_size)
-            for cache, full in (("selection_kv_cache", "full_kv_cache_out"),
-                                ("selection_k_rope", "full_k_rope_out")):
+            for cache, full in (
+                ("selection_kv_cache", "full_kv_cache_out"),
+                ("selection_k_rope", "full_k_rope_out"),
+            ):
                 got = out[cache + "_out"][row]
                 if j < n and ids[j] >= 0:
                     p = int(ids[j])
                     want = exp[full][table[b, p // z.block_size], p % z.block_size, 0]
                 else:
-                    want = feeds[cache][row]   # unused slot: untouched
+                    want = feeds[cache][row]  # unused slot: untouched
                 if not _same(got, want):
-                    fails.append(f"batch {b}: {cache} slot {j} does not hold "
-                                 f"{'token ' + str(int(ids[j])) if j < n else 'its old bytes'}")
+                    fails.append(
+                        f"batch {b}: {cache} slot {j} does not hold "
+                        f"{'token ' + str(int(ids[j])) if j < n else 'its old bytes'}"
+                    )
         same_slot = (ids[:n] == old_status[b, :n]) & (ids[:n] >= 0)
         kept += int(same_slot.sum())
         copied += n - int(same_slot.sum())
@@ -195,11 +219,13 @@ def _print_native_notice() -> None:
 
     info = _lib.build_info()
     if info.get("cuda") == "OFF":
-        print(f"GPU kernels: not built ({info.get('no_cuda_reason', '?')}); put nvcc on PATH "
-              "and reinstall to get pytrt_kv.ops and the TensorRT plugins (`pytrt-kv info`)")
+        print(
+            f"GPU kernels: not built ({info.get('no_cuda_reason', '?')}); put nvcc on PATH "
+            "and reinstall to get pytrt_kv.ops and the TensorRT plugins (`pytrt-kv info`)"
+        )
 
 
-def _trt_compare(onnx_path: Path, feeds_list, cpu_outputs) -> Tuple[str, List[str]]:
+def _trt_compare(onnx_path: Path, feeds_list, cpu_outputs) -> tuple[str, list[str]]:
     """('' or the reason TensorRT was not used, failures)."""
     try:
         from pytrt_kv import trt as pytrt_trt
@@ -210,7 +236,7 @@ def _trt_compare(onnx_path: Path, feeds_list, cpu_outputs) -> Tuple[str, List[st
     if reason:
         return reason, []
     results = pytrt_trt.run_model_steps(str(onnx_path), feeds_list)
-    fails: List[str] = []
+    fails: list[str] = []
     for i, (got, want) in enumerate(zip(results, cpu_outputs), start=1):
         for name, w in want.items():
             g = np.asarray(got[name])
@@ -235,8 +261,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps: expected >= 1, got {args.steps}")
     last = args.prompt_len + z.batch - 1 + args.steps
     if args.prompt_len < 0 or last > z.max_tokens:
-        raise ValueError(f"--prompt-len/--steps: expected prompt_len + batch - 1 + steps <= "
-                         f"max_blocks_per_seq * block_size = {z.max_tokens}, got {last}")
+        raise ValueError(
+            f"--prompt-len/--steps: expected prompt_len + batch - 1 + steps <= "
+            f"max_blocks_per_seq * block_size = {z.max_tokens}, got {last}"
+        )
     tmp = None
     if args.model:
         from onnx_export.example import output_path
@@ -250,17 +278,23 @@ def run(args: argparse.Namespace) -> int:
         onnx.save(model, str(path))
         onnx.checker.check_model(str(path), full_check=True)
         custom = sum(n.domain == "pytrt_kv" for n in model.graph.node)
-        print(f"exported {path}: {len(model.graph.node)} nodes ({custom} pytrt_kv), "
-              f"onnx.checker full_check passed")
-        print(f"sizes: B={z.batch} Hq={z.heads} KV={z.kv_dim} R={z.rope_dim} NB={z.num_blocks} "
-              f"FBS={z.block_size} FMAX={z.max_blocks_per_seq} K={z.topk} "
-              f"SBS={z.selection_block_size} dtype={z.dtype}")
+        print(
+            f"exported {path}: {len(model.graph.node)} nodes ({custom} pytrt_kv), "
+            f"onnx.checker full_check passed"
+        )
+        print(
+            f"sizes: B={z.batch} Hq={z.heads} KV={z.kv_dim} R={z.rope_dim} NB={z.num_blocks} "
+            f"FBS={z.block_size} FMAX={z.max_blocks_per_seq} K={z.topk} "
+            f"SBS={z.selection_block_size} dtype={z.dtype}"
+        )
         rng = np.random.default_rng(args.seed)
         state = initial_state(z, args.prompt_len, rng)
         evaluator = runtime.make_evaluator(model)
-        print(f"{'step':>4} | {'kv_len':>12} | {'selected':>8} | {'kept in place':>13} | "
-              f"{'copied':>6} | {'max |attn err|':>14} | result")
-        all_fails: List[str] = []
+        print(
+            f"{'step':>4} | {'kv_len':>12} | {'selected':>8} | {'kept in place':>13} | "
+            f"{'copied':>6} | {'max |attn err|':>14} | result"
+        )
+        all_fails: list[str] = []
         feeds_list, cpu_outputs = [], []
         for step in range(1, args.steps + 1):
             feeds = step_feeds(z, state, rng)
@@ -274,8 +308,10 @@ def run(args: argparse.Namespace) -> int:
             fails, st = verify_step(z, feeds, out, exp)
             n_sel = int(out["selection_kv_actual_seq"].sum())
             kv = ",".join(str(int(v)) for v in feeds["full_kv_actual_seq"])
-            print(f"{step:>4} | {kv:>12} | {n_sel:>8} | {st['kept']:>13} | {st['copied']:>6} | "
-                  f"{st['err']:>14.3g} | {'ok' if not fails else 'FAILED'}")
+            print(
+                f"{step:>4} | {kv:>12} | {n_sel:>8} | {st['kept']:>13} | {st['copied']:>6} | "
+                f"{st['err']:>14.3g} | {'ok' if not fails else 'FAILED'}"
+            )
             for f in fails:
                 print(f"       step {step}: {f}")
             all_fails += fails
@@ -287,13 +323,18 @@ def run(args: argparse.Namespace) -> int:
             state = {**state, "kv_len": feeds["full_kv_actual_seq"]}
             for src, dst in CACHE_OUTPUTS.items():
                 state[src] = out[dst]
-        reason = "disabled by --no-trt" if args.no_trt else (
-            "not run: the CPU steps failed" if all_fails else None)
+        reason = (
+            "disabled by --no-trt"
+            if args.no_trt
+            else ("not run: the CPU steps failed" if all_fails else None)
+        )
         if reason is None:
             reason, trt_fails = _trt_compare(path, feeds_list, cpu_outputs)
             if not reason:
-                print(f"TensorRT engine: {len(feeds_list)} steps "
-                      f"{'match the CPU runtime' if not trt_fails else 'DIFFER'}")
+                print(
+                    f"TensorRT engine: {len(feeds_list)} steps "
+                    f"{'match the CPU runtime' if not trt_fails else 'DIFFER'}"
+                )
                 for f in trt_fails:
                     print(f"       {f}")
                 all_fails += trt_fails

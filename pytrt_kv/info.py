@@ -6,19 +6,30 @@ import argparse
 import ctypes
 import importlib
 import platform
-from typing import Dict, List, Tuple
 
 from . import _lib
 
-_PACKAGES = ("numpy", "ml_dtypes", "onnx", "onnx_graphsurgeon", "onnxruntime", "polygraphy",
-             "onnxscript", "torch", "cupy", "cuda", "tensorrt", "tensorrt_rtx")
+_PACKAGES = (
+    "numpy",
+    "ml_dtypes",
+    "onnx",
+    "onnx_graphsurgeon",
+    "onnxruntime",
+    "polygraphy",
+    "onnxscript",
+    "torch",
+    "cupy",
+    "cuda",
+    "tensorrt",
+    "tensorrt_rtx",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     del parser  # no options
 
 
-def package_versions() -> Dict[str, str]:
+def package_versions() -> dict[str, str]:
     out = {}
     for name in _PACKAGES:
         try:
@@ -29,7 +40,7 @@ def package_versions() -> Dict[str, str]:
         ver = getattr(mod, "__version__", None)
         if ver is None and name == "cuda":
             try:
-                from cuda import bindings  # type: ignore
+                from cuda import bindings
 
                 ver = bindings.__version__
             except Exception:
@@ -43,7 +54,7 @@ def package_versions() -> Dict[str, str]:
 NO_GPU = "no CUDA driver / GPU"
 
 
-def cuda_devices() -> Tuple[List[str], str]:
+def cuda_devices() -> tuple[list[str], str]:
     """Names of the CUDA GPUs, through the driver API alone (no toolkit needed), and a
     one-line detail: the driver version, or why there is no GPU (starting with
     :data:`NO_GPU`)."""
@@ -53,8 +64,11 @@ def cuda_devices() -> Tuple[List[str], str]:
         return [], f"{NO_GPU}: libcuda.so.1 (the NVIDIA driver) not found"
     rc = cuda.cuInit(0)
     if rc != 0:
-        return [], f"{NO_GPU}: the driver is installed but cuInit failed with CUresult " \
-                   f"{rc} (no usable GPU)"
+        return (
+            [],
+            f"{NO_GPU}: the driver is installed but cuInit failed with CUresult "
+            f"{rc} (no usable GPU)",
+        )
     count = ctypes.c_int(0)
     if cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
         return [], f"{NO_GPU}: cuDeviceGetCount failed"
@@ -86,9 +100,19 @@ def run(args: argparse.Namespace) -> int:
     info = _lib.build_info()
     if info:
         cuda = info.get("cuda") == "ON"
-        print(f"  built with CUDA    {'yes, ' + info.get('cuda_version', '') + ' for ' + info.get('cuda_architectures', '') if cuda else 'no: ' + info.get('no_cuda_reason', '')}")
+        built = (
+            f"yes, {info.get('cuda_version', '')} for {info.get('cuda_architectures', '')}"
+            if cuda
+            else f"no: {info.get('no_cuda_reason', '')}"
+        )
+        print(f"  built with CUDA    {built}")
         plugins = info.get("plugins") == "ON"
-        print(f"  TensorRT plugins   {'yes (headers ' + info.get('tensorrt_version', '?') + ')' if plugins else 'no: ' + info.get('no_plugins_reason', '')}")
+        built = (
+            f"yes (headers {info.get('tensorrt_version', '?')})"
+            if plugins
+            else f"no: {info.get('no_plugins_reason', '')}"
+        )
+        print(f"  TensorRT plugins   {built}")
     else:
         print("  no build record (package not installed through its CMake build)")
     for lib in (_lib.KERNELS_LIB, _lib.PLUGINS_LIB, _lib.PLUGINS_AUTOREG_LIB):
@@ -97,16 +121,23 @@ def run(args: argparse.Namespace) -> int:
     own = _lib._package_lib_dir()
     if not own.is_dir():
         installed = _lib.installed_lib_dir()
-        print(f"  note: pytrt_kv is imported from the source tree {own.parent}; "
-              + (f"libraries come from the installed distribution ({installed})" if installed
-                 else f"no installed {_lib.DIST_NAME} with libraries was found"))
+        print(
+            f"  note: pytrt_kv is imported from the source tree {own.parent}; "
+            + (
+                f"libraries come from the installed distribution ({installed})"
+                if installed
+                else f"no installed {_lib.DIST_NAME} with libraries was found"
+            )
+        )
 
     print("\nTensorRT flavours (engines: pytrt-kv build):")
     from .trt._tensorrt import installed_flavours
 
     for flavour, state in installed_flavours().items():
         label = "TensorRT-RTX" if flavour == "rtx" else "TensorRT"
-        extra = " (builds without a GPU: --target)" if flavour == "rtx" and state[:1].isdigit() else ""
+        extra = (
+            " (builds without a GPU: --target)" if flavour == "rtx" and state[:1].isdigit() else ""
+        )
         print(f"  {label:<18} {state}{extra}")
 
     print("\nGPU:")
@@ -115,5 +146,8 @@ def run(args: argparse.Namespace) -> int:
     for i, n in enumerate(names):
         print(f"  cuda:{i} {n}")
     if not names:
-        print("  none: the reference, ONNX export and CPU runtime work; kernels and engines need a GPU")
+        print(
+            "  none: the reference, ONNX export and CPU runtime work; kernels and engines "
+            "need a GPU"
+        )
     return 0

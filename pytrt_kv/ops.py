@@ -42,34 +42,43 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Any, Dict, Optional
+from typing import Any
 
 import numpy as np
 
 from . import _cuda
 from ._cuda import Buffer
-from ._alias import buffer_range, check_no_alias
-from ._errors import describe, value_error
-from ._gather import GATHER_WRITTEN, check_gather, check_gather_values
-from ._scatter import SCATTER_WRITTEN, check_scatter, check_scatter_values
+from .contract.alias import buffer_range, check_no_alias
+from .contract.errors import describe, value_error
+from .contract.gather import GATHER_WRITTEN, check_gather, check_gather_values
+from .contract.scatter import SCATTER_WRITTEN, check_scatter, check_scatter_values
 
-__all__ = ["scatter_pa_kv_cache", "gather_selection_kv_cache", "gather_workspace_size",
-           "prepare_scatter", "prepare_gather", "Launch"]
+__all__ = [
+    "scatter_pa_kv_cache",
+    "gather_selection_kv_cache",
+    "gather_workspace_size",
+    "prepare_scatter",
+    "prepare_gather",
+    "Launch",
+]
 
 _WORKSPACES = _cuda.WorkspaceCache()
 
 
-def _buffers(named: Dict[str, Any]) -> Dict[str, Optional[Buffer]]:
+def _buffers(named: dict[str, Any]) -> dict[str, Buffer | None]:
     return {k: (None if v is None else _cuda.buffer(k, v)) for k, v in named.items()}
 
 
-def _place(bufs: Dict[str, Optional[Buffer]], host_ok: tuple = ()) -> int:
+def _place(bufs: dict[str, Buffer | None], host_ok: tuple = ()) -> int:
     """Check contiguity and memory placement; return the device of the call."""
     for name, buf in bufs.items():
         if buf is not None and not buf.contiguous:
-            raise value_error(name, "a C-contiguous (dense row-major) buffer; call "
-                                    ".contiguous() / cupy.ascontiguousarray() first",
-                              f"a strided {describe(buf)}")
+            raise value_error(
+                name,
+                "a C-contiguous (dense row-major) buffer; call "
+                ".contiguous() / cupy.ascontiguousarray() first",
+                f"a strided {describe(buf)}",
+            )
     device = None
     for name, buf in bufs.items():
         if buf is None or buf.nbytes == 0:
@@ -77,42 +86,61 @@ def _place(bufs: Dict[str, Optional[Buffer]], host_ok: tuple = ()) -> int:
         if not (_cuda._is_torch(buf.obj) and buf.kind == _cuda.DEVICE):
             _cuda.locate(buf)
         if buf.kind == _cuda.HOST:
-            raise value_error(name, "GPU memory" + (" or pinned host memory" if name in host_ok
-                                                    else ""),
-                              "pageable host memory" + (" (pin it: tensor.pin_memory() or "
-                                                        "cudaHostRegister)" if name in host_ok
-                                                        else ""))
+            raise value_error(
+                name,
+                "GPU memory" + (" or pinned host memory" if name in host_ok else ""),
+                "pageable host memory"
+                + (" (pin it: tensor.pin_memory() or cudaHostRegister)" if name in host_ok else ""),
+            )
         if buf.kind == _cuda.PINNED:
             if name not in host_ok:
-                raise value_error(name, "GPU memory (only the full caches may be pinned host "
-                                        "memory)", "pinned host memory")
+                raise value_error(
+                    name,
+                    "GPU memory (only the full caches may be pinned host memory)",
+                    "pinned host memory",
+                )
             continue
         if device is None:
             device = buf.device
         elif buf.device != device:
-            raise value_error(name, f"a buffer on cuda:{device} like the other arguments",
-                              f"a buffer on cuda:{buf.device}")
+            raise value_error(
+                name,
+                f"a buffer on cuda:{device} like the other arguments",
+                f"a buffer on cuda:{buf.device}",
+            )
     if device is None:
         raise value_error("arguments", "at least one non-empty GPU buffer", "none")
     return device
 
 
-def _check_alias(bufs: Dict[str, Optional[Buffer]], written: tuple) -> None:
+def _check_alias(bufs: dict[str, Buffer | None], written: tuple) -> None:
     """The reference's aliasing rule (pytrt_kv._alias) on the addresses the kernel uses:
     placed buffers are dense, so their byte ranges are exact."""
-    check_no_alias({k: (None if b is None else buffer_range(b.ptr, b.nbytes))
-                    for k, b in bufs.items()}, written)
+    check_no_alias(
+        {k: (None if b is None else buffer_range(b.ptr, b.nbytes)) for k, b in bufs.items()},
+        written,
+    )
 
 
-def _ptr(buf: Optional[Buffer]) -> Optional[int]:
+def _ptr(buf: Buffer | None) -> int | None:
     return None if buf is None or buf.nbytes == 0 else buf.ptr
 
 
-def scatter_pa_kv_cache(key: Any, value: Any, key_cache: Any, value_cache: Any,
-                        slot_mapping: Any, *, compress_lens: Any = None,
-                        compress_seq_offsets: Any = None, seq_lens: Any = None,
-                        cache_layout: Optional[str] = None, compress_mode: Optional[str] = None,
-                        stream: Any = None, validate: bool = False) -> None:
+def scatter_pa_kv_cache(
+    key: Any,
+    value: Any,
+    key_cache: Any,
+    value_cache: Any,
+    slot_mapping: Any,
+    *,
+    compress_lens: Any = None,
+    compress_seq_offsets: Any = None,
+    seq_lens: Any = None,
+    cache_layout: str | None = None,
+    compress_mode: str | None = None,
+    stream: Any = None,
+    validate: bool = False,
+) -> None:
     """Write new key/value tokens into a paged KV cache on the GPU, in place (docs/SPEC.md S).
 
     Parameters
@@ -147,11 +175,20 @@ def scatter_pa_kv_cache(key: Any, value: Any, key_cache: Any, value_cache: Any,
     Not synchronized: calls on the same caches from several threads or streams must be
     serialized by the caller (one stream, or events between them).
     """
-    launch = prepare_scatter(key, value, key_cache, value_cache, slot_mapping,
-                             compress_lens=compress_lens,
-                             compress_seq_offsets=compress_seq_offsets, seq_lens=seq_lens,
-                             cache_layout=cache_layout, compress_mode=compress_mode,
-                             stream=stream, validate=validate)
+    launch = prepare_scatter(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        compress_lens=compress_lens,
+        compress_seq_offsets=compress_seq_offsets,
+        seq_lens=seq_lens,
+        cache_layout=cache_layout,
+        compress_mode=compress_mode,
+        stream=stream,
+        validate=validate,
+    )
     launch()
 
 
@@ -163,8 +200,16 @@ class Launch:
     ``result`` is what the eager function returns (the gather's actual_seq buffer).
     """
 
-    def __init__(self, fn_name: str, params: Any, stream: int, device: int, what: str,
-                 result: Any = None, keepalive: Any = None):
+    def __init__(
+        self,
+        fn_name: str,
+        params: Any,
+        stream: int,
+        device: int,
+        what: str,
+        result: Any = None,
+        keepalive: Any = None,
+    ):
         self.fn = getattr(_cuda.kernels(), fn_name) if params is not None else None
         self.params, self.stream, self.device = params, stream, device
         self.what, self.result, self._keepalive = what, result, keepalive
@@ -176,30 +221,63 @@ class Launch:
         return self.result
 
 
-def prepare_scatter(key: Any, value: Any, key_cache: Any, value_cache: Any,
-                    slot_mapping: Any, *, compress_lens: Any = None,
-                    compress_seq_offsets: Any = None, seq_lens: Any = None,
-                    cache_layout: Optional[str] = None, compress_mode: Optional[str] = None,
-                    stream: Any = None, validate: bool = False) -> Launch:
+def prepare_scatter(
+    key: Any,
+    value: Any,
+    key_cache: Any,
+    value_cache: Any,
+    slot_mapping: Any,
+    *,
+    compress_lens: Any = None,
+    compress_seq_offsets: Any = None,
+    seq_lens: Any = None,
+    cache_layout: str | None = None,
+    compress_mode: str | None = None,
+    stream: Any = None,
+    validate: bool = False,
+) -> Launch:
     """Check a scatter call like :func:`scatter_pa_kv_cache` and return it as a
     :class:`Launch` without enqueuing it."""
-    named = {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache,
-             "slot_mapping": slot_mapping, "compress_lens": compress_lens,
-             "compress_seq_offsets": compress_seq_offsets, "seq_lens": seq_lens}
+    named = {
+        "key": key,
+        "value": value,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "slot_mapping": slot_mapping,
+        "compress_lens": compress_lens,
+        "compress_seq_offsets": compress_seq_offsets,
+        "seq_lens": seq_lens,
+    }
     bufs = _buffers(named)
-    meta = check_scatter(bufs["key"], bufs["value"], bufs["key_cache"], bufs["value_cache"],
-                         bufs["slot_mapping"], bufs["compress_lens"],
-                         bufs["compress_seq_offsets"], bufs["seq_lens"], cache_layout,
-                         compress_mode)
+    meta = check_scatter(
+        bufs["key"],
+        bufs["value"],
+        bufs["key_cache"],
+        bufs["value_cache"],
+        bufs["slot_mapping"],
+        bufs["compress_lens"],
+        bufs["compress_seq_offsets"],
+        bufs["seq_lens"],
+        cache_layout,
+        compress_mode,
+    )
     device = _place(bufs)
     _check_alias(bufs, SCATTER_WRITTEN)
     handle = _cuda.resolve_stream(stream, list(named.values()), device)
     if validate:
-        idx = {k: (None if bufs[k] is None else _cuda.read_back(bufs[k], handle))
-               for k in ("slot_mapping", "compress_lens", "compress_seq_offsets", "seq_lens")}
-        check_scatter_values(meta, idx["slot_mapping"], compress_lens=idx["compress_lens"],
-                             compress_seq_offsets=idx["compress_seq_offsets"],
-                             seq_lens=idx["seq_lens"])
+        idx = {
+            k: (None if (b := bufs[k]) is None else _cuda.read_back(b, handle))
+            for k in ("slot_mapping", "compress_lens", "compress_seq_offsets", "seq_lens")
+        }
+        slots = idx["slot_mapping"]
+        assert slots is not None  # check_scatter refused a missing slot_mapping
+        check_scatter_values(
+            meta,
+            slots,
+            compress_lens=idx["compress_lens"],
+            compress_seq_offsets=idx["compress_seq_offsets"],
+            seq_lens=idx["seq_lens"],
+        )
     p = _cuda.ScatterParams()
     p.key, p.value = _ptr(bufs["key"]), _ptr(bufs["value"])
     p.keyCache, p.valueCache = _ptr(bufs["key_cache"]), _ptr(bufs["value_cache"])
@@ -215,14 +293,18 @@ def prepare_scatter(key: Any, value: Any, key_cache: Any, value_cache: Any,
     p.numTokens, p.batch, p.maxSeqLen = meta.num_tokens, meta.batch, meta.max_seq_len
     p.numHeads, p.headSizeK, p.headSizeV = meta.num_heads, meta.head_size_k, meta.head_size_v
     p.numBlocks, p.blockSize = meta.num_blocks, meta.block_size
-    if meta.num_slots == 0 or (meta.num_tokens == 0 and not meta.compress) or (
-            meta.compress and meta.batch * meta.max_seq_len == 0):
+    if (
+        meta.num_slots == 0
+        or (meta.num_tokens == 0 and not meta.compress)
+        or (meta.compress and meta.batch * meta.max_seq_len == 0)
+    ):
         return Launch("", None, handle, device, "scatter_pa_kv_cache")  # nothing to write
-    return Launch("pytrt_kv_scatter_pa_kv_cache", p, handle, device, "scatter_pa_kv_cache",
-                  keepalive=bufs)
+    return Launch(
+        "pytrt_kv_scatter_pa_kv_cache", p, handle, device, "scatter_pa_kv_cache", keepalive=bufs
+    )
 
 
-def _gather_params(meta: Any, bufs: Dict[str, Optional[Buffer]]) -> "_cuda.GatherSelectionParams":
+def _gather_params(meta: Any, bufs: dict[str, Buffer | None]) -> _cuda.GatherSelectionParams:
     p = _cuda.GatherSelectionParams()
     p.selectionKRope = _ptr(bufs["selection_k_rope"]) if meta.k_rope_dim else None
     p.selectionKvCache = _ptr(bufs["selection_kv_cache"])
@@ -265,13 +347,23 @@ def _new_output(like: Buffer, rows: int, device: int) -> Any:
     return _cuda.DeviceArray((rows,), np.int32, device)
 
 
-def gather_selection_kv_cache(selection_k_rope: Any, selection_kv_cache: Any,
-                              selection_kv_block_table: Any, selection_kv_block_status: Any,
-                              selection_topk_indices: Any, full_k_rope: Any,
-                              full_kv_cache: Any, full_kv_block_table: Any,
-                              full_kv_actual_seq: Any, full_q_actual_seq: Any, *,
-                              selection_topk_block_size: int = 64, stream: Any = None,
-                              validate: bool = False, out: Any = None) -> Any:
+def gather_selection_kv_cache(
+    selection_k_rope: Any,
+    selection_kv_cache: Any,
+    selection_kv_block_table: Any,
+    selection_kv_block_status: Any,
+    selection_topk_indices: Any,
+    full_k_rope: Any,
+    full_kv_cache: Any,
+    full_kv_block_table: Any,
+    full_kv_actual_seq: Any,
+    full_q_actual_seq: Any,
+    *,
+    selection_topk_block_size: int = 64,
+    stream: Any = None,
+    validate: bool = False,
+    out: Any = None,
+) -> Any:
     """Gather top-k selected KV into the selection cache on the GPU, in place (docs/SPEC.md G).
 
     Parameters
@@ -310,30 +402,61 @@ def gather_selection_kv_cache(selection_k_rope: Any, selection_kv_cache: Any,
     Not synchronized: calls on the same selection caches and status from several threads
     or streams must be serialized by the caller.
     """
-    return prepare_gather(selection_k_rope, selection_kv_cache, selection_kv_block_table,
-                          selection_kv_block_status, selection_topk_indices, full_k_rope,
-                          full_kv_cache, full_kv_block_table, full_kv_actual_seq,
-                          full_q_actual_seq, selection_topk_block_size=selection_topk_block_size,
-                          stream=stream, validate=validate, out=out)()
+    return prepare_gather(
+        selection_k_rope,
+        selection_kv_cache,
+        selection_kv_block_table,
+        selection_kv_block_status,
+        selection_topk_indices,
+        full_k_rope,
+        full_kv_cache,
+        full_kv_block_table,
+        full_kv_actual_seq,
+        full_q_actual_seq,
+        selection_topk_block_size=selection_topk_block_size,
+        stream=stream,
+        validate=validate,
+        out=out,
+    )()
 
 
-def prepare_gather(selection_k_rope: Any, selection_kv_cache: Any,
-                   selection_kv_block_table: Any, selection_kv_block_status: Any,
-                   selection_topk_indices: Any, full_k_rope: Any, full_kv_cache: Any,
-                   full_kv_block_table: Any, full_kv_actual_seq: Any, full_q_actual_seq: Any, *,
-                   selection_topk_block_size: int = 64, stream: Any = None,
-                   validate: bool = False, out: Any = None) -> Launch:
+def prepare_gather(
+    selection_k_rope: Any,
+    selection_kv_cache: Any,
+    selection_kv_block_table: Any,
+    selection_kv_block_status: Any,
+    selection_topk_indices: Any,
+    full_k_rope: Any,
+    full_kv_cache: Any,
+    full_kv_block_table: Any,
+    full_kv_actual_seq: Any,
+    full_q_actual_seq: Any,
+    *,
+    selection_topk_block_size: int = 64,
+    stream: Any = None,
+    validate: bool = False,
+    out: Any = None,
+) -> Launch:
     """Check a gather call like :func:`gather_selection_kv_cache` and return it as a
     :class:`Launch` (its ``result`` is the actual_seq buffer) without enqueuing it."""
-    named = {"selection_k_rope": selection_k_rope, "selection_kv_cache": selection_kv_cache,
-             "selection_kv_block_table": selection_kv_block_table,
-             "selection_kv_block_status": selection_kv_block_status,
-             "selection_topk_indices": selection_topk_indices, "full_k_rope": full_k_rope,
-             "full_kv_cache": full_kv_cache, "full_kv_block_table": full_kv_block_table,
-             "full_kv_actual_seq": full_kv_actual_seq, "full_q_actual_seq": full_q_actual_seq}
+    named = {
+        "selection_k_rope": selection_k_rope,
+        "selection_kv_cache": selection_kv_cache,
+        "selection_kv_block_table": selection_kv_block_table,
+        "selection_kv_block_status": selection_kv_block_status,
+        "selection_topk_indices": selection_topk_indices,
+        "full_k_rope": full_k_rope,
+        "full_kv_cache": full_kv_cache,
+        "full_kv_block_table": full_kv_block_table,
+        "full_kv_actual_seq": full_kv_actual_seq,
+        "full_q_actual_seq": full_q_actual_seq,
+    }
     bufs = _buffers(named)
-    meta = check_gather(*(bufs[k] for k in named),
-                        selection_topk_block_size=selection_topk_block_size)
+    meta = check_gather(
+        **{k: bufs[k] for k in named}, selection_topk_block_size=selection_topk_block_size
+    )
+    # check_gather refused a missing tensor: every gather buffer exists from here on.
+    present = {k: b for k, b in bufs.items() if b is not None}
     # full_q_actual_seq is never read: it may live anywhere.
     placed = {k: v for k, v in bufs.items() if k != "full_q_actual_seq"}
     out_buf = None
@@ -345,12 +468,19 @@ def prepare_gather(selection_k_rope: Any, selection_kv_cache: Any,
     _check_alias(placed, GATHER_WRITTEN + ("out",))
     handle = _cuda.resolve_stream(stream, list(named.values()), device)
     if out_buf is None:
-        out = _new_output(bufs["selection_kv_cache"], meta.rows, device)
+        out = _new_output(present["selection_kv_cache"], meta.rows, device)
         out_buf = _cuda.buffer("out", out)
     if validate:
-        idx = {k: _cuda.read_back(bufs[k], handle)
-               for k in ("selection_kv_block_table", "selection_kv_block_status",
-                         "selection_topk_indices", "full_kv_block_table", "full_kv_actual_seq")}
+        idx = {
+            k: _cuda.read_back(present[k], handle)
+            for k in (
+                "selection_kv_block_table",
+                "selection_kv_block_status",
+                "selection_topk_indices",
+                "full_kv_block_table",
+                "full_kv_actual_seq",
+            )
+        }
         check_gather_values(meta, **idx)
     p = _gather_params(meta, bufs)
     p.selectionKvActualSeq = _ptr(out_buf)
@@ -359,5 +489,12 @@ def prepare_gather(selection_k_rope: Any, selection_kv_cache: Any,
     p.workspace, p.workspaceBytes = _WORKSPACES.get(device, handle, need)
     if meta.rows == 0:
         return Launch("", None, handle, device, "gather_selection_kv_cache", result=out)
-    return Launch("pytrt_kv_gather_selection_kv_cache", p, handle, device,
-                  "gather_selection_kv_cache", result=out, keepalive=(bufs, out_buf))
+    return Launch(
+        "pytrt_kv_gather_selection_kv_cache",
+        p,
+        handle,
+        device,
+        "gather_selection_kv_cache",
+        result=out,
+        keepalive=(bufs, out_buf),
+    )

@@ -1,15 +1,372 @@
-"""NumPy reference of both operators (layer 1): obviously correct, strictly validated.
+"""NumPy reference of both operators: obviously correct data movement (docs/SPEC.md S, G).
 
-Exactly docs/SPEC.md. Every argument is validated before the first write; a broken
-rule raises ValueError (TypeError for a wrong type) naming the argument, what was expected
-and what came, and leaves every argument untouched. An argument that shares memory with
-a cache the op writes is refused the same way, naming both.
+Every argument is validated before the first write by the contract layer
+(:mod:`pytrt_kv.contract.scatter`, :mod:`pytrt_kv.contract.gather`); a broken rule raises
+ValueError (TypeError for a wrong type) naming the argument, what was expected and what
+came, and leaves every argument untouched. An argument that shares memory with a cache
+the op writes is refused the same way, naming both. What is left here only moves bytes.
+
+Data movement works on unsigned-integer views of the arrays: every layout is a pure byte
+copy, so NaN payloads, float8 and integer types all move bit-exactly through one code path.
 
 Thread safety: the functions take no lock; calls that update the same caches must be
 serialized by the caller.
 """
 
-from ._gather import gather_selection_kv_cache
-from ._scatter import scatter_pa_kv_cache
+from __future__ import annotations
+
+import numpy as np
+
+from .contract.gather import RowPlan, check_gather, check_gather_numpy, check_gather_values, id_size
+from .contract.scatter import ScatterMeta, check_scatter, check_scatter_numpy, check_scatter_values
 
 __all__ = ["scatter_pa_kv_cache", "gather_selection_kv_cache"]
+
+#: Unsigned type of each element size: the byte-moving view of any data dtype.
+_BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+
+
+# --- ScatterPaKvCache (docs/SPEC.md S) ----------------------------------------------------------
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    """Same memory viewed as unsigned integers of the element size (any strides)."""
+    return x.view(_BITS[x.dtype.itemsize])  # type: ignore[call-overload]  # numpy stubs: dtype
+
+
+def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray, slots: np.ndarray) -> None:
+    """docs/SPEC.md S3-S5 for one (tensor, cache) pair; negative slots skipped."""
+    valid = slots >= 0
+    s = slots[valid]
+    rows = _bits(src)[valid]  # [n, H, D]
+    out = _bits(cache)
+    nb, bs = meta.num_blocks, meta.block_size
+    if meta.layout == "nd":
+        heads, size = rows.shape[1:]
+        out.reshape(nb * bs, heads, size)[s] = rows
+        return
+    blk, off = s // bs, s % bs
+    if meta.layout == "hnd":
+        out[blk, :, off, :] = rows  # indexes [n, H, D]
+    else:  # "nz": f = h*D + d -> [f // L, f % L]
+        out[blk, :, off, :] = rows.reshape(len(s), out.shape[1], out.shape[3])
+
+
+def _plan_run(
+    mode: str, seq_len: int, width: int, offset: int
+) -> tuple[list[tuple[int, int, int]], tuple[int, int] | None]:
+    """docs/SPEC.md S6 for one (b, h): copies [(first row, first token, count)] and the mean
+    row (row, first token) or None; rows are relative to the run's base slot."""
+    if mode == "alibi":
+        return [(0, seq_len - width, width)], None
+    if offset == -1 or width == 0 or offset == seq_len:
+        return [(0, 0, seq_len)], None
+    rest = seq_len - offset - width
+    if mode == "rope":
+        return [(0, 0, offset), (offset + 1, offset + width, rest)], (offset, offset)
+    return [(0, 0, offset), (offset, offset + width, rest)], None
+
+
+def _mean_row(tokens: np.ndarray) -> np.ndarray:
+    """float32 sum in token order, / float32(w), rounded to nearest-even to the dtype."""
+    acc = np.add.accumulate(tokens.astype(np.float32), axis=0, dtype=np.float32)[-1]
+    return (acc / np.float32(len(tokens))).astype(tokens.dtype)
+
+
+def _write_runs(
+    meta: ScatterMeta,
+    src: np.ndarray,
+    cache: np.ndarray,
+    base: np.ndarray,
+    lens: np.ndarray,
+    offsets: np.ndarray | None,
+    seq: np.ndarray,
+) -> None:
+    """docs/SPEC.md S6 for one (tensor, cache) pair: row q is cache[q // BS, q % BS, 0, :]."""
+    rows = _bits(cache).reshape(meta.num_slots, cache.shape[3])
+    bits = _bits(src)
+    for b, h in np.argwhere(base >= 0):
+        start = int(base[b, h])
+        offset = -1 if offsets is None else int(offsets[b, h])
+        copies, mean = _plan_run(str(meta.mode), int(seq[b]), int(lens[b, h]), offset)
+        for row, token, count in copies:
+            rows[start + row : start + row + count] = bits[b, token : token + count, h]
+        if mean is not None:
+            row, token = mean
+            rows[start + row] = _bits(_mean_row(src[b, token : token + lens[b, h], h]))
+
+
+def scatter_pa_kv_cache(
+    key: np.ndarray,
+    value: np.ndarray | None,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray | None,
+    slot_mapping: np.ndarray,
+    *,
+    compress_lens: np.ndarray | None = None,
+    compress_seq_offsets: np.ndarray | None = None,
+    seq_lens: np.ndarray | None = None,
+    cache_layout: str | None = None,
+    compress_mode: str | None = None,
+) -> None:
+    """Write new key/value tokens into a paged KV cache, in place (docs/SPEC.md S).
+
+    Same arguments, order and names as ``torch_npu.npu_scatter_pa_kv_cache``.
+    Everything is validated before the first write: a refused call raises and leaves every
+    argument untouched.
+
+    Parameters
+    ----------
+    key : numpy.ndarray
+        ``[T, H, Dk]`` (token write) or ``[B, Smax, H, Dk]`` (compressing write, S6).
+    value : numpy.ndarray or None
+        ``[T, H, Dv]`` or ``[B, Smax, H, Dv]``; None for a key-only write.
+    key_cache : numpy.ndarray, writeable, C-contiguous
+        Updated in place. 3-D key: "nd" ``[NB, BS, H, Dk]``, "nz"
+        ``[NB, H*Dk/L, BS, L]`` (``L = 32 // itemsize``) or "hnd" ``[NB, H, BS, Dk]``;
+        4-D key: ``[NB, BS, 1, Dk]``.
+    value_cache : numpy.ndarray or None
+        As key_cache with Dv (same layout, NB and BS); None exactly when value is None.
+    slot_mapping : numpy.ndarray, int32 or int64
+        ``[T]``: slot of each token; ``[B, H]``: first row of each (b, h) run.
+        Negative = padding, skipped.
+    compress_lens : numpy.ndarray, [B, H], optional
+        4-D key only (required there): w of each (b, h).
+    compress_seq_offsets : numpy.ndarray, [B*H], optional
+        4-D key only: o of (b, h) at index ``b*H + h``; required by "rope" and "omni",
+        values ignored by "alibi".
+    seq_lens : numpy.ndarray, [B], optional
+        4-D key only (required there): valid tokens L of each batch.
+    cache_layout : {"nd", "nz", "hnd"}, optional
+        3-D key only; detected from the shapes when None (an error if ambiguous).
+    compress_mode : {"rope", "omni", "alibi"}, optional
+        4-D key only; default "rope" when compress_seq_offsets is given, else "alibi".
+
+    Raises
+    ------
+    TypeError
+        An argument is not a NumPy array or has an unsupported dtype.
+    ValueError
+        Any other rule of docs/SPEC.md S (shapes, slots out of range or duplicated, S6
+        constraints, overlapping runs, caches not writeable or not C-contiguous), or an
+        argument sharing memory with a cache (e.g. a ``value`` that views
+        ``value_cache``, or the two caches overlapping); the message names both.
+
+    Notes
+    -----
+    Not synchronized: calls that update the same caches (from several threads, or
+    interleaved with a GPU op on the same memory) must be serialized by the caller.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from pytrt_kv.reference import scatter_pa_kv_cache
+    >>> key = np.arange(2 * 1 * 4, dtype=np.float32).reshape(2, 1, 4)   # [T=2, H=1, Dk=4]
+    >>> key_cache = np.full((2, 3, 1, 4), -1, np.float32)               # nd, NB=2, BS=3
+    >>> scatter_pa_kv_cache(key, None, key_cache, None, np.array([4, -1], np.int32))
+    >>> key_cache[1, 1, 0]
+    array([0., 1., 2., 3.], dtype=float32)
+    >>> int((key_cache == -1).sum())          # everything else untouched
+    20
+    """
+    args = {
+        "key": key,
+        "value": value,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "slot_mapping": slot_mapping,
+        "compress_lens": compress_lens,
+        "compress_seq_offsets": compress_seq_offsets,
+        "seq_lens": seq_lens,
+    }
+    meta = check_scatter(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        compress_lens=compress_lens,
+        compress_seq_offsets=compress_seq_offsets,
+        seq_lens=seq_lens,
+        cache_layout=cache_layout,
+        compress_mode=compress_mode,
+    )
+    check_scatter_numpy(args)
+    check_scatter_values(
+        meta,
+        slot_mapping,
+        compress_lens=compress_lens,
+        compress_seq_offsets=compress_seq_offsets,
+        seq_lens=seq_lens,
+    )
+    pairs = [(key, key_cache)]
+    if value is not None and value_cache is not None:  # check_scatter: both or neither
+        pairs.append((value, value_cache))
+    if not meta.compress:
+        slots = slot_mapping.astype(np.int64)
+        for src, cache in pairs:
+            _write_tokens(meta, src, cache, slots)
+        return
+    # check_scatter required these two for a 4-D key (and offsets for rope / omni).
+    assert compress_lens is not None and seq_lens is not None
+    shape_bh = (meta.batch, meta.num_heads)
+    base = slot_mapping.astype(np.int64)
+    lens = compress_lens.astype(np.int64)
+    seq = seq_lens.astype(np.int64)
+    offsets = (
+        None
+        if meta.mode == "alibi" or compress_seq_offsets is None
+        else compress_seq_offsets.astype(np.int64).reshape(shape_bh)
+    )
+    for src, cache in pairs:
+        _write_runs(meta, src, cache, base, lens, offsets, seq)
+
+
+# --- GatherSelectionKvCache (docs/SPEC.md G) -----------------------------------------------
+
+
+def _row_tokens(plan: RowPlan, eff: int, tbs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token-level copies of one row: ``(slot, src_pos, dst_q)``, int64 ``[N]`` each.
+
+    Token i of copied slot j holding id v reads full position ``v*TBS + i`` and writes
+    selection position ``q = j*TBS + i`` (docs/SPEC.md G4), for ``i < size(v)``.
+    """
+    slots = np.flatnonzero(plan.copy).astype(np.int64)
+    ids = plan.status[slots].astype(np.int64)
+    sizes = np.array([id_size(int(v), eff, tbs) for v in ids], dtype=np.int64)
+    # Offset of each token inside its id's run: 0..size-1, concatenated over ids.
+    starts = np.cumsum(sizes) - sizes
+    within = np.arange(int(sizes.sum()), dtype=np.int64) - np.repeat(starts, sizes)
+    return (
+        np.repeat(slots, sizes),
+        np.repeat(ids * tbs, sizes) + within,
+        np.repeat(slots * tbs, sizes) + within,
+    )
+
+
+def gather_selection_kv_cache(
+    selection_k_rope: np.ndarray,
+    selection_kv_cache: np.ndarray,
+    selection_kv_block_table: np.ndarray,
+    selection_kv_block_status: np.ndarray,
+    selection_topk_indices: np.ndarray,
+    full_k_rope: np.ndarray,
+    full_kv_cache: np.ndarray,
+    full_kv_block_table: np.ndarray,
+    full_kv_actual_seq: np.ndarray,
+    full_q_actual_seq: np.ndarray,
+    *,
+    selection_topk_block_size: int = 64,
+) -> np.ndarray:
+    """Gather the top-k selected tokens of a paged full cache into a selection cache.
+
+    Reference of ``custom.npu_gather_selection_kv_cache`` (docs/SPEC.md section G). Ids already
+    resident in a row's slots stay in place (G5); the others are copied from the full
+    cache. Every argument is validated before the first write; a refused call modifies
+    nothing.
+
+    Parameters
+    ----------
+    selection_k_rope : numpy.ndarray ``[S_BLOCK_NUM, SBS, K_ROPE]`` or zero-element
+        Updated in place (cache dtype: float16, bfloat16, int8, float32, float8).
+    selection_kv_cache : numpy.ndarray ``[S_BLOCK_NUM, SBS, KV]``
+        Updated in place.
+    selection_kv_block_table : numpy.ndarray int32 ``[R >= B*S, S_MAX_BLOCK_NUM]``
+        Read only. Row ``r = b*S + s`` addresses the slots of query token s of batch b.
+    selection_kv_block_status : numpy.ndarray int32 BSND ``[B, S, 1, K+1]`` or TND
+        ``[B*S, 1, K+1]``
+        Ids resident in each row's slots, then the row's token count; updated in place.
+        Reset a row to -1 when it starts a new sequence.
+    selection_topk_indices : numpy.ndarray int32 BSND ``[B, S, 1, K]`` or TND ``[B*S, 1, K]``
+        Selected ids in units of TBS tokens; negative entries are padding.
+    full_k_rope : numpy.ndarray ``[F_BLOCK_NUM, FBS, K_ROPE]`` or zero-element
+    full_kv_cache : numpy.ndarray ``[F_BLOCK_NUM, FBS, KV]``
+    full_kv_block_table : numpy.ndarray int32 ``[B, F_MAX_BLOCK_NUM]``
+    full_kv_actual_seq : numpy.ndarray int32 ``[B]``
+        Tokens in the full cache of each batch, this step's S new tokens included.
+    full_q_actual_seq : numpy.ndarray int32 ``[B]``
+        Validated (shape, dtype), otherwise ignored.
+    selection_topk_block_size : int, default 64
+        TBS: tokens per id; 1 = token-level selection.
+
+    Returns
+    -------
+    numpy.ndarray int32 ``[R]``
+        ``selection_kv_actual_seq``: valid tokens of each row in its selection slots (the
+        dense range ``[0, actual_seq)``); 0 for skipped rows and rows ``>= B*S``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        See :func:`check_gather` and :func:`check_gather_values`; also ValueError for
+        an argument sharing memory with one the op writes (naming both).
+
+    Notes
+    -----
+    Not synchronized: calls that update the same selection caches and status (from
+    several threads, or interleaved with GPU work on the same memory) must be
+    serialized by the caller.
+
+    Examples
+    --------
+    The first TBS = 1 step of docs/SPEC.md G6 (K = 4, kv_len 10, topk ``[5, 9, 2, -1]``):
+
+    >>> import numpy as np
+    >>> full = np.arange(16 * 2, dtype=np.float16).reshape(2, 8, 2)   # 2 blocks of 8
+    >>> sel = np.zeros((1, 4, 2), np.float16)
+    >>> status = np.full((1, 1, 1, 5), -1, np.int32)
+    >>> out = gather_selection_kv_cache(
+    ...     np.zeros(0, np.float16), sel, np.zeros((1, 1), np.int32), status,
+    ...     np.array([5, 9, 2, -1], np.int32).reshape(1, 1, 1, 4),
+    ...     np.zeros(0, np.float16), full, np.array([[0, 1]], np.int32),
+    ...     np.array([10], np.int32), np.array([1], np.int32),
+    ...     selection_topk_block_size=1)
+    >>> out.tolist(), status.ravel().tolist()
+    ([3], [5, 9, 2, -1, 3])
+    >>> sel[0, :3, 0].tolist()   # tokens 5, 9, 2 (element 0 of token p is 2*p)
+    [10.0, 18.0, 4.0]
+    """
+    args = (
+        selection_k_rope,
+        selection_kv_cache,
+        selection_kv_block_table,
+        selection_kv_block_status,
+        selection_topk_indices,
+        full_k_rope,
+        full_kv_cache,
+        full_kv_block_table,
+        full_kv_actual_seq,
+        full_q_actual_seq,
+    )
+    meta = check_gather(*args, selection_topk_block_size=selection_topk_block_size)
+    check_gather_numpy(meta, args)
+    plans = check_gather_values(
+        meta,
+        selection_kv_block_table=selection_kv_block_table,
+        selection_kv_block_status=selection_kv_block_status,
+        selection_topk_indices=selection_topk_indices,
+        full_kv_block_table=full_kv_block_table,
+        full_kv_actual_seq=full_kv_actual_seq,
+    )
+
+    # Everything is valid: from here on, only writes.
+    tbs, sbs, fbs = meta.tbs, meta.sel_block_size, meta.full_block_size
+    pairs = [(selection_kv_cache, full_kv_cache)]
+    if meta.k_rope_dim:
+        pairs.append((selection_k_rope, full_k_rope))
+    actual_seq = np.zeros(meta.rows, dtype=np.int32)
+    new_status = np.stack([p.status for p in plans])
+    for r, plan in enumerate(plans):
+        if plan.skipped:
+            continue
+        b, s = divmod(r, meta.seq)
+        eff = int(full_kv_actual_seq[b]) - (meta.seq - 1 - s)
+        _, src_pos, dst_q = _row_tokens(plan, eff, tbs)
+        src_blk = full_kv_block_table[b, src_pos // fbs]
+        dst_blk = selection_kv_block_table[r, dst_q // sbs]
+        for sel, full in pairs:
+            # Same-dtype fancy-index copies move the elements' bytes unchanged.
+            sel[dst_blk, dst_q % sbs] = full[src_blk, src_pos % fbs]
+        actual_seq[r] = plan.actual_seq
+    selection_kv_block_status[...] = new_status.reshape(selection_kv_block_status.shape)
+    return actual_seq

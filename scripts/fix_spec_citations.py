@@ -32,12 +32,22 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Tuple
 
 #: Folders never scanned: build outputs, virtual environments, caches, VCS data.
-SKIP_DIRS = {".git", "build", "_skbuild", "dist", "out", "__pycache__", ".pytest_cache",
-             ".hypothesis", ".trt-headers", "node_modules"}
+SKIP_DIRS = {
+    ".git",
+    "build",
+    "_skbuild",
+    "dist",
+    "out",
+    "__pycache__",
+    ".pytest_cache",
+    ".hypothesis",
+    ".trt-headers",
+    "node_modules",
+}
 SKIP_DIR_PREFIXES = (".venv", "build-", "build_")
 #: Files that name the old documents on purpose (this script and the test that checks).
 SKIP_FILES = {"scripts/fix_spec_citations.py", "tests/test_docs_links.py"}
@@ -65,8 +75,11 @@ def _replace_target(target: str, file: Path, root: Path) -> str:
     """A Markdown link target to an outside document -> the repository's, relative."""
     path, sep, anchor = target.partition("#")
     name = path.rsplit("/", 1)[-1]
-    new = {"OPS.md": "docs/SPEC.md", "ARCHITECTURE.md": "docs/ARCHITECTURE.md",
-           "STYLE.md": "docs/ARCHITECTURE.md"}.get(name)
+    new = {
+        "OPS.md": "docs/SPEC.md",
+        "ARCHITECTURE.md": "docs/ARCHITECTURE.md",
+        "STYLE.md": "docs/ARCHITECTURE.md",
+    }.get(name)
     if new is None or (root / path).resolve() == (root / new).resolve():
         return target
     if (file.parent / path).resolve() == (root / new).resolve():
@@ -78,15 +91,17 @@ def _replace_target(target: str, file: Path, root: Path) -> str:
 def rewrite(text: str, file: Path, root: Path) -> str:
     """``text`` of ``file`` with every outside citation replaced (idempotent)."""
     if file.suffix == ".md":
-        text = _MD_LINK.sub(lambda m: m.group(1) + _replace_target(m.group(2), file, root)
-                            + m.group(3), text)
+        text = _MD_LINK.sub(
+            lambda m: m.group(1) + _replace_target(m.group(2), file, root) + m.group(3), text
+        )
     # After a Markdown link target became relative (e.g. ``../SPEC.md``) the patterns
     # below no longer match it: they only touch the old names.
     text = _OPS.sub("docs/SPEC.md", text)
     text = _STYLE_HABIT.sub("docs/ARCHITECTURE.md habit", text)
     text = _STYLE.sub("docs/ARCHITECTURE.md", text)
-    text = _ARCH.sub(lambda m: m.group(0) if _resolves(m.group(0), file, root)
-                     else "docs/ARCHITECTURE.md", text)
+    text = _ARCH.sub(
+        lambda m: m.group(0) if _resolves(m.group(0), file, root) else "docs/ARCHITECTURE.md", text
+    )
     text = _UPSTREAM.sub(lambda m: UPSTREAM[m.group(1)], text)
     return text
 
@@ -99,24 +114,29 @@ def _candidates(root: Path) -> Iterator[Path]:
     """Files of the checkout: git's tracked and untracked-but-not-ignored files when
     ``root`` is a git work tree, else every file; never inside the skipped folders."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "-co",
-                              "--exclude-standard"], capture_output=True, timeout=60)
-        names = out.stdout.decode("utf-8", "replace").split("\0") if out.returncode == 0 \
-            else None
+        out = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "-co", "--exclude-standard"],
+            capture_output=True,
+            timeout=60,
+        )
+        names = out.stdout.decode("utf-8", "replace").split("\0") if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         names = None
     if names is None:
-        names = [str((Path(d) / f).relative_to(root)) for d, _, files in os.walk(root)
-                 for f in files]
+        names = [
+            str((Path(d) / f).relative_to(root)) for d, _, files in os.walk(root) for f in files
+        ]
     for name in sorted(n for n in names if n):
         parts = Path(name).parts
-        if any(p in SKIP_DIRS or p.startswith(SKIP_DIR_PREFIXES) or p.endswith(".egg-info")
-               for p in parts[:-1]):
+        if any(
+            p in SKIP_DIRS or p.startswith(SKIP_DIR_PREFIXES) or p.endswith(".egg-info")
+            for p in parts[:-1]
+        ):
             continue
         yield root / name
 
 
-def text_files(root: Path) -> Iterator[Tuple[Path, str]]:
+def text_files(root: Path) -> Iterator[tuple[Path, str]]:
     """(path, text) of every UTF-8 file of the checkout at ``root`` (see
     :func:`_candidates`), except :data:`SKIP_FILES`, links and binaries."""
     for path in _candidates(root):
@@ -137,12 +157,19 @@ def text_files(root: Path) -> Iterator[Tuple[Path, str]]:
             continue
 
 
-def main(argv: List[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
-                        help="checkout to rewrite (default: this script's repository)")
-    parser.add_argument("--check", action="store_true",
-                        help="change nothing; list the files that would change, exit 1 if any")
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=Path(__file__).resolve().parents[1],
+        help="checkout to rewrite (default: this script's repository)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="change nothing; list the files that would change, exit 1 if any",
+    )
     args = parser.parse_args(argv)
     root = args.root.resolve()
     if not (root / "docs" / "SPEC.md").is_file():

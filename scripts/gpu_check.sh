@@ -134,11 +134,11 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
   for tool in memcheck racecheck synccheck; do
     step "compute-sanitizer $tool" 600 "sanitizer_$tool.log" \
       compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 50 \
-        "$PY" "$ROOT/benchmarks/sanitize_smoke.py"
+        "$PY" "$ROOT/scripts/gpu_workload.py"
   done
   step "compute-sanitizer initcheck" 600 sanitizer_initcheck.log \
     compute-sanitizer --tool initcheck --error-exitcode 99 --print-limit 50 \
-      "$PY" "$ROOT/benchmarks/sanitize_smoke.py"
+      "$PY" "$ROOT/scripts/gpu_workload.py"
 else
   note "| compute-sanitizer | **FAILED: not on PATH** | | |"
   failed=1

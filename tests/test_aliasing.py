@@ -8,10 +8,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from pytrt_kv import _alias
+from pytrt_kv.contract import alias as _alias
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache
-
-from test_reference_gather import base_case, make_case
+from support.gather_cases import base_case, make_case
 
 
 def _f16(rng, shape):
@@ -22,14 +21,17 @@ def _f16(rng, shape):
 
 
 def _scatter_args(rng):
-    return dict(key=_f16(rng, (4, 2, 8)), value=_f16(rng, (4, 2, 8)),
-                key_cache=_f16(rng, (3, 4, 2, 8)), value_cache=_f16(rng, (3, 4, 2, 8)),
-                slot_mapping=np.array([0, 5, -1, 9], np.int32))
+    return dict(
+        key=_f16(rng, (4, 2, 8)),
+        value=_f16(rng, (4, 2, 8)),
+        key_cache=_f16(rng, (3, 4, 2, 8)),
+        value_cache=_f16(rng, (3, 4, 2, 8)),
+        slot_mapping=np.array([0, 5, -1, 9], np.int32),
+    )
 
 
 def _assert_scatter_refused(args, subject, other):
-    caches = {k: args[k].copy() for k in ("key_cache", "value_cache")
-              if args.get(k) is not None}
+    caches = {k: args[k].copy() for k in ("key_cache", "value_cache") if args.get(k) is not None}
     with pytest.raises(ValueError) as exc:
         scatter_pa_kv_cache(**args)
     msg = str(exc.value)
@@ -41,7 +43,7 @@ def _assert_scatter_refused(args, subject, other):
 
 def test_scatter_value_viewing_value_cache(rng):
     args = _scatter_args(rng)
-    args["value"] = args["value_cache"][0, :, :, :].reshape(4, 2, 8)   # block 0
+    args["value"] = args["value_cache"][0, :, :, :].reshape(4, 2, 8)  # block 0
     _assert_scatter_refused(args, "value_cache", "value")
 
 
@@ -54,10 +56,15 @@ def test_scatter_key_viewing_value_cache(rng):
 def test_scatter_4d_key_viewing_its_cache(rng):
     """A 4-D key [B, Smax, 1, D] that is the cache [NB, BS, 1, D] itself, reshaped."""
     cache = _f16(rng, (2, 4, 1, 8))
-    args = dict(key=cache.reshape(2, 4, 1, 8)[:, :], value=None, key_cache=cache,
-                value_cache=None, slot_mapping=np.array([[0], [4]], np.int32),
-                compress_lens=np.array([[2], [1]], np.int32),
-                seq_lens=np.array([3, 4], np.int32))
+    args = dict(
+        key=cache.reshape(2, 4, 1, 8)[:, :],
+        value=None,
+        key_cache=cache,
+        value_cache=None,
+        slot_mapping=np.array([[0], [4]], np.int32),
+        compress_lens=np.array([[2], [1]], np.int32),
+        seq_lens=np.array([3, 4], np.int32),
+    )
     _assert_scatter_refused(args, "key_cache", "key")
 
 
@@ -74,8 +81,7 @@ def test_scatter_key_and_value_may_share_memory(rng):
     args = _scatter_args(rng)
     args["value"] = args["key"]
     want_k, want_v = args["key_cache"].copy(), args["value_cache"].copy()
-    scatter_pa_kv_cache(args["key"], args["key"].copy(), want_k, want_v,
-                        args["slot_mapping"])
+    scatter_pa_kv_cache(args["key"], args["key"].copy(), want_k, want_v, args["slot_mapping"])
     scatter_pa_kv_cache(**args)
     assert np.array_equal(args["key_cache"], want_k)
     assert np.array_equal(args["value_cache"], want_v)
@@ -99,8 +105,8 @@ def test_gather_status_overlapping_topk(rng):
     status = case.args["selection_kv_block_status"]
     topk = case.args["selection_topk_indices"]
     status[...] = -1
-    status[..., :topk.shape[-1]] = topk          # topk now lives inside the status
-    case.args["selection_topk_indices"] = status[..., :topk.shape[-1]]
+    status[..., : topk.shape[-1]] = topk  # topk now lives inside the status
+    case.args["selection_topk_indices"] = status[..., : topk.shape[-1]]
     _assert_gather_refused(case, "selection_kv_block_status", "selection_topk_indices")
 
 
@@ -110,9 +116,9 @@ def test_gather_status_overlapping_block_table(rng):
     status = case.args["selection_kv_block_status"]
     # A table that is the tail of one int32 buffer whose head is the status.
     buf = np.full(status.size + table.size, -1, np.int32)
-    buf[status.size:] = table.reshape(-1)
-    case.args["selection_kv_block_status"] = buf[:status.size].reshape(status.shape)
-    case.args["selection_kv_block_table"] = buf[status.size - 1:-1].reshape(table.shape)
+    buf[status.size :] = table.reshape(-1)
+    case.args["selection_kv_block_status"] = buf[: status.size].reshape(status.shape)
+    case.args["selection_kv_block_table"] = buf[status.size - 1 : -1].reshape(table.shape)
     _assert_gather_refused(case, "selection_kv_block_status", "selection_kv_block_table")
 
 
@@ -123,8 +129,8 @@ def test_gather_full_cache_overlapping_selection_cache(rng):
     both = np.concatenate([sel.reshape(-1), full.reshape(-1)])
     # The full cache starts one block before the selection cache ends.
     start = sel.size - sel[0].size
-    case.args["selection_kv_cache"] = both[:sel.size].reshape(sel.shape)
-    case.args["full_kv_cache"] = both[start:start + full.size].reshape(full.shape)
+    case.args["selection_kv_cache"] = both[: sel.size].reshape(sel.shape)
+    case.args["full_kv_cache"] = both[start : start + full.size].reshape(full.shape)
     _assert_gather_refused(case, "selection_kv_cache", "full_kv_cache")
 
 
@@ -193,7 +199,8 @@ def test_huge_tbs_with_zero_block_caches_is_refused_without_allocating():
         full_kv_cache=np.zeros((0, tbs, 1), np.float16),
         full_kv_block_table=np.zeros((1, 1), i32),
         full_kv_actual_seq=np.array([tbs], i32),
-        full_q_actual_seq=np.array([1], i32))
+        full_q_actual_seq=np.array([1], i32),
+    )
     tracemalloc.start()
     try:
         with pytest.raises(ValueError, match=r"full_kv_block_table\[0, 0\].*F_BLOCK_NUM = 0"):
@@ -211,8 +218,13 @@ class _DeviceLike:
     """An object with ``__cuda_array_interface__`` at a made-up device address."""
 
     def __init__(self, ptr, shape, dtype):
-        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": np.dtype(dtype).str,
-                                         "data": (ptr, False), "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape),
+            "typestr": np.dtype(dtype).str,
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 def _no_placement(monkeypatch):
@@ -230,7 +242,7 @@ def test_ops_scatter_refuses_value_inside_value_cache(monkeypatch):
     key = _DeviceLike(base, (4, 2, 8), np.float16)
     kc = _DeviceLike(base + 4096, (3, 4, 2, 8), np.float16)
     vc = _DeviceLike(base + 8192, (3, 4, 2, 8), np.float16)
-    value = _DeviceLike(base + 8192 + 256, (4, 2, 8), np.float16)     # inside value_cache
+    value = _DeviceLike(base + 8192 + 256, (4, 2, 8), np.float16)  # inside value_cache
     slots = _DeviceLike(base + 16384, (4,), np.int32)
     with pytest.raises(ValueError, match=r"^value_cache: expected memory separate from value"):
         ops.prepare_scatter(key, value, kc, vc, slots)
@@ -240,23 +252,31 @@ def test_ops_gather_refuses_out_on_the_status(monkeypatch):
     ops = _no_placement(monkeypatch)
     i32 = np.int32
     addr = iter(range(1 << 40, 1 << 41, 1 << 20))
-    args = [_DeviceLike(next(addr), (0,), np.float16),                 # selection_k_rope
-            _DeviceLike(next(addr), (4, 8, 16), np.float16),
-            _DeviceLike(next(addr), (2, 1), i32),
-            _DeviceLike(next(addr), (2, 1, 1, 5), i32),
-            _DeviceLike(next(addr), (2, 1, 1, 4), i32),
-            _DeviceLike(next(addr), (0,), np.float16),
-            _DeviceLike(next(addr), (6, 8, 16), np.float16),
-            _DeviceLike(next(addr), (2, 3), i32),
-            _DeviceLike(next(addr), (2,), i32),
-            _DeviceLike(next(addr), (2,), i32)]
+    args = [
+        _DeviceLike(next(addr), (0,), np.float16),  # selection_k_rope
+        _DeviceLike(next(addr), (4, 8, 16), np.float16),
+        _DeviceLike(next(addr), (2, 1), i32),
+        _DeviceLike(next(addr), (2, 1, 1, 5), i32),
+        _DeviceLike(next(addr), (2, 1, 1, 4), i32),
+        _DeviceLike(next(addr), (0,), np.float16),
+        _DeviceLike(next(addr), (6, 8, 16), np.float16),
+        _DeviceLike(next(addr), (2, 3), i32),
+        _DeviceLike(next(addr), (2,), i32),
+        _DeviceLike(next(addr), (2,), i32),
+    ]
     status_ptr = args[3].__cuda_array_interface__["data"][0]
     out = _DeviceLike(status_ptr + 8, (2,), i32)
-    with pytest.raises(ValueError, match=r"^out: expected memory separate from "
-                                         r"selection_kv_block_status"):
+    with pytest.raises(
+        ValueError,
+        match=r"^out: expected memory separate from "
+        r"selection_kv_block_status",
+    ):
         ops.prepare_gather(*args, selection_topk_block_size=1, out=out)
     table_ptr = args[7].__cuda_array_interface__["data"][0]
-    args[3] = _DeviceLike(table_ptr, (2, 1, 1, 5), i32)                # status on the table
-    with pytest.raises(ValueError, match=r"^selection_kv_block_status: expected memory "
-                                         r"separate from full_kv_block_table"):
+    args[3] = _DeviceLike(table_ptr, (2, 1, 1, 5), i32)  # status on the table
+    with pytest.raises(
+        ValueError,
+        match=r"^selection_kv_block_status: expected memory "
+        r"separate from full_kv_block_table",
+    ):
         ops.prepare_gather(*args, selection_topk_block_size=1)

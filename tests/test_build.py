@@ -11,21 +11,36 @@ import subprocess
 
 import pytest
 
-from conftest import REPO
+from support.env import REPO
 
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not on PATH")
 def test_configure_without_cuda_records_the_reason(tmp_path):
     # Only system folders on PATH, and no CUDACXX/CUDA hints: CMake must not find nvcc.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("CUDA", "TensorRT")) and k != "CUDACXX"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CUDA", "TensorRT")) and k != "CUDACXX"
+    }
     cmake_dir = os.path.dirname(shutil.which("cmake"))
     env["PATH"] = os.pathsep.join(dict.fromkeys([cmake_dir, "/usr/bin", "/bin"]))
     if shutil.which("nvcc", path=env["PATH"]):
         pytest.skip("nvcc sits in a system folder here; cannot hide it from CMake")
-    r = subprocess.run(["cmake", "-S", str(REPO), "-B", str(tmp_path / "b"),
-                        "-DCMAKE_CUDA_COMPILER=", "-DCUDAToolkit_ROOT=/nonexistent"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [
+            "cmake",
+            "-S",
+            str(REPO),
+            "-B",
+            str(tmp_path / "b"),
+            "-DCMAKE_CUDA_COMPILER=",
+            "-DCUDAToolkit_ROOT=/nonexistent",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "no CUDA compiler (nvcc) was found" in r.stderr
     info = json.loads((tmp_path / "b" / "build_info.json").read_text())

@@ -13,13 +13,23 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pytrt_kv.datadist import (CacheDesc, CacheIndex, KvCacheExtParam, LlmDataDist,
-                               LLMException, LLMParamInvalid, LLMStatus,
-                               nixl_unavailable_reason, push_kv_blocks_reference)
+from pytrt_kv.datadist import (
+    CacheDesc,
+    CacheIndex,
+    KvCacheExtParam,
+    LlmDataDist,
+    LLMException,
+    LLMParamInvalid,
+    LLMStatus,
+    nixl_unavailable_reason,
+    push_kv_blocks_reference,
+)
 
 NIXL_SKIP = nixl_unavailable_reason()
-BACKENDS = ["local", pytest.param("nixl", marks=pytest.mark.skipif(
-    NIXL_SKIP is not None, reason=str(NIXL_SKIP)))]
+BACKENDS = [
+    "local",
+    pytest.param("nixl", marks=pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))),
+]
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.int8, np.int32]
 SENTINEL = 99
 #: One tensor per layer (the caches below with num_tensors 1).
@@ -76,6 +86,7 @@ def _linked(nodes):
 
 # --- equal to the reference ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
 def test_push_equals_reference_on_random_caches(nodes, dtype):
     p, d = _linked(nodes)
@@ -84,10 +95,8 @@ def test_push_equals_reference_on_random_caches(nodes, dtype):
         tnpl = int(rng.integers(1, 3))
         s_layers, d_layers = int(rng.integers(1, 4)), int(rng.integers(1, 4))
         row = tuple(int(v) for v in rng.integers(1, 6, size=int(rng.integers(1, 3))))
-        src = p.allocate_cache(CacheDesc(s_layers * tnpl, (int(rng.integers(3, 12)),) + row,
-                                         dtype))
-        dst = d.allocate_cache(CacheDesc(d_layers * tnpl, (int(rng.integers(3, 12)),) + row,
-                                         dtype))
+        src = p.allocate_cache(CacheDesc(s_layers * tnpl, (int(rng.integers(3, 12)),) + row, dtype))
+        dst = d.allocate_cache(CacheDesc(d_layers * tnpl, (int(rng.integers(3, 12)),) + row, dtype))
         _fill(src, rng)
         _sentinel(dst)
         n_layers = int(rng.integers(1, min(s_layers, d_layers) + 1))
@@ -103,8 +112,9 @@ def test_push_equals_reference_on_random_caches(nodes, dtype):
             sb = rng.integers(0, src.cache_desc.num_blocks, n)
         before = _snapshot(dst)
         expected = push_kv_blocks_reference(_snapshot(src), before, sb.tolist(), db.tolist(), ext)
-        tag = p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), sb.tolist(), db.tolist(), ext,
-                               tag=f"t{trial}")
+        tag = p.push_kv_blocks(
+            src, CacheIndex(2, dst.cache_id), sb.tolist(), db.tolist(), ext, tag=f"t{trial}"
+        )
         d.wait_received(tag, timeout_s=5)
         assert _same(dst.tensors, expected), f"trial {trial}"
 
@@ -142,18 +152,30 @@ def test_register_numpy_and_torch_tensors(nodes):
     assert (got[[0, 2, 3, 5]] == np.array(5.0, ml_dtypes.bfloat16).view(np.int16)).all()
 
 
-@pytest.mark.parametrize("tensors, exc, match", [
-    (lambda: [np.zeros((6, 8), np.float16)], ValueError, "expected 2 tensors"),
-    (lambda: [np.zeros((6, 8), np.float16), np.zeros((6, 9), np.float16)], ValueError,
-     r"tensors\[1\]: expected shape \[6, 8\]"),
-    (lambda: [np.zeros((6, 8), np.float16), np.zeros((6, 8), np.float32)], ValueError,
-     r"tensors\[1\]: expected dtype float16"),
-    (lambda: [np.zeros((6, 8), np.float16), np.zeros((8, 6), np.float16).T], ValueError,
-     "C-contiguous"),
-    (lambda: (lambda a: [a[0], a[0]])(np.zeros((2, 6, 8), np.float16)), ValueError, "overlap"),
-    (lambda: [np.zeros((6, 8), np.float16), "x"], TypeError, r"tensors\[1\]"),
-    (lambda: [np.zeros((6, 8), np.float16), 0], ValueError, "non-null"),
-])
+@pytest.mark.parametrize(
+    "tensors, exc, match",
+    [
+        (lambda: [np.zeros((6, 8), np.float16)], ValueError, "expected 2 tensors"),
+        (
+            lambda: [np.zeros((6, 8), np.float16), np.zeros((6, 9), np.float16)],
+            ValueError,
+            r"tensors\[1\]: expected shape \[6, 8\]",
+        ),
+        (
+            lambda: [np.zeros((6, 8), np.float16), np.zeros((6, 8), np.float32)],
+            ValueError,
+            r"tensors\[1\]: expected dtype float16",
+        ),
+        (
+            lambda: [np.zeros((6, 8), np.float16), np.zeros((8, 6), np.float16).T],
+            ValueError,
+            "C-contiguous",
+        ),
+        (lambda: (lambda a: [a[0], a[0]])(np.zeros((2, 6, 8), np.float16)), ValueError, "overlap"),
+        (lambda: [np.zeros((6, 8), np.float16), "x"], TypeError, r"tensors\[1\]"),
+        (lambda: [np.zeros((6, 8), np.float16), 0], ValueError, "non-null"),
+    ],
+)
 def test_register_refusals(nodes, tensors, exc, match):
     p, _ = nodes
     with pytest.raises(exc, match=match):
@@ -191,18 +213,27 @@ def test_refused_push_transfers_nothing(nodes, kw, match):
     _sentinel(dst)
     index = kw.get("dst_index", lambda i: CacheIndex(2, i))(dst.cache_id)
     with pytest.raises(LLMParamInvalid, match=match) as info:
-        p.push_kv_blocks(src, index, kw.get("src_blocks", [0, 1]), kw.get("dst_blocks", [2, 3]),
-                         kw.get("ext_param"), tag=kw.get("tag", "refused"))
+        p.push_kv_blocks(
+            src,
+            index,
+            kw.get("src_blocks", [0, 1]),
+            kw.get("dst_blocks", [2, 3]),
+            kw.get("ext_param"),
+            tag=kw.get("tag", "refused"),
+        )
     assert info.value.status is LLMStatus.PARAM_INVALID
     time.sleep(0.05)
     assert all((t == SENTINEL).all() for t in dst.tensors)
     assert not d.received("refused")
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(data_type="uint8"), "data_type"),
-    (dict(shape=(4, 17)), "block_bytes"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(data_type="uint8"), "data_type"),
+        (dict(shape=(4, 17)), "block_bytes"),
+    ],
+)
 def test_refused_mismatched_caches(nodes, kw, match):
     p, d = _linked(nodes)
     src = p.allocate_cache(CacheDesc(2, (4, 16), "int8"))
@@ -225,6 +256,7 @@ def test_roles(nodes):
 
 # --- protocol ------------------------------------------------------------------------------
 
+
 def _pair(nodes, nb=4):
     p, d = nodes
     src = p.allocate_cache(CacheDesc(2, (nb, 16), "int32"))
@@ -242,10 +274,14 @@ def _status(fn):
 
 def test_no_link(nodes):
     p, d, src, dst = _pair(nodes)
-    assert _status(lambda: p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0])) \
+    assert (
+        _status(lambda: p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0]))
         is LLMStatus.NOT_YET_LINK
-    assert _status(lambda: d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [0], [0])) \
+    )
+    assert (
+        _status(lambda: d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [0], [0]))
         is LLMStatus.NOT_YET_LINK
+    )
     assert _status(lambda: p.unlink_clusters([2])) is LLMStatus.NOT_YET_LINK
 
 
@@ -257,8 +293,10 @@ def test_after_unlink(nodes, side):
     (p.unlink_clusters([2]) if side == "initiator" else d.unlink_clusters([1]))
     assert p.linked_clusters() == [] and d.linked_clusters() == []
     _sentinel(dst)
-    assert _status(lambda: p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0])) \
+    assert (
+        _status(lambda: p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0]))
         is LLMStatus.NOT_YET_LINK
+    )
     assert all((t == SENTINEL).all() for t in dst.tensors)
     # Linking again works.
     _linked(nodes)
@@ -269,11 +307,15 @@ def test_after_unlink(nodes, side):
 def test_unknown_and_deallocated_caches(nodes):
     p, d, src, dst = _pair(nodes)
     _linked(nodes)
-    assert _status(lambda: p.push_kv_blocks(src, CacheIndex(2, 999), [0], [0])) \
+    assert (
+        _status(lambda: p.push_kv_blocks(src, CacheIndex(2, 999), [0], [0]))
         is LLMStatus.KV_CACHE_NOT_EXIST
+    )
     p.deallocate_cache(src)
-    assert _status(lambda: p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0])) \
+    assert (
+        _status(lambda: p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0]))
         is LLMStatus.KV_CACHE_NOT_EXIST
+    )
     assert _status(lambda: p.deallocate_cache(src)) is LLMStatus.KV_CACHE_NOT_EXIST
 
 
@@ -286,8 +328,10 @@ def test_stale_remote_cache(nodes):
     p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0])
     old_id, old_gen = dst.cache_id, dst.generation
     d.deallocate_cache(dst)
-    assert _status(lambda: p.push_kv_blocks(src, CacheIndex(2, old_id), [1], [1])) \
+    assert (
+        _status(lambda: p.push_kv_blocks(src, CacheIndex(2, old_id), [1], [1]))
         is LLMStatus.KV_CACHE_NOT_EXIST
+    )
     new = d.allocate_cache(CacheDesc(2, (4, 16), "int32"))
     _sentinel(new)
     assert (new.cache_id, new.generation) != (old_id, old_gen)
@@ -361,8 +405,9 @@ def test_empty_lists_deliver_the_tag(nodes):
 def test_async_handle_and_default_tags(nodes):
     p, d, src, dst = _pair(nodes, nb=64)
     _linked(nodes)
-    handles = [p.push_kv_blocks_async(src, CacheIndex(2, dst.cache_id), [i], [63 - i])
-               for i in range(8)]
+    handles = [
+        p.push_kv_blocks_async(src, CacheIndex(2, dst.cache_id), [i], [63 - i]) for i in range(8)
+    ]
     assert len({h.tag for h in handles}) == 8
     for h in handles:
         h.wait(timeout_s=5)
@@ -386,8 +431,9 @@ def test_link_refusals(backend):
     a.initialize()
     try:
         t0 = time.monotonic()
-        assert _status(lambda: a.link_clusters([("127.0.0.1", port)], timeout_s=1)) \
-            is LLMStatus.FAILED
+        assert (
+            _status(lambda: a.link_clusters([("127.0.0.1", port)], timeout_s=1)) is LLMStatus.FAILED
+        )
         assert time.monotonic() - t0 < 2
         b = LlmDataDist(1, "decoder", backend=backend)  # the same cluster id
         b.initialize()
@@ -422,16 +468,24 @@ def test_local_metadata_lists_caches(nodes):
     c = p.allocate_cache(CacheDesc(2, (4, 16), "bfloat16"))
     md = json.loads(p.local_metadata())
     assert md["cluster_id"] == 1 and md["role"] == "prompt"
-    assert md["caches"] == [{"cache_id": c.cache_id, "generation": c.generation,
-                             "desc": c.cache_desc.to_dict(), "addrs": list(c.tensor_addrs)}]
+    assert md["caches"] == [
+        {
+            "cache_id": c.cache_id,
+            "generation": c.generation,
+            "desc": c.cache_desc.to_dict(),
+            "addrs": list(c.tensor_addrs),
+        }
+    ]
 
 
 def test_import_does_not_load_nixl():
-    code = ("import sys, pytrt_kv, pytrt_kv.datadist\n"
-            "from pytrt_kv.datadist import LlmDataDist\n"
-            "n = LlmDataDist(1, 'prompt', backend='local'); n.initialize(); n.finalize()\n"
-            "loaded = sorted(m for m in sys.modules if m.startswith('nixl'))\n"
-            "assert not loaded, loaded\n")
+    code = (
+        "import sys, pytrt_kv, pytrt_kv.datadist\n"
+        "from pytrt_kv.datadist import LlmDataDist\n"
+        "n = LlmDataDist(1, 'prompt', backend='local'); n.initialize(); n.finalize()\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('nixl'))\n"
+        "assert not loaded, loaded\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -451,8 +505,9 @@ def test_device_source_stream_synchronized_before_the_post():
     d.initialize()
     try:
         host = [np.zeros((4, 8), np.int8) for _ in range(2)]
-        src = p.register_cache(CacheDesc(2, (4, 8), "int8", "device"),
-                               [int(a.ctypes.data) for a in host])
+        src = p.register_cache(
+            CacheDesc(2, (4, 8), "int8", "device"), [int(a.ctypes.data) for a in host]
+        )
         dst = d.allocate_cache(CacheDesc(2, (4, 8), "int8"))
         p.link_clusters([d.listen_address])
         try:
@@ -512,8 +567,13 @@ class _FakeCudaArray:
     dereferenced, so no GPU is needed to register it."""
 
     def __init__(self, shape, typestr, ptr):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
-                                         "data": (ptr, False), "strides": None, "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 def test_register_cuda_array_interface_objects():

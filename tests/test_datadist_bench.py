@@ -22,9 +22,24 @@ def test_bench_datadist_quick(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     out, raw = tmp_path / "dd.md", tmp_path / "dd.json"
-    r = subprocess.run([sys.executable, "-m", "pytrt_kv", "bench", "datadist", "--quick",
-                        "--output", str(out), "--json", str(raw)],
-                       capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytrt_kv",
+            "bench",
+            "datadist",
+            "--quick",
+            "--output",
+            str(out),
+            "--json",
+            str(raw),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(raw.read_text())["results"]
     cases = {(row["block"], row["pattern"]) for row in rows}

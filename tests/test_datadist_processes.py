@@ -20,9 +20,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pytrt_kv.datadist import (CacheDesc, CacheIndex, KvCacheExtParam, LlmDataDist,
-                               LLMException, LLMStatus, nixl_unavailable_reason,
-                               push_kv_blocks_reference)
+from pytrt_kv.datadist import (
+    CacheDesc,
+    CacheIndex,
+    KvCacheExtParam,
+    LlmDataDist,
+    LLMException,
+    LLMStatus,
+    nixl_unavailable_reason,
+    push_kv_blocks_reference,
+)
 
 NIXL_SKIP = nixl_unavailable_reason()
 pytestmark = pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
@@ -40,13 +47,18 @@ def _env(**extra):
 
 
 class Node:
-    """A tests/datadist_node.py process; replies are read on a thread, waits are bounded."""
+    """A tests/support/datadist_node.py process; replies are read on a thread, waits are bounded."""
 
     def __init__(self, *args, env=None):
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "datadist_node.py"), *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env or _env())
-        self.replies: "queue.Queue[dict]" = queue.Queue()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "support" / "datadist_node.py"), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env or _env(),
+        )
+        self.replies: queue.Queue[dict] = queue.Queue()
         self.stderr: list = []
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
@@ -61,8 +73,9 @@ class Node:
         try:
             return self.replies.get(timeout=timeout_s)
         except queue.Empty:
-            raise AssertionError(f"node gave no reply within {timeout_s} s; stderr: "
-                                 f"{''.join(self.stderr)[-2000:]}") from None
+            raise AssertionError(
+                f"node gave no reply within {timeout_s} s; stderr: {''.join(self.stderr)[-2000:]}"
+            ) from None
 
     def ask(self, timeout_s=10.0, **cmd) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -97,8 +110,10 @@ def spawn():
 
 def _tensors(b64: str, desc: CacheDesc):
     raw = np.frombuffer(base64.b64decode(b64), np.uint8)
-    return [a.view(desc.dtype).reshape(desc.shape)
-            for a in raw.reshape(desc.num_tensors, desc.tensor_bytes)]
+    return [
+        a.view(desc.dtype).reshape(desc.shape)
+        for a in raw.reshape(desc.num_tensors, desc.tensor_bytes)
+    ]
 
 
 def test_push_pull_verify_then_kill_the_destination(spawn):
@@ -120,16 +135,21 @@ def test_push_pull_verify_then_kill_the_destination(spawn):
         tag = p.push_kv_blocks(src, index, sb, db, ext, tag="first")
         got = _tensors(dst_node.ask(cmd="read", tag=tag)["data"], desc)
         expected = push_kv_blocks_reference([t.copy() for t in src.tensors], dst0, sb, db, ext)
-        assert all(a.view(np.uint16).tobytes() == b.view(np.uint16).tobytes()
-                   for a, b in zip(got, expected))
+        assert all(
+            a.view(np.uint16).tobytes() == b.view(np.uint16).tobytes()
+            for a, b in zip(got, expected)
+        )
 
         # The decoder pulls from the prompt node over the link the prompt node made.
         sb2, db2 = [3, 4, 5], [2, 3, 4]
-        got = _tensors(dst_node.ask(cmd="pull", cluster=1, cache=src.cache_id, src=sb2,
-                                    dst=db2)["data"], desc)
+        got = _tensors(
+            dst_node.ask(cmd="pull", cluster=1, cache=src.cache_id, src=sb2, dst=db2)["data"], desc
+        )
         expected = push_kv_blocks_reference([t.copy() for t in src.tensors], expected, sb2, db2)
-        assert all(a.view(np.uint16).tobytes() == b.view(np.uint16).tobytes()
-                   for a, b in zip(got, expected))
+        assert all(
+            a.view(np.uint16).tobytes() == b.view(np.uint16).tobytes()
+            for a, b in zip(got, expected)
+        )
 
         dst_node.kill()
         t0 = time.monotonic()
@@ -153,8 +173,9 @@ def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
     for k, v in ucx.items():
         monkeypatch.setenv(k, v)
     nb = 4096
-    dst_node = spawn("--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x8192,int8",
-                     env=_env(**ucx))
+    dst_node = spawn(
+        "--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x8192,int8", env=_env(**ucx)
+    )
     p = LlmDataDist(1, "prompt", backend="nixl")
     p.initialize("127.0.0.1", 0)
     try:
@@ -181,8 +202,12 @@ def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
 def test_example_prefill_decode(tmp_path):
     """examples/datadist_prefill_decode.py: a prefill process pushes the prompt's KV blocks
     into a decode process, which runs the example decode step on the CPU runtime."""
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "datadist_prefill_decode.py"),
-                        "--steps", "3"], capture_output=True, text=True, timeout=300,
-                       env=_env())
+    r = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "datadist_prefill_decode.py"), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "decode PASSED" in r.stdout, r.stdout[-3000:]

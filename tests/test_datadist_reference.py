@@ -10,8 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytrt_kv.datadist import (CacheDesc, KvCacheExtParam, LLMException, LLMParamInvalid,
-                               LLMRole, LLMStatus, check_transfer, push_kv_blocks_reference)
+from pytrt_kv.datadist import (
+    CacheDesc,
+    KvCacheExtParam,
+    LLMException,
+    LLMParamInvalid,
+    LLMRole,
+    LLMStatus,
+    check_transfer,
+    push_kv_blocks_reference,
+)
 
 SENTINEL = -77
 
@@ -97,8 +105,13 @@ def test_reference_matches_oracle(case):
     ref = oracle(src, dst, sb, db, list(s_t), list(d_t))
     assert all(_bits(a).tobytes() == _bits(b).tobytes() for a, b in zip(out, ref))
     # The plan's runs move exactly the planned pairs, once each.
-    plan = check_transfer(CacheDesc(sl * tnpl, (s_nb, width), dtype),
-                          CacheDesc(dl * tnpl, (d_nb, width), dtype), sb, db, ext)
+    plan = check_transfer(
+        CacheDesc(sl * tnpl, (s_nb, width), dtype),
+        CacheDesc(dl * tnpl, (d_nb, width), dtype),
+        sb,
+        db,
+        ext,
+    )
     pairs = [(s, d, sb_ + k, db_ + k) for s, d, sb_, db_, n in plan.runs() for k in range(n)]
     assert pairs == [(s, d, a, b) for s, d in zip(s_t, d_t) for a, b in zip(sb, db)]
     si, di = plan.descriptor_indices(s_nb, d_nb)
@@ -107,6 +120,7 @@ def test_reference_matches_oracle(case):
 
 
 # --- every PARAM_INVALID rule (docs/SPEC.md D4) -------------------------------------------
+
 
 def _refused(src, dst, sb, db, ext, match):
     before = [d.copy() for d in dst]
@@ -127,8 +141,7 @@ def _two(n_src=4, n_dst=4, s_shape=(4, 16), d_shape=(4, 16), s_dt=np.int32, d_dt
 def test_tensor_num_per_layer_refused(tnpl):
     # 4 tensors: tnpl must be an int in [1, 4] dividing 4, even with the default ranges.
     src, dst = _two()
-    _refused(src, dst, [0], [0], KvCacheExtParam(tensor_num_per_layer=tnpl),
-             "tensor_num_per_layer")
+    _refused(src, dst, [0], [0], KvCacheExtParam(tensor_num_per_layer=tnpl), "tensor_num_per_layer")
 
 
 def test_tensor_num_per_layer_checked_on_each_side():
@@ -137,15 +150,17 @@ def test_tensor_num_per_layer_checked_on_each_side():
     _refused(src, dst, [0], [0], KvCacheExtParam((0, 0), (0, 0), 4), "destination")
 
 
-@pytest.mark.parametrize("rng_", [(-1, 0), (0, -1), (2, 1), (0, 4), (-2, -2), (4, 4), (0,),
-                                  "ab", None, (0.5, 1)])
+@pytest.mark.parametrize(
+    "rng_", [(-1, 0), (0, -1), (2, 1), (0, 4), (-2, -2), (4, 4), (0,), "ab", None, (0.5, 1)]
+)
 @pytest.mark.parametrize("side", ["src", "dst"])
 def test_layer_range_refused(rng_, side):
     src, dst = _two()  # 4 tensors, tnpl 1: layers 0..3
     ranges = {"src_layer_range": (0, 0), "dst_layer_range": (0, 0)}
     ranges[f"{side}_layer_range"] = rng_
-    _refused(src, dst, [0], [0], KvCacheExtParam(tensor_num_per_layer=1, **ranges),
-             f"{side}_layer_range")
+    _refused(
+        src, dst, [0], [0], KvCacheExtParam(tensor_num_per_layer=1, **ranges), f"{side}_layer_range"
+    )
 
 
 def test_layer_range_checked_against_its_own_side():
@@ -169,8 +184,7 @@ def test_block_list_lengths_must_match():
     _refused(src, dst, [0, 1], [0], None, "dst_blocks")
 
 
-@pytest.mark.parametrize("side, ids", [("src", [4]), ("src", [-1]), ("dst", [0, 4]),
-                                       ("dst", [-3])])
+@pytest.mark.parametrize("side, ids", [("src", [4]), ("src", [-1]), ("dst", [0, 4]), ("dst", [-3])])
 def test_block_ids_out_of_range_refused(side, ids):
     src, dst = _two(d_shape=(4, 16))
     other = list(range(len(ids)))
@@ -234,16 +248,27 @@ def test_empty_block_lists_accepted():
     src, dst = _two()
     out = push_kv_blocks_reference(src, dst, [], [])
     assert all((o == SENTINEL).all() for o in out)
-    assert check_transfer(CacheDesc(4, (4, 16), np.int32), CacheDesc(4, (4, 16), np.int32),
-                          np.zeros(0, np.int64), [], None).num_copies == 0
+    assert (
+        check_transfer(
+            CacheDesc(4, (4, 16), np.int32),
+            CacheDesc(4, (4, 16), np.int32),
+            np.zeros(0, np.int64),
+            [],
+            None,
+        ).num_copies
+        == 0
+    )
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"num_tensors": 0, "shape": (4, 4)}, "num_tensors"),
-    ({"num_tensors": 1, "shape": (0, 4)}, "shape"),
-    ({"num_tensors": 1, "shape": (4, 0)}, "shape"),
-    ({"num_tensors": 1, "shape": (4, 4), "placement": "gpu"}, "placement"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"num_tensors": 0, "shape": (4, 4)}, "num_tensors"),
+        ({"num_tensors": 1, "shape": (0, 4)}, "shape"),
+        ({"num_tensors": 1, "shape": (4, 0)}, "shape"),
+        ({"num_tensors": 1, "shape": (4, 4), "placement": "gpu"}, "placement"),
+    ],
+)
 def test_cache_desc_refusals(kw, match):
     with pytest.raises(ValueError, match=match):
         CacheDesc(**kw)

@@ -11,9 +11,30 @@ import pytest
 
 from pytrt_kv import demo, runtime
 
-SMALL = ["--steps", "4", "--batch", "2", "--topk", "4", "--selection-block-size", "4",
-         "--block-size", "4", "--max-blocks-per-seq", "3", "--num-blocks", "7",
-         "--kv-dim", "16", "--rope-dim", "8", "--heads", "2", "--prompt-len", "2"]
+SMALL = [
+    "--steps",
+    "4",
+    "--batch",
+    "2",
+    "--topk",
+    "4",
+    "--selection-block-size",
+    "4",
+    "--block-size",
+    "4",
+    "--max-blocks-per-seq",
+    "3",
+    "--num-blocks",
+    "7",
+    "--kv-dim",
+    "16",
+    "--rope-dim",
+    "8",
+    "--heads",
+    "2",
+    "--prompt-len",
+    "2",
+]
 
 
 def _args(extra=()):
@@ -56,8 +77,10 @@ def test_demo_defaults_cli(capsys, tmp_path):
     assert "demo PASSED" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["attn_out", "selection_kv_cache_out", "full_kv_cache_out",
-                                  "selection_kv_block_status_out"])
+@pytest.mark.parametrize(
+    "name",
+    ["attn_out", "selection_kv_cache_out", "full_kv_cache_out", "selection_kv_block_status_out"],
+)
 def test_demo_detects_wrong_results(name, capsys, monkeypatch):
     real_run = runtime.run
     calls = {"n": 0}
@@ -69,7 +92,7 @@ def test_demo_detects_wrong_results(name, capsys, monkeypatch):
             x = out[name].copy()
             flat = x.reshape(-1)
             if name == "selection_kv_block_status_out":
-                flat[0] = flat[1]     # a duplicate id
+                flat[0] = flat[1]  # a duplicate id
             elif name == "attn_out":
                 flat[3] += 1e-3
             else:
@@ -115,8 +138,11 @@ def test_demo_says_when_the_gpu_kernels_were_not_built(cuda, capsys, monkeypatch
 
     from pytrt_kv import _lib
 
-    (tmp_path / "build_info.json").write_text(json.dumps(
-        {"cuda": cuda, "no_cuda_reason": "no CUDA compiler (nvcc) was found at build time"}))
+    (tmp_path / "build_info.json").write_text(
+        json.dumps(
+            {"cuda": cuda, "no_cuda_reason": "no CUDA compiler (nvcc) was found at build time"}
+        )
+    )
     monkeypatch.setenv(_lib.LIB_DIR_ENV, str(tmp_path))
     _fake_trt(monkeypatch, "no GPU here (test)")
     assert demo.run(_args()) == 0

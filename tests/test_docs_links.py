@@ -20,7 +20,6 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Set
 
 import pytest
 
@@ -28,8 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _load_fix_script():
-    spec = importlib.util.spec_from_file_location("fix_spec_citations",
-                                                  REPO / "scripts" / "fix_spec_citations.py")
+    spec = importlib.util.spec_from_file_location(
+        "fix_spec_citations", REPO / "scripts" / "fix_spec_citations.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("fix_spec_citations", module)
     spec.loader.exec_module(module)
@@ -47,7 +47,7 @@ _LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
-def prose_lines(text: str) -> List[str]:
+def prose_lines(text: str) -> list[str]:
     """The lines of a Markdown text with fenced code blanked (line numbers kept)."""
     out, fence = [], None
     for line in text.splitlines():
@@ -72,9 +72,9 @@ def github_slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def anchors(text: str) -> Set[str]:
+def anchors(text: str) -> set[str]:
     """Every heading anchor of a Markdown text, duplicates suffixed -1, -2 as on GitHub."""
-    seen: Dict[str, int] = {}
+    seen: dict[str, int] = {}
     out = set()
     for line in prose_lines(text):
         m = _HEADING.match(line)
@@ -87,7 +87,7 @@ def anchors(text: str) -> Set[str]:
     return out
 
 
-def spec_sections(root: Path) -> Set[str]:
+def spec_sections(root: Path) -> set[str]:
     """Section ids of docs/SPEC.md: headings ``S.``, ``S6.`` ... (empty when missing)."""
     path = root / "docs" / "SPEC.md"
     if not path.is_file():
@@ -100,7 +100,7 @@ def spec_sections(root: Path) -> Set[str]:
     return ids
 
 
-def style_habits(root: Path) -> Set[int]:
+def style_habits(root: Path) -> set[int]:
     """Numbers of the house-style habits in docs/ARCHITECTURE.md ("## House style")."""
     path = root / "docs" / "ARCHITECTURE.md"
     if not path.is_file():
@@ -115,18 +115,25 @@ def style_habits(root: Path) -> Set[int]:
 #: Documents that exist only outside the repository (the old design notes).
 _OUTSIDE = [
     (re.compile(r"(?<![\w-])OPS\.md\b"), "OPS.md is not in the repository: cite docs/SPEC.md"),
-    (re.compile(r"(?<![\w-])shared/(?:spec|design|reference)\b"),
-     "shared/ is not in the repository: cite docs/"),
-    (re.compile(r"\bSTYLE(?:\.md)?,?\s+habit\b"),
-     "the style notes are docs/ARCHITECTURE.md (habit N)"),
-    (re.compile(r"(?<![\w/-])reference/00\d\b"),
-     "the numbered upstream pages are not in the repository: name the API (docs/SPEC.md)"),
+    (
+        re.compile(r"(?<![\w-])shared/(?:spec|design|reference)\b"),
+        "shared/ is not in the repository: cite docs/",
+    ),
+    (
+        re.compile(r"\bSTYLE(?:\.md)?,?\s+habit\b"),
+        "the style notes are docs/ARCHITECTURE.md (habit N)",
+    ),
+    (
+        re.compile(r"(?<![\w/-])reference/00\d\b"),
+        "the numbered upstream pages are not in the repository: name the API (docs/SPEC.md)",
+    ),
 ]
 _DOC_PATH = re.compile(r"(?<![\w./-])((?:\.{1,2}/)*(?:[\w.-]+/)*[\w.-]+\.md)\b")
 _CAPS_MD = re.compile(r"^[A-Z][A-Z0-9_]*\.md$")
 _SPEC_CITE = re.compile(
     r"\bSPEC\.md[,:]?\s+(?:sections?\s+)?"
-    r"((?:[A-Z]\d+|[SGODR])\b(?:(?:\s*[-\u2013/,]\s*|\s+and\s+)(?:[A-Z]?\d+|[SGODR])\b)*)")
+    r"((?:[A-Z]\d+|[SGODR])\b(?:(?:\s*[-\u2013/,]\s*|\s+and\s+)(?:[A-Z]?\d+|[SGODR])\b)*)"
+)
 
 
 _HABIT_CITE = re.compile(r"\bARCHITECTURE\.md,?\s+habits?\s+(\d+)")
@@ -139,9 +146,9 @@ def _doc_exists(token: str, file: Path, root: Path) -> bool:
     return any(c.is_file() for c in candidates)
 
 
-def _cited_ids(span: str) -> List[str]:
+def _cited_ids(span: str) -> list[str]:
     """``S3-S5`` -> S3, S4, S5; ``G4/G5`` -> G4, G5; ``G3-5`` -> G3, G4, G5."""
-    ids: List[str] = []
+    ids: list[str] = []
     letter = ""
     parts = re.split(r"(\s*[-\u2013]\s*|\s*[/,]\s*|\s+and\s+)", span)
     pending_range = False
@@ -163,8 +170,9 @@ def _cited_ids(span: str) -> List[str]:
     return ids
 
 
-def reference_problems(path: Path, text: str, root: Path, sections: Set[str],
-                       habits: Set[int] = frozenset()) -> List[str]:
+def reference_problems(
+    path: Path, text: str, root: Path, sections: set[str], habits: set[int] = frozenset()
+) -> list[str]:
     """Citations in ``text`` of documents or sections that do not exist."""
     rel = path.relative_to(root).as_posix()
     out = []
@@ -183,17 +191,18 @@ def reference_problems(path: Path, text: str, root: Path, sections: Set[str],
                 out.append(f"{rel}:{lineno}: {token!r}: no such document in the repository")
         for m in _HABIT_CITE.finditer(line):
             if int(m.group(1)) not in habits:
-                out.append(f"{rel}:{lineno}: {m.group(0)!r}: docs/ARCHITECTURE.md has no "
-                           f"habit {m.group(1)}")
+                out.append(
+                    f"{rel}:{lineno}: {m.group(0)!r}: docs/ARCHITECTURE.md has no "
+                    f"habit {m.group(1)}"
+                )
         for m in _SPEC_CITE.finditer(line):
             for sid in _cited_ids(m.group(1)):
                 if sid not in sections:
-                    out.append(f"{rel}:{lineno}: {m.group(0)!r}: docs/SPEC.md has no section "
-                               f"{sid}")
+                    out.append(f"{rel}:{lineno}: {m.group(0)!r}: docs/SPEC.md has no section {sid}")
     return out
 
 
-def link_problems(path: Path, text: str, root: Path) -> List[str]:
+def link_problems(path: Path, text: str, root: Path) -> list[str]:
     """Markdown links of ``path`` to missing files, folders or anchors."""
     rel = path.relative_to(root).as_posix()
     out = []
@@ -212,12 +221,14 @@ def link_problems(path: Path, text: str, root: Path) -> List[str]:
                 continue
             if anchor and dest.suffix == ".md":
                 if anchor not in anchors(dest.read_text(encoding="utf-8")):
-                    out.append(f"{rel}:{lineno}: link {target!r}: no heading #{anchor} in "
-                               f"{dest.relative_to(root.resolve()).as_posix()}")
+                    out.append(
+                        f"{rel}:{lineno}: link {target!r}: no heading #{anchor} in "
+                        f"{dest.relative_to(root.resolve()).as_posix()}"
+                    )
     return out
 
 
-def all_problems(root: Path) -> List[str]:
+def all_problems(root: Path) -> list[str]:
     root = root.resolve()
     sections = spec_sections(root)
     habits = style_habits(root)
@@ -233,21 +244,31 @@ def all_problems(root: Path) -> List[str]:
 
 # --- tests -------------------------------------------------------------------------------
 
+
 def test_spec_has_every_section_id():
-    want = {"S", "G", "O", "D", "R", *(f"S{i}" for i in range(1, 9)),
-            *(f"G{i}" for i in range(1, 8)), *(f"D{i}" for i in range(1, 7)),
-            *(f"R{i}" for i in range(1, 7))}
+    want = {
+        "S",
+        "G",
+        "O",
+        "D",
+        "R",
+        *(f"S{i}" for i in range(1, 9)),
+        *(f"G{i}" for i in range(1, 8)),
+        *(f"D{i}" for i in range(1, 7)),
+        *(f"R{i}" for i in range(1, 7)),
+    }
     assert spec_sections(REPO) == want
 
 
 def test_repository_cites_only_documents_it_contains():
     problems = all_problems(REPO)
-    assert not problems, (f"{len(problems)} citation(s) of missing documents or sections "
-                          "(`python3 scripts/fix_spec_citations.py` rewrites the old ones):\n"
-                          + "\n".join(problems))
+    assert not problems, (
+        f"{len(problems)} citation(s) of missing documents or sections "
+        "(`python3 scripts/fix_spec_citations.py` rewrites the old ones):\n" + "\n".join(problems)
+    )
 
 
-def pyproject_extras(text: str) -> Set[str]:
+def pyproject_extras(text: str) -> set[str]:
     """Names of ``[project.optional-dependencies]`` (no tomllib: Python 3.10 has none)."""
     m = re.search(r"^\[project\.optional-dependencies\]\n(.*?)(?=^\[)", text, re.M | re.S)
     return set(re.findall(r"^([A-Za-z0-9][\w.-]*)\s*=", m.group(1), re.M)) if m else set()
@@ -258,14 +279,16 @@ def test_readme_lists_exactly_the_extras_pyproject_declares():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     listed = set(re.findall(r"^\| `\[([\w-]+)\]` \|", readme, re.M))
     assert declared, "pyproject.toml: no [project.optional-dependencies]"
-    assert listed == declared, (f"README extras table {sorted(listed)} != pyproject.toml "
-                                f"extras {sorted(declared)}")
+    assert listed == declared, (
+        f"README extras table {sorted(listed)} != pyproject.toml extras {sorted(declared)}"
+    )
 
 
-def _tree(tmp_path: Path, files: Dict[str, str]) -> Path:
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     (tmp_path / "docs").mkdir(exist_ok=True)
     (tmp_path / "docs" / "SPEC.md").write_text(
-        "# Spec\n\n## S. Scatter\n\n### S1. Signature\n\n### S2. Choosing\n\n## O. ONNX\n")
+        "# Spec\n\n## S. Scatter\n\n### S1. Signature\n\n### S2. Choosing\n\n## O. ONNX\n"
+    )
     for name, text in files.items():
         p = tmp_path / name
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -273,53 +296,63 @@ def _tree(tmp_path: Path, files: Dict[str, str]) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("name,text,expect", [
-    ("a.py", "# see OPS.md S3\n", "OPS.md"),
-    ("a.py", "'''shared/spec/OPS.md section G'''\n", "shared/"),
-    ("a.cpp", "// house style (STYLE habit 3)\n", "ARCHITECTURE"),
-    ("a.py", "# reference/001 single-op example\n", "upstream"),
-    ("a.py", "# docs/MISSING.md explains\n", "no such document"),
-    ("a.h", "//! see NOTES.md\n", "no such document"),
-    ("a.py", "# docs/SPEC.md S9\n", "no section S9"),
-    ("a.py", "# docs/SPEC.md S1-S3\n", "no section S3"),
-    ("a.py", "# docs/SPEC.md S1/G2\n", "no section G2"),
-    ("docs/a.md", "see SPEC.md G3\n", "no section G3"),
-    ("a.cpp", "// docs/ARCHITECTURE.md habit 13\n", "no habit 13"),
-    ("README.md", "[x](docs/none.md)\n", "no such file"),
-    ("README.md", "[x](docs/SPEC.md#s9-nothing)\n", "no heading"),
-    ("docs/a.md", "[x](#nowhere)\n", "no heading"),
-    ("docs/a.md", "[x](../../outside.md)\n", "leaves the repository"),
-])
+@pytest.mark.parametrize(
+    "name,text,expect",
+    [
+        ("a.py", "# see OPS.md S3\n", "OPS.md"),
+        ("a.py", "'''shared/spec/OPS.md section G'''\n", "shared/"),
+        ("a.cpp", "// house style (STYLE habit 3)\n", "ARCHITECTURE"),
+        ("a.py", "# reference/001 single-op example\n", "upstream"),
+        ("a.py", "# docs/MISSING.md explains\n", "no such document"),
+        ("a.h", "//! see NOTES.md\n", "no such document"),
+        ("a.py", "# docs/SPEC.md S9\n", "no section S9"),
+        ("a.py", "# docs/SPEC.md S1-S3\n", "no section S3"),
+        ("a.py", "# docs/SPEC.md S1/G2\n", "no section G2"),
+        ("docs/a.md", "see SPEC.md G3\n", "no section G3"),
+        ("a.cpp", "// docs/ARCHITECTURE.md habit 13\n", "no habit 13"),
+        ("README.md", "[x](docs/none.md)\n", "no such file"),
+        ("README.md", "[x](docs/SPEC.md#s9-nothing)\n", "no heading"),
+        ("docs/a.md", "[x](#nowhere)\n", "no heading"),
+        ("docs/a.md", "[x](../../outside.md)\n", "leaves the repository"),
+    ],
+)
 def test_checker_reports(tmp_path, name, text, expect):
     problems = all_problems(_tree(tmp_path, {name: text}))
     assert problems and all(p.startswith(f"{name}:1: ") for p in problems), problems
     assert any(expect in p for p in problems), problems
 
 
-@pytest.mark.parametrize("name,text", [
-    ("a.py", "# docs/SPEC.md S1-S2, O; docs/SPEC.md section S\n"),
-    ("README.md", "[spec](docs/SPEC.md#s2-choosing) and [top](#title)\n\n# Title\n"),
-    ("docs/a.md", "[s](SPEC.md#o-onnx) `[not](a/link.md)`\n\n```\n[x](none.md)\n```\n"),
-    ("a.sh", "# writes out/summary.md and https://example.com/X/README.md\n"),
-])
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("a.py", "# docs/SPEC.md S1-S2, O; docs/SPEC.md section S\n"),
+        ("README.md", "[spec](docs/SPEC.md#s2-choosing) and [top](#title)\n\n# Title\n"),
+        ("docs/a.md", "[s](SPEC.md#o-onnx) `[not](a/link.md)`\n\n```\n[x](none.md)\n```\n"),
+        ("a.sh", "# writes out/summary.md and https://example.com/X/README.md\n"),
+    ],
+)
 def test_checker_accepts(tmp_path, name, text):
     assert all_problems(_tree(tmp_path, {name: text})) == []
 
 
 def test_fix_script_output_passes_the_checker(tmp_path):
-    root = _tree(tmp_path, {
-        "pkg/a.py": '"""Reference (shared/spec/OPS.md section S; OPS.md S1, S2).\n\n'
-                    'House style (shared/design/STYLE.md habit 3; ARCHITECTURE.md)."""\n',
-        "tests/t.py": '"""reference/001 single-op example; never zeros (STYLE habit 7)."""\n',
-        "docs/ops/X.md": "the contract is [OPS.md section S](../../shared/spec/OPS.md)\n",
-        "docs/ARCHITECTURE.md": "# Arch\n\n## House style\n\n3. Errors.\n7. Random.\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "pkg/a.py": '"""Reference (shared/spec/OPS.md section S; OPS.md S1, S2).\n\n'
+            'House style (shared/design/STYLE.md habit 3; ARCHITECTURE.md)."""\n',
+            "tests/t.py": '"""reference/001 single-op example; never zeros (STYLE habit 7)."""\n',
+            "docs/ops/X.md": "the contract is [OPS.md section S](../../shared/spec/OPS.md)\n",
+            "docs/ARCHITECTURE.md": "# Arch\n\n## House style\n\n3. Errors.\n7. Random.\n",
+        },
+    )
     before = all_problems(root)
     assert {p.split(":")[0] for p in before} == {"pkg/a.py", "tests/t.py", "docs/ops/X.md"}
     assert fix.main(["--root", str(root)]) == 0
     assert all_problems(root) == []
     assert (root / "docs/ops/X.md").read_text() == (
-        "the contract is [docs/SPEC.md section S](../SPEC.md)\n")
+        "the contract is [docs/SPEC.md section S](../SPEC.md)\n"
+    )
     assert "docs/SPEC.md section S; docs/SPEC.md S1, S2" in (root / "pkg/a.py").read_text()
     assert "docs/ARCHITECTURE.md habit 3; docs/ARCHITECTURE.md" in (root / "pkg/a.py").read_text()
     assert fix.main(["--root", str(root), "--check"]) == 0  # idempotent: nothing left

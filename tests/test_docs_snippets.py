@@ -22,11 +22,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
 
 import pytest
 
-from conftest import gpu_unavailable_reason, polygraphy_command, trt_unavailable_reason
+from support.env import gpu_unavailable_reason, polygraphy_command, trt_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -42,7 +41,7 @@ class Snippet:
     path: Path
     line: int
     lang: str
-    tags: Tuple[str, ...]
+    tags: tuple[str, ...]
     code: str
 
     @property
@@ -50,7 +49,7 @@ class Snippet:
         return f"{self.path.relative_to(REPO).as_posix()}:{self.line}"
 
 
-def snippets() -> List[Snippet]:
+def snippets() -> list[Snippet]:
     out = []
     for path in DOCS:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -64,7 +63,7 @@ def snippets() -> List[Snippet]:
             start, body = i + 1, []
             i += 1
             while i < len(lines) and not lines[i].strip().startswith(fence):
-                body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+                body.append(lines[i][len(indent) :] if lines[i].startswith(indent) else lines[i])
                 i += 1
             i += 1
             out.append(Snippet(path, start, lang.lower(), tuple(rest.split()), "\n".join(body)))
@@ -91,8 +90,11 @@ def test_snippets_are_found_and_tagged_correctly():
     assert len([s for s in ALL if s.lang in PYTHON]) >= 8
     readme_shell = [s for s in RUNNABLE if s.path.name == "README.md" and s.lang in SHELL]
     assert any("polygraphy run" in s.code for s in readme_shell), "README's Polygraphy one-liner"
-    bad = [f"{s.id}: {s.lang} {' '.join(s.tags)}" for s in ALL
-           if (s.lang in PYTHON or s.lang in SHELL) and set(s.tags) - TAGS]
+    bad = [
+        f"{s.id}: {s.lang} {' '.join(s.tags)}"
+        for s in ALL
+        if (s.lang in PYTHON or s.lang in SHELL) and set(s.tags) - TAGS
+    ]
     assert not bad, f"unknown tags (known: {sorted(TAGS)}):\n" + "\n".join(bad)
     bad = [s.id for s in ALL if s.lang in PYTHON and ">>>" in s.code]
     assert not bad, f"python blocks must be programs, not console sessions: {bad}"
@@ -106,8 +108,7 @@ def test_shell_block_parses(snippet: Snippet, tmp_path):
     bash, as a reader would paste them."""
     script = tmp_path / "snippet.sh"
     script.write_text(snippet.code + "\n")
-    r = subprocess.run(["/bin/bash", "-n", str(script)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(["/bin/bash", "-n", str(script)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"{snippet.id}: not valid bash:\n{r.stderr}\n{snippet.code}"
 
 
@@ -128,7 +129,8 @@ def _venv(tmp_path: Path) -> dict:
     bin_dir = tmp_path / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
     stand_ins = {
-        "python": [sys.executable], "python3": [sys.executable],
+        "python": [sys.executable],
+        "python3": [sys.executable],
         "pytrt-kv": [sys.executable, "-m", "pytrt_kv"],
         "polygraphy": polygraphy_command(),
     }
@@ -139,12 +141,15 @@ def _venv(tmp_path: Path) -> dict:
         script.chmod(0o755)
     dist = tmp_path / "ep" / "pytrt_kv_docs_test-0.0.dist-info"
     dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pytrt-kv-docs-test\n"
-                                   "Version: 0.0\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: pytrt-kv-docs-test\nVersion: 0.0\n"
+    )
     (dist / "entry_points.txt").write_text(
-        "[polygraphy.run.plugins]\npytrt-kv = pytrt_kv.polygraphy:export_argument_groups\n")
+        "[polygraphy.run.plugins]\npytrt-kv = pytrt_kv.polygraphy:export_argument_groups\n"
+    )
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [str(REPO), str(tmp_path / "ep"), env.get("PYTHONPATH", "")] if p)
+        p for p in [str(REPO), str(tmp_path / "ep"), env.get("PYTHONPATH", "")] if p
+    )
     return env
 
 
@@ -162,7 +167,8 @@ def test_snippet_runs(snippet: Snippet, tmp_path):
         script.write_text(snippet.code + "\n")
         env = _venv(tmp_path)
         cmd = ["/bin/bash", "-euo", "pipefail", str(script)]
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=TIMEOUT)
-    assert r.returncode == 0, (f"{snippet.id} exited {r.returncode}\n--- snippet\n{snippet.code}"
-                               f"\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}")
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, (
+        f"{snippet.id} exited {r.returncode}\n--- snippet\n{snippet.code}"
+        f"\n--- stdout\n{r.stdout[-4000:]}\n--- stderr\n{r.stderr[-4000:]}"
+    )

@@ -11,11 +11,23 @@ import pytest
 from onnx_export import example
 from onnx_export.example import CACHE_OUTPUTS, ExampleSizes, build_example_model
 from pytrt_kv import runtime
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv.graph.feeds import make_feeds
 
-SIZES = [ExampleSizes(), ExampleSizes(batch=3, topk=5, selection_block_size=4, block_size=5,
-                                      max_blocks_per_seq=3, num_blocks=10, dtype="float32",
-                                      kv_dim=16, rope_dim=8, heads=2)]
+SIZES = [
+    ExampleSizes(),
+    ExampleSizes(
+        batch=3,
+        topk=5,
+        selection_block_size=4,
+        block_size=5,
+        max_blocks_per_seq=3,
+        num_blocks=10,
+        dtype="float32",
+        kv_dim=16,
+        rope_dim=8,
+        heads=2,
+    ),
+]
 
 
 def _producer(model, name):
@@ -55,8 +67,9 @@ def test_topk_padding_when_few_tokens_visible():
     table = feeds["full_kv_block_table"]
     pos = kv_len - 1
     feeds["full_kv_actual_seq"] = kv_len
-    feeds["slot_mapping"] = (table[np.arange(2), pos // sizes.block_size] * sizes.block_size
-                             + pos % sizes.block_size).astype(np.int32)
+    feeds["slot_mapping"] = (
+        table[np.arange(2), pos // sizes.block_size] * sizes.block_size + pos % sizes.block_size
+    ).astype(np.int32)
     out = runtime.run(m, feeds)
     topk = out["topk_indices"].reshape(2, -1)
     assert sorted(topk[0][topk[0] >= 0].tolist()) == [0, 1, 2]
@@ -79,8 +92,9 @@ def test_export_example_cli(tmp_path, capsys):
     from pytrt_kv.__main__ import main
 
     path = tmp_path / "ex.onnx"
-    assert main(["export-example", str(path), "--topk", "4", "--batch", "1",
-                 "--alias-io", "0"]) == 0
+    assert (
+        main(["export-example", str(path), "--topk", "4", "--batch", "1", "--alias-io", "0"]) == 0
+    )
     assert "wrote" in capsys.readouterr().out
     m = onnx.load(str(path))
     onnx.checker.check_model(m, full_check=True)
@@ -106,16 +120,19 @@ def test_dynamic_variant_declares_symbolic_batch():
     z = ExampleSizes(batch=3)
     m = build_example_model(z, dynamic=True)
     onnx.checker.check_model(m, full_check=True)
-    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
-            for i in m.graph.input}
+    dims = {
+        i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+        for i in m.graph.input
+    }
     assert dims["kv"] == ["batch", 1, z.kv_dim]
-    assert dims["slot_mapping"] == ["batch"]                      # T = batch (S = 1)
+    assert dims["slot_mapping"] == ["batch"]  # T = batch (S = 1)
     assert dims["selection_kv_block_status"] == ["batch", 1, 1, z.topk + 1]
-    assert dims["full_kv_cache"] == [z.num_blocks, z.block_size, 1, z.kv_dim]   # static
+    assert dims["full_kv_cache"] == [z.num_blocks, z.block_size, 1, z.kv_dim]  # static
     assert dims["selection_kv_cache"][0] == z.selection_num_blocks
     static = build_example_model(z)
-    assert all(d.HasField("dim_value") for i in static.graph.input
-               for d in i.type.tensor_type.shape.dim)
+    assert all(
+        d.HasField("dim_value") for i in static.graph.input for d in i.type.tensor_type.shape.dim
+    )
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -131,10 +148,9 @@ def test_dynamic_variant_runs_two_batch_sizes_on_the_cpu_runtime(batch):
     zb = dataclasses.replace(z, batch=batch)
     rng = np.random.default_rng(batch)
     state = demo.initial_state(zb, prompt_len=10, rng=rng)
-    for name in ("selection_k_rope", "selection_kv_cache"):   # the model's static pool
+    for name in ("selection_k_rope", "selection_kv_cache"):  # the model's static pool
         x = state[name]
-        pad = np.full((z.selection_num_blocks - x.shape[0],) + x.shape[1:], demo.SENTINEL,
-                      x.dtype)
+        pad = np.full((z.selection_num_blocks - x.shape[0],) + x.shape[1:], demo.SENTINEL, x.dtype)
         state[name] = np.concatenate([x, pad])
     for _ in range(2):
         feeds = demo.step_feeds(zb, state, rng)
@@ -161,17 +177,23 @@ def test_export_example_cli_dynamic(tmp_path):
     from pytrt_kv.__main__ import main
 
     path = tmp_path / "dyn.onnx"
-    assert main(["export-example", str(path), "--dynamic", "--batch", "4",
-                 "--num-blocks", "16"]) == 0
+    assert (
+        main(["export-example", str(path), "--dynamic", "--batch", "4", "--num-blocks", "16"]) == 0
+    )
     m = onnx.load(str(path))
     kv = next(i for i in m.graph.input if i.name == "kv")
     assert kv.type.tensor_type.shape.dim[0].dim_param == "batch"
 
 
-@pytest.mark.parametrize("argv", [["export-example", "{dir}"],
-                                  ["export-example", "{dir}/no/x.onnx"],
-                                  ["demo", "--model", "{dir}", "--no-trt", "--steps", "1"],
-                                  ["demo", "--model", "{dir}/no/x.onnx", "--no-trt"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["export-example", "{dir}"],
+        ["export-example", "{dir}/no/x.onnx"],
+        ["demo", "--model", "{dir}", "--no-trt", "--steps", "1"],
+        ["demo", "--model", "{dir}/no/x.onnx", "--no-trt"],
+    ],
+)
 def test_cli_bad_model_paths_are_one_line_errors(tmp_path, capsys, argv):
     from pytrt_kv.__main__ import main
 
@@ -180,7 +202,7 @@ def test_cli_bad_model_paths_are_one_line_errors(tmp_path, capsys, argv):
     err = capsys.readouterr().err
     assert err.startswith(f"pytrt-kv {argv[0]}: error: ") and err.count("\n") == 1, err
     assert ("directory" in err) and "Traceback" not in err
-    assert list(tmp_path.iterdir()) == []          # nothing written
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_cli_os_errors_are_one_line(tmp_path, capsys, monkeypatch):

@@ -18,8 +18,14 @@ EXAMPLES = REPO / "examples"
 def run_example(name: str, tmp_path: Path, *args: str, timeout: int = 600):
     """Run examples/<name> in an empty folder (never the repository root, whose source
     folders would shadow the installed package), with this interpreter and environment."""
-    return subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=tmp_path,
-                          env=dict(os.environ), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        cwd=tmp_path,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _ok(r: subprocess.CompletedProcess) -> str:
@@ -28,9 +34,13 @@ def _ok(r: subprocess.CompletedProcess) -> str:
 
 
 def test_every_example_has_a_test():
-    tested = {"export_graphsurgeon.py", "export_torch.py", "compare_polygraphy.py",
-              "build_engine.py",
-              "datadist_prefill_decode.py"}  # run by tests/test_datadist_processes.py
+    tested = {
+        "export_graphsurgeon.py",
+        "export_torch.py",
+        "compare_polygraphy.py",
+        "build_engine.py",
+        "datadist_prefill_decode.py",  # run by tests/test_datadist_processes.py
+    }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -40,18 +50,23 @@ def test_export_graphsurgeon(tmp_path):
     model = onnx.load(str(tmp_path / "step.onnx"))
     onnx.checker.check_model(model, full_check=True)
     assert [n.op_type for n in model.graph.node if n.domain == "pytrt_kv"] == [
-        "ScatterPaKvCache", "GatherSelectionKvCache"]
+        "ScatterPaKvCache",
+        "GatherSelectionKvCache",
+    ]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None
-                    or importlib.util.find_spec("onnxscript") is None,
-                    reason="torch / onnxscript not installed (extra 'torch')")
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None or importlib.util.find_spec("onnxscript") is None,
+    reason="torch / onnxscript not installed (extra 'torch')",
+)
 def test_export_torch(tmp_path):
     out = _ok(run_example("export_torch.py", tmp_path, "t.onnx"))
     assert "== eager torch module, bit for bit (6 outputs)" in out, out
     model = onnx.load(str(tmp_path / "t.onnx"))
     assert [n.op_type for n in model.graph.node if n.domain == "pytrt_kv"] == [
-        "ScatterPaKvCache", "GatherSelectionKvCache"]
+        "ScatterPaKvCache",
+        "GatherSelectionKvCache",
+    ]
 
 
 def test_compare_polygraphy(tmp_path):

@@ -1,5 +1,5 @@
 """The gather planning code of the kernels (plugins/kernels/gatherPlan.h), compiled for
-the host, against the reference (pytrt_kv/_gather.py, docs/SPEC.md G3-G5).
+the host, against the reference (pytrt_kv/contract/gather.py, docs/SPEC.md G3-G5).
 
 gatherPlan.h holds the planning kernel's phases once, for the GPU and the host: the host
 entry points run the very same code (hash, scan, miss-list compaction) for every virtual
@@ -25,16 +25,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytrt_kv import _cuda, _gather
-from pytrt_kv._gather import plan_row
+from pytrt_kv import _cuda, reference
+from pytrt_kv.contract import gather as _gather
+from pytrt_kv.contract.gather import plan_row
 
 
 def _ptr(a: np.ndarray, ctype):
     return a.ctypes.data_as(ctypes.POINTER(ctype))
 
 
-def host_plan(lib, old: np.ndarray, topk: np.ndarray, kv_len: np.ndarray, s: np.ndarray,
-              S: int, tbs: int):
+def host_plan(
+    lib, old: np.ndarray, topk: np.ndarray, kv_len: np.ndarray, s: np.ndarray, S: int, tbs: int
+):
     """Plan rows with the library: old [rows, K+1], topk [rows, K], kv_len/s [rows]."""
     rows, K = topk.shape
     old = np.ascontiguousarray(old, np.int32)
@@ -46,9 +48,19 @@ def host_plan(lib, old: np.ndarray, topk: np.ndarray, kv_len: np.ndarray, s: np.
     actual = np.full(rows, -7, np.int32)
     skipped = np.full(rows, 9, np.uint8)
     rc = lib.pytrt_kv_gather_plan_rows_host(
-        rows, K, S, tbs, _ptr(old, ctypes.c_int32), _ptr(topk, ctypes.c_int32),
-        _ptr(kv_len, ctypes.c_int32), _ptr(s, ctypes.c_int32), _ptr(status, ctypes.c_int32),
-        _ptr(copy, ctypes.c_uint8), _ptr(actual, ctypes.c_int32), _ptr(skipped, ctypes.c_uint8))
+        rows,
+        K,
+        S,
+        tbs,
+        _ptr(old, ctypes.c_int32),
+        _ptr(topk, ctypes.c_int32),
+        _ptr(kv_len, ctypes.c_int32),
+        _ptr(s, ctypes.c_int32),
+        _ptr(status, ctypes.c_int32),
+        _ptr(copy, ctypes.c_uint8),
+        _ptr(actual, ctypes.c_int32),
+        _ptr(skipped, ctypes.c_uint8),
+    )
     assert rc == 0, lib.pytrt_kv_get_last_error()
     return status, copy[:, :K].astype(bool), actual, skipped.astype(bool)
 
@@ -57,8 +69,10 @@ def assert_same_plans(lib, old, topk, kv_len, s, S, tbs):
     status, copy, actual, skipped = host_plan(lib, old, topk, kv_len, s, S, tbs)
     for r in range(topk.shape[0]):
         want = plan_row(old[r], topk[r], int(kv_len[r]), S, int(s[r]), tbs)
-        ctx = (f"row {r}: old={old[r].tolist()} topk={topk[r].tolist()} kv_len={kv_len[r]} "
-               f"S={S} s={s[r]} tbs={tbs}")
+        ctx = (
+            f"row {r}: old={old[r].tolist()} topk={topk[r].tolist()} kv_len={kv_len[r]} "
+            f"S={S} s={s[r]} tbs={tbs}"
+        )
         assert skipped[r] == want.skipped, ctx
         assert status[r].tolist() == want.status.tolist(), ctx
         assert int(actual[r]) == want.actual_seq, ctx
@@ -66,8 +80,9 @@ def assert_same_plans(lib, old, topk, kv_len, s, S, tbs):
     return status
 
 
-def random_topk(rng: np.random.Generator, K: int, max_id: int, pad: float,
-                beyond: float) -> np.ndarray:
+def random_topk(
+    rng: np.random.Generator, K: int, max_id: int, pad: float, beyond: float
+) -> np.ndarray:
     """K entries: distinct valid ids in [0, max_id], padding (-1 and other negatives)
     anywhere, and ids past max_id."""
     valid = rng.permutation(max_id + 1)[:K]
@@ -107,8 +122,9 @@ def run_steps(lib, rng, *, K, S, tbs, rows, steps, pad, beyond, reuse):
         old, prev = status, topk
 
 
-@pytest.mark.parametrize("tbs,K", [(1, 1), (1, 4), (1, 33), (1, 300), (2, 5), (4, 3),
-                                   (4, 16), (16, 8), (64, 32), (3, 7)])
+@pytest.mark.parametrize(
+    "tbs,K", [(1, 1), (1, 4), (1, 33), (1, 300), (2, 5), (4, 3), (4, 16), (16, 8), (64, 32), (3, 7)]
+)
 @pytest.mark.parametrize("S", [1, 2, 4])
 def test_multi_step_grid(lib, rng, tbs, K, S):
     run_steps(lib, rng, K=K, S=S, tbs=tbs, rows=6, steps=4, pad=0.15, beyond=0.1, reuse=0.7)
@@ -122,11 +138,11 @@ def test_max_topk_uses_the_whole_scratch(lib, rng):
 def test_worked_examples_of_ops_md(lib):
     # docs/SPEC.md G6, TBS = 1, K = 4.
     old = np.full((1, 5), -1, np.int32)
-    st1 = assert_same_plans(lib, old, np.array([[5, 9, 2, -1]]), np.array([10]),
-                            np.array([0]), 1, 1)
+    st1 = assert_same_plans(
+        lib, old, np.array([[5, 9, 2, -1]]), np.array([10]), np.array([0]), 1, 1
+    )
     assert st1[0].tolist() == [5, 9, 2, -1, 3]
-    st2 = assert_same_plans(lib, st1, np.array([[2, 7, 9, 1]]), np.array([11]),
-                            np.array([0]), 1, 1)
+    st2 = assert_same_plans(lib, st1, np.array([[2, 7, 9, 1]]), np.array([11]), np.array([0]), 1, 1)
     assert st2[0].tolist() == [7, 9, 2, 1, 4]
     # TBS = 4, K = 3.
     old = np.full((1, 4), -1, np.int32)
@@ -136,13 +152,15 @@ def test_worked_examples_of_ops_md(lib):
     assert st2[0].tolist() == [0, 2, -1, 7]
 
 
-@pytest.mark.parametrize("kv_len,S,s", [(0, 1, 0), (-3, 1, 0), (2, 4, 0), (3, 4, 0),
-                                        (1, 2, 0), (4, 4, 0)])
+@pytest.mark.parametrize(
+    "kv_len,S,s", [(0, 1, 0), (-3, 1, 0), (2, 4, 0), (3, 4, 0), (1, 2, 0), (4, 4, 0)]
+)
 def test_skipped_rows_keep_status(lib, rng, kv_len, S, s):
     old = np.array([[3, 1, 0, -1, 17]], np.int32)
     topk = rng.integers(-1, 6, (1, 4)).astype(np.int32)
-    status, copy, actual, skipped = host_plan(lib, old, topk, np.array([kv_len]),
-                                              np.array([s]), S, 4)
+    status, copy, actual, skipped = host_plan(
+        lib, old, topk, np.array([kv_len]), np.array([s]), S, 4
+    )
     want = plan_row(old[0], topk[0], kv_len, S, s, 4)
     assert bool(skipped[0]) == want.skipped
     if want.skipped:
@@ -168,14 +186,18 @@ def test_random_rows_property(lib, data):
     eff = kv_len - (S - 1 - s)
     max_id = max((eff + tbs - 1) // tbs - 1, 0) if eff > 0 else 3 * K
     old_n = data.draw(st.integers(0, min(K, max_id + 4)))
-    ids = data.draw(st.lists(st.integers(0, max_id + 3), min_size=old_n, max_size=old_n,
-                             unique=True))
-    old = np.array(ids + [-1] * (K - old_n) + [data.draw(st.integers(-1, K * tbs))],
-                   np.int32)
+    ids = data.draw(
+        st.lists(st.integers(0, max_id + 3), min_size=old_n, max_size=old_n, unique=True)
+    )
+    old = np.array(ids + [-1] * (K - old_n) + [data.draw(st.integers(-1, K * tbs))], np.int32)
     valid = data.draw(st.lists(st.integers(0, max_id), max_size=K, unique=True))
-    noise = data.draw(st.lists(st.one_of(st.integers(-5, -1), st.integers(max_id + 1,
-                                                                           max_id + 9)),
-                               min_size=K - len(valid), max_size=K - len(valid)))
+    noise = data.draw(
+        st.lists(
+            st.one_of(st.integers(-5, -1), st.integers(max_id + 1, max_id + 9)),
+            min_size=K - len(valid),
+            max_size=K - len(valid),
+        )
+    )
     row = valid + noise
     order = data.draw(st.permutations(range(K)))
     topk = np.array([row[i] for i in order], np.int32)
@@ -189,8 +211,9 @@ def test_duplicates_stay_in_bounds(lib, rng):
     for _ in range(50):
         topk = rng.integers(-1, 5, (1, K)).astype(np.int32)
         old = np.concatenate([rng.integers(-1, 5, K), [rng.integers(0, 9)]])[None]
-        status, copy, actual, skipped = host_plan(lib, old.astype(np.int32), topk,
-                                                  np.array([12]), np.array([0]), 1, tbs)
+        status, copy, actual, skipped = host_plan(
+            lib, old.astype(np.int32), topk, np.array([12]), np.array([0]), 1, tbs
+        )
         n = int(((topk >= 0) & (topk <= 11)).sum())
         assert not skipped[0]
         assert (status[0, n:K] == -1).all() and int(status[0, K]) == int(actual[0]) == n
@@ -210,8 +233,16 @@ def test_refuses_bad_sizes(lib):
 
 #: One miss-list entry (plugins/kernels/gatherPlan.h MissEntry): the copy kernel moves
 #: ``size`` token rows from full-cache row ``src`` to selection-cache row ``dst``.
-MISS_DTYPE = np.dtype([("src", "<i8"), ("dst", "<i8"), ("size", "<i4"), ("row", "<i4"),
-                       ("slot", "<i4"), ("id", "<i4")])
+MISS_DTYPE = np.dtype(
+    [
+        ("src", "<i8"),
+        ("dst", "<i8"),
+        ("size", "<i4"),
+        ("row", "<i4"),
+        ("slot", "<i4"),
+        ("id", "<i4"),
+    ]
+)
 MISS_LIST_OFFSET = 256
 
 
@@ -219,8 +250,9 @@ def _addr(a: np.ndarray) -> int:
     return a.ctypes.data if a.size else 0
 
 
-def host_gather_plan(lib, *, status, topk, sel_table, full_table, kv_len, S, tbs,
-                     sel_cache, full_cache):
+def host_gather_plan(
+    lib, *, status, topk, sel_table, full_table, kv_len, S, tbs, sel_cache, full_cache
+):
     """Run ``pytrt_kv_gather_plan_host`` (the planning kernel's code on the CPU).
 
     ``status`` int32 ``[B*S, K+1]`` is updated in place like the kernel's output. Returns
@@ -252,7 +284,7 @@ def host_gather_plan(lib, *, status, topk, sel_table, full_table, kv_len, S, tbs
     raw = workspace.view(np.uint8)
     count = int(raw[:4].view(np.int32)[0]) if size else 0
     assert 0 <= count <= B * S * K
-    misses = raw[MISS_LIST_OFFSET:MISS_LIST_OFFSET + count * MISS_DTYPE.itemsize].view(MISS_DTYPE)
+    misses = raw[MISS_LIST_OFFSET : MISS_LIST_OFFSET + count * MISS_DTYPE.itemsize].view(MISS_DTYPE)
     return actual, misses.copy()
 
 
@@ -284,12 +316,27 @@ def apply_misses(misses, sel_cache, full_cache):
     full = full_cache.reshape(-1, full_cache.shape[-1])
     for m in misses:
         if m["src"] >= 0 and m["dst"] >= 0:
-            sel[m["dst"]:m["dst"] + m["size"]] = full[m["src"]:m["src"] + m["size"]]
+            sel[m["dst"] : m["dst"] + m["size"]] = full[m["src"] : m["src"] + m["size"]]
 
 
-
-def run_call_steps(lib, rng, *, B, S, K, tbs, sbs, fbs, extra_rows, layout, steps, reuse,
-                   pad=0.15, beyond=0.1, kv_dim=8):
+def run_call_steps(
+    lib,
+    rng,
+    *,
+    B,
+    S,
+    K,
+    tbs,
+    sbs,
+    fbs,
+    extra_rows,
+    layout,
+    steps,
+    reuse,
+    pad=0.15,
+    beyond=0.1,
+    kv_dim=8,
+):
     """Multi-step decode through the host planner of a whole call, against the reference:
     new status, actual_seq of all R rows, the miss list (as a set per row, in topk order
     inside a row) and the bytes the list moves."""
@@ -323,27 +370,61 @@ def run_call_steps(lib, rng, *, B, S, K, tbs, sbs, fbs, extra_rows, layout, step
             topk[r] = row
         shape = (B, S, 1) if layout == "BSND" else (B * S, 1)
         meta = _gather.GatherMeta(
-            cache_dtype="float16", layout=layout, batch=B, seq=S, heads=1, topk=K, tbs=tbs,
-            rows=R, sel_block_num=sel_blocks, sel_block_size=sbs, sel_max_block_num=smax,
-            full_block_num=full_blocks, full_block_size=fbs, full_max_block_num=fmax,
-            k_rope_dim=0, kv_dim=kv_dim)
+            cache_dtype="float16",
+            layout=layout,
+            batch=B,
+            seq=S,
+            heads=1,
+            topk=K,
+            tbs=tbs,
+            rows=R,
+            sel_block_num=sel_blocks,
+            sel_block_size=sbs,
+            sel_max_block_num=smax,
+            full_block_num=full_blocks,
+            full_block_size=fbs,
+            full_max_block_num=fmax,
+            k_rope_dim=0,
+            kv_dim=kv_dim,
+        )
         plans = _gather.check_gather_values(
-            meta, selection_kv_block_table=sel_table,
+            meta,
+            selection_kv_block_table=sel_table,
             selection_kv_block_status=status.reshape(shape + (K + 1,)),
-            selection_topk_indices=topk.reshape(shape + (K,)), full_kv_block_table=full_table,
-            full_kv_actual_seq=kv_len)
+            selection_topk_indices=topk.reshape(shape + (K,)),
+            full_kv_block_table=full_table,
+            full_kv_actual_seq=kv_len,
+        )
         want = expected_misses(plans, kv_len, S, tbs, sel_table, full_table, sbs, fbs)
 
         ref_cache, ref_status = sel_cache.copy(), status.reshape(shape + (K + 1,)).copy()
-        ref_actual = _gather.gather_selection_kv_cache(
-            np.zeros(0, np.float16), ref_cache, sel_table, ref_status,
-            topk.reshape(shape + (K,)), np.zeros(0, np.float16), full_cache, full_table,
-            kv_len, np.ones(B, np.int32), selection_topk_block_size=tbs)
+        ref_actual = reference.gather_selection_kv_cache(
+            np.zeros(0, np.float16),
+            ref_cache,
+            sel_table,
+            ref_status,
+            topk.reshape(shape + (K,)),
+            np.zeros(0, np.float16),
+            full_cache,
+            full_table,
+            kv_len,
+            np.ones(B, np.int32),
+            selection_topk_block_size=tbs,
+        )
 
         got_status = status.copy()
         actual, misses = host_gather_plan(
-            lib, status=got_status, topk=topk, sel_table=sel_table, full_table=full_table,
-            kv_len=kv_len, S=S, tbs=tbs, sel_cache=sel_cache, full_cache=full_cache)
+            lib,
+            status=got_status,
+            topk=topk,
+            sel_table=sel_table,
+            full_table=full_table,
+            kv_len=kv_len,
+            S=S,
+            tbs=tbs,
+            sel_cache=sel_cache,
+            full_cache=full_cache,
+        )
         ctx = f"B={B} S={S} K={K} tbs={tbs} sbs={sbs} fbs={fbs} R={R} {layout}"
         assert got_status.tolist() == ref_status.reshape(B * S, K + 1).tolist(), ctx
         assert actual.tolist() == ref_actual.tolist(), ctx
@@ -371,15 +452,27 @@ CALL_GRID = [
     (1, 4, 5, 2, 6, 4, 3, "BSND"),
     (2, 2, 7, 3, 9, 12, 1, "TND"),
     (2, 1, 32, 64, 128, 64, 0, "BSND"),
-    (1, 2, 40, 4, 16, 32, 1, "BSND"),     # K > 32 with TBS > 1 (docs/SPEC.md G2)
+    (1, 2, 40, 4, 16, 32, 1, "BSND"),  # K > 32 with TBS > 1 (docs/SPEC.md G2)
     (2, 1, 190, 128, 128, 256, 0, "TND"),  # the retrieval shape: ~190 blocks of 128
 ]
 
 
 @pytest.mark.parametrize("B,S,K,tbs,sbs,fbs,extra,layout", CALL_GRID)
 def test_call_plan_matches_reference(lib, rng, B, S, K, tbs, sbs, fbs, extra, layout):
-    run_call_steps(lib, rng, B=B, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, extra_rows=extra,
-                   layout=layout, steps=4, reuse=0.8)
+    run_call_steps(
+        lib,
+        rng,
+        B=B,
+        S=S,
+        K=K,
+        tbs=tbs,
+        sbs=sbs,
+        fbs=fbs,
+        extra_rows=extra,
+        layout=layout,
+        steps=4,
+        reuse=0.8,
+    )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -392,19 +485,43 @@ def test_call_plan_random(lib, data):
     S = data.draw(st.integers(1, 3))
     sbs = tbs * data.draw(st.integers(1, 4))
     fbs = tbs * data.draw(st.integers(1, 4))
-    run_call_steps(lib, np.random.default_rng(seed), B=B, S=S, K=K, tbs=tbs, sbs=sbs,
-                   fbs=fbs, extra_rows=data.draw(st.integers(0, 2)),
-                   layout=data.draw(st.sampled_from(["BSND", "TND"])),
-                   steps=data.draw(st.integers(1, 4)), reuse=data.draw(st.floats(0, 1)),
-                   pad=data.draw(st.floats(0, 0.4)), beyond=data.draw(st.floats(0, 0.3)))
+    run_call_steps(
+        lib,
+        np.random.default_rng(seed),
+        B=B,
+        S=S,
+        K=K,
+        tbs=tbs,
+        sbs=sbs,
+        fbs=fbs,
+        extra_rows=data.draw(st.integers(0, 2)),
+        layout=data.draw(st.sampled_from(["BSND", "TND"])),
+        steps=data.draw(st.integers(1, 4)),
+        reuse=data.draw(st.floats(0, 1)),
+        pad=data.draw(st.floats(0, 0.4)),
+        beyond=data.draw(st.floats(0, 0.3)),
+    )
 
 
 def test_miss_list_is_proportional_to_misses(lib, rng):
     """With heavy reuse the list holds only the copied ids: far fewer tokens than the
     selected ones (what makes the copy kernel's work proportional to misses)."""
-    copied, selected = run_call_steps(lib, rng, B=2, S=1, K=64, tbs=1, sbs=64, fbs=64,
-                                      extra_rows=0, layout="BSND", steps=6, reuse=0.95,
-                                      pad=0.0, beyond=0.0)
+    copied, selected = run_call_steps(
+        lib,
+        rng,
+        B=2,
+        S=1,
+        K=64,
+        tbs=1,
+        sbs=64,
+        fbs=64,
+        extra_rows=0,
+        layout="BSND",
+        steps=6,
+        reuse=0.95,
+        pad=0.0,
+        beyond=0.0,
+    )
     assert 0 < copied < 0.4 * selected
 
 
@@ -419,9 +536,18 @@ def test_call_plan_skips_out_of_range_table_entries(lib, rng):
     status = np.full((1, K + 1), -1, np.int32)
     topk = np.array([[0, 2, 4, 1, -1, 9]], np.int32)
     kv_len = np.array([10], np.int32)
-    actual, misses = host_gather_plan(lib, status=status, topk=topk, sel_table=sel_table,
-                                      full_table=full_table, kv_len=kv_len, S=S, tbs=tbs,
-                                      sel_cache=sel_cache, full_cache=full_cache)
+    actual, misses = host_gather_plan(
+        lib,
+        status=status,
+        topk=topk,
+        sel_table=sel_table,
+        full_table=full_table,
+        kv_len=kv_len,
+        S=S,
+        tbs=tbs,
+        sel_cache=sel_cache,
+        full_cache=full_cache,
+    )
     want = plan_row(np.full(K + 1, -1), topk[0], 10, 1, 0, tbs)
     assert status[0].tolist() == want.status.tolist() and actual[0] == want.actual_seq
     by_slot = {int(m["slot"]): m for m in misses}

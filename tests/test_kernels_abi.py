@@ -14,13 +14,14 @@ import pytest
 
 from pytrt_kv import _cuda
 from pytrt_kv.contract import limits
-from pytrt_kv._scatter import scatter_pa_kv_cache
+from pytrt_kv.reference import scatter_pa_kv_cache
 
 INVALID_VALUE = 1  # cudaErrorInvalidValue
 
 
-@pytest.mark.parametrize("which,struct", [(0, _cuda.ScatterParams),
-                                          (1, _cuda.GatherSelectionParams)])
+@pytest.mark.parametrize(
+    "which,struct", [(0, _cuda.ScatterParams), (1, _cuda.GatherSelectionParams)]
+)
 def test_params_layout_matches_ctypes(lib, which, struct):
     out = (ctypes.c_int64 * 64)()
     n = lib.pytrt_kv_params_layout(which, out, 64)
@@ -62,17 +63,29 @@ SCATTER_BREAKS = {
     "negative tokens": lambda p: setattr(p, "numTokens", -1),
     "bad layout": lambda p: setattr(p, "layout", 9),
     "nz misaligned": lambda p: (setattr(p, "layout", 1), setattr(p, "headSizeK", 3)),
-    "compress without lens": lambda p: (setattr(p, "compress", True), setattr(p, "batch", 1),
-                                        setattr(p, "maxSeqLen", 4)),
-    "rope on int8": lambda p: (setattr(p, "compress", True), setattr(p, "batch", 1),
-                               setattr(p, "compressLens", _ptr()), setattr(p, "seqLens", _ptr()),
-                               setattr(p, "compressSeqOffsets", _ptr()), setattr(p, "mode", 0),
-                               setattr(p, "keyType", _cuda.DTYPE_CODE["int8"]),
-                               setattr(p, "valueType", _cuda.DTYPE_CODE["int8"])),
-    "omni without offsets": lambda p: (setattr(p, "compress", True), setattr(p, "mode", 1),
-                                       setattr(p, "batch", 1), setattr(p, "maxSeqLen", 4),
-                                       setattr(p, "compressLens", _ptr()),
-                                       setattr(p, "seqLens", _ptr())),
+    "compress without lens": lambda p: (
+        setattr(p, "compress", True),
+        setattr(p, "batch", 1),
+        setattr(p, "maxSeqLen", 4),
+    ),
+    "rope on int8": lambda p: (
+        setattr(p, "compress", True),
+        setattr(p, "batch", 1),
+        setattr(p, "compressLens", _ptr()),
+        setattr(p, "seqLens", _ptr()),
+        setattr(p, "compressSeqOffsets", _ptr()),
+        setattr(p, "mode", 0),
+        setattr(p, "keyType", _cuda.DTYPE_CODE["int8"]),
+        setattr(p, "valueType", _cuda.DTYPE_CODE["int8"]),
+    ),
+    "omni without offsets": lambda p: (
+        setattr(p, "compress", True),
+        setattr(p, "mode", 1),
+        setattr(p, "batch", 1),
+        setattr(p, "maxSeqLen", 4),
+        setattr(p, "compressLens", _ptr()),
+        setattr(p, "seqLens", _ptr()),
+    ),
 }
 
 
@@ -107,9 +120,19 @@ def test_scatter_empty_calls_accept_null_pointers(lib):
 
 def good_gather() -> _cuda.GatherSelectionParams:
     p = _cuda.GatherSelectionParams()
-    for f in ("selectionKRope", "selectionKvCache", "selectionKvBlockTable",
-              "selectionKvBlockStatus", "selectionTopkIndices", "fullKRope", "fullKvCache",
-              "fullKvBlockTable", "fullKvActualSeq", "selectionKvActualSeq", "workspace"):
+    for f in (
+        "selectionKRope",
+        "selectionKvCache",
+        "selectionKvBlockTable",
+        "selectionKvBlockStatus",
+        "selectionTopkIndices",
+        "fullKRope",
+        "fullKvCache",
+        "fullKvBlockTable",
+        "fullKvActualSeq",
+        "selectionKvActualSeq",
+        "workspace",
+    ):
         setattr(p, f, _ptr())
     p.cacheType = _cuda.DTYPE_CODE["float16"]
     p.batch, p.seqPerBatch, p.topk, p.topkBlockSize, p.selectionRows = 2, 2, 8, 4, 4
@@ -161,8 +184,15 @@ def test_gather_host_plan_refuses_like_the_launch(lib, name):
 def test_gather_empty_call_accepts_null_pointers(lib):
     p = good_gather()
     p.batch, p.selectionRows = 0, 0
-    for f in ("selectionKvBlockTable", "selectionKvBlockStatus", "selectionTopkIndices",
-              "fullKvBlockTable", "fullKvActualSeq", "selectionKvActualSeq", "workspace"):
+    for f in (
+        "selectionKvBlockTable",
+        "selectionKvBlockStatus",
+        "selectionTopkIndices",
+        "fullKvBlockTable",
+        "fullKvActualSeq",
+        "selectionKvActualSeq",
+        "workspace",
+    ):
         setattr(p, f, None)
     assert lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1) == 0
     p.seqPerBatch = 0  # B*S == 0 either way (TND with T == 0)
@@ -211,14 +241,21 @@ def test_compress_rows_match_reference(lib, rng, mode):
         key = rng.standard_normal((1, smax, 1, 4)).astype(np.float32)
         cache = np.full((4, bs, 1, 4), -7.5, np.float32)
         base = 2  # crosses block boundaries
-        scatter_pa_kv_cache(key, None, cache, None, np.array([[base]], np.int32),
-                            compress_lens=np.array([[w]], np.int32),
-                            compress_seq_offsets=(np.array([o], np.int32)
-                                                  if mode != "alibi" else None),
-                            seq_lens=np.array([L], np.int32), compress_mode=mode)
+        scatter_pa_kv_cache(
+            key,
+            None,
+            cache,
+            None,
+            np.array([[base]], np.int32),
+            compress_lens=np.array([[w]], np.int32),
+            compress_seq_offsets=(np.array([o], np.int32) if mode != "alibi" else None),
+            seq_lens=np.array([L], np.int32),
+            compress_mode=mode,
+        )
         source = np.full(smax, 99, np.int32)
-        rows = lib.pytrt_kv_compress_rows_host(mode_code, L, w, o, smax,
-                                               source.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+        rows = lib.pytrt_kv_compress_rows_host(
+            mode_code, L, w, o, smax, source.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        )
         got = cache.reshape(-1, 4)
         ctx = f"mode={mode} L={L} w={w} o={o} source={source.tolist()}"
         assert rows == int((source != -1).sum()), ctx
@@ -233,18 +270,20 @@ def test_compress_rows_match_reference(lib, rng, mode):
                 assert np.array_equal(row, acc / np.float32(w)), ctx
             else:
                 assert np.array_equal(row, key[0, source[i], 0]), ctx
-        assert (got[:base] == -7.5).all() and (got[base + smax:] == -7.5).all(), ctx
+        assert (got[:base] == -7.5).all() and (got[base + smax :] == -7.5).all(), ctx
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("L,w,o", [(9, 1, 0), (-1, 0, 0), (5, 6, 0), (5, 3, 4), (5, -1, 2),
-                                   (5, 2, -3)])
+@pytest.mark.parametrize(
+    "L,w,o", [(9, 1, 0), (-1, 0, 0), (5, 6, 0), (5, 3, 4), (5, -1, 2), (5, 2, -3)]
+)
 def test_compress_rows_invalid_runs_write_nothing(lib, mode, L, w, o):
     """Values the reference refuses (L > Smax, w < 0 for alibi or a compressed head,
     o + w > L, o < -1) give an empty run on the GPU: in bounds, nothing written."""
     source = np.full(8, 99, np.int32)
-    rows = lib.pytrt_kv_compress_rows_host(mode, L, w, o, 8,
-                                           source.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
+    rows = lib.pytrt_kv_compress_rows_host(
+        mode, L, w, o, 8, source.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+    )
     if mode == 2 and 0 <= w <= L <= 8:
         return  # alibi ignores o: a valid run
     assert rows == 0 and (source == -1).all()

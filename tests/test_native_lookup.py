@@ -34,7 +34,7 @@ def _fake_distribution(root: Path, libs=(_lib.KERNELS_LIB,)) -> Path:
 
 def test_source_tree_import_finds_installed_libraries(tmp_path, monkeypatch):
     monkeypatch.delenv(_lib.LIB_DIR_ENV, raising=False)
-    source_lib = tmp_path / "src" / "pytrt_kv" / "lib"          # never created
+    source_lib = tmp_path / "src" / "pytrt_kv" / "lib"  # never created
     monkeypatch.setattr(_lib, "_package_lib_dir", lambda: source_lib)
     installed = _fake_distribution(tmp_path / "site")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
@@ -105,8 +105,11 @@ def test_cuda_devices_with_driver_but_no_gpu(monkeypatch):
 
 @pytest.mark.parametrize("code", limits.STATUS_NO_GPU)
 def test_check_status_says_no_driver_instead_of_insufficient(monkeypatch, code):
-    monkeypatch.setattr(info, "cuda_devices",
-                        lambda: ([], f"{info.NO_GPU}: libcuda.so.1 (the NVIDIA driver) not found"))
+    monkeypatch.setattr(
+        info,
+        "cuda_devices",
+        lambda: ([], f"{info.NO_GPU}: libcuda.so.1 (the NVIDIA driver) not found"),
+    )
 
     def no_library():
         raise AssertionError("the no-GPU message must not need the library's strings")

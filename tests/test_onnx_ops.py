@@ -10,20 +10,14 @@ import onnx
 import pytest
 
 from onnx_export import single_op_model
-from pytrt_kv import dtypes, runtime, specs
-from pytrt_kv.polygraphy.data_loader import make_feeds
+from pytrt_kv import runtime
+from pytrt_kv.contract import dtypes, specs
+from pytrt_kv.graph.feeds import make_feeds
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache
+from support.arrays import assert_same_bits, bits
+from support.gather_cases import gather_skeleton
 
 SENTINEL = 13
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint8)
-
-
-def assert_bits_equal(got: np.ndarray, want: np.ndarray, name: str) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.dtype, want.dtype)
-    assert np.array_equal(_bits(got), _bits(want)), f"{name} differs from the reference"
 
 
 def _sentinel(shape, dt) -> np.ndarray:
@@ -35,7 +29,9 @@ def _run_and_compare(op_type, feeds, attrs, reference):
     onnx.checker.check_model(model, full_check=True)
     assert model.ir_version == specs.ONNX_IR_VERSION
     assert {o.domain: o.version for o in model.opset_import} == {
-        "": specs.ONNX_OPSET, specs.DOMAIN: specs.DOMAIN_VERSION}
+        "": specs.ONNX_OPSET,
+        specs.DOMAIN: specs.DOMAIN_VERSION,
+    }
     # Graph I/O carry the docs/SPEC.md names, optional inputs only when present.
     op = specs.get_op(op_type)
     assert [i.name for i in model.graph.input] == [n for n in op.input_names if n in feeds]
@@ -44,36 +40,50 @@ def _run_and_compare(op_type, feeds, attrs, reference):
     assert attrs_out["plugin_namespace"] == b"pytrt_kv" and attrs_out["plugin_version"] == b"1"
     before = {k: v.copy() for k, v in feeds.items()}
     out = runtime.run(model, feeds)
-    for k, v in feeds.items():                     # functional: feeds are not modified
-        assert_bits_equal(v, before[k], k)
+    for k, v in feeds.items():  # functional: feeds are not modified
+        assert_same_bits(v, before[k], k)
     want = reference({k: v.copy() for k, v in feeds.items()})
     assert list(out) == [o.name for o in model.graph.output]
     for name, w in want.items():
-        assert_bits_equal(out[name], w, name)
+        assert_same_bits(out[name], w, name)
     return out, attrs_out
 
 
 def test_scatter_ambiguous_layout_asks_for_it():
     # nz [NB, H*D/16, BS, 16] and hnd [NB, H, BS, D] coincide when D == 16.
     with pytest.raises(ValueError, match="cache_layout"):
-        single_op_model("ScatterPaKvCache", {"key": np.ones((2, 3, 16), np.float16),
-                                             "key_cache": np.ones((4, 3, 6, 16), np.float16),
-                                             "slot_mapping": np.zeros(2, np.int32)})
+        single_op_model(
+            "ScatterPaKvCache",
+            {
+                "key": np.ones((2, 3, 16), np.float16),
+                "key_cache": np.ones((4, 3, 6, 16), np.float16),
+                "slot_mapping": np.zeros(2, np.int32),
+            },
+        )
 
 
 # --- ScatterPaKvCache -------------------------------------------------------------
 
+
 def _scatter_ref(layout, mode):
     def ref(x):
-        scatter_pa_kv_cache(x["key"], x.get("value"), x["key_cache"], x.get("value_cache"),
-                            x["slot_mapping"], compress_lens=x.get("compress_lens"),
-                            compress_seq_offsets=x.get("compress_seq_offsets"),
-                            seq_lens=x.get("seq_lens"), cache_layout=layout,
-                            compress_mode=mode)
+        scatter_pa_kv_cache(
+            x["key"],
+            x.get("value"),
+            x["key_cache"],
+            x.get("value_cache"),
+            x["slot_mapping"],
+            compress_lens=x.get("compress_lens"),
+            compress_seq_offsets=x.get("compress_seq_offsets"),
+            seq_lens=x.get("seq_lens"),
+            cache_layout=layout,
+            compress_mode=mode,
+        )
         out = {"key_cache_out": x["key_cache"]}
         if "value_cache" in x:
             out["value_cache_out"] = x["value_cache"]
         return out
+
     return ref
 
 
@@ -87,15 +97,19 @@ def _cache_shape(layout, nb, bs, h, d, dt):
 
 
 @pytest.mark.parametrize("layout", ["nd", "nz", "hnd"])
-@pytest.mark.parametrize("dtype", [specs.FLOAT16, specs.BFLOAT16, specs.INT8, specs.FLOAT32,
-                                   specs.FLOAT8_E4M3])
+@pytest.mark.parametrize(
+    "dtype", [specs.FLOAT16, specs.BFLOAT16, specs.INT8, specs.FLOAT32, specs.FLOAT8_E4M3]
+)
 @pytest.mark.parametrize("index", [np.int32, np.int64])
 @pytest.mark.parametrize("with_value", [True, False])
 def test_scatter_3d(layout, dtype, index, with_value):
     dt = dtypes.numpy_dtype(dtype)
     T, H, Dk, Dv, NB, BS = 7, 2, 16, 32, 5, 3  # odd block size
-    shapes = {"key": (T, H, Dk), "key_cache": _cache_shape(layout, NB, BS, H, Dk, dt),
-              "slot_mapping": (T,)}
+    shapes = {
+        "key": (T, H, Dk),
+        "key_cache": _cache_shape(layout, NB, BS, H, Dk, dt),
+        "slot_mapping": (T,),
+    }
     if with_value:
         shapes.update(value=(T, H, Dv), value_cache=_cache_shape(layout, NB, BS, H, Dv, dt))
     order = [n for n in specs.SCATTER_PA_KV_CACHE.input_names if n in shapes]
@@ -107,40 +121,61 @@ def test_scatter_3d(layout, dtype, index, with_value):
         if with_value:
             feeds["value_cache"] = _sentinel(shapes["value_cache"], dt)
         assert (feeds["slot_mapping"] >= 0).any()
-        out, attrs = _run_and_compare("ScatterPaKvCache", feeds, {"cache_layout": layout},
-                                      _scatter_ref(layout, None))
+        out, attrs = _run_and_compare(
+            "ScatterPaKvCache", feeds, {"cache_layout": layout}, _scatter_ref(layout, None)
+        )
         assert attrs["cache_layout"] == layout.encode()
-        assert not np.array_equal(_bits(out["key_cache_out"]), _bits(feeds["key_cache"]))
+        assert not np.array_equal(bits(out["key_cache_out"]), bits(feeds["key_cache"]))
 
 
-@pytest.mark.parametrize("layout,key,cache", [("nd", (2, 3, 16), (4, 6, 3, 16)),
-                                              ("hnd", (2, 3, 8), (4, 3, 6, 8)),
-                                              ("nz", (2, 1, 32), (4, 2, 6, 16))])
+@pytest.mark.parametrize(
+    "layout,key,cache",
+    [
+        ("nd", (2, 3, 16), (4, 6, 3, 16)),
+        ("hnd", (2, 3, 8), (4, 3, 6, 8)),
+        ("nz", (2, 1, 32), (4, 2, 6, 16)),
+    ],
+)
 def test_scatter_layout_resolved_from_shapes(layout, key, cache):
-    feeds = {"key": np.ones(key, np.float16), "key_cache": np.ones(cache, np.float16),
-             "slot_mapping": np.array([0, 5], np.int32)}
+    feeds = {
+        "key": np.ones(key, np.float16),
+        "key_cache": np.ones(cache, np.float16),
+        "slot_mapping": np.array([0, 5], np.int32),
+    }
     m = single_op_model("ScatterPaKvCache", feeds)
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in m.graph.node[0].attribute}
     assert attrs["cache_layout"] == layout.encode()
     out = runtime.run(m, feeds)
     want = _scatter_ref(layout, None)({k: v.copy() for k, v in feeds.items()})
-    assert_bits_equal(out["key_cache_out"], want["key_cache_out"], "key_cache_out")
+    assert_same_bits(out["key_cache_out"], want["key_cache_out"], "key_cache_out")
 
 
-@pytest.mark.parametrize("mode,dtype,offsets", [
-    ("rope", specs.FLOAT16, True), ("rope", specs.BFLOAT16, True),
-    ("rope", specs.FLOAT32, True), (None, specs.FLOAT16, True),
-    ("omni", specs.INT8, True), ("omni", specs.BFLOAT16, True),
-    ("alibi", specs.FLOAT16, False), (None, specs.UINT8, False), ("alibi", specs.FLOAT16, True),
-])
+@pytest.mark.parametrize(
+    "mode,dtype,offsets",
+    [
+        ("rope", specs.FLOAT16, True),
+        ("rope", specs.BFLOAT16, True),
+        ("rope", specs.FLOAT32, True),
+        (None, specs.FLOAT16, True),
+        ("omni", specs.INT8, True),
+        ("omni", specs.BFLOAT16, True),
+        ("alibi", specs.FLOAT16, False),
+        (None, specs.UINT8, False),
+        ("alibi", specs.FLOAT16, True),
+    ],
+)
 @pytest.mark.parametrize("index", [np.int32, np.int64])
 def test_scatter_compress(mode, dtype, offsets, index):
     dt = dtypes.numpy_dtype(dtype)
     B, Smax, H, Dk, Dv, NB, BS = 3, 6, 2, 8, 4, 9, 5  # runs cross block edges
-    skeleton = {"key": np.zeros((B, Smax, H, Dk), dt), "value": np.zeros((B, Smax, H, Dv), dt),
-                "key_cache": np.zeros((NB, BS, 1, Dk), dt),
-                "value_cache": np.zeros((NB, BS, 1, Dv), dt),
-                "slot_mapping": np.zeros((B, H), index), "compress_lens": np.zeros((B, H), index)}
+    skeleton = {
+        "key": np.zeros((B, Smax, H, Dk), dt),
+        "value": np.zeros((B, Smax, H, Dv), dt),
+        "key_cache": np.zeros((NB, BS, 1, Dk), dt),
+        "value_cache": np.zeros((NB, BS, 1, Dv), dt),
+        "slot_mapping": np.zeros((B, H), index),
+        "compress_lens": np.zeros((B, H), index),
+    }
     if offsets:
         skeleton["compress_seq_offsets"] = np.zeros(B * H, index)
     skeleton["seq_lens"] = np.zeros(B, index)
@@ -158,61 +193,49 @@ def test_scatter_compress(mode, dtype, offsets, index):
 
 # --- GatherSelectionKvCache -------------------------------------------------------
 
+
 def _gather_ref(tbs):
     def ref(x):
         actual = gather_selection_kv_cache(
             *(x[n] for n in specs.GATHER_SELECTION_KV_CACHE.input_names),
-            selection_topk_block_size=tbs)
-        return {"selection_k_rope_out": x["selection_k_rope"],
-                "selection_kv_cache_out": x["selection_kv_cache"],
-                "selection_kv_block_status_out": x["selection_kv_block_status"],
-                "selection_kv_actual_seq": np.asarray(actual, np.int32)}
+            selection_topk_block_size=tbs,
+        )
+        return {
+            "selection_k_rope_out": x["selection_k_rope"],
+            "selection_kv_cache_out": x["selection_kv_cache"],
+            "selection_kv_block_status_out": x["selection_kv_block_status"],
+            "selection_kv_actual_seq": np.asarray(actual, np.int32),
+        }
+
     return ref
 
 
-def gather_skeleton(dt, *, B=2, S=1, K=5, tbs=1, layout="BSND", k_rope=4, SBS=8, FBS=8,
-                    FMAX=4, extra_rows=1):
-    rows = B * S
-    smax = -(-K * tbs // SBS)
-    R = rows + extra_rows
-    snb = R * smax
-    fnb = B * FMAX + 2
-    kr_sel = (snb, SBS, k_rope) if k_rope else (0,)
-    kr_full = (fnb, FBS, k_rope) if k_rope else (0,)
-    lead = (B, S, 1) if layout == "BSND" else (rows, 1)
-    i32 = np.int32
-    return {
-        "selection_k_rope": np.zeros(kr_sel, dt), "selection_kv_cache": np.zeros((snb, SBS, 32), dt),
-        "selection_kv_block_table": np.zeros((R, smax), i32),
-        "selection_kv_block_status": np.zeros(lead + (K + 1,), i32),
-        "selection_topk_indices": np.zeros(lead + (K,), i32),
-        "full_k_rope": np.zeros(kr_full, dt), "full_kv_cache": np.zeros((fnb, FBS, 32), dt),
-        "full_kv_block_table": np.zeros((B, FMAX), i32), "full_kv_actual_seq": np.zeros(B, i32),
-        "full_q_actual_seq": np.zeros(B, i32),
-    }
-
-
-@pytest.mark.parametrize("dtype", [specs.FLOAT16, specs.BFLOAT16, specs.INT8, specs.FLOAT32,
-                                   specs.FLOAT8_E5M2])
+@pytest.mark.parametrize(
+    "dtype", [specs.FLOAT16, specs.BFLOAT16, specs.INT8, specs.FLOAT32, specs.FLOAT8_E5M2]
+)
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
-@pytest.mark.parametrize("tbs,S,k_rope", [(1, 1, 4), (1, 2, 0), (4, 1, 0), (4, 2, 4),
-                                          (2, 3, 4)])
+@pytest.mark.parametrize("tbs,S,k_rope", [(1, 1, 4), (1, 2, 0), (4, 1, 0), (4, 2, 4), (2, 3, 4)])
 def test_gather(dtype, layout, tbs, S, k_rope):
     dt = dtypes.numpy_dtype(dtype)
     skeleton = gather_skeleton(dt, S=S, tbs=tbs, layout=layout, k_rope=k_rope)
     model = single_op_model("GatherSelectionKvCache", skeleton, selection_topk_block_size=tbs)
     out_types = {o.name: o.type.tensor_type for o in model.graph.output}
     assert [d.dim_value for d in out_types["selection_kv_actual_seq"].shape.dim] == [
-        skeleton["selection_kv_block_table"].shape[0]]
+        skeleton["selection_kv_block_table"].shape[0]
+    ]
     copied = 0
     for seed in range(3):
         feeds = make_feeds(model, seed)
         for name in ("selection_k_rope", "selection_kv_cache"):
             feeds[name] = _sentinel(feeds[name].shape, dt)
-        out, _ = _run_and_compare("GatherSelectionKvCache", feeds,
-                                  {"selection_topk_block_size": tbs}, _gather_ref(tbs))
-        copied += int(np.count_nonzero(_bits(out["selection_kv_cache_out"])
-                                       != _bits(feeds["selection_kv_cache"])))
+        out, _ = _run_and_compare(
+            "GatherSelectionKvCache", feeds, {"selection_topk_block_size": tbs}, _gather_ref(tbs)
+        )
+        copied += int(
+            np.count_nonzero(
+                bits(out["selection_kv_cache_out"]) != bits(feeds["selection_kv_cache"])
+            )
+        )
     assert copied > 0  # the grid moves data, not just status
 
 
@@ -221,26 +244,33 @@ def test_gather_many_topk_token_level():
     skeleton = gather_skeleton(dt, K=40, tbs=1, SBS=16, FBS=16, FMAX=4)
     model = single_op_model("GatherSelectionKvCache", skeleton, selection_topk_block_size=1)
     feeds = make_feeds(model, 7)
-    _run_and_compare("GatherSelectionKvCache", feeds, {"selection_topk_block_size": 1},
-                     _gather_ref(1))
+    _run_and_compare(
+        "GatherSelectionKvCache", feeds, {"selection_topk_block_size": 1}, _gather_ref(1)
+    )
 
 
 # --- schemas ------------------------------------------------------------------------
+
 
 def test_schemas_registered_from_specs():
     for op in specs.OPS.values():
         schema = onnx.defs.get_schema(op.name, specs.DOMAIN_VERSION, specs.DOMAIN)
         assert [i.name for i in schema.inputs] == list(op.input_names)
         assert [o.name for o in schema.outputs] == list(op.output_names)
-        assert set(schema.attributes) == set(op.attribute_names) | set(
-            specs.PLUGIN_NODE_ATTRIBUTES)
+        assert set(schema.attributes) == set(op.attribute_names) | set(specs.PLUGIN_NODE_ATTRIBUTES)
         for t in op.inputs:
             p = schema.inputs[op.input_index(t.name)]
-            want = onnx.defs.OpSchema.FormalParameterOption.Optional if t.optional else \
-                onnx.defs.OpSchema.FormalParameterOption.Single
+            want = (
+                onnx.defs.OpSchema.FormalParameterOption.Optional
+                if t.optional
+                else onnx.defs.OpSchema.FormalParameterOption.Single
+            )
             assert p.option == want, t.name
-            allowed = next(c.allowed_type_strs for c in schema.type_constraints
-                           if c.type_param_str == p.type_str)
+            allowed = next(
+                c.allowed_type_strs
+                for c in schema.type_constraints
+                if c.type_param_str == p.type_str
+            )
             assert len(allowed) == len(t.dtypes)
 
 
@@ -251,13 +281,23 @@ def test_shape_inference_fills_outputs():
     node = model.graph.node[0]
     model.graph.output.extend([onnx.helper.make_empty_tensor_value_info(n) for n in node.output])
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
-    got = {o.name: o for o in inferred.graph.value_info} | {o.name: o for o in inferred.graph.output}
+    got = {o.name: o for o in inferred.graph.value_info} | {
+        o.name: o for o in inferred.graph.output
+    }
+
     def desc(n):
         tt = got[n].type.tensor_type
         return tt.elem_type, [d.dim_value for d in tt.shape.dim]
-    assert desc("selection_kv_cache_out") == (onnx.TensorProto.BFLOAT16,
-                                              list(feeds["selection_kv_cache"].shape))
-    assert desc("selection_kv_block_status_out") == (onnx.TensorProto.INT32,
-                                                     list(feeds["selection_kv_block_status"].shape))
-    assert desc("selection_kv_actual_seq") == (onnx.TensorProto.INT32,
-                                               [feeds["selection_kv_block_table"].shape[0]])
+
+    assert desc("selection_kv_cache_out") == (
+        onnx.TensorProto.BFLOAT16,
+        list(feeds["selection_kv_cache"].shape),
+    )
+    assert desc("selection_kv_block_status_out") == (
+        onnx.TensorProto.INT32,
+        list(feeds["selection_kv_block_status"].shape),
+    )
+    assert desc("selection_kv_actual_seq") == (
+        onnx.TensorProto.INT32,
+        [feeds["selection_kv_block_table"].shape[0]],
+    )

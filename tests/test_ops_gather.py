@@ -11,11 +11,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pytrt_kv import dtypes
-from pytrt_kv._gather import gather_selection_kv_cache as ref_gather, plan_row
-
-from test_ops_scatter import (assert_same_bits, random_data, sentinel, to_numpy, to_torch,
-                              torch_mod, FakeCudaArray)
+from pytrt_kv.contract import dtypes
+from pytrt_kv.contract.gather import plan_row
+from pytrt_kv.reference import gather_selection_kv_cache as ref_gather
+from support.arrays import (
+    FakeCudaArray,
+    assert_same_bits,
+    random_data,
+    sentinel,
+    to_numpy,
+    to_torch,
+    torch_mod,
+)
 
 gpu = pytest.mark.gpu
 
@@ -23,8 +30,24 @@ gpu = pytest.mark.gpu
 class Case:
     """One gather problem in NumPy: every argument of docs/SPEC.md G1, valid for the reference."""
 
-    def __init__(self, rng, *, B=2, S=1, K=8, tbs=1, sbs=16, fbs=16, kv=64, rope=16,
-                 dtype="bfloat16", layout="BSND", extra_rows=1, fmax=8, kv_lens=None):
+    def __init__(
+        self,
+        rng,
+        *,
+        B=2,
+        S=1,
+        K=8,
+        tbs=1,
+        sbs=16,
+        fbs=16,
+        kv=64,
+        rope=16,
+        dtype="bfloat16",
+        layout="BSND",
+        extra_rows=1,
+        fmax=8,
+        kv_lens=None,
+    ):
         self.rng, self.B, self.S, self.K, self.tbs = rng, B, S, K, tbs
         self.layout, self.dtype = layout, dtype
         self.R = B * S + extra_rows
@@ -33,19 +56,31 @@ class Case:
         self.fbn = B * fmax + 2
         self.fbs, self.sbs, self.fmax = fbs, sbs, fmax
         self.full_kv = random_data(rng, (self.fbn, fbs, kv), dtype)
-        self.full_rope = (random_data(rng, (self.fbn, fbs, rope), dtype) if rope
-                          else np.zeros((0,), dtypes.numpy_dtype(dtype)))
+        self.full_rope = (
+            random_data(rng, (self.fbn, fbs, rope), dtype)
+            if rope
+            else np.zeros((0,), dtypes.numpy_dtype(dtype))
+        )
         self.sel_kv = sentinel((self.sbn, sbs, kv), dtype)
-        self.sel_rope = (sentinel((self.sbn, sbs, rope), dtype) if rope
-                         else np.zeros((0,), dtypes.numpy_dtype(dtype)))
+        self.sel_rope = (
+            sentinel((self.sbn, sbs, rope), dtype)
+            if rope
+            else np.zeros((0,), dtypes.numpy_dtype(dtype))
+        )
         # Each row owns distinct selection blocks (rows never write the same place).
-        self.sel_table = rng.permutation(self.sbn)[:self.R * self.smax].reshape(
-            self.R, self.smax).astype(np.int32)
-        self.full_table = rng.permutation(self.fbn)[:B * fmax].reshape(B, fmax).astype(np.int32)
+        self.sel_table = (
+            rng.permutation(self.sbn)[: self.R * self.smax]
+            .reshape(self.R, self.smax)
+            .astype(np.int32)
+        )
+        self.full_table = rng.permutation(self.fbn)[: B * fmax].reshape(B, fmax).astype(np.int32)
         shape = (B, S, 1) if layout == "BSND" else (B * S, 1)
         self.status = np.full(shape + (K + 1,), -1, np.int32)
-        self.kv_len = (np.array(kv_lens, np.int32) if kv_lens is not None else
-                       rng.integers(S, fmax * fbs - 4 * S, B).astype(np.int32))
+        self.kv_len = (
+            np.array(kv_lens, np.int32)
+            if kv_lens is not None
+            else rng.integers(S, fmax * fbs - 4 * S, B).astype(np.int32)
+        )
         self.q_len = np.cumsum(rng.integers(1, 4, B)).astype(np.int32)  # cumulative: ignored
         self.topk = np.full(shape + (K,), -1, np.int32)
         self.prev = None
@@ -61,10 +96,13 @@ class Case:
             pool = self.rng.permutation(max(max_id + 1, 0))
             keep = []
             if self.prev is not None:
-                keep = [v for v in dict.fromkeys(int(x) for x in self.prev[r])
-                        if 0 <= v <= max_id and self.rng.random() < reuse]
-            fresh = [int(v) for v in pool if int(v) not in keep][:self.K - len(keep)]
-            row = np.array(keep + fresh + [-1] * self.K, np.int64)[:self.K]
+                keep = [
+                    v
+                    for v in dict.fromkeys(int(x) for x in self.prev[r])
+                    if 0 <= v <= max_id and self.rng.random() < reuse
+                ]
+            fresh = [int(v) for v in pool if int(v) not in keep][: self.K - len(keep)]
+            row = np.array(keep + fresh + [-1] * self.K, np.int64)[: self.K]
             u = self.rng.random(self.K)
             row[u < pad] = -1
             row[(u >= pad) & (u < pad + beyond)] = max_id + 1 + self.rng.integers(0, 9)
@@ -78,15 +116,27 @@ class Case:
         for b in range(self.B):
             for p in range(max(int(self.kv_len[b]) - 2 * self.S, 0), int(self.kv_len[b])):
                 blk = self.full_table[b, p // self.fbs]
-                self.full_kv[blk, p % self.fbs] = random_data(self.rng, self.full_kv.shape[2:],
-                                                              self.dtype)
+                self.full_kv[blk, p % self.fbs] = random_data(
+                    self.rng, self.full_kv.shape[2:], self.dtype
+                )
                 if self.full_rope.size:
                     self.full_rope[blk, p % self.fbs] = random_data(
-                        self.rng, self.full_rope.shape[2:], self.dtype)
+                        self.rng, self.full_rope.shape[2:], self.dtype
+                    )
 
     def args(self):
-        return [self.sel_rope, self.sel_kv, self.sel_table, self.status, self.topk,
-                self.full_rope, self.full_kv, self.full_table, self.kv_len, self.q_len]
+        return [
+            self.sel_rope,
+            self.sel_kv,
+            self.sel_table,
+            self.status,
+            self.topk,
+            self.full_rope,
+            self.full_kv,
+            self.full_table,
+            self.kv_len,
+            self.q_len,
+        ]
 
 
 def to_device_args(case: Case, host_full: bool):
@@ -132,7 +182,7 @@ GRID = [
     (8, 4, 12, 8, 3),
     (16, 64, 64, 128, 1),
     (32, 2, 6, 10, 2),
-    (40, 4, 8, 8, 1),     # K > 32 with TBS > 1 (docs/SPEC.md G2, lifted)
+    (40, 4, 8, 8, 1),  # K > 32 with TBS > 1 (docs/SPEC.md G2, lifted)
     (190, 128, 128, 256, 1),  # retrieval at 128K: 20% of 128-token blocks
     (5, 3, 9, 6, 4),
 ]
@@ -140,14 +190,28 @@ GRID = [
 
 @gpu
 @pytest.mark.parametrize("grid", GRID, ids=lambda g: "K{}_tbs{}_sbs{}_fbs{}_S{}".format(*g))
-@pytest.mark.parametrize("dtype,rope", [("bfloat16", 64), ("float16", 8), ("int8", 0),
-                                        ("float32", 4), ("float8_e4m3fn", 16)])
+@pytest.mark.parametrize(
+    "dtype,rope",
+    [("bfloat16", 64), ("float16", 8), ("int8", 0), ("float32", 4), ("float8_e4m3fn", 16)],
+)
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_gather_multi_step_bit_exact(rng, grid, dtype, rope, layout):
     K, tbs, sbs, fbs, S = grid
     fmax = max(-(-K * tbs * 2 // fbs), 4)
-    case = Case(rng, B=3, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv=48 if dtype != "int8" else 656,
-                rope=rope, dtype=dtype, layout=layout, fmax=fmax)
+    case = Case(
+        rng,
+        B=3,
+        S=S,
+        K=K,
+        tbs=tbs,
+        sbs=sbs,
+        fbs=fbs,
+        kv=48 if dtype != "int8" else 656,
+        rope=rope,
+        dtype=dtype,
+        layout=layout,
+        fmax=fmax,
+    )
     dev = to_device_args(case, host_full=False)
     for step, reuse in enumerate((0.0, 0.6, 0.9, 0.9)):
         if step:
@@ -157,14 +221,26 @@ def test_gather_multi_step_bit_exact(rng, grid, dtype, rope, layout):
 
 
 @gpu
-@pytest.mark.parametrize("grid", [(64, 1, 16, 32, 1), (8, 16, 16, 64, 2), (2048, 1, 64, 64, 1)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "grid", [(64, 1, 16, 32, 1), (8, 16, 16, 64, 2), (2048, 1, 64, 64, 1)], ids=str
+)
 @pytest.mark.parametrize("rope", [64, 0])
 def test_gather_from_pinned_host_memory(rng, grid, rope):
     K, tbs, sbs, fbs, S = grid
     fmax = max(-(-K * tbs * 2 // fbs), 4)
-    case = Case(rng, B=2, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv=512, rope=rope,
-                dtype="bfloat16" if rope else "int8", fmax=fmax)
+    case = Case(
+        rng,
+        B=2,
+        S=S,
+        K=K,
+        tbs=tbs,
+        sbs=sbs,
+        fbs=fbs,
+        kv=512,
+        rope=rope,
+        dtype="bfloat16" if rope else "int8",
+        fmax=fmax,
+    )
     dev = to_device_args(case, host_full=True)
     assert dev[6].is_pinned() and not dev[6].is_cuda
     for step, reuse in enumerate((0.0, 0.9, 0.6)):
@@ -178,8 +254,7 @@ def test_gather_from_pinned_host_memory(rng, grid, rope):
 @pytest.mark.parametrize("kv_lens", [[0, 5], [-4, 0], [1, 2]])
 def test_gather_skipped_rows(rng, kv_lens):
     """kv_len <= 0 or eff <= 0: status untouched, output 0, caches untouched."""
-    case = Case(rng, B=2, S=3, K=4, tbs=2, sbs=4, fbs=4, kv=32, rope=8, fmax=4,
-                kv_lens=kv_lens)
+    case = Case(rng, B=2, S=3, K=4, tbs=2, sbs=4, fbs=4, kv=32, rope=8, fmax=4, kv_lens=kv_lens)
     rows = case.status.reshape(-1, case.K + 1)
     rows[:, :2] = [1, 0]  # an old state (valid prefix) that a skipped row must keep
     rows[:, case.K] = 3
@@ -198,8 +273,9 @@ def expected_with_skips(case: Case, bad_full_cols, bad_sel_cols):
     actual = np.zeros(case.R, np.int32)
     for r in range(case.B * case.S):
         b, s = divmod(r, case.S)
-        plan = plan_row(status[r], case.topk.reshape(-1, case.K)[r], int(case.kv_len[b]),
-                        case.S, s, case.tbs)
+        plan = plan_row(
+            status[r], case.topk.reshape(-1, case.K)[r], int(case.kv_len[b]), case.S, s, case.tbs
+        )
         if plan.skipped:
             continue
         eff = int(case.kv_len[b]) - (case.S - 1 - s)
@@ -226,15 +302,14 @@ def test_gather_out_of_range_table_entries_are_skipped(rng):
     from pytrt_kv import ops
 
     torch = torch_mod()
-    case = Case(rng, B=2, S=1, K=16, tbs=1, sbs=4, fbs=4, kv=32, rope=8, fmax=6,
-                kv_lens=[24, 24])
+    case = Case(rng, B=2, S=1, K=16, tbs=1, sbs=4, fbs=4, kv=32, rope=8, fmax=6, kv_lens=[24, 24])
     case.new_topk(0.0, pad=0.0, beyond=0.0)
     # Sanity of the oracle: with valid tables it is the reference.
     want = expected_with_skips(case, set(), set())
     ref_case = [x.copy() for x in case.args()]
     ref_out = ref_gather(*ref_case, selection_topk_block_size=1)
     assert_same_bits(want[0], ref_case[1], "oracle vs reference")
-    assert want[3][:ref_out.size].tolist() == ref_out.tolist()
+    assert want[3][: ref_out.size].tolist() == ref_out.tolist()
     # Break entries: full -1 and >= F_BLOCK_NUM, selection -5 and >= S_BLOCK_NUM.
     case.full_table[0, 1] = -1
     case.full_table[1, 2] = case.fbn
@@ -261,8 +336,9 @@ def test_gather_ids_past_the_full_table_are_skipped(rng):
     from pytrt_kv import ops
 
     torch = torch_mod()
-    case = Case(rng, B=1, S=1, K=8, tbs=1, sbs=8, fbs=2, kv=16, rope=0, dtype="int8", fmax=3,
-                kv_lens=[40])
+    case = Case(
+        rng, B=1, S=1, K=8, tbs=1, sbs=8, fbs=2, kv=16, rope=0, dtype="int8", fmax=3, kv_lens=[40]
+    )
     case.topk[...] = np.array([0, 5, 6, 7, 39, 12, -1, 3], np.int32).reshape(case.topk.shape)
     bad_full = {(0, c) for c in range(3, 40)}
     sel_kv, _, status, actual = expected_with_skips(case, bad_full, set())
@@ -279,8 +355,7 @@ def test_gather_duplicates_stay_in_bounds(rng):
     from pytrt_kv import ops
 
     torch = torch_mod()
-    case = Case(rng, B=1, S=1, K=8, tbs=1, sbs=8, fbs=8, kv=16, rope=4, fmax=4,
-                kv_lens=[20])
+    case = Case(rng, B=1, S=1, K=8, tbs=1, sbs=8, fbs=8, kv=16, rope=4, fmax=4, kv_lens=[20])
     case.topk[...] = np.array([3, 3, 5, 3, -1, 5, 7, 1], np.int32).reshape(case.topk.shape)
     sentinel_rows = case.sel_kv.copy()
     dev = to_device_args(case, host_full=False)
@@ -336,8 +411,7 @@ def test_gather_cupy_inputs(rng):
     cupy = pytest.importorskip("cupy")
     from pytrt_kv import ops
 
-    case = Case(rng, B=2, S=1, K=16, tbs=1, sbs=8, fbs=8, kv=32, rope=8, dtype="float16",
-                fmax=6)
+    case = Case(rng, B=2, S=1, K=16, tbs=1, sbs=8, fbs=8, kv=32, rope=8, dtype="float16", fmax=6)
     case.new_topk(0.0)
     dev = [cupy.asarray(x) for x in case.args()]
     want = ref_gather(*case.args(), selection_topk_block_size=1)
@@ -464,8 +538,20 @@ def test_kernel_empty_batch_writes_only_actual_seq(rng):
     from pytrt_kv import _cuda
 
     torch = torch_mod()
-    case = Case(rng, B=1, S=1, K=8, tbs=1, sbs=8, fbs=8, kv=16, rope=0, dtype="float16",
-                fmax=4, extra_rows=2)
+    case = Case(
+        rng,
+        B=1,
+        S=1,
+        K=8,
+        tbs=1,
+        sbs=8,
+        fbs=8,
+        kv=16,
+        rope=0,
+        dtype="float16",
+        fmax=4,
+        extra_rows=2,
+    )
     case.new_topk(0.0)
     dev = to_device_args(case, host_full=False)
     out = torch.full((case.R,), 77, dtype=torch.int32, device="cuda")
@@ -495,8 +581,7 @@ def test_failed_helper_call_is_not_blamed_on_the_next_launch(rng):
     lib = _cuda.kernels()
     ptr = ctypes.c_void_p()
     assert lib.pytrt_kv_device_malloc(1 << 60, 0, ctypes.byref(ptr)) != 0
-    case = Case(rng, B=2, S=1, K=8, tbs=1, sbs=8, fbs=8, kv=16, rope=0, dtype="float16",
-                fmax=4)
+    case = Case(rng, B=2, S=1, K=8, tbs=1, sbs=8, fbs=8, kv=16, rope=0, dtype="float16", fmax=4)
     case.new_topk(0.0)
     dev = to_device_args(case, host_full=False)
     out = torch.empty(case.R, dtype=torch.int32, device="cuda")
@@ -512,15 +597,23 @@ def test_failed_helper_call_is_not_blamed_on_the_next_launch(rng):
 
 # --- CPU ------------------------------------------------------------------------------------
 
+
 def test_gather_shape_errors_come_before_any_gpu_work():
     from pytrt_kv import ops
 
     f16, i32 = "<f2", "<i4"
-    args = [FakeCudaArray((4, 16, 8), f16), FakeCudaArray((4, 16, 32), f16),
-            FakeCudaArray((2, 1), i32), FakeCudaArray((2, 1, 1, 9), i32),
-            FakeCudaArray((2, 1, 1, 8), i32), FakeCudaArray((4, 16, 8), f16),
-            FakeCudaArray((4, 16, 32), f16), FakeCudaArray((2, 4), i32),
-            FakeCudaArray((2,), i32), FakeCudaArray((2,), i32)]
+    args = [
+        FakeCudaArray((4, 16, 8), f16),
+        FakeCudaArray((4, 16, 32), f16),
+        FakeCudaArray((2, 1), i32),
+        FakeCudaArray((2, 1, 1, 9), i32),
+        FakeCudaArray((2, 1, 1, 8), i32),
+        FakeCudaArray((4, 16, 8), f16),
+        FakeCudaArray((4, 16, 32), f16),
+        FakeCudaArray((2, 4), i32),
+        FakeCudaArray((2,), i32),
+        FakeCudaArray((2,), i32),
+    ]
     bad = list(args)
     bad[4] = FakeCudaArray((2, 1, 1, 7), i32)  # topk K != status K+1 - 1
     with pytest.raises(ValueError, match="selection_topk_indices|selection_kv_block_status"):

@@ -14,82 +14,21 @@ import sys
 import numpy as np
 import pytest
 
-from pytrt_kv import _cuda, dtypes
-from pytrt_kv._scatter import nz_last_dim, scatter_pa_kv_cache as ref_scatter
+from pytrt_kv import _cuda
+from pytrt_kv.contract import dtypes
+from pytrt_kv.contract.scatter import nz_last_dim
+from pytrt_kv.reference import scatter_pa_kv_cache as ref_scatter
+from support.arrays import (
+    FakeCudaArray,
+    assert_same_bits,
+    random_data,
+    sentinel,
+    to_numpy,
+    to_torch,
+    torch_mod,
+)
 
 gpu = pytest.mark.gpu
-
-BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-SENTINEL = {1: 0xA5, 2: 0xA5C3, 4: 0xA5C3E1F7}
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(BITS[a.dtype.itemsize])
-
-
-def random_data(rng, shape, dtype: str) -> np.ndarray:
-    """Random values that are never zero; any bit pattern moves unchanged."""
-    nd = dtypes.numpy_dtype(dtype)
-    if dtype in ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        x = rng.uniform(0.5, 4.0, shape) * rng.choice([-1, 1], shape)
-        return x.astype(nd)
-    if dtype.startswith("int") or dtype.startswith("uint"):
-        info = np.iinfo(nd)
-        x = rng.integers(max(info.min, -1000), min(info.max, 1000), shape, dtype=np.int64)
-        x[x == 0] = 7
-        return x.astype(nd)
-    raise AssertionError(dtype)
-
-
-def sentinel(shape, dtype: str) -> np.ndarray:
-    nd = dtypes.numpy_dtype(dtype)
-    return np.full(shape, SENTINEL[nd.itemsize], BITS[nd.itemsize]).view(nd)
-
-
-# --- torch conversions (bit views: bfloat16 / float8 have no NumPy equivalent) ------------
-
-def torch_mod():
-    import torch
-
-    return torch
-
-
-def to_torch(a: np.ndarray, device="cuda", pinned=False, offset_elems=0):
-    """Copy of ``a`` as a torch tensor; ``offset_elems`` > 0 makes its address unaligned
-    (a view into a larger buffer) to exercise the narrower vector widths."""
-    torch = torch_mod()
-    a = np.ascontiguousarray(a)
-    signed = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
-    raw = torch.from_numpy(a.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-                                  [a.dtype.itemsize]).reshape(-1).copy())
-    name = dtypes.name_of(a.dtype)
-    tdt = getattr(torch, name)
-    if offset_elems:
-        big = torch.empty(raw.numel() + offset_elems, dtype=signed)
-        big[offset_elems:] = raw
-        raw = big[offset_elems:]
-    t = raw.view(tdt).reshape(a.shape)
-    if device == "cpu":
-        return t.pin_memory() if pinned else t
-    if offset_elems:
-        big = big.to(device)
-        return big[offset_elems:].view(tdt).reshape(a.shape)
-    return t.to(device)
-
-
-def to_numpy(t) -> np.ndarray:
-    torch = torch_mod()
-    name = str(t.dtype).replace("torch.", "")
-    nd = dtypes.numpy_dtype(name)
-    signed = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[nd.itemsize]
-    return t.detach().contiguous().cpu().view(signed).numpy().view(nd)
-
-
-def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    assert got.shape == want.shape, what
-    g, w = bits(got), bits(want)
-    bad = np.argwhere(g != w)
-    assert bad.size == 0, f"{what}: {len(bad)} elements differ, first at {bad[:5].tolist()}"
 
 
 def distinct_slots(rng, n, num_slots, pad_frac=0.2, dtype=np.int32):
@@ -114,21 +53,37 @@ def run_both(kw_np: dict, device_kwargs=None, **ops_kw):
 
     want = {k: (None if v is None else v.copy()) for k, v in kw_np.items()}
     ref_kw = {k: v for k, v in want.items() if k not in ("out_of_range",)}
-    ref_scatter(ref_kw.pop("key"), ref_kw.pop("value"), ref_kw.pop("key_cache"),
-                ref_kw.pop("value_cache"), ref_kw.pop("slot_mapping"), **ref_kw)
-    dev = {k: (None if v is None or not isinstance(v, np.ndarray) else to_torch(v))
-           for k, v in kw_np.items()}
+    ref_scatter(
+        ref_kw.pop("key"),
+        ref_kw.pop("value"),
+        ref_kw.pop("key_cache"),
+        ref_kw.pop("value_cache"),
+        ref_kw.pop("slot_mapping"),
+        **ref_kw,
+    )
+    dev = {
+        k: (None if v is None or not isinstance(v, np.ndarray) else to_torch(v))
+        for k, v in kw_np.items()
+    }
     for k, v in kw_np.items():
         if not isinstance(v, np.ndarray) and v is not None:
             dev[k] = v
     if device_kwargs:
         dev.update(device_kwargs)
     d = dict(dev)
-    ops.scatter_pa_kv_cache(d.pop("key"), d.pop("value"), d.pop("key_cache"),
-                            d.pop("value_cache"), d.pop("slot_mapping"), **d, **ops_kw)
+    ops.scatter_pa_kv_cache(
+        d.pop("key"),
+        d.pop("value"),
+        d.pop("key_cache"),
+        d.pop("value_cache"),
+        d.pop("slot_mapping"),
+        **d,
+        **ops_kw,
+    )
     torch_mod().cuda.synchronize()
-    return want, {k: (None if v is None or not hasattr(v, "is_cuda") else to_numpy(v))
-                  for k, v in dev.items()}
+    return want, {
+        k: (None if v is None or not hasattr(v, "is_cuda") else to_numpy(v)) for k, v in dev.items()
+    }
 
 
 # --- GPU: 3-D key --------------------------------------------------------------------------
@@ -145,8 +100,7 @@ LAYOUT_CASES = [
 
 @gpu
 @pytest.mark.parametrize("layout", ["nd", "hnd", "nz"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int8",
-                                   "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("index", ["int32", "int64"])
 def test_scatter_3d_bit_exact(rng, layout, dtype, case, index):
@@ -154,12 +108,14 @@ def test_scatter_3d_bit_exact(rng, layout, dtype, case, index):
     item = dtypes.itemsize(dtype)
     if layout == "nz" and ((H * Dk * item) % 32 or (H * Dv * item) % 32):
         pytest.skip("nz needs H*D*itemsize % 32 == 0")
-    kw = dict(key=random_data(rng, (T, H, Dk), dtype),
-              value=random_data(rng, (T, H, Dv), dtype),
-              key_cache=sentinel(cache_shape(layout, NB, BS, H, Dk, dtype), dtype),
-              value_cache=sentinel(cache_shape(layout, NB, BS, H, Dv, dtype), dtype),
-              slot_mapping=distinct_slots(rng, T, NB * BS, dtype=np.dtype(index)),
-              cache_layout=layout)
+    kw = dict(
+        key=random_data(rng, (T, H, Dk), dtype),
+        value=random_data(rng, (T, H, Dv), dtype),
+        key_cache=sentinel(cache_shape(layout, NB, BS, H, Dk, dtype), dtype),
+        value_cache=sentinel(cache_shape(layout, NB, BS, H, Dv, dtype), dtype),
+        slot_mapping=distinct_slots(rng, T, NB * BS, dtype=np.dtype(index)),
+        cache_layout=layout,
+    )
     want, got = run_both(kw)
     assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
     assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
@@ -189,11 +145,14 @@ def test_scatter_unaligned_buffers_fall_back(rng, layout, offset):
 def test_scatter_nz_mixed_dtypes(rng):
     """nz: key and value may differ in dtype (docs/SPEC.md S8)."""
     T, H, NB, BS = 10, 2, 4, 16
-    kw = dict(key=random_data(rng, (T, H, 32), "bfloat16"),
-              value=random_data(rng, (T, H, 64), "int8"),
-              key_cache=sentinel(cache_shape("nz", NB, BS, H, 32, "bfloat16"), "bfloat16"),
-              value_cache=sentinel(cache_shape("nz", NB, BS, H, 64, "int8"), "int8"),
-              slot_mapping=distinct_slots(rng, T, NB * BS), cache_layout="nz")
+    kw = dict(
+        key=random_data(rng, (T, H, 32), "bfloat16"),
+        value=random_data(rng, (T, H, 64), "int8"),
+        key_cache=sentinel(cache_shape("nz", NB, BS, H, 32, "bfloat16"), "bfloat16"),
+        value_cache=sentinel(cache_shape("nz", NB, BS, H, 64, "int8"), "int8"),
+        slot_mapping=distinct_slots(rng, T, NB * BS),
+        cache_layout="nz",
+    )
     want, got = run_both(kw)
     assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
     assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
@@ -217,21 +176,30 @@ def test_scatter_out_of_range_slots_are_skipped(rng, layout):
     ops.scatter_pa_kv_cache(to_torch(key), None, tc, None, to_torch(slots), cache_layout=layout)
     assert_same_bits(to_numpy(tc), want, "key_cache")
     with pytest.raises(ValueError, match="slot"):
-        ops.scatter_pa_kv_cache(to_torch(key), None, tc, None, to_torch(slots),
-                                cache_layout=layout, validate=True)
+        ops.scatter_pa_kv_cache(
+            to_torch(key), None, tc, None, to_torch(slots), cache_layout=layout, validate=True
+        )
 
 
 @gpu
 def test_scatter_key_only_and_empty(rng):
     T, H, D, NB, BS = 5, 1, 8, 2, 4
-    kw = dict(key=random_data(rng, (T, H, D), "float32"), value=None,
-              key_cache=sentinel((NB, BS, H, D), "float32"), value_cache=None,
-              slot_mapping=distinct_slots(rng, T, NB * BS))
+    kw = dict(
+        key=random_data(rng, (T, H, D), "float32"),
+        value=None,
+        key_cache=sentinel((NB, BS, H, D), "float32"),
+        value_cache=None,
+        slot_mapping=distinct_slots(rng, T, NB * BS),
+    )
     want, got = run_both(kw)
     assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
-    kw0 = dict(key=random_data(rng, (0, H, D), "float32"), value=None,
-               key_cache=sentinel((NB, BS, H, D), "float32"), value_cache=None,
-               slot_mapping=np.zeros(0, np.int32))
+    kw0 = dict(
+        key=random_data(rng, (0, H, D), "float32"),
+        value=None,
+        key_cache=sentinel((NB, BS, H, D), "float32"),
+        value_cache=None,
+        slot_mapping=np.zeros(0, np.int32),
+    )
     want, got = run_both(kw0)
     assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
 
@@ -264,6 +232,7 @@ def test_scatter_zero_tokens_at_any_address(rng, where):
 
 
 # --- GPU: 4-D key (compressing write) ------------------------------------------------------
+
 
 def compress_case(rng, mode, dtype, index, B, Smax, H, D, NB, BS, with_value):
     """Valid random S6 inputs: non-overlapping runs, some heads padded, every run kind."""
@@ -300,25 +269,39 @@ def compress_case(rng, mode, dtype, index, B, Smax, H, D, NB, BS, with_value):
             nxt += int(rows[b, h]) + int(rng.integers(0, 3))
     assert nxt <= NB * BS, "test case too large for the cache"
     idt = np.dtype(index)
-    kw = dict(key=random_data(rng, (B, Smax, H, D), dtype),
-              value=random_data(rng, (B, Smax, H, D + 8), dtype) if with_value else None,
-              key_cache=sentinel((NB, BS, 1, D), dtype),
-              value_cache=sentinel((NB, BS, 1, D + 8), dtype) if with_value else None,
-              slot_mapping=base.astype(idt), compress_lens=lens.astype(idt),
-              compress_seq_offsets=offs.reshape(-1).astype(idt) if mode != "alibi" else None,
-              seq_lens=seq.astype(idt), compress_mode=mode)
+    kw = dict(
+        key=random_data(rng, (B, Smax, H, D), dtype),
+        value=random_data(rng, (B, Smax, H, D + 8), dtype) if with_value else None,
+        key_cache=sentinel((NB, BS, 1, D), dtype),
+        value_cache=sentinel((NB, BS, 1, D + 8), dtype) if with_value else None,
+        slot_mapping=base.astype(idt),
+        compress_lens=lens.astype(idt),
+        compress_seq_offsets=offs.reshape(-1).astype(idt) if mode != "alibi" else None,
+        seq_lens=seq.astype(idt),
+        compress_mode=mode,
+    )
     return kw
 
 
 @gpu
-@pytest.mark.parametrize("mode,dtype", [("rope", "float16"), ("rope", "bfloat16"),
-                                        ("rope", "float32"), ("omni", "bfloat16"),
-                                        ("omni", "int8"), ("alibi", "float16"),
-                                        ("alibi", "float8_e4m3fn")])
+@pytest.mark.parametrize(
+    "mode,dtype",
+    [
+        ("rope", "float16"),
+        ("rope", "bfloat16"),
+        ("rope", "float32"),
+        ("omni", "bfloat16"),
+        ("omni", "int8"),
+        ("alibi", "float16"),
+        ("alibi", "float8_e4m3fn"),
+    ],
+)
 @pytest.mark.parametrize("index", ["int32", "int64"])
-@pytest.mark.parametrize("shape", [(1, 5, 1, 16, 8, 4), (3, 9, 2, 64, 40, 7),
-                                   (4, 33, 4, 128, 200, 16), (2, 16, 3, 576, 60, 5)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 5, 1, 16, 8, 4), (3, 9, 2, 64, 40, 7), (4, 33, 4, 128, 200, 16), (2, 16, 3, 576, 60, 5)],
+    ids=lambda s: "x".join(map(str, s)),
+)
 @pytest.mark.parametrize("with_value", [True, False])
 def test_scatter_compress_bit_exact(rng, mode, dtype, index, shape, with_value):
     B, Smax, H, D, NB, BS = shape
@@ -339,16 +322,24 @@ def test_scatter_compress_rows_past_cache_are_skipped(rng):
     cache = sentinel((NB, BS, 1, D), "float16")
     base, L = NB * BS - 3, 8
     tc = to_torch(cache)
-    ops.scatter_pa_kv_cache(to_torch(key), None, tc, None, to_torch(np.array([[base]], np.int32)),
-                            compress_lens=to_torch(np.array([[0]], np.int32)),
-                            compress_seq_offsets=to_torch(np.array([-1], np.int32)),
-                            seq_lens=to_torch(np.array([L], np.int32)), compress_mode="rope")
+    ops.scatter_pa_kv_cache(
+        to_torch(key),
+        None,
+        tc,
+        None,
+        to_torch(np.array([[base]], np.int32)),
+        compress_lens=to_torch(np.array([[0]], np.int32)),
+        compress_seq_offsets=to_torch(np.array([-1], np.int32)),
+        seq_lens=to_torch(np.array([L], np.int32)),
+        compress_mode="rope",
+    )
     want = cache.reshape(-1, D).copy()
     want[base:] = key[0, :3, 0]
     assert_same_bits(to_numpy(tc).reshape(-1, D), want, "key_cache")
 
 
 # --- GPU: frameworks, streams, graphs ------------------------------------------------------
+
 
 @gpu
 def test_scatter_on_explicit_stream_and_int_handle(rng):
@@ -366,8 +357,9 @@ def test_scatter_on_explicit_stream_and_int_handle(rng):
         tk, tc, ts = to_torch(key), to_torch(cache), to_torch(slots)
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            ops.scatter_pa_kv_cache(tk, None, tc, None, ts,
-                                    stream=s if stream_arg == "torch" else s.cuda_stream)
+            ops.scatter_pa_kv_cache(
+                tk, None, tc, None, ts, stream=s if stream_arg == "torch" else s.cuda_stream
+            )
         s.synchronize()
         assert_same_bits(to_numpy(tc), want, f"key_cache ({stream_arg} stream)")
 
@@ -454,28 +446,25 @@ def test_scatter_rejects_host_and_strided_buffers(rng):
 
 # --- CPU: what pytrt_kv.ops does before touching the GPU -----------------------------------
 
-class FakeCudaArray:
-    """An object with only __cuda_array_interface__ (like a PyCUDA GPUArray)."""
-
-    def __init__(self, shape, typestr, strides=None, ptr=0x7F0000000000):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
-                                         "data": (ptr, False), "strides": strides,
-                                         "version": 3}
-
 
 def test_import_needs_no_framework():
-    code = ("import sys, pytrt_kv.ops, pytrt_kv.bench\n"
-            "print(','.join(m for m in ('torch', 'cupy', 'pycuda') if m in sys.modules))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120)
+    code = (
+        "import sys, pytrt_kv.ops, pytrt_kv.bench\n"
+        "print(','.join(m for m in ('torch', 'cupy', 'pycuda') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ""
 
 
 def test_cuda_array_interface_is_read_without_a_gpu():
     b = _cuda.buffer("key", FakeCudaArray((3, 4, 8), "<f2"))
-    assert (b.shape, b.dtype, b.contiguous, b.ptr) == ((3, 4, 8), np.dtype(np.float16), True,
-                                                       0x7F0000000000)
+    assert (b.shape, b.dtype, b.contiguous, b.ptr) == (
+        (3, 4, 8),
+        np.dtype(np.float16),
+        True,
+        0x7F0000000000,
+    )
     b = _cuda.buffer("key", FakeCudaArray((3, 4, 8), "<f2", strides=(128, 32, 2)))
     assert not b.contiguous
     b = _cuda.buffer("key", FakeCudaArray((3, 1, 8), "<i4", strides=(32, 999, 4)))
@@ -519,8 +508,9 @@ def test_shape_errors_come_before_any_gpu_work():
     with pytest.raises(ValueError, match="key_cache"):
         ops.scatter_pa_kv_cache(key, None, cache, None, slots)
     with pytest.raises(TypeError, match="slot_mapping"):
-        ops.scatter_pa_kv_cache(key, None, FakeCudaArray((2, 16, 4, 8), "<f2"), None,
-                                FakeCudaArray((3,), "<f4"))
+        ops.scatter_pa_kv_cache(
+            key, None, FakeCudaArray((2, 16, 4, 8), "<f2"), None, FakeCudaArray((3,), "<f4")
+        )
     with pytest.raises(TypeError, match="key: expected a CUDA buffer"):
         ops.scatter_pa_kv_cache([1, 2], None, cache, None, slots)
 
@@ -530,8 +520,9 @@ def test_strided_buffer_is_refused_before_any_gpu_work():
 
     key = FakeCudaArray((3, 4, 8), "<f2", strides=(128, 32, 2))
     with pytest.raises(ValueError, match="key: expected a C-contiguous"):
-        ops.scatter_pa_kv_cache(key, None, FakeCudaArray((2, 16, 4, 8), "<f2"), None,
-                                FakeCudaArray((3,), "<i4"))
+        ops.scatter_pa_kv_cache(
+            key, None, FakeCudaArray((2, 16, 4, 8), "<f2"), None, FakeCudaArray((3,), "<i4")
+        )
 
 
 @pytest.mark.parametrize("stream,want", [(None, 0), (0, 0), (12345, 12345)])

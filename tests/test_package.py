@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import pytrt_kv
-from pytrt_kv import _lib, dtypes, specs
+from pytrt_kv import _lib
 from pytrt_kv.__main__ import SUBCOMMANDS, build_parser, main
+from pytrt_kv.contract import dtypes, specs
 
 
 def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def test_import_needs_no_optional_runtime():
@@ -26,9 +32,35 @@ def test_import_needs_no_optional_runtime():
         "import sys, pytrt_kv, pytrt_kv.reference, pytrt_kv.specs\n"
         "bad = [m for m in ('torch', 'tensorrt', 'cupy', 'cuda', 'pycuda', 'onnxruntime')"
         " if m in sys.modules]\n"
-        "print(','.join(bad))")
+        "print(','.join(bad))"
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "", f"imported eagerly: {r.stdout.strip()}"
+
+
+def test_old_import_paths_are_the_contract():
+    # Code written before the contract layer (pytrt_kv.retrieval among it) keeps importing
+    # the old paths: they must be the very same modules and objects, not copies.
+    import importlib
+
+    from pytrt_kv import contract, reference
+    from pytrt_kv.contract import gather, scatter
+
+    for old, new in (
+        ("specs", "specs"),
+        ("dtypes", "dtypes"),
+        ("_errors", "errors"),
+        ("_alias", "alias"),
+    ):
+        assert importlib.import_module(f"pytrt_kv.{old}") is getattr(contract, new)
+    old_scatter = importlib.import_module("pytrt_kv._scatter")
+    old_gather = importlib.import_module("pytrt_kv._gather")
+    for name in scatter.__all__:
+        assert getattr(old_scatter, name) is getattr(scatter, name), name
+    for name in gather.__all__:
+        assert getattr(old_gather, name) is getattr(gather, name), name
+    assert old_scatter.scatter_pa_kv_cache is reference.scatter_pa_kv_cache
+    assert old_gather.gather_selection_kv_cache is reference.gather_selection_kv_cache
 
 
 def test_public_functions_are_the_reference():
@@ -59,18 +91,38 @@ def test_op_identity_matches_ops_md():
     # docs/SPEC.md section O and G1/S1: names and order are part of the contract.
     s = specs.SCATTER_PA_KV_CACHE
     assert s.name == "ScatterPaKvCache"
-    assert s.input_names == ("key", "value", "key_cache", "value_cache", "slot_mapping",
-                             "compress_lens", "compress_seq_offsets", "seq_lens")
+    assert s.input_names == (
+        "key",
+        "value",
+        "key_cache",
+        "value_cache",
+        "slot_mapping",
+        "compress_lens",
+        "compress_seq_offsets",
+        "seq_lens",
+    )
     assert s.output_names == ("key_cache_out", "value_cache_out")
     assert s.attribute_names == ("cache_layout", "compress_mode", "alias_io")
     g = specs.GATHER_SELECTION_KV_CACHE
     assert g.name == "GatherSelectionKvCache"
     assert g.input_names == (
-        "selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
-        "selection_kv_block_status", "selection_topk_indices", "full_k_rope",
-        "full_kv_cache", "full_kv_block_table", "full_kv_actual_seq", "full_q_actual_seq")
-    assert g.output_names == ("selection_k_rope_out", "selection_kv_cache_out",
-                              "selection_kv_block_status_out", "selection_kv_actual_seq")
+        "selection_k_rope",
+        "selection_kv_cache",
+        "selection_kv_block_table",
+        "selection_kv_block_status",
+        "selection_topk_indices",
+        "full_k_rope",
+        "full_kv_cache",
+        "full_kv_block_table",
+        "full_kv_actual_seq",
+        "full_q_actual_seq",
+    )
+    assert g.output_names == (
+        "selection_k_rope_out",
+        "selection_kv_cache_out",
+        "selection_kv_block_status_out",
+        "selection_kv_actual_seq",
+    )
     assert g.attribute("selection_topk_block_size").default == 64
     assert specs.NAMESPACE == specs.DOMAIN == "pytrt_kv" and specs.PLUGIN_VERSION == "1"
     assert specs.ONNX_IR_VERSION == 10 and specs.ONNX_OPSET >= 17
@@ -154,8 +206,9 @@ def test_cli_info_runs(capsys):
 
 
 def test_module_entry_point():
-    r = subprocess.run([sys.executable, "-m", "pytrt_kv", "--help"], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytrt_kv", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert "info" in r.stdout and "demo" in r.stdout
 
@@ -163,7 +216,11 @@ def test_module_entry_point():
 def test_parser_subcommands_have_runners():
     parser = build_parser()
     for name, _, _ in SUBCOMMANDS:
-        positional = {"export-example": ["x.onnx"], "build": ["x.onnx"], "prepare": ["x.onnx", "y.onnx"]}
+        positional = {
+            "export-example": ["x.onnx"],
+            "build": ["x.onnx"],
+            "prepare": ["x.onnx", "y.onnx"],
+        }
         args = parser.parse_args([name] + positional.get(name, []))
         assert callable(args._run)
 
@@ -176,3 +233,15 @@ def test_numpy_of_onnx_covers_standard_types_and_names_the_input():
     assert dtypes.numpy_of_onnx(onnx.TensorProto.DOUBLE) == np.dtype(np.float64)
     with pytest.raises(TypeError, match="mask: expected an ONNX tensor type .* got type number 0"):
         dtypes.numpy_of_onnx(onnx.TensorProto.UNDEFINED, "mask")
+
+
+def test_gpu_workload_imports_without_a_gpu():
+    # scripts/gpu_workload.py only runs under scripts/gpu_check.sh on a GPU machine; its
+    # imports must follow the package's moves here, where CI runs.
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_workload.py"
+    spec = importlib.util.spec_from_file_location("gpu_workload", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert callable(module.main)

@@ -11,14 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from support.env import REPO
 
 pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
 
-V10 = "#define NV_TENSORRT_MAJOR {0}\n#define NV_TENSORRT_MINOR {1}\n#define NV_TENSORRT_PATCH {2}\n"
-V11 = ("#define TRT_MAJOR_ENTERPRISE {0}\n#define TRT_MINOR_ENTERPRISE {1}\n#define TRT_PATCH_ENTERPRISE {2}\n"
-       "#define NV_TENSORRT_MAJOR TRT_MAJOR_ENTERPRISE\n#define NV_TENSORRT_MINOR TRT_MINOR_ENTERPRISE\n"
-       "#define NV_TENSORRT_PATCH TRT_PATCH_ENTERPRISE\n")
+V10 = (
+    "#define NV_TENSORRT_MAJOR {0}\n#define NV_TENSORRT_MINOR {1}\n#define NV_TENSORRT_PATCH {2}\n"
+)
+V11 = (
+    "#define TRT_MAJOR_ENTERPRISE {0}\n#define TRT_MINOR_ENTERPRISE {1}\n"
+    "#define TRT_PATCH_ENTERPRISE {2}\n"
+    "#define NV_TENSORRT_MAJOR TRT_MAJOR_ENTERPRISE\n"
+    "#define NV_TENSORRT_MINOR TRT_MINOR_ENTERPRISE\n"
+    "#define NV_TENSORRT_PATCH TRT_PATCH_ENTERPRISE\n"
+)
 
 
 def _headers(root: Path, template: str, version) -> Path:
@@ -34,20 +40,30 @@ def _configure(tmp: Path, args=(), env=None) -> str:
     proj.mkdir(exist_ok=True)
     (proj / "CMakeLists.txt").write_text(
         "cmake_minimum_required(VERSION 3.24)\nproject(probe NONE)\n"
-        f"list(APPEND CMAKE_MODULE_PATH \"{REPO / 'cmake'}\")\n"
+        f'list(APPEND CMAKE_MODULE_PATH "{REPO / "cmake"}")\n'
         "find_package(TensorRT)\n"
-        "message(STATUS \"RESULT found=${TensorRT_FOUND} version=${TensorRT_VERSION} "
-        "dirs=${TensorRT_INCLUDE_DIRS}\")\n")
-    clean_env = {k: v for k, v in os.environ.items() if k not in ("TensorRT_ROOT", "TensorRT_INCLUDE_DIR")}
-    r = subprocess.run(["cmake", "-S", str(proj), "-B", str(tmp / "b"), *args], capture_output=True,
-                       text=True, timeout=120, env={**clean_env, **(env or {})})
+        'message(STATUS "RESULT found=${TensorRT_FOUND} version=${TensorRT_VERSION} '
+        'dirs=${TensorRT_INCLUDE_DIRS}")\n'
+    )
+    clean_env = {
+        k: v for k, v in os.environ.items() if k not in ("TensorRT_ROOT", "TensorRT_INCLUDE_DIR")
+    }
+    r = subprocess.run(
+        ["cmake", "-S", str(proj), "-B", str(tmp / "b"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean_env, **(env or {})},
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     shutil.rmtree(tmp / "b")
     return r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("template,version,expected", [
-    (V11, (11, 1, 0), "11.1.0"), (V10, (10, 8, 3), "10.8.3"), (V10, (10, 3, 0), "10.3.0")])
+@pytest.mark.parametrize(
+    "template,version,expected",
+    [(V11, (11, 1, 0), "11.1.0"), (V10, (10, 8, 3), "10.8.3"), (V10, (10, 3, 0), "10.3.0")],
+)
 @pytest.mark.parametrize("how", ["var", "env", "root-var", "root-env"])
 def test_found_from_variable_or_environment(tmp_path, template, version, expected, how):
     inc = _headers(tmp_path / "trt", template, version)
@@ -100,7 +116,9 @@ def test_project_refuses_a_given_path_without_headers(tmp_path, variable, how):
     a package without plugins (the project's configure step is what pip runs)."""
     wrong = tmp_path / "no-headers-here"
     wrong.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("TensorRT_ROOT", "TensorRT_INCLUDE_DIR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("TensorRT_ROOT", "TensorRT_INCLUDE_DIR")
+    }
     args = ["cmake", "-S", str(REPO), "-B", str(tmp_path / "b")]
     if how == "cmake":
         args.append(f"-D{variable}={wrong}")

@@ -17,14 +17,16 @@ import sys
 
 import pytest
 
-from conftest import REPO, trt_include_dir
-from pytrt_kv import specs
+from pytrt_kv.contract import specs
+from support.env import REPO, trt_include_dir
 
 pytestmark = pytest.mark.trt_headers
 
 # Files of this layer: their compiler output must be free of warnings (-Wall -Wextra).
-_OWN_SOURCES = re.compile(r"plugins/(common|scatterPaKvCache|gatherSelectionKvCache|harness)/|"
-                          r"plugins/(registration|autoRegister)\.cpp")
+_OWN_SOURCES = re.compile(
+    r"plugins/(common|scatterPaKvCache|gatherSelectionKvCache|harness)/|"
+    r"plugins/(registration|autoRegister)\.cpp"
+)
 
 
 def _run(cmd, **kw):
@@ -36,19 +38,39 @@ def build(tmp_path_factory):
     """Configure + build the plugin targets once for this module; returns (dir, log)."""
     inc = trt_include_dir()
     out = tmp_path_factory.mktemp("plugins-build")
-    cmd = ["cmake", "-S", REPO, "-B", out, f"-DTensorRT_INCLUDE_DIR={inc}",
-           "-DCMAKE_CUDA_ARCHITECTURES=90", "-DCMAKE_BUILD_TYPE=Release"]
+    cmd = [
+        "cmake",
+        "-S",
+        REPO,
+        "-B",
+        out,
+        f"-DTensorRT_INCLUDE_DIR={inc}",
+        "-DCMAKE_CUDA_ARCHITECTURES=90",
+        "-DCMAKE_BUILD_TYPE=Release",
+    ]
     if shutil.which("ninja"):
         cmd += ["-G", "Ninja"]
     conf = _run(cmd)
     assert conf.returncode == 0, conf.stdout + conf.stderr
     log = conf.stdout + conf.stderr
     if "no CUDA compiler" in log:
-        pytest.skip("no CUDA compiler (nvcc): the plugins link the kernels, so they cannot be built")
+        pytest.skip(
+            "no CUDA compiler (nvcc): the plugins link the kernels, so they cannot be built"
+        )
     assert "skipping the TensorRT plugins" not in log, log
     assert re.search(r"Found TensorRT: .* \(found version \"\d+\.\d+\.\d+\"\)", log), log
-    b = _run(["cmake", "--build", out, "-j2", "--target", "pytrt_kv_plugin_harness",
-              "pytrt_kv_plugins", "pytrt_kv_plugins_autoreg"])
+    b = _run(
+        [
+            "cmake",
+            "--build",
+            out,
+            "-j2",
+            "--target",
+            "pytrt_kv_plugin_harness",
+            "pytrt_kv_plugins",
+            "pytrt_kv_plugins_autoreg",
+        ]
+    )
     assert b.returncode == 0, b.stdout[-6000:] + b.stderr[-6000:]
     return out, log + b.stdout + b.stderr
 
@@ -59,7 +81,9 @@ def _harness(build, *args):
 
 
 def test_own_sources_compile_without_warnings(build):
-    bad = [line for line in build[1].splitlines() if "warning" in line and _OWN_SOURCES.search(line)]
+    bad = [
+        line for line in build[1].splitlines() if "warning" in line and _OWN_SOURCES.search(line)
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -92,37 +116,49 @@ def test_creator_fields_match_specs(build):
 def test_harness_build_and_runtime_phases_on_reference_cases(build, tmp_path):
     # Every case the GPU run uses, up to onShapeChange: the plugins accept what the
     # reference accepts and declare its output dtypes and shapes.
-    gen = _run([sys.executable, REPO / "plugins" / "harness" / "makeCases.py", tmp_path],
-               env={**os.environ, "PYTHONPATH": str(REPO)})
+    gen = _run(
+        [sys.executable, REPO / "plugins" / "harness" / "makeCases.py", tmp_path],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert gen.returncode == 0, gen.stderr
     cases = sorted(str(p) for p in tmp_path.iterdir() if (p / "case.txt").is_file())
     assert len(cases) >= 60
     r = _harness(build, "cases", *cases)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert re.search(rf"harness cases: {len(cases)} cases, \d+ checks, 0 failed", r.stdout), r.stdout
+    assert re.search(rf"harness cases: {len(cases)} cases, \d+ checks, 0 failed", r.stdout), (
+        r.stdout
+    )
 
 
 def test_harness_reports_a_wrong_expectation(build, tmp_path):
     # The harness must be able to fail: a reference output whose shape disagrees.
-    gen = _run([sys.executable, REPO / "plugins" / "harness" / "makeCases.py", tmp_path],
-               env={**os.environ, "PYTHONPATH": str(REPO)})
+    gen = _run(
+        [sys.executable, REPO / "plugins" / "harness" / "makeCases.py", tmp_path],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert gen.returncode == 0, gen.stderr
     case = tmp_path / "scatter_nd_float16_int32"
     text = (case / "case.txt").read_text()
-    (case / "case.txt").write_text(text.replace("output key_cache_out float16 4 5 8 2 16",
-                                                "output key_cache_out float16 4 5 4 4 16"))
+    (case / "case.txt").write_text(
+        text.replace(
+            "output key_cache_out float16 4 5 8 2 16", "output key_cache_out float16 4 5 4 4 16"
+        )
+    )
     r = _harness(build, "cases", case)
     assert r.returncode == 1 and "FAIL: ScatterPaKvCache" in r.stdout, r.stdout
 
 
 def test_loader_library_exports_only_the_entry_points(build):
     lib = build[0] / "lib" / "libpytrt_kv_plugins.so"
-    code = ("import ctypes, sys\n"
-            f"l = ctypes.CDLL({str(lib)!r})\n"
-            "n = ctypes.c_int32(-1)\n"
-            "l.getCreators.restype = ctypes.c_void_p\n"
-            "p = l.getCreators(ctypes.byref(n))\n"
-            "print(n.value, bool(p), hasattr(l, 'setLoggerFinder'), hasattr(l, 'pytrt_kv_registered_creators'))\n")
+    code = (
+        "import ctypes, sys\n"
+        f"l = ctypes.CDLL({str(lib)!r})\n"
+        "n = ctypes.c_int32(-1)\n"
+        "l.getCreators.restype = ctypes.c_void_p\n"
+        "p = l.getCreators(ctypes.byref(n))\n"
+        "print(n.value, bool(p), hasattr(l, 'setLoggerFinder'),\n"
+        "      hasattr(l, 'pytrt_kv_registered_creators'))\n"
+    )
     r = _run([sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["2", "True", "True", "False"]
@@ -132,15 +168,17 @@ def test_autoreg_library_loads_without_libnvinfer(build):
     # In a child process: whether libnvinfer can be found is probed there too, after the
     # library's load-time registration ran, so that this process never loads libnvinfer.
     lib = build[0] / "lib" / "libpytrt_kv_plugins_autoreg.so"
-    code = ("import ctypes\n"
-            f"l = ctypes.CDLL({str(lib)!r})\n"
-            "have = False\n"
-            "for so in ('libnvinfer.so.11', 'libnvinfer.so.10'):\n"
-            "    try:\n"
-            "        ctypes.CDLL(so); have = True; break\n"
-            "    except OSError:\n"
-            "        pass\n"
-            "print(l.pytrt_kv_registered_creators(), hasattr(l, 'getCreators'), have)\n")
+    code = (
+        "import ctypes\n"
+        f"l = ctypes.CDLL({str(lib)!r})\n"
+        "have = False\n"
+        "for so in ('libnvinfer.so.11', 'libnvinfer.so.10'):\n"
+        "    try:\n"
+        "        ctypes.CDLL(so); have = True; break\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(l.pytrt_kv_registered_creators(), hasattr(l, 'getCreators'), have)\n"
+    )
     r = _run([sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr
     registered, exports_get_creators, have_nvinfer = r.stdout.split()

@@ -15,9 +15,8 @@ from onnx_export import single_op_model
 from onnx_export.example import ExampleSizes, build_example_model
 from pytrt_kv import runtime
 from pytrt_kv.polygraphy import data_loader
-
-from conftest import polygraphy_command
-from test_onnx_ops import gather_skeleton
+from support.env import polygraphy_command
+from support.gather_cases import gather_skeleton
 
 REPO = Path(__file__).resolve().parents[1]
 LOADER = REPO / "pytrt_kv" / "polygraphy" / "data_loader.py"
@@ -40,19 +39,28 @@ def _env(tmp_path: Path) -> dict:
     """
     dist = tmp_path / "ep" / "pytrt_kv_polygraphy_test-0.0.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pytrt-kv-polygraphy-test\n"
-                                   "Version: 0.0\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: pytrt-kv-polygraphy-test\nVersion: 0.0\n"
+    )
     (dist / "entry_points.txt").write_text(
-        "[polygraphy.run.plugins]\npytrt-kv = pytrt_kv.polygraphy:export_argument_groups\n")
+        "[polygraphy.run.plugins]\npytrt-kv = pytrt_kv.polygraphy:export_argument_groups\n"
+    )
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tmp_path / "ep"),
-                                        env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), str(tmp_path / "ep"), env.get("PYTHONPATH", "")]
+    )
     return env
 
 
 def _polygraphy(args, tmp_path):
-    return subprocess.run(polygraphy_command() + [str(a) for a in args], cwd=tmp_path, env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        polygraphy_command() + [str(a) for a in args],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_entry_point_declared_in_pyproject():
@@ -68,8 +76,10 @@ def test_entry_point_declared_in_pyproject():
 def test_polygraphy_run_example_cpu(example_path, tmp_path):
     # Two reference runners: exercises Polygraphy's Comparator on CPU (ONNX Runtime cannot
     # run our custom ops, so it is not a comparison target).
-    res = _polygraphy(["run", example_path, "--pytrt-kv-ref", "--pytrt-kv-ref",
-                       "--data-loader-script", LOADER], tmp_path)
+    res = _polygraphy(
+        ["run", example_path, "--pytrt-kv-ref", "--pytrt-kv-ref", "--data-loader-script", LOADER],
+        tmp_path,
+    )
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     assert "Passed: 3/3 iterations" in log and "PASSED" in log
@@ -78,10 +88,8 @@ def test_polygraphy_run_example_cpu(example_path, tmp_path):
 def test_polygraphy_run_single_op_gather(tmp_path):
     path = tmp_path / "gather.onnx"
     sk = gather_skeleton(np.dtype(np.float16), S=2, tbs=4, layout="TND")
-    onnx.save(single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=4),
-              str(path))
-    res = _polygraphy(["run", path, "--pytrt-kv-ref", "--data-loader-script", LOADER],
-                      tmp_path)
+    onnx.save(single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=4), str(path))
+    res = _polygraphy(["run", path, "--pytrt-kv-ref", "--data-loader-script", LOADER], tmp_path)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
 
 
@@ -103,6 +111,7 @@ def test_runner_api_matches_runtime(example_path):
 
 # --- data loader ----------------------------------------------------------------------
 
+
 def test_loader_example_feeds_are_valid(example_path):
     model = onnx.load(str(example_path))
     z = ExampleSizes()
@@ -110,20 +119,20 @@ def test_loader_example_feeds_are_valid(example_path):
     a = list(data_loader.load_data(example_path, iterations=3, seed=1))
     b = list(data_loader.load_data(model, iterations=3, seed=1))
     assert len(a) == 3
-    for fa, fb in zip(a, b):                                  # deterministic
+    for fa, fb in zip(a, b):  # deterministic
         assert list(fa) == names
         assert all(np.array_equal(fa[n], fb[n]) for n in names)
     for f in a:
         kv_len = f["full_kv_actual_seq"]
         assert ((kv_len >= 1) & (kv_len <= z.max_tokens)).all()
         table = f["full_kv_block_table"]
-        assert len(np.unique(table)) == table.size              # private full blocks
+        assert len(np.unique(table)) == table.size  # private full blocks
         pos = kv_len - 1
         slots = table[np.arange(z.batch), pos // z.block_size] * z.block_size + pos % z.block_size
-        assert np.array_equal(f["slot_mapping"], slots)          # decode-step consistency
+        assert np.array_equal(f["slot_mapping"], slots)  # decode-step consistency
         sel = f["selection_kv_block_table"]
-        assert len(np.unique(sel)) == sel.size                    # private selection blocks
-        runtime.run(model, f)                                     # the reference accepts them
+        assert len(np.unique(sel)) == sel.size  # private selection blocks
+        runtime.run(model, f)  # the reference accepts them
     assert not np.array_equal(a[0]["kv"], a[1]["kv"])
 
 
@@ -148,7 +157,7 @@ def test_loader_topk_rows_and_status(tmp_path):
         status = f["selection_kv_block_status"].reshape(6, 7)
         for r in range(6):
             valid = topk[r][topk[r] >= 0]
-            assert len(np.unique(valid)) == len(valid)            # distinct ids per row
+            assert len(np.unique(valid)) == len(valid)  # distinct ids per row
             padded += int((topk[r] < 0).sum())
             old = status[r, :6]
             n_old = int((old >= 0).sum())
@@ -173,8 +182,11 @@ def test_data_loader_refuses_a_full_cache_too_small_for_private_blocks():
     sk["full_kv_cache"] = np.zeros((3 * 4 - 1, 8, 32), np.float16)
     sk["full_k_rope"] = np.zeros((3 * 4 - 1, 8, 4), np.float16)
     m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
-    with pytest.raises(ValueError, match=r"full_kv_cache: expected at least B\*F_MAX_BLOCK_NUM "
-                                         r"= 12 blocks.*got 11 blocks"):
+    with pytest.raises(
+        ValueError,
+        match=r"full_kv_cache: expected at least B\*F_MAX_BLOCK_NUM "
+        r"= 12 blocks.*got 11 blocks",
+    ):
         data_loader.make_feeds(m, 0)
 
 
@@ -190,8 +202,12 @@ def test_runner_accepts_paths_bytes_and_loaders(example_path):
     model = onnx.load(str(example_path))
     feeds = list(data_loader.load_data(model, iterations=1, seed=2))
     want = runtime.run(model, feeds[0])
-    for source in (str(example_path), example_path, model.SerializeToString(),
-                   OnnxFromPath(str(example_path))):
+    for source in (
+        str(example_path),
+        example_path,
+        model.SerializeToString(),
+        OnnxFromPath(str(example_path)),
+    ):
         runner = PytrtKvRefRunner(source)
         results = Comparator.run([runner], data_loader=feeds)
         ((_, (got,)),) = results.items()
@@ -226,14 +242,17 @@ def test_polygraphy_run_without_index_inputs_needs_no_loader(tmp_path):
 
     path = tmp_path / "gather.onnx"
     sk = gather_skeleton(np.dtype(np.float16), tbs=1)
-    onnx.save(single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1),
-              str(path))
+    onnx.save(single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1), str(path))
     assert any("full_kv_actual_seq" in x for x in index_inputs_fed_by_graph(str(path)))
     plain = tmp_path / "plain.onnx"
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
-    onnx.save(onnx.helper.make_model(onnx.helper.make_graph(
-        [onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])), str(plain))
+    onnx.save(
+        onnx.helper.make_model(
+            onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+        ),
+        str(plain),
+    )
     assert index_inputs_fed_by_graph(str(plain)) == []
 
 
@@ -244,8 +263,20 @@ def test_loader_takes_seed_and_iterations_from_polygraphy_options(example_path, 
     model = onnx.load(str(example_path))
     monkeypatch.delenv("PYTRT_KV_SEED", raising=False)
     monkeypatch.setenv("PYTRT_KV_ITERATIONS", "5")
-    monkeypatch.setattr(sys, "argv", ["polygraphy", "run", str(example_path), "--pytrt-kv-ref",
-                                      "--seed", "7", "--iterations", "2"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "polygraphy",
+            "run",
+            str(example_path),
+            "--pytrt-kv-ref",
+            "--seed",
+            "7",
+            "--iterations",
+            "2",
+        ],
+    )
     got = list(data_loader.load_data())
     assert len(got) == 2
     for i, feeds in enumerate(got):
@@ -256,15 +287,29 @@ def test_loader_takes_seed_and_iterations_from_polygraphy_options(example_path, 
     monkeypatch.setattr(sys, "argv", ["polygraphy", "run", str(example_path), "--iters", "4"])
     assert len(list(data_loader.load_data())) == 4
     monkeypatch.setattr(sys, "argv", ["polygraphy", "run", str(example_path)])
-    assert len(list(data_loader.load_data())) == 5                 # the environment
+    assert len(list(data_loader.load_data())) == 5  # the environment
 
 
 def test_polygraphy_run_dynamic_example_with_input_shapes(tmp_path):
     path = tmp_path / "dyn.onnx"
     onnx.save(build_example_model(ExampleSizes(batch=3), dynamic=True), str(path))
-    res = _polygraphy(["run", path, "--pytrt-kv-ref", "--pytrt-kv-ref", "--data-loader-script",
-                       LOADER, "--input-shapes", "kv:[3,1,64]", "--iterations", "2",
-                       "--seed", "3"], tmp_path)
+    res = _polygraphy(
+        [
+            "run",
+            path,
+            "--pytrt-kv-ref",
+            "--pytrt-kv-ref",
+            "--data-loader-script",
+            LOADER,
+            "--input-shapes",
+            "kv:[3,1,64]",
+            "--iterations",
+            "2",
+            "--seed",
+            "3",
+        ],
+        tmp_path,
+    )
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     assert "Passed: 2/2 iterations" in log
@@ -285,28 +330,46 @@ def test_loader_dynamic_dims_from_shapes_argv_and_default(dynamic_model, monkeyp
     for b in (2, 3):
         f = data_loader.make_feeds(m, 1, shapes={"kv": [b, 1, 64]})
         assert f["kv"].shape == (b, 1, 64) and f["selection_kv_block_status"].shape[0] == b
-        assert f["full_kv_block_table"].shape == (b, 4)            # every "batch" dim bound
+        assert f["full_kv_block_table"].shape == (b, 4)  # every "batch" dim bound
         out = runtime.run(m, f)
         assert out["attn_out"].shape == (b, 4, 64)
-    monkeypatch.setattr(sys, "argv", ["polygraphy", "run", "m.onnx", "--input-shapes",
-                                      "slot_mapping:[2]", "index_q:[2,64]"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["polygraphy", "run", "m.onnx", "--input-shapes", "slot_mapping:[2]", "index_q:[2,64]"],
+    )
     assert data_loader.make_feeds(m, 0)["q_nope"].shape == (2, 4, 64)
-    monkeypatch.setattr(sys, "argv", ["polygraphy", "run", "m.onnx", "--trt-min-shapes",
-                                      "kv:[1,1,64]", "--trt-opt-shapes", "kv:[3,1,64]",
-                                      "--trt-max-shapes", "kv:[3,1,64]"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "polygraphy",
+            "run",
+            "m.onnx",
+            "--trt-min-shapes",
+            "kv:[1,1,64]",
+            "--trt-opt-shapes",
+            "kv:[3,1,64]",
+            "--trt-max-shapes",
+            "kv:[3,1,64]",
+        ],
+    )
     assert data_loader.make_feeds(m, 0)["kv"].shape == (3, 1, 64)  # the opt profile
     monkeypatch.setattr(sys, "argv", ["pytest"])
-    f = data_loader.make_feeds(m, 0)                                # Polygraphy's default 1
+    f = data_loader.make_feeds(m, 0)  # Polygraphy's default 1
     assert f["kv"].shape == (1, 1, 64)
     runtime.run(m, f)
 
 
-@pytest.mark.parametrize("shapes,match", [
-    ({"kv": [2, 1, 64], "slot_mapping": [3]}, r"slot_mapping: expected dim 0 = batch = 2"),
-    ({"kv": [2, 1, 65]}, r"kv: expected dim 2 = 64 \(static in the model\)"),
-    ({"kv": [2, 64]}, r"kv: expected a shape of rank 3"),
-    ({"nope": [1]}, r"'nope' is not a graph input"),
-])
+@pytest.mark.parametrize(
+    "shapes,match",
+    [
+        ({"kv": [2, 1, 64], "slot_mapping": [3]}, r"slot_mapping: expected dim 0 = batch = 2"),
+        ({"kv": [2, 1, 65]}, r"kv: expected dim 2 = 64 \(static in the model\)"),
+        ({"kv": [2, 64]}, r"kv: expected a shape of rank 3"),
+        ({"nope": [1]}, r"'nope' is not a graph input"),
+    ],
+)
 def test_loader_refuses_inconsistent_shapes(dynamic_model, shapes, match):
     with pytest.raises(ValueError, match=match):
         data_loader.make_feeds(dynamic_model, 0, shapes=shapes)
@@ -330,34 +393,45 @@ def test_loader_refuses_an_index_input_under_another_name():
     sk = gather_skeleton(np.dtype(np.float16), tbs=1)
     m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
     _rename_input(m, "selection_topk_indices", "topk")
-    with pytest.raises(ValueError, match=r"^topk: expected the graph input to be named "
-                                         r"'selection_topk_indices'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^topk: expected the graph input to be named "
+        r"'selection_topk_indices'",
+    ):
         data_loader.make_feeds(m, 0)
 
 
 def test_loader_needs_the_cache_it_sizes_tables_from():
     sk = gather_skeleton(np.dtype(np.float16), tbs=1)
     m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
-    _rename_input(m, "full_kv_cache", "fkv")                   # not an index input
-    with pytest.raises(ValueError, match=r"^full_kv_cache: expected a graph input named "
-                                         r"'full_kv_cache'"):
+    _rename_input(m, "full_kv_cache", "fkv")  # not an index input
+    with pytest.raises(
+        ValueError,
+        match=r"^full_kv_cache: expected a graph input named "
+        r"'full_kv_cache'",
+    ):
         data_loader.make_feeds(m, 0)
 
 
 def test_loader_refuses_a_table_without_columns():
     sk = gather_skeleton(np.dtype(np.float16), tbs=1, FMAX=0)
     m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
-    with pytest.raises(ValueError, match=r"^full_kv_block_table: expected F_MAX_BLOCK_NUM "
-                                         r">= 1, got 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"^full_kv_block_table: expected F_MAX_BLOCK_NUM "
+        r">= 1, got 0",
+    ):
         data_loader.make_feeds(m, 0)
 
 
 def test_loader_refuses_a_compressing_write_without_tokens():
-    feeds = {"key": np.zeros((2, 0, 1, 8), np.float16),
-             "key_cache": np.zeros((4, 4, 1, 8), np.float16),
-             "slot_mapping": np.zeros((2, 1), np.int32),
-             "compress_lens": np.zeros((2, 1), np.int32),
-             "seq_lens": np.zeros(2, np.int32)}
+    feeds = {
+        "key": np.zeros((2, 0, 1, 8), np.float16),
+        "key_cache": np.zeros((4, 4, 1, 8), np.float16),
+        "slot_mapping": np.zeros((2, 1), np.int32),
+        "compress_lens": np.zeros((2, 1), np.int32),
+        "seq_lens": np.zeros(2, np.int32),
+    }
     m = single_op_model("ScatterPaKvCache", feeds)
     with pytest.raises(ValueError, match=r"^key: expected Smax \(dim 1\) >= 1, got 0"):
         data_loader.make_feeds(m, 0)

@@ -8,130 +8,22 @@ visible; data is compared byte for byte (``.view(np.uint8)``).
 from __future__ import annotations
 
 import copy as copy_module
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
 
-from pytrt_kv import specs
-from pytrt_kv._gather import (GatherMeta, check_gather, check_gather_values,
-                              gather_selection_kv_cache, plan_row)
-from pytrt_kv.dtypes import name_of, numpy_dtype
-
-I32 = np.int32
-NAMES = ("selection_k_rope", "selection_kv_cache", "selection_kv_block_table",
-         "selection_kv_block_status", "selection_topk_indices", "full_k_rope",
-         "full_kv_cache", "full_kv_block_table", "full_kv_actual_seq", "full_q_actual_seq")
+from pytrt_kv.contract import specs
+from pytrt_kv.contract.dtypes import numpy_dtype
+from pytrt_kv.contract.gather import GatherMeta, check_gather, check_gather_values, plan_row
+from support.gather_cases import I32, Case, base_case, make_case
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def random_bytes(rng: np.random.Generator, shape: Sequence[int], dtype: str) -> np.ndarray:
-    """Random bytes 1..255 (never the zero sentinel) viewed as ``dtype``."""
-    dt = numpy_dtype(dtype)
-    count = int(np.prod(shape)) * dt.itemsize
-    return rng.integers(1, 256, count, dtype=np.uint8).view(dt).reshape(shape)
-
-
-@dataclass
-class Case:
-    args: Dict[str, np.ndarray]
-    B: int
-    S: int
-    K: int
-    tbs: int
-    sbs: int
-    fbs: int
-
-    def call(self) -> np.ndarray:
-        return gather_selection_kv_cache(**self.args, selection_topk_block_size=self.tbs)
-
-    def status_rows(self) -> np.ndarray:
-        return self.args["selection_kv_block_status"].reshape(self.B * self.S, self.K + 1)
-
-    def set_kv_lens(self, kv_lens: Sequence[int]) -> None:
-        self.args["full_kv_actual_seq"][...] = kv_lens
-
-    def set_topk(self, topk: Sequence[Sequence[int]]) -> None:
-        view = self.args["selection_topk_indices"]
-        view[...] = np.asarray(topk, dtype=I32).reshape(view.shape)
-
-    def refresh_full(self, rng: np.random.Generator) -> None:
-        """New random bytes in the full caches: a token copied from now on is told apart
-        from one copied before."""
-        for name in ("full_kv_cache", "full_k_rope"):
-            x = self.args[name]
-            if x.size:
-                x[...] = random_bytes(rng, x.shape, name_of(x.dtype))
-
-    def full_token(self, b: int, p: int) -> List[np.ndarray]:
-        table = self.args["full_kv_block_table"]
-        blk, off = table[b, p // self.fbs], p % self.fbs
-        return [x.view(np.uint8)[blk, off].copy() for x in self._pair("full")]
-
-    def sel_token(self, r: int, q: int) -> List[np.ndarray]:
-        table = self.args["selection_kv_block_table"]
-        blk, off = table[r, q // self.sbs], q % self.sbs
-        return [x.view(np.uint8)[blk, off].copy() for x in self._pair("selection")]
-
-    def _pair(self, side: str) -> List[np.ndarray]:
-        out = [self.args[f"{side}_kv_cache"]]
-        if self.args[f"{side}_k_rope"].size:
-            out.append(self.args[f"{side}_k_rope"])
-        return out
-
-
-def make_case(rng: np.random.Generator, *, B: int = 1, S: int = 1, K: int = 4, tbs: int = 1,
-              sbs: int = 4, fbs: int = 4, kv_dim: int = 3, rope_dim: int = 2,
-              dtype: str = "float16", layout: str = "BSND", kv_lens: Sequence[int] = (8,),
-              topk: Optional[Sequence[Sequence[int]]] = None,
-              status: Optional[Sequence[Sequence[int]]] = None, extra_rows: int = 1,
-              f_max: Optional[int] = None, extra_sel_cols: int = 0) -> Case:
-    """A valid call with permuted block tables, random full caches and zeroed selection
-    caches. Table rows >= B*S and columns past what K needs hold -1 (never read)."""
-    f_max = f_max if f_max is not None else max(1, ceil_div(max(kv_lens), fbs))
-    f_blocks = B * f_max + 2
-    full_table = rng.permutation(f_blocks)[:B * f_max].astype(I32).reshape(B, f_max)
-    s_max = ceil_div(K * tbs, sbs)
-    rows = B * S + extra_rows
-    s_blocks = B * S * s_max + 3
-    sel_table = np.full((rows, s_max + extra_sel_cols), -1, dtype=I32)
-    sel_table[:B * S, :s_max] = rng.permutation(s_blocks)[:B * S * s_max].reshape(B * S,
-                                                                                   s_max)
-    idx_shape = (B, S, 1) if layout == "BSND" else (B * S, 1)
-    if topk is None:
-        topk = [[-1] * K] * (B * S)
-    if status is None:
-        status = [[-1] * (K + 1)] * (B * S)
-    rope = (lambda n, bs: np.zeros((n, bs, rope_dim), numpy_dtype(dtype))) if rope_dim else \
-        (lambda n, bs: np.zeros((0,), numpy_dtype(dtype)))
-    full_rope = rope(f_blocks, fbs)
-    if rope_dim:
-        full_rope = random_bytes(rng, full_rope.shape, dtype)
-    args = dict(
-        selection_k_rope=rope(s_blocks, sbs),
-        selection_kv_cache=np.zeros((s_blocks, sbs, kv_dim), numpy_dtype(dtype)),
-        selection_kv_block_table=sel_table,
-        selection_kv_block_status=np.asarray(status, I32).reshape(idx_shape + (K + 1,)),
-        selection_topk_indices=np.asarray(topk, I32).reshape(idx_shape + (K,)),
-        full_k_rope=full_rope,
-        full_kv_cache=random_bytes(rng, (f_blocks, fbs, kv_dim), dtype),
-        full_kv_block_table=full_table,
-        full_kv_actual_seq=np.asarray(kv_lens, I32),
-        # Cumulative values, as production callers pass: validated, then ignored.
-        full_q_actual_seq=np.cumsum(np.full(B, S)).astype(I32),
-    )
-    return Case(args=args, B=B, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs)
-
-
-def snapshot(case: Case) -> Dict[str, np.ndarray]:
+def snapshot(case: Case) -> dict[str, np.ndarray]:
     return {k: v.copy() for k, v in case.args.items()}
 
 
-def assert_args_equal(case: Case, before: Dict[str, np.ndarray]) -> None:
+def assert_args_equal(case: Case, before: dict[str, np.ndarray]) -> None:
     for name, x in before.items():
         y = case.args[name]
         assert y.shape == x.shape and y.dtype == x.dtype, name
@@ -142,27 +34,29 @@ def assert_slot(case: Case, r: int, j: int, v: int, size: int) -> None:
     """Slot j of row r holds the current full-cache tokens of id v."""
     b = r // case.S
     for i in range(size):
-        for got, want in zip(case.sel_token(r, j * case.tbs + i),
-                             case.full_token(b, v * case.tbs + i)):
+        for got, want in zip(
+            case.sel_token(r, j * case.tbs + i), case.full_token(b, v * case.tbs + i)
+        ):
             assert np.array_equal(got, want), f"row {r} slot {j} token {i} (id {v})"
 
 
-def assert_slot_bytes(case: Case, r: int, j: int, size: int,
-                      before: List[List[np.ndarray]]) -> None:
+def assert_slot_bytes(
+    case: Case, r: int, j: int, size: int, before: list[list[np.ndarray]]
+) -> None:
     for i in range(size):
         for got, want in zip(case.sel_token(r, j * case.tbs + i), before[i]):
             assert np.array_equal(got, want), f"row {r} slot {j} token {i} changed"
 
 
-def slot_bytes(case: Case, r: int, j: int, size: int) -> List[List[np.ndarray]]:
+def slot_bytes(case: Case, r: int, j: int, size: int) -> list[list[np.ndarray]]:
     return [case.sel_token(r, j * case.tbs + i) for i in range(size)]
 
 
-def selection_bytes(case: Case) -> List[np.ndarray]:
+def selection_bytes(case: Case) -> list[np.ndarray]:
     return [x.view(np.uint8).copy() for x in case._pair("selection")]
 
 
-def changed_tokens(case: Case, before: List[np.ndarray]) -> int:
+def changed_tokens(case: Case, before: list[np.ndarray]) -> int:
     """Number of selection-cache token rows whose bytes differ from ``before``."""
     diff = None
     for x, old in zip(case._pair("selection"), before):
@@ -177,8 +71,9 @@ def changed_tokens(case: Case, before: List[np.ndarray]) -> int:
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_g6_tbs1(rng, layout):
     # SBS = 3: the four slots span two selection blocks.
-    case = make_case(rng, K=4, tbs=1, sbs=3, fbs=4, kv_lens=[10], f_max=3, layout=layout,
-                     topk=[[5, 9, 2, -1]])
+    case = make_case(
+        rng, K=4, tbs=1, sbs=3, fbs=4, kv_lens=[10], f_max=3, layout=layout, topk=[[5, 9, 2, -1]]
+    )
     out = case.call()
     assert out.dtype == I32 and out.tolist() == [3, 0]
     assert case.status_rows().tolist() == [[5, 9, 2, -1, 3]]
@@ -203,8 +98,9 @@ def test_g6_tbs1(rng, layout):
 
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_g6_tbs4(rng, layout):
-    case = make_case(rng, K=3, tbs=4, sbs=8, fbs=4, kv_lens=[10], f_max=3, layout=layout,
-                     topk=[[0, 2, 1]])
+    case = make_case(
+        rng, K=3, tbs=4, sbs=8, fbs=4, kv_lens=[10], f_max=3, layout=layout, topk=[[0, 2, 1]]
+    )
     out = case.call()
     assert out.tolist() == [10, 0]
     assert case.status_rows().tolist() == [[0, 1, 2, 10]]
@@ -253,11 +149,14 @@ def test_plan_row_skipped_returns_old_status_unvalidated():
         assert not p.copy.any()
 
 
-@pytest.mark.parametrize("old, topk, match", [
-    ([3, -1, 4, -1, 2], [0, 1, 2, 3], "prefix"),
-    ([3, 3, -1, -1, 2], [0, 1, 2, 3], "distinct ids"),
-    ([-1] * 5, [1, 2, 1, -1], "distinct valid ids"),
-])
+@pytest.mark.parametrize(
+    "old, topk, match",
+    [
+        ([3, -1, 4, -1, 2], [0, 1, 2, 3], "prefix"),
+        ([3, 3, -1, -1, 2], [0, 1, 2, 3], "distinct ids"),
+        ([-1] * 5, [1, 2, 1, -1], "distinct valid ids"),
+    ],
+)
 def test_plan_row_raises(old, topk, match):
     with pytest.raises(ValueError, match=match):
         plan_row(old, topk, 8, 1, 0, 1)
@@ -269,19 +168,39 @@ def test_plan_row_raises(old, topk, match):
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_multi_token_rows(rng, layout):
     """S = 3: query token s sees eff = kv_len - (S-1-s) tokens."""
-    topk = [[6, 4, -1, 0],    # b0 s0: eff 5 -> 6 and... 6 dropped, valid [4, 0]
-            [5, 6, 1, 2],     # b0 s1: eff 6 -> 6 dropped
-            [6, 5, 4, 3],     # b0 s2: eff 7
-            [0, 0, 0, 0],     # b1 s0: eff 0 -> skipped (duplicates never looked at)
-            [1, 0, -1, 2],    # b1 s1: eff 1 -> valid [0]
-            [-1, -1, 1, 0]]   # b1 s2: eff 2
+    topk = [
+        [6, 4, -1, 0],  # b0 s0: eff 5 -> 6 and... 6 dropped, valid [4, 0]
+        [5, 6, 1, 2],  # b0 s1: eff 6 -> 6 dropped
+        [6, 5, 4, 3],  # b0 s2: eff 7
+        [0, 0, 0, 0],  # b1 s0: eff 0 -> skipped (duplicates never looked at)
+        [1, 0, -1, 2],  # b1 s1: eff 1 -> valid [0]
+        [-1, -1, 1, 0],
+    ]  # b1 s2: eff 2
     status = [[-1] * 5] * 3 + [[-1, 5, -1, -1, 9]] + [[-1] * 5] * 2  # skipped row: junk
-    case = make_case(rng, B=2, S=3, K=4, tbs=1, sbs=4, fbs=3, kv_lens=[7, 2],
-                     layout=layout, topk=topk, status=status, extra_rows=2)
+    case = make_case(
+        rng,
+        B=2,
+        S=3,
+        K=4,
+        tbs=1,
+        sbs=4,
+        fbs=3,
+        kv_lens=[7, 2],
+        layout=layout,
+        topk=topk,
+        status=status,
+        extra_rows=2,
+    )
     out = case.call()
     assert out.tolist() == [2, 3, 4, 0, 1, 2, 0, 0]
-    want = [[4, 0, -1, -1, 2], [5, 1, 2, -1, 3], [6, 5, 4, 3, 4], [-1, 5, -1, -1, 9],
-            [0, -1, -1, -1, 1], [1, 0, -1, -1, 2]]
+    want = [
+        [4, 0, -1, -1, 2],
+        [5, 1, 2, -1, 3],
+        [6, 5, 4, 3, 4],
+        [-1, 5, -1, -1, 9],
+        [0, -1, -1, -1, 1],
+        [1, 0, -1, -1, 2],
+    ]
     assert case.status_rows().tolist() == want
     for r, row in enumerate(want):
         if r == 3:
@@ -295,12 +214,16 @@ def test_multi_token_rows(rng, layout):
 
 def test_recent_tokens_are_recopied(rng):
     """G5.2: an id touching the newest S positions is re-copied even if resident."""
-    case = make_case(rng, S=2, K=3, tbs=1, sbs=2, fbs=4, kv_lens=[6], f_max=2,
-                     topk=[[4, 1, 0], [5, 4, 2]])
+    case = make_case(
+        rng, S=2, K=3, tbs=1, sbs=2, fbs=4, kv_lens=[6], f_max=2, topk=[[4, 1, 0], [5, 4, 2]]
+    )
     assert case.call().tolist() == [3, 3, 0]
     assert case.status_rows().tolist() == [[4, 1, 0, 3], [5, 4, 2, 3]]
-    keep = {(0, 0): slot_bytes(case, 0, 0, 1), (0, 1): slot_bytes(case, 0, 1, 1),
-            (1, 1): slot_bytes(case, 1, 1, 1)}
+    keep = {
+        (0, 0): slot_bytes(case, 0, 0, 1),
+        (0, 1): slot_bytes(case, 0, 1, 1),
+        (1, 1): slot_bytes(case, 1, 1, 1),
+    }
     # One speculative token rejected: kv_len grows by 1, positions [5, 7) were rewritten.
     case.refresh_full(rng)
     before = selection_bytes(case)
@@ -322,9 +245,18 @@ def test_block_sizes(rng, tbs, rope_dim):
     """Odd multiples SBS = 3*TBS, FBS = 5*TBS; a partial last block when TBS > 1."""
     h = tbs // 2 if tbs > 1 else 1
     kv1 = 3 * tbs + h
-    case = make_case(rng, K=4, tbs=tbs, sbs=3 * tbs, fbs=5 * tbs, rope_dim=rope_dim,
-                     dtype="int8" if rope_dim == 0 else "bfloat16", kv_lens=[kv1],
-                     topk=[[3, 0, -1, 2]], f_max=2)
+    case = make_case(
+        rng,
+        K=4,
+        tbs=tbs,
+        sbs=3 * tbs,
+        fbs=5 * tbs,
+        rope_dim=rope_dim,
+        dtype="int8" if rope_dim == 0 else "bfloat16",
+        kv_lens=[kv1],
+        topk=[[3, 0, -1, 2]],
+        f_max=2,
+    )
     out = case.call()
     if tbs == 1:
         want, sizes = [3, 0, 2, -1, 3], [1, 1, 1]
@@ -360,8 +292,19 @@ def test_block_sizes(rng, tbs, rope_dim):
 @pytest.mark.parametrize("dtype", specs.GATHER_CACHE_DTYPES)
 @pytest.mark.parametrize("rope_dim", [0, 5])
 def test_every_cache_dtype(rng, dtype, rope_dim):
-    case = make_case(rng, B=2, K=5, tbs=1, sbs=3, fbs=2, kv_dim=7, rope_dim=rope_dim,
-                     dtype=dtype, kv_lens=[9, 4], topk=[[8, 0, 3, -1, 7], [3, 2, 1, 0, 9]])
+    case = make_case(
+        rng,
+        B=2,
+        K=5,
+        tbs=1,
+        sbs=3,
+        fbs=2,
+        kv_dim=7,
+        rope_dim=rope_dim,
+        dtype=dtype,
+        kv_lens=[9, 4],
+        topk=[[8, 0, 3, -1, 7], [3, 2, 1, 0, 9]],
+    )
     before = selection_bytes(case)
     out = case.call()
     assert out.tolist() == [4, 4, 0]
@@ -375,8 +318,9 @@ def test_every_cache_dtype(rng, dtype, rope_dim):
 
 
 def test_padding_anywhere_and_ids_past_max_dropped(rng):
-    case = make_case(rng, K=6, tbs=2, sbs=4, fbs=6, kv_lens=[9],
-                     topk=[[-1, 3, -7, 9, 0, 5]])  # max_id 4: 9 and 5 dropped
+    case = make_case(
+        rng, K=6, tbs=2, sbs=4, fbs=6, kv_lens=[9], topk=[[-1, 3, -7, 9, 0, 5]]
+    )  # max_id 4: 9 and 5 dropped
     assert case.call().tolist() == [4, 0]
     assert case.status_rows().tolist() == [[3, 0, -1, -1, -1, -1, 4]]
     assert_slot(case, 0, 0, 3, 2)
@@ -398,16 +342,18 @@ def test_no_valid_ids_clears_row(rng):
 @pytest.mark.parametrize("kv_lens", [[0, 5], [-4, 5]])
 def test_skipped_rows_untouched(rng, kv_lens):
     status = [[2, 0, -1, 5], [-1, -1, -1, -1]]
-    case = make_case(rng, B=2, K=3, tbs=1, kv_lens=kv_lens, topk=[[1, 0, 0], [4, 0, 1]],
-                     status=status)
+    case = make_case(
+        rng, B=2, K=3, tbs=1, kv_lens=kv_lens, topk=[[1, 0, 0], [4, 0, 1]], status=status
+    )
     before = snapshot(case)
     out = case.call()
     assert out.tolist() == [0, 3, 0]
     assert case.status_rows().tolist()[0] == [2, 0, -1, 5]
     table = case.args["selection_kv_block_table"]
     for name in ("selection_kv_cache", "selection_k_rope"):
-        assert np.array_equal(case.args[name][table[0]].view(np.uint8),
-                              before[name][table[0]].view(np.uint8))
+        assert np.array_equal(
+            case.args[name][table[0]].view(np.uint8), before[name][table[0]].view(np.uint8)
+        )
 
 
 def test_rows_past_batch_get_zero(rng):
@@ -421,11 +367,22 @@ def test_bsnd_and_tnd_agree(rng):
     topk = [[3, 1, -1, 8], [0, 2, 5, 6], [7, -1, 4, 1], [2, 3, 9, 0]]
     results = []
     for layout in ("BSND", "TND"):
-        case = make_case(np.random.default_rng(5), B=2, S=2, K=4, tbs=1, sbs=3, fbs=5,
-                         kv_lens=[9, 7], layout=layout, topk=topk)
+        case = make_case(
+            np.random.default_rng(5),
+            B=2,
+            S=2,
+            K=4,
+            tbs=1,
+            sbs=3,
+            fbs=5,
+            kv_lens=[9, 7],
+            layout=layout,
+            topk=topk,
+        )
         out = case.call()
-        results.append((out, case.status_rows().copy(),
-                        case.args["selection_kv_cache"].view(np.uint8).copy()))
+        results.append(
+            (out, case.status_rows().copy(), case.args["selection_kv_cache"].view(np.uint8).copy())
+        )
     for a, b in zip(*results):
         assert np.array_equal(a, b)
 
@@ -433,8 +390,9 @@ def test_bsnd_and_tnd_agree(rng):
 def test_full_q_actual_seq_is_ignored(rng):
     outs = []
     for q in ([1, 2], [-9, 12345]):
-        case = make_case(np.random.default_rng(3), B=2, K=3, kv_lens=[5, 6],
-                         topk=[[0, 4, 2], [5, 1, -1]])
+        case = make_case(
+            np.random.default_rng(3), B=2, K=3, kv_lens=[5, 6], topk=[[0, 4, 2], [5, 1, -1]]
+        )
         case.args["full_q_actual_seq"][...] = q
         outs.append((case.call(), case.args["selection_kv_cache"].copy()))
     assert np.array_equal(outs[0][0], outs[1][0])
@@ -443,8 +401,9 @@ def test_full_q_actual_seq_is_ignored(rng):
 
 def test_unused_table_entries_are_not_checked(rng):
     """Decision 4: only dereferenced table entries are range-checked."""
-    case = make_case(rng, K=4, tbs=1, sbs=2, fbs=2, kv_lens=[5], f_max=4,
-                     topk=[[0, 1, -1, -1]], extra_sel_cols=1)
+    case = make_case(
+        rng, K=4, tbs=1, sbs=2, fbs=2, kv_lens=[5], f_max=4, topk=[[0, 1, -1, -1]], extra_sel_cols=1
+    )
     case.args["full_kv_block_table"][0, 1:] = [-1, 999, -5]  # tokens 2.. are not read
     case.args["selection_kv_block_table"][0, 1:] = -1  # slots 2, 3 are not written
     assert case.call().tolist() == [2, 0]
@@ -464,15 +423,40 @@ def test_kept_ids_do_not_need_valid_full_table(rng):
 
 
 def test_check_gather_meta(rng):
-    case = make_case(rng, B=2, S=3, K=5, tbs=1, sbs=3, fbs=7, kv_dim=6, rope_dim=4,
-                     kv_lens=[9, 2], layout="TND", extra_rows=2)
+    case = make_case(
+        rng,
+        B=2,
+        S=3,
+        K=5,
+        tbs=1,
+        sbs=3,
+        fbs=7,
+        kv_dim=6,
+        rope_dim=4,
+        kv_lens=[9, 2],
+        layout="TND",
+        extra_rows=2,
+    )
     meta = check_gather(**case.args, selection_topk_block_size=1)
     a = case.args
     assert meta == GatherMeta(
-        cache_dtype="float16", layout="TND", batch=2, seq=3, heads=1, topk=5, tbs=1,
-        rows=8, sel_block_num=a["selection_kv_cache"].shape[0], sel_block_size=3,
-        sel_max_block_num=2, full_block_num=a["full_kv_cache"].shape[0], full_block_size=7,
-        full_max_block_num=2, k_rope_dim=4, kv_dim=6)
+        cache_dtype="float16",
+        layout="TND",
+        batch=2,
+        seq=3,
+        heads=1,
+        topk=5,
+        tbs=1,
+        rows=8,
+        sel_block_num=a["selection_kv_cache"].shape[0],
+        sel_block_size=3,
+        sel_max_block_num=2,
+        full_block_num=a["full_kv_cache"].shape[0],
+        full_block_size=7,
+        full_max_block_num=2,
+        k_rope_dim=4,
+        kv_dim=6,
+    )
 
 
 def test_check_gather_never_reads_values():
@@ -482,12 +466,20 @@ def test_check_gather_never_reads_values():
     def t(*shape, dtype=torch.int32):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
-    meta = check_gather(t(0, dtype=torch.bfloat16), t(10, 8, 16, dtype=torch.bfloat16),
-                        t(4, 4), t(4, 1, 33), t(4, 1, 32), t(0, dtype=torch.bfloat16),
-                        t(20, 16, 16, dtype=torch.bfloat16), t(2, 5), t(2), t(2),
-                        selection_topk_block_size=1)
-    assert (meta.layout, meta.batch, meta.seq, meta.topk, meta.k_rope_dim) == \
-        ("TND", 2, 2, 32, 0)
+    meta = check_gather(
+        t(0, dtype=torch.bfloat16),
+        t(10, 8, 16, dtype=torch.bfloat16),
+        t(4, 4),
+        t(4, 1, 33),
+        t(4, 1, 32),
+        t(0, dtype=torch.bfloat16),
+        t(20, 16, 16, dtype=torch.bfloat16),
+        t(2, 5),
+        t(2),
+        t(2),
+        selection_topk_block_size=1,
+    )
+    assert (meta.layout, meta.batch, meta.seq, meta.topk, meta.k_rope_dim) == ("TND", 2, 2, 32, 0)
     assert meta.cache_dtype == "bfloat16"
 
 
@@ -496,11 +488,13 @@ def test_check_gather_values_returns_plans(rng):
     meta = check_gather(**case.args, selection_topk_block_size=1)
     a = case.args
     plans = check_gather_values(
-        meta, selection_kv_block_table=a["selection_kv_block_table"],
+        meta,
+        selection_kv_block_table=a["selection_kv_block_table"],
         selection_kv_block_status=a["selection_kv_block_status"],
         selection_topk_indices=a["selection_topk_indices"],
         full_kv_block_table=a["full_kv_block_table"],
-        full_kv_actual_seq=a["full_kv_actual_seq"])
+        full_kv_actual_seq=a["full_kv_actual_seq"],
+    )
     assert [p.status.tolist() for p in plans] == [[3, 1, -1, 2], [-1, -1, -1, -1]]
     assert [p.skipped for p in plans] == [False, True]
 
@@ -508,24 +502,17 @@ def test_check_gather_values_returns_plans(rng):
 # --- validation: one rule per case; the refused call modifies nothing ----------------
 
 
-def base_case(rng: np.random.Generator, **kw) -> Case:
-    """B=2, S=2, K=4, TBS=2, SBS=4, FBS=6 with a resident row 0; valid as is."""
-    opts = dict(B=2, S=2, K=4, tbs=2, sbs=4, fbs=6, kv_lens=[9, 6],
-                topk=[[0, 3, -1, 1], [4, 0, 2, -1], [1, -1, 0, 2], [2, 0, -1, -1]],
-                status=[[0, 1, -1, -1, 4], [-1] * 5, [-1] * 5, [-1] * 5])
-    opts.update(kw)
-    return make_case(rng, **opts)
-
-
 def _set(name: str, value) -> Callable[[Case], None]:
     def mutate(case: Case) -> None:
         case.args[name] = value(case.args[name]) if callable(value) else value
+
     return mutate
 
 
 def _status_row(r: int, row: Sequence[int]) -> Callable[[Case], None]:
     def mutate(case: Case) -> None:
         case.status_rows()[r] = row
+
     return mutate
 
 
@@ -533,12 +520,14 @@ def _topk_row(r: int, row: Sequence[int]) -> Callable[[Case], None]:
     def mutate(case: Case) -> None:
         a = case.args["selection_topk_indices"]
         a.reshape(case.B * case.S, case.K)[r] = row
+
     return mutate
 
 
 def _tbs(value) -> Callable[[Case], None]:
     def mutate(case: Case) -> None:
         case.tbs = value
+
     return mutate
 
 
@@ -546,6 +535,7 @@ def _both(f, g):
     def mutate(case: Case) -> None:
         f(case)
         g(case)
+
     return mutate
 
 
@@ -561,127 +551,273 @@ class ShapedNotNumpy:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ShapedNotNumpy) and (self.shape, self.dtype) == (
-            other.shape, other.dtype)
+            other.shape,
+            other.dtype,
+        )
 
 
 def _entry(name: str, index, value) -> Callable[[Case], None]:
     def mutate(case: Case) -> None:
         case.args[name][index] = value
+
     return mutate
 
 
 def _full_entry_for_id(b: int, v: int, value: int) -> Callable[[Case], None]:
     def mutate(case: Case) -> None:
         case.args["full_kv_block_table"][b, v * case.tbs // case.fbs] = value
+
     return mutate
 
 
 def _read_only(name: str) -> Callable[[Case], None]:
     def mutate(case: Case) -> None:
         case.args[name].flags.writeable = False
+
     return mutate
 
 
 F16 = np.float16
 RULES = [
     # (id, mutation, exception, fragment of the message naming the argument)
-    ("not a tensor", _set("selection_kv_cache", lambda x: x.tolist()), TypeError,
-     "selection_kv_cache"),
-    ("not numpy", _set("full_kv_actual_seq", ShapedNotNumpy), TypeError,
-     "full_kv_actual_seq"),
-    ("cache dtype not in G2", _both(_set("selection_kv_cache", _cast(np.int32)), _both(
-        _set("selection_k_rope", _cast(np.int32)), _both(
-            _set("full_kv_cache", _cast(np.int32)), _set("full_k_rope", _cast(np.int32))))),
-     TypeError, "selection_kv_cache"),
-    ("unknown dtype", _set("full_kv_cache", _cast(np.complex64)), TypeError,
-     "full_kv_cache"),
+    (
+        "not a tensor",
+        _set("selection_kv_cache", lambda x: x.tolist()),
+        TypeError,
+        "selection_kv_cache",
+    ),
+    ("not numpy", _set("full_kv_actual_seq", ShapedNotNumpy), TypeError, "full_kv_actual_seq"),
+    (
+        "cache dtype not in G2",
+        _both(
+            _set("selection_kv_cache", _cast(np.int32)),
+            _both(
+                _set("selection_k_rope", _cast(np.int32)),
+                _both(_set("full_kv_cache", _cast(np.int32)), _set("full_k_rope", _cast(np.int32))),
+            ),
+        ),
+        TypeError,
+        "selection_kv_cache",
+    ),
+    ("unknown dtype", _set("full_kv_cache", _cast(np.complex64)), TypeError, "full_kv_cache"),
     ("caches differ", _set("full_kv_cache", _cast(np.float32)), TypeError, "full_kv_cache"),
-    ("rope dtype differs", _set("selection_k_rope", _cast(np.float32)), TypeError,
-     "selection_k_rope"),
-    *[(f"int64 {n}", _set(n, _cast(np.int64)), TypeError, n)
-      for n in ("selection_kv_block_table", "selection_kv_block_status",
-                "selection_topk_indices", "full_kv_block_table", "full_kv_actual_seq",
-                "full_q_actual_seq")],
+    (
+        "rope dtype differs",
+        _set("selection_k_rope", _cast(np.float32)),
+        TypeError,
+        "selection_k_rope",
+    ),
+    *[
+        (f"int64 {n}", _set(n, _cast(np.int64)), TypeError, n)
+        for n in (
+            "selection_kv_block_table",
+            "selection_kv_block_status",
+            "selection_topk_indices",
+            "full_kv_block_table",
+            "full_kv_actual_seq",
+            "full_q_actual_seq",
+        )
+    ],
     ("tbs float", _tbs(2.0), TypeError, "selection_topk_block_size"),
     ("tbs bool", _tbs(True), TypeError, "selection_topk_block_size"),
     ("tbs zero", _tbs(0), ValueError, "selection_topk_block_size"),
     ("SBS % TBS", _tbs(3), ValueError, "SBS = 4"),
     ("FBS % TBS", _tbs(4), ValueError, "FBS = 6"),
     # G2 as lifted by pytrt_kv: K <= 2048 for every TBS (no "TBS == 1 when K > 32").
-    ("K > 2048 with TBS 2", _both(_tbs(2), _both(
-        _set("selection_topk_indices", lambda x: np.full(x.shape[:-1] + (2049,), -1, I32)),
-        _set("selection_kv_block_status",
-             lambda x: np.full(x.shape[:-1] + (2050,), -1, I32)))),
-     ValueError, "selection_topk_indices"),
-    ("K > 2048", _both(_tbs(1), _both(
-        _set("selection_topk_indices", lambda x: np.full(x.shape[:-1] + (2049,), -1, I32)),
-        _set("selection_kv_block_status",
-             lambda x: np.full(x.shape[:-1] + (2050,), -1, I32)))),
-     ValueError, "selection_topk_indices"),
-    ("H != 1", _both(_set("selection_topk_indices", lambda x: np.concatenate([x, x], 2)),
-                     _set("selection_kv_block_status", lambda x: np.concatenate([x, x], 2))),
-     ValueError, "selection_topk_indices"),
-    ("R < B*S", _set("selection_kv_block_table", lambda x: x[:3].copy()), ValueError,
-     "selection_kv_block_table"),
-    ("S_MAX too small", _set("selection_kv_block_table", lambda x: x[:, :1].copy()),
-     ValueError, "selection_kv_block_table"),
-    ("table rank", _set("selection_kv_block_table", lambda x: x.reshape(-1)), ValueError,
-     "selection_kv_block_table"),
-    ("TND T % B", _both(_set("selection_topk_indices", lambda x: x.reshape(4, 1, 4)[:3].copy()),
-                        _set("selection_kv_block_status",
-                             lambda x: x.reshape(4, 1, 5)[:3].copy())),
-     ValueError, "selection_topk_indices"),
-    ("layouts disagree", _set("selection_kv_block_status", lambda x: x.reshape(4, 1, 5)),
-     ValueError, "selection_kv_block_status"),
-    ("status last dim", _set("selection_kv_block_status", lambda x: x[..., :4].copy()),
-     ValueError, "selection_kv_block_status"),
-    ("topk rank", _set("selection_topk_indices", lambda x: x.reshape(4, 4)), ValueError,
-     "selection_topk_indices"),
-    ("BSND B", _both(_set("selection_topk_indices", lambda x: x.reshape(1, 4, 1, 4)),
-                     _set("selection_kv_block_status", lambda x: x.reshape(1, 4, 1, 5))),
-     ValueError, "selection_topk_indices"),
-    ("selection rope absent, full present",
-     _set("selection_k_rope", lambda x: np.zeros((0,), F16)), ValueError,
-     "selection_k_rope"),
-    ("full rope absent, selection present", _set("full_k_rope", lambda x: np.zeros((0,), F16)),
-     ValueError, "full_k_rope"),
-    ("K_ROPE differs", _set("full_k_rope", lambda x: x[..., :1].copy()), ValueError,
-     "full_k_rope"),
-    ("rope blocks differ", _set("selection_k_rope", lambda x: x[:-1].copy()), ValueError,
-     "selection_k_rope"),
-    ("KV differs", _set("full_kv_cache", lambda x: x[..., :2].copy()), ValueError,
-     "full_kv_cache"),
-    ("cache rank", _set("selection_kv_cache", lambda x: x.reshape(x.shape[0], -1)),
-     ValueError, "selection_kv_cache"),
-    ("full_kv_actual_seq rank", _set("full_kv_actual_seq", lambda x: x.reshape(2, 1)),
-     ValueError, "full_kv_actual_seq"),
-    ("full_q_actual_seq shape", _set("full_q_actual_seq", lambda x: x[:1].copy()),
-     ValueError, "full_q_actual_seq"),
-    ("full table batch", _set("full_kv_block_table", lambda x: x[:1].copy()), ValueError,
-     "full_kv_block_table"),
+    (
+        "K > 2048 with TBS 2",
+        _both(
+            _tbs(2),
+            _both(
+                _set("selection_topk_indices", lambda x: np.full(x.shape[:-1] + (2049,), -1, I32)),
+                _set(
+                    "selection_kv_block_status", lambda x: np.full(x.shape[:-1] + (2050,), -1, I32)
+                ),
+            ),
+        ),
+        ValueError,
+        "selection_topk_indices",
+    ),
+    (
+        "K > 2048",
+        _both(
+            _tbs(1),
+            _both(
+                _set("selection_topk_indices", lambda x: np.full(x.shape[:-1] + (2049,), -1, I32)),
+                _set(
+                    "selection_kv_block_status", lambda x: np.full(x.shape[:-1] + (2050,), -1, I32)
+                ),
+            ),
+        ),
+        ValueError,
+        "selection_topk_indices",
+    ),
+    (
+        "H != 1",
+        _both(
+            _set("selection_topk_indices", lambda x: np.concatenate([x, x], 2)),
+            _set("selection_kv_block_status", lambda x: np.concatenate([x, x], 2)),
+        ),
+        ValueError,
+        "selection_topk_indices",
+    ),
+    (
+        "R < B*S",
+        _set("selection_kv_block_table", lambda x: x[:3].copy()),
+        ValueError,
+        "selection_kv_block_table",
+    ),
+    (
+        "S_MAX too small",
+        _set("selection_kv_block_table", lambda x: x[:, :1].copy()),
+        ValueError,
+        "selection_kv_block_table",
+    ),
+    (
+        "table rank",
+        _set("selection_kv_block_table", lambda x: x.reshape(-1)),
+        ValueError,
+        "selection_kv_block_table",
+    ),
+    (
+        "TND T % B",
+        _both(
+            _set("selection_topk_indices", lambda x: x.reshape(4, 1, 4)[:3].copy()),
+            _set("selection_kv_block_status", lambda x: x.reshape(4, 1, 5)[:3].copy()),
+        ),
+        ValueError,
+        "selection_topk_indices",
+    ),
+    (
+        "layouts disagree",
+        _set("selection_kv_block_status", lambda x: x.reshape(4, 1, 5)),
+        ValueError,
+        "selection_kv_block_status",
+    ),
+    (
+        "status last dim",
+        _set("selection_kv_block_status", lambda x: x[..., :4].copy()),
+        ValueError,
+        "selection_kv_block_status",
+    ),
+    (
+        "topk rank",
+        _set("selection_topk_indices", lambda x: x.reshape(4, 4)),
+        ValueError,
+        "selection_topk_indices",
+    ),
+    (
+        "BSND B",
+        _both(
+            _set("selection_topk_indices", lambda x: x.reshape(1, 4, 1, 4)),
+            _set("selection_kv_block_status", lambda x: x.reshape(1, 4, 1, 5)),
+        ),
+        ValueError,
+        "selection_topk_indices",
+    ),
+    (
+        "selection rope absent, full present",
+        _set("selection_k_rope", lambda x: np.zeros((0,), F16)),
+        ValueError,
+        "selection_k_rope",
+    ),
+    (
+        "full rope absent, selection present",
+        _set("full_k_rope", lambda x: np.zeros((0,), F16)),
+        ValueError,
+        "full_k_rope",
+    ),
+    ("K_ROPE differs", _set("full_k_rope", lambda x: x[..., :1].copy()), ValueError, "full_k_rope"),
+    (
+        "rope blocks differ",
+        _set("selection_k_rope", lambda x: x[:-1].copy()),
+        ValueError,
+        "selection_k_rope",
+    ),
+    ("KV differs", _set("full_kv_cache", lambda x: x[..., :2].copy()), ValueError, "full_kv_cache"),
+    (
+        "cache rank",
+        _set("selection_kv_cache", lambda x: x.reshape(x.shape[0], -1)),
+        ValueError,
+        "selection_kv_cache",
+    ),
+    (
+        "full_kv_actual_seq rank",
+        _set("full_kv_actual_seq", lambda x: x.reshape(2, 1)),
+        ValueError,
+        "full_kv_actual_seq",
+    ),
+    (
+        "full_q_actual_seq shape",
+        _set("full_q_actual_seq", lambda x: x[:1].copy()),
+        ValueError,
+        "full_q_actual_seq",
+    ),
+    (
+        "full table batch",
+        _set("full_kv_block_table", lambda x: x[:1].copy()),
+        ValueError,
+        "full_kv_block_table",
+    ),
     # value rules
-    ("status not a prefix", _status_row(0, [0, -1, 1, -1, 4]), ValueError,
-     "selection_kv_block_status"),
-    ("status duplicate id", _status_row(0, [1, 1, -1, -1, 4]), ValueError,
-     "selection_kv_block_status"),
+    (
+        "status not a prefix",
+        _status_row(0, [0, -1, 1, -1, 4]),
+        ValueError,
+        "selection_kv_block_status",
+    ),
+    (
+        "status duplicate id",
+        _status_row(0, [1, 1, -1, -1, 4]),
+        ValueError,
+        "selection_kv_block_status",
+    ),
     ("duplicate valid id", _topk_row(1, [4, 0, 4, -1]), ValueError, "selection_topk_indices"),
-    ("kv_len past the full table", _entry("full_kv_actual_seq", 1, 13), ValueError,
-     "full_kv_actual_seq[1]"),
-    ("full entry negative", _full_entry_for_id(0, 3, -1), ValueError,
-     "full_kv_block_table[0, 1]"),
-    ("full entry >= F_BLOCK_NUM", _full_entry_for_id(1, 2, 1000), ValueError,
-     "full_kv_block_table[1, 0]"),
-    ("selection entry negative", _entry("selection_kv_block_table", (2, 0), -1), ValueError,
-     "selection_kv_block_table[2, 0]"),
-    ("selection entry >= S_BLOCK_NUM", _entry("selection_kv_block_table", (1, 1), 1000),
-     ValueError, "selection_kv_block_table[1, 1]"),
-    ("selection write collision", lambda c: c.args["selection_kv_block_table"].__setitem__(
-        (3, 0), c.args["selection_kv_block_table"][1, 0]), ValueError,
-     "selection_kv_block_table"),
-    ("read-only selection cache", _read_only("selection_kv_cache"), ValueError,
-     "selection_kv_cache"),
-    ("read-only status", _read_only("selection_kv_block_status"), ValueError,
-     "selection_kv_block_status"),
+    (
+        "kv_len past the full table",
+        _entry("full_kv_actual_seq", 1, 13),
+        ValueError,
+        "full_kv_actual_seq[1]",
+    ),
+    ("full entry negative", _full_entry_for_id(0, 3, -1), ValueError, "full_kv_block_table[0, 1]"),
+    (
+        "full entry >= F_BLOCK_NUM",
+        _full_entry_for_id(1, 2, 1000),
+        ValueError,
+        "full_kv_block_table[1, 0]",
+    ),
+    (
+        "selection entry negative",
+        _entry("selection_kv_block_table", (2, 0), -1),
+        ValueError,
+        "selection_kv_block_table[2, 0]",
+    ),
+    (
+        "selection entry >= S_BLOCK_NUM",
+        _entry("selection_kv_block_table", (1, 1), 1000),
+        ValueError,
+        "selection_kv_block_table[1, 1]",
+    ),
+    (
+        "selection write collision",
+        lambda c: c.args["selection_kv_block_table"].__setitem__(
+            (3, 0), c.args["selection_kv_block_table"][1, 0]
+        ),
+        ValueError,
+        "selection_kv_block_table",
+    ),
+    (
+        "read-only selection cache",
+        _read_only("selection_kv_cache"),
+        ValueError,
+        "selection_kv_cache",
+    ),
+    (
+        "read-only status",
+        _read_only("selection_kv_block_status"),
+        ValueError,
+        "selection_kv_block_status",
+    ),
     ("read-only rope", _read_only("selection_k_rope"), ValueError, "selection_k_rope"),
 ]
 
@@ -692,13 +828,16 @@ def test_base_case_is_valid(rng):
     # Row 0: eff 8 (kv 9, S 2, s 0), max_id 3, ids [0, 3, 1]: 0 and 1 stay in slots 0
     # and 1, max_id 3 takes the reserved slot n-1 = 2. Other rows are fresh: max_id
     # (when selected) goes last, the rest in topk order.
-    assert case.status_rows().tolist() == [[0, 1, 3, -1, 6], [0, 2, 4, -1, 5],
-                                           [1, 0, 2, -1, 5], [0, 2, -1, -1, 4]]
+    assert case.status_rows().tolist() == [
+        [0, 1, 3, -1, 6],
+        [0, 2, 4, -1, 5],
+        [1, 0, 2, -1, 5],
+        [0, 2, -1, -1, 4],
+    ]
     assert out.tolist() == [6, 5, 5, 4, 0]
 
 
-@pytest.mark.parametrize("mutate, exc, fragment", [r[1:] for r in RULES],
-                         ids=[r[0] for r in RULES])
+@pytest.mark.parametrize("mutate, exc, fragment", [r[1:] for r in RULES], ids=[r[0] for r in RULES])
 def test_validation_rule(rng, mutate, exc, fragment):
     case = base_case(rng)
     mutate(case)
@@ -736,25 +875,26 @@ def test_repeated_padding_and_dropped_ids_are_not_duplicates(rng):
 
 
 def test_k_over_32_with_tbs_1_is_valid(rng):
-    case = make_case(rng, K=33, tbs=1, sbs=8, fbs=8, kv_lens=[40],
-                     topk=[list(range(39, 6, -1))])
+    case = make_case(rng, K=33, tbs=1, sbs=8, fbs=8, kv_lens=[40], topk=[list(range(39, 6, -1))])
     assert case.call().tolist() == [33, 0]
 
 
-@pytest.mark.parametrize("K,tbs,sbs,fbs,tail", [(33, 2, 4, 6, 1), (40, 4, 8, 8, 2),
-                                                (190, 128, 128, 256, 5)])
+@pytest.mark.parametrize(
+    "K,tbs,sbs,fbs,tail", [(33, 2, 4, 6, 1), (40, 4, 8, 8, 2), (190, 128, 128, 256, 5)]
+)
 def test_k_over_32_with_tbs_over_1_is_valid(rng, K, tbs, sbs, fbs, tail):
     """docs/SPEC.md G2: pytrt_kv accepts any TBS with K <= 2048 (retrieval recalls ~190
     blocks of 128 tokens at 128K); the row gets every selected block, in two steps."""
     kv_len = (K - 1) * tbs + tail  # max_id = K-1 holds `tail` tokens
     order = list(rng.permutation(K))
-    case = make_case(rng, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv_lens=[kv_len],
-                     rope_dim=0, topk=[order])
+    case = make_case(
+        rng, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv_lens=[kv_len], rope_dim=0, topk=[order]
+    )
     assert case.call().tolist() == [kv_len, 0]
     status = case.status_rows()[0]
     assert status[K - 1] == K - 1 and status[K] == kv_len  # max_id in the reserved slot
     assert sorted(status[:K].tolist()) == list(range(K))
-    for j, v in enumerate(status[:K - 1].tolist()):
+    for j, v in enumerate(status[: K - 1].tolist()):
         assert_slot(case, 0, j, v, tbs)
     assert_slot(case, 0, K - 1, K - 1, tail)
     before = selection_bytes(case)

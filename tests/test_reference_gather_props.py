@@ -12,16 +12,15 @@ bytes, which tells copied tokens from kept ones.
 from __future__ import annotations
 
 import collections
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytrt_kv import specs
-from pytrt_kv._gather import gather_selection_kv_cache
-from pytrt_kv.dtypes import numpy_dtype
+from pytrt_kv.contract import specs
+from pytrt_kv.contract.dtypes import numpy_dtype
+from pytrt_kv.reference import gather_selection_kv_cache
 
 I32 = np.int32
 
@@ -36,8 +35,9 @@ def random_bytes(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
     return rng.integers(1, 256, count, dtype=np.uint8).view(dt).reshape(shape)
 
 
-def expected_plan(old: List[int], topk: List[int], kv_len: int, S: int, s: int,
-                  tbs: int) -> Optional[Tuple[List[int], set, Dict[int, int]]]:
+def expected_plan(
+    old: list[int], topk: list[int], kv_len: int, S: int, s: int, tbs: int
+) -> tuple[list[int], set, dict[int, int]] | None:
     """An independent reading of G3-G5: ``(slot ids, kept slots, size of each id)``, or
     None for a skipped row. ``topk`` holds no duplicate valid id (the generator's
     promise)."""
@@ -52,21 +52,42 @@ def expected_plan(old: List[int], topk: List[int], kv_len: int, S: int, s: int,
     old_ids = [v for v in old[:K] if v >= 0]
     tail = len(old_ids) - 1 if tbs > 1 and old[K] % tbs != 0 else None
     reserve = tbs > 1 and max_id in size
-    kept = {j: v for j, v in enumerate(old_ids)
-            if v in size and j < n and j != tail and (v + 1) * tbs <= kv_len - S
-            and not (reserve and (j == n - 1 or v == max_id))}
+    kept = {
+        j: v
+        for j, v in enumerate(old_ids)
+        if v in size
+        and j < n
+        and j != tail
+        and (v + 1) * tbs <= kv_len - S
+        and not (reserve and (j == n - 1 or v == max_id))
+    }
     rest = iter(v for v in valid if v not in kept.values() and not (reserve and v == max_id))
-    slots = [kept[j] if j in kept else (max_id if reserve and j == n - 1 else next(rest))
-             for j in range(n)]
+    slots = [
+        kept[j] if j in kept else (max_id if reserve and j == n - 1 else next(rest))
+        for j in range(n)
+    ]
     return slots, set(kept), size
 
 
 class Sim:
     """One random decoding session: the ten gather arguments and how to advance them."""
 
-    def __init__(self, rng: np.random.Generator, *, B: int, S: int, K: int, tbs: int,
-                 sbs: int, fbs: int, kv_dim: int, rope_dim: int, dtype: str, layout: str,
-                 steps: int) -> None:
+    def __init__(
+        self,
+        rng: np.random.Generator,
+        *,
+        B: int,
+        S: int,
+        K: int,
+        tbs: int,
+        sbs: int,
+        fbs: int,
+        kv_dim: int,
+        rope_dim: int,
+        dtype: str,
+        layout: str,
+        steps: int,
+    ) -> None:
         self.rng, self.B, self.S, self.K, self.tbs = rng, B, S, K, tbs
         self.sbs, self.fbs, self.dtype = sbs, fbs, dtype
         self.kv_hi = 2 * K * tbs  # largest kv_len a (re)started sequence begins with
@@ -75,14 +96,15 @@ class Sim:
         f_blocks = B * f_cols + 2
         # One trailing column of -1: never read, since no kv_len reaches it.
         full_table = np.full((B, f_cols + 1), -1, I32)
-        full_table[:, :f_cols] = rng.permutation(f_blocks)[:B * f_cols].reshape(B, f_cols)
+        full_table[:, :f_cols] = rng.permutation(f_blocks)[: B * f_cols].reshape(B, f_cols)
         s_cols = ceil_div(K * tbs, sbs)
         rows = B * S + int(rng.integers(0, 3))
         s_blocks = B * S * s_cols + 2
         # Rows >= B*S and columns past ceil(K*TBS/SBS) are never read: -1 there.
         sel_table = np.full((rows, s_cols + int(rng.integers(0, 2))), -1, I32)
-        sel_table[:B * S, :s_cols] = rng.permutation(s_blocks)[:B * S * s_cols].reshape(
-            B * S, s_cols)
+        sel_table[: B * S, :s_cols] = rng.permutation(s_blocks)[: B * S * s_cols].reshape(
+            B * S, s_cols
+        )
         lead = (B, S, 1) if layout == "BSND" else (B * S, 1)
         dt = numpy_dtype(dtype)
 
@@ -92,7 +114,7 @@ class Sim:
         full_rope = rope(f_blocks, fbs)
         if rope_dim:
             full_rope = random_bytes(rng, full_rope.shape, dtype)
-        self.args: Dict[str, np.ndarray] = dict(
+        self.args: dict[str, np.ndarray] = dict(
             selection_k_rope=rope(s_blocks, sbs),
             selection_kv_cache=np.zeros((s_blocks, sbs, kv_dim), dt),  # zero sentinel
             selection_kv_block_table=sel_table,
@@ -114,7 +136,7 @@ class Sim:
     def topk(self) -> np.ndarray:
         return self.args["selection_topk_indices"].reshape(self.B * self.S, self.K)
 
-    def caches(self, args, side: str) -> List[np.ndarray]:
+    def caches(self, args, side: str) -> list[np.ndarray]:
         out = [args[f"{side}_kv_cache"]]
         if args[f"{side}_k_rope"].size:
             out.append(args[f"{side}_k_rope"])
@@ -128,7 +150,7 @@ class Sim:
         for b in range(self.B):
             if rng.random() < 0.1:
                 self.kv_lens[b] = rng.integers(-2, self.kv_hi + 1)
-                self.status()[b * self.S:(b + 1) * self.S] = -1
+                self.status()[b * self.S : (b + 1) * self.S] = -1
                 self.stats["reset"] += 1
             else:
                 self.kv_lens[b] += rng.integers(1, self.S + 1)
@@ -141,7 +163,7 @@ class Sim:
         for r in range(self.B * self.S):
             self.topk()[r] = self._topk_row(r)
 
-    def _topk_row(self, r: int) -> List[int]:
+    def _topk_row(self, r: int) -> list[int]:
         rng, K, tbs = self.rng, self.K, self.tbs
         b, s = divmod(r, self.S)
         eff = int(self.kv_lens[b]) - (self.S - 1 - s)
@@ -183,14 +205,20 @@ class Sim:
         assert np.array_equal(out, out_p)
         assert np.array_equal(self.status(), self.status(poisoned))
         assert out.dtype == I32 and out.shape == (args["selection_kv_block_table"].shape[0],)
-        assert not out[self.B * self.S:].any(), "rows >= B*S must return 0"
-        for name in ("selection_kv_block_table", "selection_topk_indices", "full_k_rope",
-                     "full_kv_cache", "full_kv_block_table", "full_kv_actual_seq",
-                     "full_q_actual_seq"):
+        assert not out[self.B * self.S :].any(), "rows >= B*S must return 0"
+        for name in (
+            "selection_kv_block_table",
+            "selection_topk_indices",
+            "full_k_rope",
+            "full_kv_cache",
+            "full_kv_block_table",
+            "full_kv_actual_seq",
+            "full_q_actual_seq",
+        ):
             assert np.array_equal(args[name].view(np.uint8), before[name].view(np.uint8))
 
-        written: List[Tuple[int, int, int, int]] = []  # (sel blk, off, full blk, off)
-        resident: List[Tuple[int, int, int, int]] = []  # every slot token, real run
+        written: list[tuple[int, int, int, int]] = []  # (sel blk, off, full blk, off)
+        resident: list[tuple[int, int, int, int]] = []  # every slot token, real run
         sel_table = args["selection_kv_block_table"]
         full_table = args["full_kv_block_table"]
         old_status = before["selection_kv_block_status"].reshape(self.status().shape)
@@ -221,12 +249,17 @@ class Sim:
                 assert old[j] == new[j]
             self.stats["kept"] += len(kept)
             self.stats["recopied_resident"] += sum(
-                1 for j, v in enumerate(slots) if j not in kept and v in old[:K])
+                1 for j, v in enumerate(slots) if j not in kept and v in old[:K]
+            )
             for j, v in enumerate(slots):
                 for i in range(size[v]):
                     q, p = j * tbs + i, v * tbs + i
-                    addr = (int(sel_table[r, q // self.sbs]), q % self.sbs,
-                            int(full_table[b, p // self.fbs]), p % self.fbs)
+                    addr = (
+                        int(sel_table[r, q // self.sbs]),
+                        q % self.sbs,
+                        int(full_table[b, p // self.fbs]),
+                        p % self.fbs,
+                    )
                     resident.append(addr)
                     if j not in kept:
                         written.append(addr)
@@ -236,23 +269,23 @@ class Sim:
         # Poisoned run: copied tokens come from the (poisoned) full cache; every other
         # selection token, kept slots included, keeps its bytes.
         self._compare(poisoned, poisoned, written, "a copied token has the wrong bytes")
-        for sel_p, sel_before in zip(self.caches(poisoned, "selection"),
-                                     self.caches(before, "selection")):
+        for sel_p, sel_before in zip(
+            self.caches(poisoned, "selection"), self.caches(before, "selection")
+        ):
             mask = np.ones(sel_p.shape[:2], dtype=bool)
             if written:
                 w = np.array(written)
                 mask[w[:, 0], w[:, 1]] = False
-            assert np.array_equal(sel_p.view(np.uint8)[mask],
-                                  sel_before.view(np.uint8)[mask]), \
+            assert np.array_equal(sel_p.view(np.uint8)[mask], sel_before.view(np.uint8)[mask]), (
                 "a selection token outside the copied slots changed"
+            )
         self.stats["copied_tokens"] += len(written)
 
     def _compare(self, sel_args, full_args, addrs, what: str) -> None:
         if not addrs:
             return
         a = np.array(addrs)
-        for sel, full in zip(self.caches(sel_args, "selection"),
-                             self.caches(full_args, "full")):
+        for sel, full in zip(self.caches(sel_args, "selection"), self.caches(full_args, "full")):
             got = sel.view(np.uint8)[a[:, 0], a[:, 1]]
             want = full.view(np.uint8)[a[:, 2], a[:, 3]]
             assert np.array_equal(got, want), what
@@ -296,8 +329,19 @@ def test_sessions_exercise_every_rule(tbs):
     ids are re-copied, the reserved tail slot is used, rows are skipped and reset."""
     total: collections.Counter = collections.Counter()
     for seed in range(12):
-        params = dict(tbs=tbs, K=6, B=2, S=2, sbs=2 * tbs, fbs=3 * tbs, kv_dim=2,
-                      rope_dim=2, dtype="bfloat16", layout="TND", steps=5)
+        params = dict(
+            tbs=tbs,
+            K=6,
+            B=2,
+            S=2,
+            sbs=2 * tbs,
+            fbs=3 * tbs,
+            kv_dim=2,
+            rope_dim=2,
+            dtype="bfloat16",
+            layout="TND",
+            steps=5,
+        )
         total += run_session(params, seed)
     for key in ("kept", "recopied_resident", "skipped", "reset", "copied_tokens"):
         assert total[key] > 0, key

@@ -16,10 +16,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pytrt_kv import specs
-from pytrt_kv._scatter import (ScatterMeta, check_scatter, check_scatter_values,
-                               scatter_pa_kv_cache)
-from pytrt_kv.dtypes import numpy_dtype
+from pytrt_kv.contract import specs
+from pytrt_kv.contract.dtypes import numpy_dtype
+from pytrt_kv.contract.scatter import ScatterMeta, check_scatter, check_scatter_values
+from pytrt_kv.reference import scatter_pa_kv_cache
 from pytrt_kv.reference import scatter_pa_kv_cache as reexported
 
 DATA_DTYPES = specs.SCATTER_DATA_DTYPES
@@ -68,8 +68,11 @@ def element_bytes(a):
 
 def cache_shape(layout, nb, bs, heads, size, dtype):
     last = 32 // numpy_dtype(dtype).itemsize
-    return {"nd": (nb, bs, heads, size), "hnd": (nb, heads, bs, size),
-            "nz": (nb, heads * size // last, bs, last)}[layout]
+    return {
+        "nd": (nb, bs, heads, size),
+        "hnd": (nb, heads, bs, size),
+        "nz": (nb, heads * size // last, bs, last),
+    }[layout]
 
 
 def expected_tokens(layout, src, cache, slots):
@@ -175,30 +178,52 @@ def assert_refused(kwargs, exc, arg, *fragments):
 @pytest.mark.parametrize("dtype", DATA_DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("explicit", [False, True], ids=["detect", "explicit"])
-def test_token_write_matches_formulas(case_rng, explicit, layout, dtype, index_dtype,
-                                      with_value, block_size):
+def test_token_write_matches_formulas(
+    case_rng, explicit, layout, dtype, index_dtype, with_value, block_size
+):
     rng = case_rng
     key = random_bits(rng, (T, H, DK), dtype)
     key_cache = random_bits(rng, cache_shape(layout, NB, block_size, H, DK, dtype), dtype)
     value = random_bits(rng, (T, H, DV), dtype) if with_value else None
-    value_cache = (random_bits(rng, cache_shape(layout, NB, block_size, H, DV, dtype), dtype)
-                   if with_value else None)
+    value_cache = (
+        random_bits(rng, cache_shape(layout, NB, block_size, H, DV, dtype), dtype)
+        if with_value
+        else None
+    )
     slots = token_slots(rng, T, NB * block_size, index_dtype)
-    kwargs = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                  slot_mapping=slots, cache_layout=layout if explicit else None)
+    kwargs = dict(
+        key=key,
+        value=value,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=slots,
+        cache_layout=layout if explicit else None,
+    )
     want_k = expected_tokens(layout, key, key_cache, slots)
     want_v = expected_tokens(layout, value, value_cache, slots) if with_value else None
     inputs = snapshot({"key": key, "value": value, "slot_mapping": slots})
 
-    meta = check_scatter(key, value, key_cache, value_cache, slots,
-                         cache_layout=layout if explicit else None)
+    meta = check_scatter(
+        key, value, key_cache, value_cache, slots, cache_layout=layout if explicit else None
+    )
     assert (meta.layout, meta.compress, meta.mode, meta.has_value) == (
-        layout, False, None, with_value)
+        layout,
+        False,
+        None,
+        with_value,
+    )
     assert (meta.num_blocks, meta.block_size, meta.num_tokens, meta.num_heads) == (
-        NB, block_size, T, H)
+        NB,
+        block_size,
+        T,
+        H,
+    )
     assert (meta.head_size_k, meta.head_size_v) == (DK, DV if with_value else 0)
     assert (meta.key_dtype, meta.value_dtype, meta.index_dtype) == (
-        dtype, dtype if with_value else None, index_dtype)
+        dtype,
+        dtype if with_value else None,
+        index_dtype,
+    )
 
     assert scatter_pa_kv_cache(**kwargs) is None
     assert_same_bytes(key_cache, want_k)
@@ -207,9 +232,15 @@ def test_token_write_matches_formulas(case_rng, explicit, layout, dtype, index_d
     assert_untouched({"key": key, "value": value, "slot_mapping": slots}, inputs)
 
 
-@pytest.mark.parametrize("key_dtype,value_dtype", [
-    ("float16", "int8"), ("float32", "bfloat16"), ("float8_e4m3fn", "float32"),
-    ("uint8", "float8_e5m2")])
+@pytest.mark.parametrize(
+    "key_dtype,value_dtype",
+    [
+        ("float16", "int8"),
+        ("float32", "bfloat16"),
+        ("float8_e4m3fn", "float32"),
+        ("uint8", "float8_e5m2"),
+    ],
+)
 def test_nz_key_and_value_dtypes_may_differ(rng, key_dtype, value_dtype):
     bs = 4
     key = random_bits(rng, (T, H, DK), key_dtype)
@@ -231,8 +262,7 @@ def test_hand_computed_token_positions(layout):
     key = (np.arange(3 * 16, dtype=np.float16) + 1).reshape(3, 1, 16)
     shape = {"nd": (2, 3, 1, 16), "hnd": (2, 1, 3, 16), "nz": (2, 1, 3, 16)}[layout]
     cache = np.full(shape, -7, np.float16)
-    scatter_pa_kv_cache(key, None, cache, None, np.array([4, -1, 0], np.int64),
-                        cache_layout=layout)
+    scatter_pa_kv_cache(key, None, cache, None, np.array([4, -1, 0], np.int64), cache_layout=layout)
     want = np.full(shape, -7, np.float16)
     if layout == "nd":
         want[1, 1, 0, :], want[0, 0, 0, :] = key[0, 0], key[2, 0]
@@ -253,17 +283,25 @@ def test_nz_hand_computed_multi_column():
 
 
 def test_torch_npu_example_scenario_1(rng):
-    """the torch_npu.npu_scatter_pa_kv_cache API page single-op example: bs=16, H=4, Dk=32, Dv=64, NB=2, BS=32, L=16."""
+    """the torch_npu.npu_scatter_pa_kv_cache API page single-op example: bs=16, H=4, Dk=32,
+    Dv=64, NB=2, BS=32, L=16."""
     bs, num_head, k_head_size, v_head_size, num_blocks, last_dim, block_size = (
-        16, 4, 32, 64, 2, 16, 32)
+        16,
+        4,
+        32,
+        64,
+        2,
+        16,
+        32,
+    )
     key = rng.standard_normal((bs, num_head, k_head_size)).astype(np.float16)
     value = rng.standard_normal((bs, num_head, v_head_size)).astype(np.float16)
     key_cache = rng.standard_normal(
-        (num_blocks, num_head * k_head_size // last_dim, block_size, last_dim)).astype(
-        np.float16)
+        (num_blocks, num_head * k_head_size // last_dim, block_size, last_dim)
+    ).astype(np.float16)
     value_cache = np.zeros(
-        (num_blocks, num_head * v_head_size // last_dim, block_size, last_dim)).astype(
-        np.float16)
+        (num_blocks, num_head * v_head_size // last_dim, block_size, last_dim)
+    ).astype(np.float16)
     slot_mapping = rng.choice(num_blocks * block_size, bs, replace=False).astype(np.int32)
     assert check_scatter(key, value, key_cache, value_cache, slot_mapping).layout == "nz"
     want_k = expected_tokens("nz", key, key_cache, slot_mapping)
@@ -279,10 +317,12 @@ def test_torch_npu_example_scenario_1(rng):
 def test_all_padding_and_empty_calls_write_nothing(rng):
     key_cache = random_bits(rng, (NB, 5, H, DK), "float16")
     before = key_cache.copy()
-    scatter_pa_kv_cache(random_bits(rng, (T, H, DK), "float16"), None, key_cache, None,
-                        np.full(T, -1, np.int32))
-    scatter_pa_kv_cache(random_bits(rng, (0, H, DK), "float16"), None, key_cache, None,
-                        np.zeros(0, np.int64))
+    scatter_pa_kv_cache(
+        random_bits(rng, (T, H, DK), "float16"), None, key_cache, None, np.full(T, -1, np.int32)
+    )
+    scatter_pa_kv_cache(
+        random_bits(rng, (0, H, DK), "float16"), None, key_cache, None, np.zeros(0, np.int64)
+    )
     assert_same_bytes(key_cache, before)
 
 
@@ -299,22 +339,31 @@ def test_non_contiguous_key_is_read_correctly(rng):
 # --- layout detection ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key_shape,cache_shape_,fitting", [
-    ((3, 2, 8), (4, 2, 2, 8), ["nd", "hnd"]),          # BS == H
-    ((3, 2, 16), (4, 2, 5, 16), ["nz", "hnd"]),        # Dk == L, H*Dk/L == H
-    ((3, 4, 16), (4, 4, 4, 16), ["nd", "nz", "hnd"]),  # all three
-])
+@pytest.mark.parametrize(
+    "key_shape,cache_shape_,fitting",
+    [
+        ((3, 2, 8), (4, 2, 2, 8), ["nd", "hnd"]),  # BS == H
+        ((3, 2, 16), (4, 2, 5, 16), ["nz", "hnd"]),  # Dk == L, H*Dk/L == H
+        ((3, 4, 16), (4, 4, 4, 16), ["nd", "nz", "hnd"]),  # all three
+    ],
+)
 def test_ambiguous_layout_asks_for_cache_layout(rng, key_shape, cache_shape_, fitting):
     key = random_bits(rng, key_shape, "float16")
     key_cache = random_bits(rng, cache_shape_, "float16")
-    kwargs = dict(key=key, value=None, key_cache=key_cache, value_cache=None,
-                  slot_mapping=np.array([0, 1, -1], np.int32))
+    kwargs = dict(
+        key=key,
+        value=None,
+        key_cache=key_cache,
+        value_cache=None,
+        slot_mapping=np.array([0, 1, -1], np.int32),
+    )
     msg = assert_refused(kwargs, ValueError, "cache_layout", str(fitting))
     assert "several layouts" in msg
     for layout in fitting:  # an explicit layout resolves it
         assert check_scatter(**kwargs, cache_layout=layout).layout == layout
         assert check_scatter(**kwargs, cache_layout=layout).block_size == (
-            cache_shape_[1] if layout == "nd" else cache_shape_[2])
+            cache_shape_[1] if layout == "nd" else cache_shape_[2]
+        )
 
 
 def test_value_cache_disambiguates_detection(rng):
@@ -324,15 +373,21 @@ def test_value_cache_disambiguates_detection(rng):
     key_cache = np.empty((4, 2, 5, 16), np.float16)
     slots = np.zeros(3, np.int32)
     for value_cache_shape, layout in (((4, 4, 5, 16), "nz"), ((4, 2, 5, 32), "hnd")):
-        meta = check_scatter(key, value, key_cache, np.empty(value_cache_shape, np.float16),
-                             slots)
+        meta = check_scatter(key, value, key_cache, np.empty(value_cache_shape, np.float16), slots)
         assert (meta.layout, meta.block_size, meta.num_blocks) == (layout, 5, 4)
 
 
 def test_empty_string_attributes_mean_unset(rng):
     key = random_bits(rng, (T, H, DK), "int8")
-    meta = check_scatter(key, None, np.empty((NB, 5, H, DK), np.int8), None,
-                         np.zeros(T, np.int32), cache_layout="", compress_mode="")
+    meta = check_scatter(
+        key,
+        None,
+        np.empty((NB, 5, H, DK), np.int8),
+        None,
+        np.zeros(T, np.int32),
+        cache_layout="",
+        compress_mode="",
+    )
     assert meta.layout == "nd"
 
 
@@ -342,21 +397,57 @@ Desc = namedtuple("Desc", "shape dtype")
 
 
 def test_check_scatter_on_descriptors():
-    meta = check_scatter(Desc((16, 4, 32), "float16"), Desc((16, 4, 64), "float16"),
-                         Desc((2, 8, 32, 16), "float16"), Desc((2, 16, 32, 16), "float16"),
-                         Desc((16,), "int32"))
+    meta = check_scatter(
+        Desc((16, 4, 32), "float16"),
+        Desc((16, 4, 64), "float16"),
+        Desc((2, 8, 32, 16), "float16"),
+        Desc((2, 16, 32, 16), "float16"),
+        Desc((16,), "int32"),
+    )
     assert meta == ScatterMeta(
-        compress=False, layout="nz", mode=None, has_value=True, key_dtype="float16",
-        value_dtype="float16", index_dtype="int32", num_tokens=16, batch=0, max_seq_len=0,
-        num_heads=4, head_size_k=32, head_size_v=64, num_blocks=2, block_size=32)
-    meta = check_scatter(Desc((3, 9, 2, 8), "bfloat16"), None, Desc((6, 4, 1, 8), "bfloat16"),
-                         None, Desc((3, 2), "int64"), compress_lens=Desc((3, 2), "int64"),
-                         compress_seq_offsets=Desc((6,), "int64"),
-                         seq_lens=Desc((3,), "int64"))
+        compress=False,
+        layout="nz",
+        mode=None,
+        has_value=True,
+        key_dtype="float16",
+        value_dtype="float16",
+        index_dtype="int32",
+        num_tokens=16,
+        batch=0,
+        max_seq_len=0,
+        num_heads=4,
+        head_size_k=32,
+        head_size_v=64,
+        num_blocks=2,
+        block_size=32,
+    )
+    meta = check_scatter(
+        Desc((3, 9, 2, 8), "bfloat16"),
+        None,
+        Desc((6, 4, 1, 8), "bfloat16"),
+        None,
+        Desc((3, 2), "int64"),
+        compress_lens=Desc((3, 2), "int64"),
+        compress_seq_offsets=Desc((6,), "int64"),
+        seq_lens=Desc((3,), "int64"),
+    )
     assert meta == ScatterMeta(
-        compress=True, layout=None, mode="rope", has_value=False, key_dtype="bfloat16",
-        value_dtype=None, index_dtype="int64", num_tokens=0, batch=3, max_seq_len=9,
-        num_heads=2, head_size_k=8, head_size_v=0, num_blocks=6, block_size=4)
+        compress=True,
+        layout=None,
+        mode="rope",
+        has_value=False,
+        key_dtype="bfloat16",
+        value_dtype=None,
+        index_dtype="int64",
+        num_tokens=0,
+        batch=3,
+        max_seq_len=9,
+        num_heads=2,
+        head_size_k=8,
+        head_size_v=0,
+        num_blocks=6,
+        block_size=4,
+    )
     assert meta.num_slots == 24
 
 
@@ -369,8 +460,13 @@ def test_check_scatter_on_torch_tensors():
     with pytest.raises(TypeError, match="^key: expected"):
         check_scatter(key.double(), None, cache, None, torch.zeros(5, dtype=torch.int64))
     # The reference itself needs NumPy caches and says so.
-    kwargs = dict(key=np.zeros((5, 2, 8), ml_dtypes.bfloat16), value=None, key_cache=cache,
-                  value_cache=None, slot_mapping=np.zeros(5, np.int64))
+    kwargs = dict(
+        key=np.zeros((5, 2, 8), ml_dtypes.bfloat16),
+        value=None,
+        key_cache=cache,
+        value_cache=None,
+        slot_mapping=np.zeros(5, np.int64),
+    )
     assert_refused(kwargs, TypeError, "key_cache", "NumPy")
 
 
@@ -385,8 +481,11 @@ def make_runs(rng, mode, batch, heads, smax, bs, index_dtype):
     o == L (with w > 0), padding (garbage o and w). alibi: 0 < w < L (twice), w == L,
     w == 0, any w, padding.
     """
-    kinds = (["mid", "comp", "o=-1", "w=0", "o=L", "pad"] if mode != "alibi"
-             else ["alibi_mid", "alibi_w=L", "alibi_w=0", "alibi", "pad", "alibi_mid"])
+    kinds = (
+        ["mid", "comp", "o=-1", "w=0", "o=L", "pad"]
+        if mode != "alibi"
+        else ["alibi_mid", "alibi_w=L", "alibi_w=0", "alibi", "pad", "alibi_mid"]
+    )
     seq = rng.integers(smax // 2, smax + 1, batch)
     lens = np.zeros((batch, heads), np.int64)
     offs = np.zeros((batch, heads), np.int64)
@@ -408,11 +507,15 @@ def make_runs(rng, mode, batch, heads, smax, bs, index_dtype):
             o = {"o=-1": -1, "w=0": int(rng.integers(0, length + 1)), "o=L": length}[kind]
             rows[b, h] = length
         elif kind.startswith("alibi"):
-            w = {"alibi": int(rng.integers(0, length + 1)), "alibi_w=L": length,
-                 "alibi_w=0": 0, "alibi_mid": int(rng.integers(1, length))}[kind]
+            w = {
+                "alibi": int(rng.integers(0, length + 1)),
+                "alibi_w=L": length,
+                "alibi_w=0": 0,
+                "alibi_mid": int(rng.integers(1, length)),
+            }[kind]
             rows[b, h] = w
         else:
-            w, o, pad[b, h] = 10 ** 6, -5, True
+            w, o, pad[b, h] = 10**6, -5, True
         lens[b, h], offs[b, h] = w, o
     slots = np.full((batch, heads), -1, np.int64)
     cursor = int(rng.integers(0, bs))
@@ -423,39 +526,60 @@ def make_runs(rng, mode, batch, heads, smax, bs, index_dtype):
             cursor += rows[b, h] + int(rng.integers(0, 3))
     num_blocks = cursor // bs + 1
     cast = numpy_dtype(index_dtype)
-    return (slots.astype(cast), lens.astype(cast), offs.reshape(-1).astype(cast),
-            seq.astype(cast), num_blocks)
+    return (
+        slots.astype(cast),
+        lens.astype(cast),
+        offs.reshape(-1).astype(cast),
+        seq.astype(cast),
+        num_blocks,
+    )
 
 
 @pytest.mark.parametrize("block_size", [4, 3])
 @pytest.mark.parametrize("with_value", [True, False], ids=["kv", "key_only"])
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
-@pytest.mark.parametrize("explicit_mode,mode,dtype", [
-    (explicit, mode, dtype)
-    for mode, dtypes in (("rope", ROPE_DTYPES), ("omni", DATA_DTYPES), ("alibi", DATA_DTYPES))
-    for dtype in dtypes
-    for explicit in ((True,) if mode == "omni" else (False, True))])  # omni is never default
-def test_compressing_write_matches_formulas(case_rng, explicit_mode, mode, dtype,
-                                            index_dtype, with_value, block_size):
+@pytest.mark.parametrize(
+    "explicit_mode,mode,dtype",
+    [
+        (explicit, mode, dtype)
+        for mode, dtypes in (("rope", ROPE_DTYPES), ("omni", DATA_DTYPES), ("alibi", DATA_DTYPES))
+        for dtype in dtypes
+        for explicit in ((True,) if mode == "omni" else (False, True))
+    ],
+)  # omni is never default
+def test_compressing_write_matches_formulas(
+    case_rng, explicit_mode, mode, dtype, index_dtype, with_value, block_size
+):
     rng = case_rng
     batch, heads, smax, dk, dv = 3, 2, 9, 8, 12
-    slots, lens, offs, seq, nb = make_runs(rng, mode, batch, heads, smax, block_size,
-                                           index_dtype)
+    slots, lens, offs, seq, nb = make_runs(rng, mode, batch, heads, smax, block_size, index_dtype)
     make = random_floats if mode == "rope" else random_bits
     key = make(rng, (batch, smax, heads, dk), dtype)
     value = make(rng, (batch, smax, heads, dv), dtype) if with_value else None
     key_cache = random_bits(rng, (nb, block_size, 1, dk), dtype)
     value_cache = random_bits(rng, (nb, block_size, 1, dv), dtype) if with_value else None
     offsets = None if mode == "alibi" and not explicit_mode else offs
-    kwargs = dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                  slot_mapping=slots, compress_lens=lens, compress_seq_offsets=offsets,
-                  seq_lens=seq, compress_mode=mode if explicit_mode else None)
+    kwargs = dict(
+        key=key,
+        value=value,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        slot_mapping=slots,
+        compress_lens=lens,
+        compress_seq_offsets=offsets,
+        seq_lens=seq,
+        compress_mode=mode if explicit_mode else None,
+    )
     want_k = expected_runs(mode, key, key_cache, slots, lens, offs, seq)
-    want_v = (expected_runs(mode, value, value_cache, slots, lens, offs, seq)
-              if with_value else None)
+    want_v = expected_runs(mode, value, value_cache, slots, lens, offs, seq) if with_value else None
     meta = check_scatter(**{k: v for k, v in kwargs.items()})
     assert (meta.compress, meta.mode, meta.layout, meta.batch, meta.max_seq_len) == (
-        True, mode, None, batch, smax)
+        True,
+        mode,
+        None,
+        batch,
+        smax,
+    )
     inputs = snapshot({k: v for k, v in kwargs.items() if "cache" not in k})
 
     scatter_pa_kv_cache(**kwargs)
@@ -465,12 +589,15 @@ def test_compressing_write_matches_formulas(case_rng, explicit_mode, mode, dtype
     assert_untouched({k: v for k, v in kwargs.items() if "cache" not in k}, inputs)
 
 
-@pytest.mark.parametrize("mode,want_rows", [
-    # Rows 3..6 from base 3 with BS=4: the run crosses from block 0 into block 1.
-    ("rope", {3: "x0", 4: "mean", 5: "x3", 6: "x4"}),
-    ("omni", {3: "x0", 4: "x3", 5: "x4"}),
-    ("alibi", {3: "x3", 4: "x4"}),
-])
+@pytest.mark.parametrize(
+    "mode,want_rows",
+    [
+        # Rows 3..6 from base 3 with BS=4: the run crosses from block 0 into block 1.
+        ("rope", {3: "x0", 4: "mean", 5: "x3", 6: "x4"}),
+        ("omni", {3: "x0", 4: "x3", 5: "x4"}),
+        ("alibi", {3: "x3", 4: "x4"}),
+    ],
+)
 def test_hand_computed_runs(mode, want_rows):
     """L=5, o=1, w=2, base 3; head 1 of the same batch is padding."""
     tokens = np.array([[1, 2], [3, 5], [8, 13], [21, 34], [55, 89]], np.float32)
@@ -479,10 +606,17 @@ def test_hand_computed_runs(mode, want_rows):
     key[0, 5] = 1e9  # beyond seq_lens: never read
     key[0, :, 1] = -1e9
     cache = np.full((3, 4, 1, 2), -0.5, np.float32)
-    scatter_pa_kv_cache(key, None, cache, None, np.array([[3, -1]], np.int32),
-                        compress_lens=np.array([[2, 7]], np.int32),
-                        compress_seq_offsets=np.array([1, 9], np.int32),
-                        seq_lens=np.array([5], np.int32), compress_mode=mode)
+    scatter_pa_kv_cache(
+        key,
+        None,
+        cache,
+        None,
+        np.array([[3, -1]], np.int32),
+        compress_lens=np.array([[2, 7]], np.int32),
+        compress_seq_offsets=np.array([1, 9], np.int32),
+        seq_lens=np.array([5], np.int32),
+        compress_mode=mode,
+    )
     rows = cache.reshape(12, 2)
     values = {f"x{i}": tokens[i] for i in range(5)}
     values["mean"] = np.array([5.5, 9.0], np.float32)  # (3 + 8) / 2, (5 + 13) / 2
@@ -491,25 +625,34 @@ def test_hand_computed_runs(mode, want_rows):
         np.testing.assert_array_equal(rows[q], want, err_msg=f"row {q}")
 
 
-@pytest.mark.parametrize("dtype,tokens,want_bits", [
-    # float16 accumulation would give 2048 + 1 = 2048 (tie, even) three times -> 512;
-    # float32 gives 2051 / 4 = 512.75, a tie between 512.5 and 513 -> even mantissa 513.
-    ("float16", [2048, 1, 1, 1], 0x6002),
-    # bfloat16: 256 + 1 = 256 in bf16; float32: 259 / 4 = 64.75, tie -> 65 (0x4282).
-    ("bfloat16", [256, 1, 1, 1], 0x4282),
-    # float32 in token order: 2**24 + 1 == 2**24 fifteen times -> 2**24 / 16 = 2**20; a
-    # pairwise (8-accumulator) sum would keep 14 of the ones: 1048576.875.
-    ("float32", [2.0 ** 24] + [1.0] * 15, 0x49800000),
-])
+@pytest.mark.parametrize(
+    "dtype,tokens,want_bits",
+    [
+        # float16 accumulation would give 2048 + 1 = 2048 (tie, even) three times -> 512;
+        # float32 gives 2051 / 4 = 512.75, a tie between 512.5 and 513 -> even mantissa 513.
+        ("float16", [2048, 1, 1, 1], 0x6002),
+        # bfloat16: 256 + 1 = 256 in bf16; float32: 259 / 4 = 64.75, tie -> 65 (0x4282).
+        ("bfloat16", [256, 1, 1, 1], 0x4282),
+        # float32 in token order: 2**24 + 1 == 2**24 fifteen times -> 2**24 / 16 = 2**20; a
+        # pairwise (8-accumulator) sum would keep 14 of the ones: 1048576.875.
+        ("float32", [2.0**24] + [1.0] * 15, 0x49800000),
+    ],
+)
 def test_rope_mean_is_float32_in_token_order_rounded_to_nearest_even(dtype, tokens, want_bits):
     w = len(tokens)
     key = np.empty((1, w, 1, 1), numpy_dtype(dtype))
     key[0, :, 0, 0] = np.array(tokens, np.float32).astype(numpy_dtype(dtype))
     cache = np.full((1, 2, 1, 1), 3, numpy_dtype(dtype))
-    scatter_pa_kv_cache(key, None, cache, None, np.array([[0]], np.int64),
-                        compress_lens=np.array([[w]], np.int64),
-                        compress_seq_offsets=np.array([0], np.int64),
-                        seq_lens=np.array([w], np.int64))
+    scatter_pa_kv_cache(
+        key,
+        None,
+        cache,
+        None,
+        np.array([[0]], np.int64),
+        compress_lens=np.array([[w]], np.int64),
+        compress_seq_offsets=np.array([0], np.int64),
+        seq_lens=np.array([w], np.int64),
+    )
     bits = cache.view({2: np.uint16, 4: np.uint32}[cache.dtype.itemsize])
     assert int(bits[0, 0, 0, 0]) == want_bits
     assert cache[0, 1, 0, 0] == 3  # one row written: L - w + 1
@@ -520,44 +663,71 @@ def test_padding_runs_are_not_validated(rng):
     key = random_floats(rng, (2, 4, 1, 4), "float16")
     cache = random_bits(rng, (2, 4, 1, 4), "float16")
     before = cache.copy()
-    scatter_pa_kv_cache(key, None, cache, None, np.array([[-1], [-3]], np.int32),
-                        compress_lens=np.array([[99], [-4]], np.int32),
-                        compress_seq_offsets=np.array([-9, 50], np.int32),
-                        seq_lens=np.array([4, 4], np.int32))
+    scatter_pa_kv_cache(
+        key,
+        None,
+        cache,
+        None,
+        np.array([[-1], [-3]], np.int32),
+        compress_lens=np.array([[99], [-4]], np.int32),
+        compress_seq_offsets=np.array([-9, 50], np.int32),
+        seq_lens=np.array([4, 4], np.int32),
+    )
     assert_same_bytes(cache, before)
 
 
 def test_adjacent_runs_are_allowed(rng):
     key = random_bits(rng, (2, 4, 1, 4), "int8")
     cache = random_bits(rng, (2, 4, 1, 4), "int8")
-    slots, lens, seq = (np.array([[0], [3]], np.int32), np.array([[3], [4]], np.int32),
-                        np.array([4, 4], np.int32))
+    slots, lens, seq = (
+        np.array([[0], [3]], np.int32),
+        np.array([[3], [4]], np.int32),
+        np.array([4, 4], np.int32),
+    )
     want = expected_runs("alibi", key, cache, slots, lens, None, seq)
     scatter_pa_kv_cache(key, None, cache, None, slots, compress_lens=lens, seq_lens=seq)
     assert_same_bytes(cache, want)
 
 
-@pytest.mark.parametrize("mode,seq_len,width,offset", [
-    ("omni", 3, 3, 0),      # L - w == 0
-    ("alibi", 3, 0, 0),     # w == 0
-    ("rope", 0, 0, 0),      # L == 0
-    ("omni", 0, 0, -1),     # L == 0, uncompressed
-])
-@pytest.mark.parametrize("base", [16, 17, 2 ** 62])
+@pytest.mark.parametrize(
+    "mode,seq_len,width,offset",
+    [
+        ("omni", 3, 3, 0),  # L - w == 0
+        ("alibi", 3, 0, 0),  # w == 0
+        ("rope", 0, 0, 0),  # L == 0
+        ("omni", 0, 0, -1),  # L == 0, uncompressed
+    ],
+)
+@pytest.mark.parametrize("base", [16, 17, 2**62])
 def test_zero_row_run_base_is_not_checked(rng, mode, seq_len, width, offset, base):
     """docs/SPEC.md S7: a run of zero rows writes nothing, so a base >= NB*BS is no error;
     the other run is still written as usual."""
     key = random_floats(rng, (2, 4, 1, 4), "float16")
-    cache = random_bits(rng, (4, 4, 1, 4), "float16")        # NB*BS = 16
+    cache = random_bits(rng, (4, 4, 1, 4), "float16")  # NB*BS = 16
     slots = np.array([[base], [5]], np.int64)
     lens = np.array([[width], [1]], np.int64)
     offsets = np.array([offset, 1], np.int64)
     seq = np.array([seq_len, 3], np.int64)
-    want = expected_runs(mode, key, cache, np.array([[-1], [5]], np.int64), lens,
-                         None if mode == "alibi" else offsets, seq)
-    scatter_pa_kv_cache(key, None, cache, None, slots, compress_lens=lens,
-                        compress_seq_offsets=None if mode == "alibi" else offsets,
-                        seq_lens=seq, compress_mode=mode)
+    want = expected_runs(
+        mode,
+        key,
+        cache,
+        np.array([[-1], [5]], np.int64),
+        lens,
+        None if mode == "alibi" else offsets,
+        seq,
+    )
+    scatter_pa_kv_cache(
+        key,
+        None,
+        cache,
+        None,
+        slots,
+        compress_lens=lens,
+        compress_seq_offsets=None if mode == "alibi" else offsets,
+        seq_lens=seq,
+        compress_mode=mode,
+    )
     assert_same_bytes(cache, want)
 
 
@@ -567,9 +737,16 @@ def test_one_row_run_base_is_still_checked(rng):
     cache = random_bits(rng, (4, 4, 1, 4), "float16")
     before = cache.copy()
     with pytest.raises(ValueError, match=r"slot_mapping\[0, 0\] = 16"):
-        scatter_pa_kv_cache(key, None, cache, None, np.array([[16]], np.int64),
-                            compress_lens=np.array([[1]], np.int64),
-                            seq_lens=np.array([3], np.int64), compress_mode="alibi")
+        scatter_pa_kv_cache(
+            key,
+            None,
+            cache,
+            None,
+            np.array([[16]], np.int64),
+            compress_lens=np.array([[1]], np.int64),
+            seq_lens=np.array([3], np.int64),
+            compress_mode="alibi",
+        )
     assert_same_bytes(cache, before)
 
 
@@ -578,25 +755,27 @@ def test_one_row_run_base_is_still_checked(rng):
 
 def base_3d(rng, layout="nd"):
     bs = 5
-    return dict(key=random_bits(rng, (6, H, DK), "float16"),
-                value=random_bits(rng, (6, H, DV), "float16"),
-                key_cache=random_bits(rng, cache_shape(layout, NB, bs, H, DK, "float16"),
-                                      "float16"),
-                value_cache=random_bits(rng, cache_shape(layout, NB, bs, H, DV, "float16"),
-                                        "float16"),
-                slot_mapping=np.array([0, 14, -1, 7, 3, 9], np.int32))
+    return dict(
+        key=random_bits(rng, (6, H, DK), "float16"),
+        value=random_bits(rng, (6, H, DV), "float16"),
+        key_cache=random_bits(rng, cache_shape(layout, NB, bs, H, DK, "float16"), "float16"),
+        value_cache=random_bits(rng, cache_shape(layout, NB, bs, H, DV, "float16"), "float16"),
+        slot_mapping=np.array([0, 14, -1, 7, 3, 9], np.int32),
+    )
 
 
 def base_4d(rng):
     """rope, B=2, Smax=6, H=2, NB*BS=16: runs [0,4), [4,10), [10,14), (1,1) padding."""
-    return dict(key=random_floats(rng, (2, 6, 2, 8), "float16"),
-                value=random_floats(rng, (2, 6, 2, 4), "float16"),
-                key_cache=random_bits(rng, (4, 4, 1, 8), "float16"),
-                value_cache=random_bits(rng, (4, 4, 1, 4), "float16"),
-                slot_mapping=np.array([[0, 4], [10, -1]], np.int64),
-                compress_lens=np.array([[3, 0], [2, 1]], np.int64),
-                compress_seq_offsets=np.array([1, -1, 0, 0], np.int64),
-                seq_lens=np.array([6, 5], np.int64))
+    return dict(
+        key=random_floats(rng, (2, 6, 2, 8), "float16"),
+        value=random_floats(rng, (2, 6, 2, 4), "float16"),
+        key_cache=random_bits(rng, (4, 4, 1, 8), "float16"),
+        value_cache=random_bits(rng, (4, 4, 1, 4), "float16"),
+        slot_mapping=np.array([[0, 4], [10, -1]], np.int64),
+        compress_lens=np.array([[3, 0], [2, 1]], np.int64),
+        compress_seq_offsets=np.array([1, -1, 0, 0], np.int64),
+        seq_lens=np.array([6, 5], np.int64),
+    )
 
 
 def test_validation_bases_are_valid(rng):
@@ -617,89 +796,257 @@ def f16(rng, shape):
 RULES_3D = [
     # (id, change(kwargs, rng) -> changes, exception, argument, fragments)
     ("key_not_array", lambda k, r: {"key": k["key"].tolist()}, TypeError, "key", ["list"]),
-    ("key_float64", lambda k, r: {"key": k["key"].astype(np.float64)}, TypeError, "key",
-     ["float64"]),
-    ("key_int64", lambda k, r: {"key": k["key"].view(np.int16).astype(np.int64)}, TypeError,
-     "key", ["int64"]),
+    (
+        "key_float64",
+        lambda k, r: {"key": k["key"].astype(np.float64)},
+        TypeError,
+        "key",
+        ["float64"],
+    ),
+    (
+        "key_int64",
+        lambda k, r: {"key": k["key"].view(np.int16).astype(np.int64)},
+        TypeError,
+        "key",
+        ["int64"],
+    ),
     ("key_rank_2", lambda k, r: {"key": k["key"][:, 0]}, ValueError, "key", ["3-D"]),
     ("key_zero_heads", lambda k, r: {"key": k["key"][:, :0]}, ValueError, "key", ["H >= 1"]),
-    ("value_without_cache", lambda k, r: {"value_cache": None}, ValueError, "value_cache",
-     ["both or neither"]),
-    ("cache_without_value", lambda k, r: {"value": None}, ValueError, "value",
-     ["both or neither"]),
-    ("key_cache_unsupported_dtype", lambda k, r: {"key_cache": k["key_cache"].view(
-        np.int16)}, TypeError, "key_cache", ["int16"]),
-    ("key_cache_dtype_int8", lambda k, r: {"key_cache": random_bits(r, (3, 5, 2, 48), "int8")},
-     ValueError, "key_cache", ["dtype float16 (same as key)", "int8"]),
-    ("key_cache_dtype_bf16", lambda k, r: {"key_cache": k["key_cache"].view(
-        ml_dtypes.bfloat16)}, ValueError, "key_cache", ["same as key", "bfloat16"]),
-    ("value_cache_dtype", lambda k, r: {"value_cache": k["value_cache"].view(
-        ml_dtypes.bfloat16)}, ValueError, "value_cache", ["same as value"]),
-    ("key_cache_rank", lambda k, r: {"key_cache": k["key_cache"][0]}, ValueError,
-     "key_cache", ["4-D"]),
-    ("value_cache_rank", lambda k, r: {"value_cache": k["value_cache"][None]}, ValueError,
-     "value_cache", ["4-D"]),
+    (
+        "value_without_cache",
+        lambda k, r: {"value_cache": None},
+        ValueError,
+        "value_cache",
+        ["both or neither"],
+    ),
+    ("cache_without_value", lambda k, r: {"value": None}, ValueError, "value", ["both or neither"]),
+    (
+        "key_cache_unsupported_dtype",
+        lambda k, r: {"key_cache": k["key_cache"].view(np.int16)},
+        TypeError,
+        "key_cache",
+        ["int16"],
+    ),
+    (
+        "key_cache_dtype_int8",
+        lambda k, r: {"key_cache": random_bits(r, (3, 5, 2, 48), "int8")},
+        ValueError,
+        "key_cache",
+        ["dtype float16 (same as key)", "int8"],
+    ),
+    (
+        "key_cache_dtype_bf16",
+        lambda k, r: {"key_cache": k["key_cache"].view(ml_dtypes.bfloat16)},
+        ValueError,
+        "key_cache",
+        ["same as key", "bfloat16"],
+    ),
+    (
+        "value_cache_dtype",
+        lambda k, r: {"value_cache": k["value_cache"].view(ml_dtypes.bfloat16)},
+        ValueError,
+        "value_cache",
+        ["same as value"],
+    ),
+    (
+        "key_cache_rank",
+        lambda k, r: {"key_cache": k["key_cache"][0]},
+        ValueError,
+        "key_cache",
+        ["4-D"],
+    ),
+    (
+        "value_cache_rank",
+        lambda k, r: {"value_cache": k["value_cache"][None]},
+        ValueError,
+        "value_cache",
+        ["4-D"],
+    ),
     ("value_tokens", lambda k, r: {"value": k["value"][:5]}, ValueError, "value", ["T=6"]),
     ("value_heads", lambda k, r: {"value": k["value"][:, :1]}, ValueError, "value", ["H=2"]),
-    ("value_dtype_nd", lambda k, r: {"value": k["value"].view(ml_dtypes.bfloat16),
-                                     "value_cache": k["value_cache"].view(ml_dtypes.bfloat16)},
-     ValueError, "value", ["nz"]),
-    ("slot_float", lambda k, r: {"slot_mapping": k["slot_mapping"].astype(np.float32)},
-     TypeError, "slot_mapping", ["int32"]),
-    ("slot_int16", lambda k, r: {"slot_mapping": k["slot_mapping"].astype(np.int16)},
-     TypeError, "slot_mapping", ["int16"]),
+    (
+        "value_dtype_nd",
+        lambda k, r: {
+            "value": k["value"].view(ml_dtypes.bfloat16),
+            "value_cache": k["value_cache"].view(ml_dtypes.bfloat16),
+        },
+        ValueError,
+        "value",
+        ["nz"],
+    ),
+    (
+        "slot_float",
+        lambda k, r: {"slot_mapping": k["slot_mapping"].astype(np.float32)},
+        TypeError,
+        "slot_mapping",
+        ["int32"],
+    ),
+    (
+        "slot_int16",
+        lambda k, r: {"slot_mapping": k["slot_mapping"].astype(np.int16)},
+        TypeError,
+        "slot_mapping",
+        ["int16"],
+    ),
     ("slot_none", lambda k, r: {"slot_mapping": None}, TypeError, "slot_mapping", ["None"]),
-    ("slot_shape", lambda k, r: {"slot_mapping": np.zeros(7, np.int32)}, ValueError,
-     "slot_mapping", ["T=6"]),
-    ("slot_rank", lambda k, r: {"slot_mapping": np.zeros((6, 1), np.int32)}, ValueError,
-     "slot_mapping", ["T=6"]),
-    ("layout_unknown", lambda k, r: {"cache_layout": "bsnd"}, ValueError, "cache_layout",
-     ["'bsnd'"]),
+    (
+        "slot_shape",
+        lambda k, r: {"slot_mapping": np.zeros(7, np.int32)},
+        ValueError,
+        "slot_mapping",
+        ["T=6"],
+    ),
+    (
+        "slot_rank",
+        lambda k, r: {"slot_mapping": np.zeros((6, 1), np.int32)},
+        ValueError,
+        "slot_mapping",
+        ["T=6"],
+    ),
+    (
+        "layout_unknown",
+        lambda k, r: {"cache_layout": "bsnd"},
+        ValueError,
+        "cache_layout",
+        ["'bsnd'"],
+    ),
     ("layout_type", lambda k, r: {"cache_layout": 1}, TypeError, "cache_layout", ["1"]),
-    ("layout_explicit_mismatch", lambda k, r: {"cache_layout": "hnd"}, ValueError,
-     "key_cache", ["hnd", "[NB, 2, BS, 48]"]),
-    ("layout_nz_mismatch", lambda k, r: {"cache_layout": "nz"}, ValueError, "key_cache",
-     ["nz", "[NB, 6, BS, 16]"]),
-    ("no_layout_fits", lambda k, r: {"key_cache": f16(r, (3, 5, 2, 47))}, ValueError,
-     "key_cache", ["nd [NB, BS, 2, 48]", "hnd [NB, 2, BS, 48]", "nz [NB, 6, BS, 16]"]),
-    ("value_cache_no_layout_fits", lambda k, r: {"value_cache": f16(r, (3, 5, 2, 81))},
-     ValueError, "value_cache", ["[NB, BS, 2, 80]"]),
-    ("value_cache_other_layout", lambda k, r: {"value_cache": f16(r, (3, 2, 5, 80))},
-     ValueError, "value_cache", ["layout of key_cache"]),
-    ("value_cache_blocks", lambda k, r: {"value_cache": f16(r, (4, 5, 2, 80))}, ValueError,
-     "value_cache", ["NB=3", "NB=4"]),
-    ("value_cache_block_size", lambda k, r: {"value_cache": f16(r, (3, 6, 2, 80))},
-     ValueError, "value_cache", ["BS=5", "BS=6"]),
-    ("zero_block_size", lambda k, r: {"key_cache": f16(r, (3, 0, 2, 48)), "value": None,
-                                      "value_cache": None}, ValueError, "key_cache",
-     ["BS >= 1"]),
-    ("compress_lens_3d", lambda k, r: {"compress_lens": np.zeros((6, 2), np.int32)},
-     ValueError, "compress_lens", ["4-D key"]),
-    ("offsets_3d", lambda k, r: {"compress_seq_offsets": np.zeros(12, np.int32)},
-     ValueError, "compress_seq_offsets", ["4-D key"]),
-    ("seq_lens_3d", lambda k, r: {"seq_lens": np.zeros(6, np.int32)}, ValueError,
-     "seq_lens", ["4-D key"]),
-    ("compress_mode_3d", lambda k, r: {"compress_mode": "rope"}, ValueError,
-     "compress_mode", ["4-D key"]),
-    ("slot_out_of_range", lambda k, r: {"slot_mapping": np.array([0, 14, -1, 15, 3, 9],
-                                                                  np.int32)},
-     ValueError, "slot_mapping", ["slot 15 for token 3", "NB*BS = 15"]),
-    ("slot_huge_int64", lambda k, r: {"slot_mapping": np.array([0, 2 ** 62, -1, 1, 3, 9])},
-     ValueError, "slot_mapping", ["token 1"]),
-    ("slot_duplicate", lambda k, r: {"slot_mapping": np.array([0, 14, -1, 7, 14, 9],
-                                                               np.int32)},
-     ValueError, "slot_mapping", ["slot 14 for tokens 1 and 4"]),
-    ("key_cache_read_only", lambda k, r: {"key_cache": np.lib.stride_tricks.as_strided(
-        k["key_cache"], writeable=False)}, ValueError, "key_cache", ["writeable"]),
-    ("value_cache_non_contiguous", lambda k, r: {"value_cache": np.asfortranarray(
-        k["value_cache"])}, ValueError, "value_cache", ["C-contiguous"]),
-    ("value_cache_aliases_key_cache", lambda k, r: {
-        "value": k["key"], "value_cache": k["key_cache"]}, ValueError, "value_cache",
-     ["overlapping key_cache"]),
-    ("value_not_numpy", lambda k, r: {"value": Desc((6, 2, 80), "float16")}, TypeError,
-     "value", ["NumPy"]),
-    ("no_dtype_object", lambda k, r: {"key_cache": object()}, TypeError, "key_cache",
-     ["object"]),
+    (
+        "layout_explicit_mismatch",
+        lambda k, r: {"cache_layout": "hnd"},
+        ValueError,
+        "key_cache",
+        ["hnd", "[NB, 2, BS, 48]"],
+    ),
+    (
+        "layout_nz_mismatch",
+        lambda k, r: {"cache_layout": "nz"},
+        ValueError,
+        "key_cache",
+        ["nz", "[NB, 6, BS, 16]"],
+    ),
+    (
+        "no_layout_fits",
+        lambda k, r: {"key_cache": f16(r, (3, 5, 2, 47))},
+        ValueError,
+        "key_cache",
+        ["nd [NB, BS, 2, 48]", "hnd [NB, 2, BS, 48]", "nz [NB, 6, BS, 16]"],
+    ),
+    (
+        "value_cache_no_layout_fits",
+        lambda k, r: {"value_cache": f16(r, (3, 5, 2, 81))},
+        ValueError,
+        "value_cache",
+        ["[NB, BS, 2, 80]"],
+    ),
+    (
+        "value_cache_other_layout",
+        lambda k, r: {"value_cache": f16(r, (3, 2, 5, 80))},
+        ValueError,
+        "value_cache",
+        ["layout of key_cache"],
+    ),
+    (
+        "value_cache_blocks",
+        lambda k, r: {"value_cache": f16(r, (4, 5, 2, 80))},
+        ValueError,
+        "value_cache",
+        ["NB=3", "NB=4"],
+    ),
+    (
+        "value_cache_block_size",
+        lambda k, r: {"value_cache": f16(r, (3, 6, 2, 80))},
+        ValueError,
+        "value_cache",
+        ["BS=5", "BS=6"],
+    ),
+    (
+        "zero_block_size",
+        lambda k, r: {"key_cache": f16(r, (3, 0, 2, 48)), "value": None, "value_cache": None},
+        ValueError,
+        "key_cache",
+        ["BS >= 1"],
+    ),
+    (
+        "compress_lens_3d",
+        lambda k, r: {"compress_lens": np.zeros((6, 2), np.int32)},
+        ValueError,
+        "compress_lens",
+        ["4-D key"],
+    ),
+    (
+        "offsets_3d",
+        lambda k, r: {"compress_seq_offsets": np.zeros(12, np.int32)},
+        ValueError,
+        "compress_seq_offsets",
+        ["4-D key"],
+    ),
+    (
+        "seq_lens_3d",
+        lambda k, r: {"seq_lens": np.zeros(6, np.int32)},
+        ValueError,
+        "seq_lens",
+        ["4-D key"],
+    ),
+    (
+        "compress_mode_3d",
+        lambda k, r: {"compress_mode": "rope"},
+        ValueError,
+        "compress_mode",
+        ["4-D key"],
+    ),
+    (
+        "slot_out_of_range",
+        lambda k, r: {"slot_mapping": np.array([0, 14, -1, 15, 3, 9], np.int32)},
+        ValueError,
+        "slot_mapping",
+        ["slot 15 for token 3", "NB*BS = 15"],
+    ),
+    (
+        "slot_huge_int64",
+        lambda k, r: {"slot_mapping": np.array([0, 2**62, -1, 1, 3, 9])},
+        ValueError,
+        "slot_mapping",
+        ["token 1"],
+    ),
+    (
+        "slot_duplicate",
+        lambda k, r: {"slot_mapping": np.array([0, 14, -1, 7, 14, 9], np.int32)},
+        ValueError,
+        "slot_mapping",
+        ["slot 14 for tokens 1 and 4"],
+    ),
+    (
+        "key_cache_read_only",
+        lambda k, r: {
+            "key_cache": np.lib.stride_tricks.as_strided(k["key_cache"], writeable=False)
+        },
+        ValueError,
+        "key_cache",
+        ["writeable"],
+    ),
+    (
+        "value_cache_non_contiguous",
+        lambda k, r: {"value_cache": np.asfortranarray(k["value_cache"])},
+        ValueError,
+        "value_cache",
+        ["C-contiguous"],
+    ),
+    (
+        "value_cache_aliases_key_cache",
+        lambda k, r: {"value": k["key"], "value_cache": k["key_cache"]},
+        ValueError,
+        "value_cache",
+        ["overlapping key_cache"],
+    ),
+    (
+        "value_not_numpy",
+        lambda k, r: {"value": Desc((6, 2, 80), "float16")},
+        TypeError,
+        "value",
+        ["NumPy"],
+    ),
+    ("no_dtype_object", lambda k, r: {"key_cache": object()}, TypeError, "key_cache", ["object"]),
 ]
 
 
@@ -712,85 +1059,224 @@ def test_refused_3d(rng, rule):
 
 def test_refused_nz_alignment(rng):
     """H*Dk*itemsize % 32 != 0: the nz cache cannot be formed."""
-    kwargs = dict(key=f16(rng, (4, 3, 5)), value=None, key_cache=f16(rng, (2, 1, 4, 16)),
-                  value_cache=None, slot_mapping=np.arange(4, dtype=np.int32),
-                  cache_layout="nz")
+    kwargs = dict(
+        key=f16(rng, (4, 3, 5)),
+        value=None,
+        key_cache=f16(rng, (2, 1, 4, 16)),
+        value_cache=None,
+        slot_mapping=np.arange(4, dtype=np.int32),
+        cache_layout="nz",
+    )
     assert_refused(kwargs, ValueError, "key_cache", "divisible by 32", "H=3, D=5, L=16")
 
 
 def set_4d(key, index):
     """Change of one element of a 4-D base index tensor (a fresh copy)."""
+
     def change(k, r):
         arr = k[key].copy()
         arr[index[0]] = index[1]
         return {key: arr}
+
     return change
 
 
 RULES_4D = [
-    ("cache_layout_4d", lambda k, r: {"cache_layout": "nd"}, ValueError, "cache_layout",
-     ["4-D key"]),
-    ("value_shape", lambda k, r: {"value": k["value"][:, :5]}, ValueError, "value",
-     ["Smax=6"]),
-    ("value_dtype", lambda k, r: {"value": k["value"].astype(np.float32),
-                                  "value_cache": k["value_cache"].view(np.float16).astype(
-                                      np.float32)}, ValueError, "value", ["nz"]),
-    ("cache_heads_dim", lambda k, r: {"key_cache": f16(r, (4, 2, 2, 8))}, ValueError,
-     "key_cache", ["[NB, BS, 1, 8]"]),
-    ("value_cache_size", lambda k, r: {"value_cache": f16(r, (4, 4, 1, 8))}, ValueError,
-     "value_cache", ["[NB, BS, 1, 4]"]),
-    ("value_cache_blocks", lambda k, r: {"value_cache": f16(r, (5, 4, 1, 4))}, ValueError,
-     "value_cache", ["NB=4"]),
-    ("slot_shape", lambda k, r: {"slot_mapping": k["slot_mapping"].reshape(4)}, ValueError,
-     "slot_mapping", ["[B=2, H=2]"]),
-    ("lens_missing", lambda k, r: {"compress_lens": None}, ValueError, "compress_lens",
-     ["[2, 2]", "None"]),
-    ("seq_lens_missing", lambda k, r: {"seq_lens": None}, ValueError, "seq_lens",
-     ["[2]", "None"]),
-    ("lens_shape", lambda k, r: {"compress_lens": k["compress_lens"].T.copy()[:1]},
-     ValueError, "compress_lens", ["[2, 2]"]),
-    ("seq_lens_shape", lambda k, r: {"seq_lens": k["seq_lens"][None]}, ValueError,
-     "seq_lens", ["[2]"]),
-    ("offsets_shape", lambda k, r: {"compress_seq_offsets": k["compress_seq_offsets"].reshape(
-        2, 2)}, ValueError, "compress_seq_offsets", ["[4]"]),
-    ("index_dtypes_mixed", lambda k, r: {"compress_lens": k["compress_lens"].astype(
-        np.int32)}, ValueError, "compress_lens", ["int64", "int32"]),
-    ("index_dtype_uint", lambda k, r: {"seq_lens": k["seq_lens"].astype(np.uint32)},
-     TypeError, "seq_lens", ["uint32"]),
-    ("rope_needs_offsets", lambda k, r: {"compress_seq_offsets": None,
-                                         "compress_mode": "rope"}, ValueError,
-     "compress_seq_offsets", ["'rope'"]),
-    ("omni_needs_offsets", lambda k, r: {"compress_seq_offsets": None,
-                                         "compress_mode": "omni"}, ValueError,
-     "compress_seq_offsets", ["'omni'"]),
-    ("rope_int8", lambda k, r: {"key": k["key"].view(np.int8)[..., :8].copy(),
-                                "key_cache": k["key_cache"].view(np.int8)[..., :8].copy(),
-                                "value": None, "value_cache": None}, TypeError, "key",
-     ["float16, bfloat16, float32", "int8"]),
-    ("mode_unknown", lambda k, r: {"compress_mode": "mean"}, ValueError, "compress_mode",
-     ["'mean'"]),
-    ("offset_below_minus_one", set_4d("compress_seq_offsets", (0, -2)), ValueError,
-     "compress_seq_offsets", ["compress_seq_offsets[0] = -2"]),
-    ("offset_beyond_len", set_4d("compress_seq_offsets", (0, 7)), ValueError,
-     "compress_seq_offsets", ["b=0, h=0"]),
-    ("offset_plus_width_beyond_len", set_4d("compress_lens", ((0, 0), 6)), ValueError,
-     "compress_lens", ["compress_lens[0, 0] = 6"]),
-    ("negative_width", set_4d("compress_lens", ((1, 0), -1)), ValueError,
-     "compress_lens", ["compress_lens[1, 0] = -1"]),
-    ("seq_len_beyond_smax", set_4d("seq_lens", (1, 7)), ValueError, "seq_lens",
-     ["seq_lens[1] = 7", "Smax=6"]),
-    ("negative_seq_len", set_4d("seq_lens", (0, -1)), ValueError, "seq_lens",
-     ["seq_lens[0] = -1"]),
-    ("run_start_out_of_range", set_4d("slot_mapping", ((1, 0), 16)), ValueError,
-     "slot_mapping", ["slot_mapping[1, 0] = 16", "(b, h) = (1, 0)"]),
-    ("run_end_out_of_range", set_4d("slot_mapping", ((1, 0), 13)), ValueError,
-     "slot_mapping", ["(b, h) = (1, 0)", "[13, 17)", "NB*BS = 16"]),
-    ("runs_overlap", set_4d("slot_mapping", ((0, 1), 3)), ValueError, "slot_mapping",
-     ["(b, h) = (0, 0)", "[0, 4)", "(b, h) = (0, 1)", "[3, 9)"]),
-    ("duplicate_run_start", set_4d("slot_mapping", ((1, 0), 4)), ValueError,
-     "slot_mapping", ["overlap"]),
-    ("read_only_key_cache", lambda k, r: {"key_cache": np.lib.stride_tricks.as_strided(
-        k["key_cache"], writeable=False)}, ValueError, "key_cache", ["writeable"]),
+    (
+        "cache_layout_4d",
+        lambda k, r: {"cache_layout": "nd"},
+        ValueError,
+        "cache_layout",
+        ["4-D key"],
+    ),
+    ("value_shape", lambda k, r: {"value": k["value"][:, :5]}, ValueError, "value", ["Smax=6"]),
+    (
+        "value_dtype",
+        lambda k, r: {
+            "value": k["value"].astype(np.float32),
+            "value_cache": k["value_cache"].view(np.float16).astype(np.float32),
+        },
+        ValueError,
+        "value",
+        ["nz"],
+    ),
+    (
+        "cache_heads_dim",
+        lambda k, r: {"key_cache": f16(r, (4, 2, 2, 8))},
+        ValueError,
+        "key_cache",
+        ["[NB, BS, 1, 8]"],
+    ),
+    (
+        "value_cache_size",
+        lambda k, r: {"value_cache": f16(r, (4, 4, 1, 8))},
+        ValueError,
+        "value_cache",
+        ["[NB, BS, 1, 4]"],
+    ),
+    (
+        "value_cache_blocks",
+        lambda k, r: {"value_cache": f16(r, (5, 4, 1, 4))},
+        ValueError,
+        "value_cache",
+        ["NB=4"],
+    ),
+    (
+        "slot_shape",
+        lambda k, r: {"slot_mapping": k["slot_mapping"].reshape(4)},
+        ValueError,
+        "slot_mapping",
+        ["[B=2, H=2]"],
+    ),
+    (
+        "lens_missing",
+        lambda k, r: {"compress_lens": None},
+        ValueError,
+        "compress_lens",
+        ["[2, 2]", "None"],
+    ),
+    ("seq_lens_missing", lambda k, r: {"seq_lens": None}, ValueError, "seq_lens", ["[2]", "None"]),
+    (
+        "lens_shape",
+        lambda k, r: {"compress_lens": k["compress_lens"].T.copy()[:1]},
+        ValueError,
+        "compress_lens",
+        ["[2, 2]"],
+    ),
+    (
+        "seq_lens_shape",
+        lambda k, r: {"seq_lens": k["seq_lens"][None]},
+        ValueError,
+        "seq_lens",
+        ["[2]"],
+    ),
+    (
+        "offsets_shape",
+        lambda k, r: {"compress_seq_offsets": k["compress_seq_offsets"].reshape(2, 2)},
+        ValueError,
+        "compress_seq_offsets",
+        ["[4]"],
+    ),
+    (
+        "index_dtypes_mixed",
+        lambda k, r: {"compress_lens": k["compress_lens"].astype(np.int32)},
+        ValueError,
+        "compress_lens",
+        ["int64", "int32"],
+    ),
+    (
+        "index_dtype_uint",
+        lambda k, r: {"seq_lens": k["seq_lens"].astype(np.uint32)},
+        TypeError,
+        "seq_lens",
+        ["uint32"],
+    ),
+    (
+        "rope_needs_offsets",
+        lambda k, r: {"compress_seq_offsets": None, "compress_mode": "rope"},
+        ValueError,
+        "compress_seq_offsets",
+        ["'rope'"],
+    ),
+    (
+        "omni_needs_offsets",
+        lambda k, r: {"compress_seq_offsets": None, "compress_mode": "omni"},
+        ValueError,
+        "compress_seq_offsets",
+        ["'omni'"],
+    ),
+    (
+        "rope_int8",
+        lambda k, r: {
+            "key": k["key"].view(np.int8)[..., :8].copy(),
+            "key_cache": k["key_cache"].view(np.int8)[..., :8].copy(),
+            "value": None,
+            "value_cache": None,
+        },
+        TypeError,
+        "key",
+        ["float16, bfloat16, float32", "int8"],
+    ),
+    (
+        "mode_unknown",
+        lambda k, r: {"compress_mode": "mean"},
+        ValueError,
+        "compress_mode",
+        ["'mean'"],
+    ),
+    (
+        "offset_below_minus_one",
+        set_4d("compress_seq_offsets", (0, -2)),
+        ValueError,
+        "compress_seq_offsets",
+        ["compress_seq_offsets[0] = -2"],
+    ),
+    (
+        "offset_beyond_len",
+        set_4d("compress_seq_offsets", (0, 7)),
+        ValueError,
+        "compress_seq_offsets",
+        ["b=0, h=0"],
+    ),
+    (
+        "offset_plus_width_beyond_len",
+        set_4d("compress_lens", ((0, 0), 6)),
+        ValueError,
+        "compress_lens",
+        ["compress_lens[0, 0] = 6"],
+    ),
+    (
+        "negative_width",
+        set_4d("compress_lens", ((1, 0), -1)),
+        ValueError,
+        "compress_lens",
+        ["compress_lens[1, 0] = -1"],
+    ),
+    (
+        "seq_len_beyond_smax",
+        set_4d("seq_lens", (1, 7)),
+        ValueError,
+        "seq_lens",
+        ["seq_lens[1] = 7", "Smax=6"],
+    ),
+    ("negative_seq_len", set_4d("seq_lens", (0, -1)), ValueError, "seq_lens", ["seq_lens[0] = -1"]),
+    (
+        "run_start_out_of_range",
+        set_4d("slot_mapping", ((1, 0), 16)),
+        ValueError,
+        "slot_mapping",
+        ["slot_mapping[1, 0] = 16", "(b, h) = (1, 0)"],
+    ),
+    (
+        "run_end_out_of_range",
+        set_4d("slot_mapping", ((1, 0), 13)),
+        ValueError,
+        "slot_mapping",
+        ["(b, h) = (1, 0)", "[13, 17)", "NB*BS = 16"],
+    ),
+    (
+        "runs_overlap",
+        set_4d("slot_mapping", ((0, 1), 3)),
+        ValueError,
+        "slot_mapping",
+        ["(b, h) = (0, 0)", "[0, 4)", "(b, h) = (0, 1)", "[3, 9)"],
+    ),
+    (
+        "duplicate_run_start",
+        set_4d("slot_mapping", ((1, 0), 4)),
+        ValueError,
+        "slot_mapping",
+        ["overlap"],
+    ),
+    (
+        "read_only_key_cache",
+        lambda k, r: {
+            "key_cache": np.lib.stride_tricks.as_strided(k["key_cache"], writeable=False)
+        },
+        ValueError,
+        "key_cache",
+        ["writeable"],
+    ),
 ]
 
 
@@ -801,11 +1287,20 @@ def test_refused_4d(rng, rule):
     assert_refused(_with(kwargs, **change(kwargs, rng)), exc, arg, *fragments)
 
 
-@pytest.mark.parametrize("lens,fragment", [([[5, 0], [2, 1]], "compress_lens[0, 0] = 5"),
-                                           ([[-1, 0], [2, 1]], "compress_lens[0, 0] = -1")])
+@pytest.mark.parametrize(
+    "lens,fragment",
+    [
+        ([[5, 0], [2, 1]], "compress_lens[0, 0] = 5"),
+        ([[-1, 0], [2, 1]], "compress_lens[0, 0] = -1"),
+    ],
+)
 def test_refused_alibi_width(rng, lens, fragment):
-    kwargs = _with(base_4d(rng), compress_seq_offsets=None,
-                   seq_lens=np.array([4, 5], np.int64), compress_lens=np.array(lens, np.int64))
+    kwargs = _with(
+        base_4d(rng),
+        compress_seq_offsets=None,
+        seq_lens=np.array([4, 5], np.int64),
+        compress_lens=np.array(lens, np.int64),
+    )
     msg = assert_refused(kwargs, ValueError, "compress_lens", fragment)
     assert "alibi" in msg
 
@@ -818,8 +1313,9 @@ def test_check_scatter_values_direct(rng):
         check_scatter_values(meta, np.array([15, -1, -1, -1, -1, -1], np.int32))
     kwargs = base_4d(rng)
     meta = check_scatter(**kwargs)
-    index = {k: kwargs[k] for k in ("slot_mapping", "compress_lens", "compress_seq_offsets",
-                                    "seq_lens")}
+    index = {
+        k: kwargs[k] for k in ("slot_mapping", "compress_lens", "compress_seq_offsets", "seq_lens")
+    }
     check_scatter_values(meta, **index)
     with pytest.raises(ValueError, match="^compress_seq_offsets: expected a tensor"):
         check_scatter_values(meta, **_with(index, compress_seq_offsets=None))
@@ -847,11 +1343,11 @@ def test_prefill_and_decode_are_fast(rng, layout):
     for tokens, limit in ((4096, 2.0), (8, 0.25)):
         nb = tokens // bs + 2
         key = random_bits(rng, (tokens, heads, size), "float16")
-        cache = random_bits(rng, cache_shape(layout, nb, bs, heads, size, "float16"),
-                            "float16")
+        cache = random_bits(rng, cache_shape(layout, nb, bs, heads, size, "float16"), "float16")
         slots = rng.permutation(nb * bs)[:tokens].astype(np.int32)
-        elapsed = best_of(lambda: scatter_pa_kv_cache(key, key, cache, cache.copy(), slots,
-                                                      cache_layout=layout))
+        elapsed = best_of(
+            lambda: scatter_pa_kv_cache(key, key, cache, cache.copy(), slots, cache_layout=layout)
+        )
         assert elapsed < limit, f"{tokens} tokens took {elapsed:.3f} s"
         t = tokens - 1
         s = int(slots[t])
@@ -867,7 +1363,16 @@ def test_compressing_decode_is_fast(rng):
     lens = np.full((batch, heads), smax // 2)
     offs = np.full(batch * heads, 3)
     seq = np.full(batch, smax)
-    elapsed = best_of(lambda: scatter_pa_kv_cache(
-        key, key, cache, cache.copy(), slots, compress_lens=lens, compress_seq_offsets=offs,
-        seq_lens=seq))
+    elapsed = best_of(
+        lambda: scatter_pa_kv_cache(
+            key,
+            key,
+            cache,
+            cache.copy(),
+            slots,
+            compress_lens=lens,
+            compress_seq_offsets=offs,
+            seq_lens=seq,
+        )
+    )
     assert elapsed < 0.5, f"took {elapsed:.3f} s"

@@ -20,8 +20,7 @@ import pytest
 
 from onnx_export import single_op_model
 from pytrt_kv import _lib
-
-from trt_models import compress_model, engine_test_models, gather_model, scatter_model
+from support.models import compress_model, engine_test_models, gather_model, scatter_model
 
 TARGETS = ["sm80", "sm89", "sm120"]
 
@@ -33,7 +32,8 @@ def _unavailable() -> str:
         info = _lib.build_info()
         if info.get("plugins") == "ON":
             return ""  # built but missing: the tests fail and say so
-        return f"{_lib.PLUGINS_LIB} was not built: {info.get('no_plugins_reason') or 'no build record'}"
+        why = info.get("no_plugins_reason") or "no build record"
+        return f"{_lib.PLUGINS_LIB} was not built: {why}"
     return ""
 
 
@@ -64,19 +64,24 @@ UNORDERED_IO = {"example"}
 def _assert_same_plan(first, again, unordered=False):
     assert len(first) > 1000
     if unordered:
-        assert len(first) == len(again) and sorted(first) == sorted(again), \
+        assert len(first) == len(again) and sorted(first) == sorted(again), (
             "the same model built twice gave plans with different contents"
+        )
     else:
         assert first == again, "the same model built twice gave different plans"
 
 
-@pytest.mark.parametrize("model,unordered", [(m, i in UNORDERED_IO) for i, m in MODELS],
-                         ids=[i for i, _ in MODELS])
+@pytest.mark.parametrize(
+    "model,unordered", [(m, i in UNORDERED_IO) for i, m in MODELS], ids=[i for i, _ in MODELS]
+)
 def test_static_build_is_non_empty_and_reproducible(tmp_path, model, unordered):
-    _assert_same_plan(_build(model, tmp_path, "a.onnx"), _build(model, tmp_path, "b.onnx"), unordered)
+    _assert_same_plan(
+        _build(model, tmp_path, "a.onnx"), _build(model, tmp_path, "b.onnx"), unordered
+    )
 
 
 # --- dynamic profiles ---------------------------------------------------------------------
+
 
 def _dynamic(model, axes):
     """A copy of ``model`` whose inputs ``axes`` (name -> {axis: dim_param}) are dynamic,
@@ -104,30 +109,49 @@ def _dynamic(model, axes):
 
 
 _SCATTER_T = {n: {0: "T"} for n in ("key", "value", "slot_mapping")}
-_COMPRESS_B = {**{n: {0: "B"} for n in ("key", "value", "slot_mapping", "compress_lens", "seq_lens")},
-               "compress_seq_offsets": {0: "BH"}}
-_GATHER_B = {n: {0: "B"} for n in ("selection_kv_block_status", "selection_topk_indices",
-                                   "full_kv_block_table", "full_kv_actual_seq", "full_q_actual_seq")}
-DYNAMIC = [(i, m, _SCATTER_T) for i, m in MODELS if i.startswith("scatter-")] + \
-          [(i, m, _COMPRESS_B) for i, m in MODELS if i.startswith("compress-")] + \
-          [(i, m, _GATHER_B) for i, m in MODELS if i.startswith("gather-") and "-bsnd-" in i]
+_COMPRESS_B = {
+    **{n: {0: "B"} for n in ("key", "value", "slot_mapping", "compress_lens", "seq_lens")},
+    "compress_seq_offsets": {0: "BH"},
+}
+_GATHER_B = {
+    n: {0: "B"}
+    for n in (
+        "selection_kv_block_status",
+        "selection_topk_indices",
+        "full_kv_block_table",
+        "full_kv_actual_seq",
+        "full_q_actual_seq",
+    )
+}
+DYNAMIC = (
+    [(i, m, _SCATTER_T) for i, m in MODELS if i.startswith("scatter-")]
+    + [(i, m, _COMPRESS_B) for i, m in MODELS if i.startswith("compress-")]
+    + [(i, m, _GATHER_B) for i, m in MODELS if i.startswith("gather-") and "-bsnd-" in i]
+)
 
 
-@pytest.mark.parametrize("model,axes", [(m, a) for _, m, a in DYNAMIC], ids=[i for i, _, _ in DYNAMIC])
+@pytest.mark.parametrize(
+    "model,axes", [(m, a) for _, m, a in DYNAMIC], ids=[i for i, _, _ in DYNAMIC]
+)
 def test_dynamic_profile_build_is_non_empty_and_reproducible(tmp_path, model, axes):
     dyn, shapes = _dynamic(model, axes)
     assert shapes, "no input was made dynamic"
-    _assert_same_plan(_build(dyn, tmp_path, "a.onnx", shapes=shapes),
-                      _build(dyn, tmp_path, "b.onnx", shapes=shapes))
+    _assert_same_plan(
+        _build(dyn, tmp_path, "a.onnx", shapes=shapes),
+        _build(dyn, tmp_path, "b.onnx", shapes=shapes),
+    )
 
 
 def test_dynamic_input_without_a_profile_is_refused(tmp_path):
     dyn, _ = _dynamic(scatter_model("nd", "float16", "int32"), _SCATTER_T)
-    with pytest.raises(ValueError, match=r"^shapes: expected min/opt/max shapes for the dynamic input"):
+    with pytest.raises(
+        ValueError, match=r"^shapes: expected min/opt/max shapes for the dynamic input"
+    ):
         _build(dyn, tmp_path)
 
 
 # --- broken models fail with the plugins' own messages ------------------------------------
+
 
 def _set_attr(model, name, value):
     for a in model.graph.node[0].attribute:
@@ -150,23 +174,44 @@ def _set_input(model, name, dims=None, elem_type=None):
 
 
 BROKEN = {
-    "bad-cache-layout": (lambda: _set_attr(scatter_model("nd", "float16", "int32"), "cache_layout", "ndz"),
-                         r"field cache_layout: expected one of .*got \"ndz\""),
-    "dtype-mismatch": (lambda: _set_input(scatter_model("nd", "float16", "int32"), "key_cache",
-                                          elem_type=onnx.TensorProto.BFLOAT16),
-                       r"key_cache: expected the dtype of key"),
-    "shape-mismatch": (lambda: _set_input(scatter_model("nd", "float16", "int32"), "key_cache",
-                                          dims=(6, 8, 3, 16)),
-                       r"key_cache: expected"),
-    "unsupported-dtype": (lambda: _set_input(_set_input(gather_model("float16", False, 4), "selection_topk_indices",
-                                                        elem_type=onnx.TensorProto.INT64),
-                                             "selection_kv_block_status", elem_type=onnx.TensorProto.INT64),
-                          r"selection_kv_block_status: expected kINT32, got kINT64"),
-    "gather-shape-mismatch": (lambda: _set_input(gather_model("float16", False, 4), "full_kv_cache",
-                                                 dims=(24, 16, 16)),
-                              r"full_kv_cache: expected"),
-    "compress-mode-dtype": (lambda: _set_attr(compress_model("int8", "int32", "omni"), "compress_mode", "rope"),
-                            r"compress_mode \"rope\" averages, so it needs kFLOAT, kHALF or kBF16"),
+    "bad-cache-layout": (
+        lambda: _set_attr(scatter_model("nd", "float16", "int32"), "cache_layout", "ndz"),
+        r"field cache_layout: expected one of .*got \"ndz\"",
+    ),
+    "dtype-mismatch": (
+        lambda: _set_input(
+            scatter_model("nd", "float16", "int32"),
+            "key_cache",
+            elem_type=onnx.TensorProto.BFLOAT16,
+        ),
+        r"key_cache: expected the dtype of key",
+    ),
+    "shape-mismatch": (
+        lambda: _set_input(
+            scatter_model("nd", "float16", "int32"), "key_cache", dims=(6, 8, 3, 16)
+        ),
+        r"key_cache: expected",
+    ),
+    "unsupported-dtype": (
+        lambda: _set_input(
+            _set_input(
+                gather_model("float16", False, 4),
+                "selection_topk_indices",
+                elem_type=onnx.TensorProto.INT64,
+            ),
+            "selection_kv_block_status",
+            elem_type=onnx.TensorProto.INT64,
+        ),
+        r"selection_kv_block_status: expected kINT32, got kINT64",
+    ),
+    "gather-shape-mismatch": (
+        lambda: _set_input(gather_model("float16", False, 4), "full_kv_cache", dims=(24, 16, 16)),
+        r"full_kv_cache: expected",
+    ),
+    "compress-mode-dtype": (
+        lambda: _set_attr(compress_model("int8", "int32", "omni"), "compress_mode", "rope"),
+        r"compress_mode \"rope\" averages, so it needs kFLOAT, kHALF or kBF16",
+    ),
 }
 
 
@@ -182,20 +227,34 @@ def test_caches_tensorrt_cannot_carry_are_refused_by_name(tmp_path, dtype):
     from pytrt_kv import dtypes
 
     d = dtypes.numpy_dtype(dtype)
-    model = single_op_model("ScatterPaKvCache", {
-        "key": np.zeros((3, 2, 16), d), "key_cache": np.zeros((4, 8, 2, 16), d),
-        "slot_mapping": np.zeros(3, np.int32)}, cache_layout="nd")
-    with pytest.raises(ValueError, match=rf"ScatterPaKvCache: key: expected a dtype TensorRT can pass to a "
-                                         rf"plugin .*got {dtype}"):
+    model = single_op_model(
+        "ScatterPaKvCache",
+        {
+            "key": np.zeros((3, 2, 16), d),
+            "key_cache": np.zeros((4, 8, 2, 16), d),
+            "slot_mapping": np.zeros(3, np.int32),
+        },
+        cache_layout="nd",
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"ScatterPaKvCache: key: expected a dtype TensorRT can pass to a "
+        rf"plugin .*got {dtype}",
+    ):
         _build(model, tmp_path, targets=["sm89"])
 
 
 # --- the build API ------------------------------------------------------------------------
 
+
 def test_targets_are_parsed_and_checked(tmp_path):
     model = scatter_model("nd", "float16", "int32")
-    assert _build(model, tmp_path, targets=["8.9", 120, "SM_80"]) == _build(model, tmp_path, targets=TARGETS)
-    with pytest.raises(ValueError, match=r"^targets: expected compute capabilities TensorRT-RTX .* got SM70"):
+    assert _build(model, tmp_path, targets=["8.9", 120, "SM_80"]) == _build(
+        model, tmp_path, targets=TARGETS
+    )
+    with pytest.raises(
+        ValueError, match=r"^targets: expected compute capabilities TensorRT-RTX .* got SM70"
+    ):
         _build(model, tmp_path, targets=["sm70"])
     with pytest.raises(ValueError, match=r"^targets: expected compute capabilities such as"):
         _build(model, tmp_path, targets=["ampere"])
@@ -212,7 +271,9 @@ def test_timing_cache_is_refused_with_rtx(tmp_path):
 
 
 def test_engine_path_receives_the_plan(tmp_path):
-    plan = _build(scatter_model("nd", "float16", "int32"), tmp_path, engine_path=tmp_path / "m.plan")
+    plan = _build(
+        scatter_model("nd", "float16", "int32"), tmp_path, engine_path=tmp_path / "m.plan"
+    )
     assert (tmp_path / "m.plan").read_bytes() == plan
 
 
@@ -227,14 +288,24 @@ def test_self_registering_library_registers_under_tensorrt_rtx():
 
     if _lib.find(_lib.PLUGINS_AUTOREG_LIB) is None:
         pytest.fail(f"{_lib.PLUGINS_AUTOREG_LIB} missing beside {_lib.find(_lib.PLUGINS_LIB)}")
-    code = ("from pytrt_kv.trt.plugins import load_plugins\n"
-            "print(load_plugins('autoreg', flavour='rtx').name)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTRT_KV_TENSORRT": "rtx"})
+    code = (
+        "from pytrt_kv.trt.plugins import load_plugins\n"
+        "print(load_plugins('autoreg', flavour='rtx').name)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTRT_KV_TENSORRT": "rtx"},
+    )
     headers = _lib.build_info().get("tensorrt_version", "")
     if headers.split(".")[0].isdigit() and int(headers.split(".")[0]) < 11:
         assert r.returncode == 1, r.stdout + r.stderr  # a Python error, not a crash
-        assert "built against TensorRT 10 headers" in r.stderr and "found no TensorRT plugin registry" in r.stderr
+        assert (
+            "built against TensorRT 10 headers" in r.stderr
+            and "found no TensorRT plugin registry" in r.stderr
+        )
     else:
         assert r.returncode == 0, r.stdout + r.stderr
         assert r.stdout.strip() == _lib.PLUGINS_AUTOREG_LIB, r.stdout + r.stderr
@@ -245,8 +316,22 @@ def test_build_cli_prints_progress_and_writes_the_plan(tmp_path, capsys):
 
     path = tmp_path / "m.onnx"
     onnx.save(scatter_model("nd", "float16", "int32", value=False), path)
-    assert main(["build", str(path), "--flavour", "rtx", "--target", "sm89", "sm120",
-                 "-o", str(tmp_path / "m.plan")]) == 0
+    assert (
+        main(
+            [
+                "build",
+                str(path),
+                "--flavour",
+                "rtx",
+                "--target",
+                "sm89",
+                "sm120",
+                "-o",
+                str(tmp_path / "m.plan"),
+            ]
+        )
+        == 0
+    )
     out, _ = capsys.readouterr()
     assert (tmp_path / "m.plan").stat().st_size > 1000
     assert "wrote" in out and " s" in out

@@ -11,9 +11,11 @@ from pytrt_kv import runtime
 
 
 def _feeds():
-    return {"key": np.arange(16, dtype=np.float32).reshape(2, 1, 8) + 1,
-            "key_cache": np.full((2, 4, 1, 8), -3, np.float32),
-            "slot_mapping": np.array([5, 0], np.int32)}
+    return {
+        "key": np.arange(16, dtype=np.float32).reshape(2, 1, 8) + 1,
+        "key_cache": np.full((2, 4, 1, 8), -3, np.float32),
+        "slot_mapping": np.array([5, 0], np.int32),
+    }
 
 
 def test_run_from_path_and_model_is_functional(tmp_path):
@@ -59,8 +61,11 @@ def test_registers_schemas_on_import():
 def test_wrong_feed_dtype_names_the_argument():
     feeds = _feeds()
     model = single_op_model("ScatterPaKvCache", feeds)
-    with pytest.raises(TypeError, match=r"^feeds\['key'\]: expected float32\[2, 1, 8\] "
-                                        r"\(declared by graph input 'key'\), got float16"):
+    with pytest.raises(
+        TypeError,
+        match=r"^feeds\['key'\]: expected float32\[2, 1, 8\] "
+        r"\(declared by graph input 'key'\), got float16",
+    ):
         runtime.run(model, dict(feeds, key=feeds["key"].astype(np.float16)))
 
 
@@ -68,12 +73,14 @@ def test_wrong_feed_dtype_names_the_argument():
 
 
 def _compress_feeds(rng):
-    return {"key": rng.standard_normal((1, 4, 1, 8)).astype(np.float32),
-            "key_cache": np.full((2, 4, 1, 8), -3, np.float32),
-            "slot_mapping": np.array([[1]], np.int32),
-            "compress_lens": np.array([[2]], np.int32),
-            "compress_seq_offsets": np.array([1], np.int32),
-            "seq_lens": np.array([4], np.int32)}
+    return {
+        "key": rng.standard_normal((1, 4, 1, 8)).astype(np.float32),
+        "key_cache": np.full((2, 4, 1, 8), -3, np.float32),
+        "slot_mapping": np.array([[1]], np.int32),
+        "compress_lens": np.array([[2]], np.int32),
+        "compress_seq_offsets": np.array([1], np.int32),
+        "seq_lens": np.array([4], np.int32),
+    }
 
 
 def _set_attr(node, name, value):
@@ -83,26 +90,33 @@ def _set_attr(node, name, value):
 
 
 def _gather_model():
-    from test_onnx_ops import gather_skeleton
+    from support.gather_cases import gather_skeleton
 
-    return single_op_model("GatherSelectionKvCache", gather_skeleton(np.float16, tbs=1),
-                           selection_topk_block_size=1)
+    return single_op_model(
+        "GatherSelectionKvCache", gather_skeleton(np.float16, tbs=1), selection_topk_block_size=1
+    )
 
 
 def test_misspelt_compress_mode_is_refused(rng):
     feeds = _compress_feeds(rng)
     model = single_op_model("ScatterPaKvCache", feeds)
     _set_attr(model.graph.node[0], "compress_mode", "omin")
-    with pytest.raises(ValueError, match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): "
-                                         r"attribute 'compress_mode': expected one of .*'omin'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): "
+        r"attribute 'compress_mode': expected one of .*'omin'",
+    ):
         runtime.run(model, feeds)
 
 
 def test_float_block_size_is_refused():
     model = _gather_model()
     _set_attr(model.graph.node[0], "selection_topk_block_size", 2.9)
-    with pytest.raises(TypeError, match=r"attribute 'selection_topk_block_size': expected "
-                                        r"INT, got FLOAT 2\.9"):
+    with pytest.raises(
+        TypeError,
+        match=r"attribute 'selection_topk_block_size': expected "
+        r"INT, got FLOAT 2\.9",
+    ):
         runtime.make_evaluator(model)
 
 
@@ -117,8 +131,9 @@ def test_repeated_and_unknown_attributes_are_refused():
     model = single_op_model("ScatterPaKvCache", _feeds())
     node = model.graph.node[0]
     node.attribute.extend([onnx.helper.make_attribute("cache_layout", "nd")])
-    with pytest.raises(ValueError, match="attribute 'cache_layout': expected once, got it "
-                                         "repeated"):
+    with pytest.raises(
+        ValueError, match="attribute 'cache_layout': expected once, got it repeated"
+    ):
         runtime.run(model, _feeds())
     model = single_op_model("ScatterPaKvCache", _feeds())
     model.graph.node[0].attribute.extend([onnx.helper.make_attribute("cache_layuot", "nd")])
@@ -130,18 +145,21 @@ def test_extra_inputs_are_refused(rng):
     feeds = _compress_feeds(rng)
     model = single_op_model("ScatterPaKvCache", feeds)
     node = model.graph.node[0]
-    node.input.append("seq_lens")                        # a 9th input
+    node.input.append("seq_lens")  # a 9th input
     with pytest.raises(ValueError, match=r"inputs: expected at most 8 .* got 9"):
         runtime.run(model, feeds)
 
 
 def test_output_counts_are_checked():
-    feeds = dict(_feeds(), value=np.ones((2, 1, 8), np.float32),
-                 value_cache=np.full((2, 4, 1, 8), -5, np.float32))
+    feeds = dict(
+        _feeds(),
+        value=np.ones((2, 1, 8), np.float32),
+        value_cache=np.full((2, 4, 1, 8), -5, np.float32),
+    )
     model = single_op_model("ScatterPaKvCache", feeds)
     node = model.graph.node[0]
     assert list(node.output) == ["key_cache_out", "value_cache_out"]
-    del node.output[1]                                   # the value update would be lost
+    del node.output[1]  # the value update would be lost
     del model.graph.output[1]
     with pytest.raises(ValueError, match="value_cache_out: expected a graph tensor"):
         runtime.run(model, feeds)
@@ -153,7 +171,7 @@ def test_output_counts_are_checked():
 
 def test_missing_required_input_and_unknown_op_type_are_refused():
     model = single_op_model("ScatterPaKvCache", _feeds())
-    model.graph.node[0].input[4] = ""                    # slot_mapping
+    model.graph.node[0].input[4] = ""  # slot_mapping
     with pytest.raises(ValueError, match="slot_mapping: expected a graph tensor"):
         runtime.make_evaluator(model)
     model = single_op_model("ScatterPaKvCache", _feeds())
@@ -177,11 +195,15 @@ def test_symbolic_dims_must_agree():
     for vi in model.graph.input:
         if vi.name in ("key", "slot_mapping"):
             vi.type.tensor_type.shape.dim[0].dim_param = "T"
-    ok = runtime.run(model, dict(feeds, key=feeds["key"][:1],
-                                 slot_mapping=feeds["slot_mapping"][:1]))
+    ok = runtime.run(
+        model, dict(feeds, key=feeds["key"][:1], slot_mapping=feeds["slot_mapping"][:1])
+    )
     assert ok["key_cache_out"][1, 1, 0, 0] == feeds["key"][0, 0, 0]
-    with pytest.raises(ValueError, match=r"feeds\['slot_mapping'\]: expected dim 0 = T = 1 "
-                                         r"\(as in feeds\['key'\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"feeds\['slot_mapping'\]: expected dim 0 = T = 1 "
+        r"\(as in feeds\['key'\]\)",
+    ):
         runtime.run(model, dict(feeds, key=feeds["key"][:1]))
 
 
@@ -193,9 +215,12 @@ def test_reference_errors_name_node_and_graph_tensor():
     model.graph.input[2].name = "slots"
     feeds["slots"] = np.array([3, 3], np.int32)
     del feeds["slot_mapping"]
-    with pytest.raises(ValueError, match=r"^node 'write_kv' \(ScatterPaKvCache\): "
-                                         r"slot_mapping \(graph tensor 'slots'\): expected "
-                                         r"distinct"):
+    with pytest.raises(
+        ValueError,
+        match=r"^node 'write_kv' \(ScatterPaKvCache\): "
+        r"slot_mapping \(graph tensor 'slots'\): expected "
+        r"distinct",
+    ):
         runtime.run(model, feeds)
 
 
@@ -203,8 +228,9 @@ def test_foreign_evaluator_is_validated_too():
     from onnx.reference import ReferenceEvaluator
 
     model = single_op_model("ScatterPaKvCache", _feeds())
-    ev = ReferenceEvaluator(model, new_ops=[runtime.ScatterPaKvCacheOp,
-                                            runtime.GatherSelectionKvCacheOp])
+    ev = ReferenceEvaluator(
+        model, new_ops=[runtime.ScatterPaKvCacheOp, runtime.GatherSelectionKvCacheOp]
+    )
     _set_attr(ev.proto_.graph.node[0], "alias_io", 3)
     with pytest.raises(ValueError, match="attribute 'alias_io'"):
         runtime.run(ev, _feeds())

@@ -14,22 +14,50 @@ pytest.importorskip("onnxscript", reason="onnxscript not installed (extra 'torch
 
 from onnx_export import torch_export as pk  # noqa: E402
 from pytrt_kv import runtime  # noqa: E402
-from pytrt_kv.polygraphy.data_loader import make_feeds  # noqa: E402
+from pytrt_kv.graph.feeds import make_feeds  # noqa: E402
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache  # noqa: E402
-
-from test_onnx_ops import assert_bits_equal, gather_skeleton  # noqa: E402
+from support.arrays import assert_same_bits  # noqa: E402
+from support.gather_cases import gather_skeleton  # noqa: E402
 
 
 class WriteThenGather(torch.nn.Module):
     """Scatter the new latent/rope (hnd caches are [NB, 1, BS, D]) and gather a selection."""
 
-    def forward(self, kv, k_rope, key_cache, value_cache, slot_mapping, sel_k_rope, sel_kv,
-                sel_table, sel_status, topk, full_k_rope, full_kv, full_table, kv_len, q_len):
-        kc, vc = pk.scatter_pa_kv_cache(kv, k_rope, key_cache, value_cache, slot_mapping,
-                                        cache_layout="hnd")
-        outs = pk.gather_selection_kv_cache(sel_k_rope, sel_kv, sel_table, sel_status, topk,
-                                            full_k_rope, full_kv, full_table, kv_len, q_len,
-                                            selection_topk_block_size=4, alias_io=0)
+    def forward(
+        self,
+        kv,
+        k_rope,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        sel_k_rope,
+        sel_kv,
+        sel_table,
+        sel_status,
+        topk,
+        full_k_rope,
+        full_kv,
+        full_table,
+        kv_len,
+        q_len,
+    ):
+        kc, vc = pk.scatter_pa_kv_cache(
+            kv, k_rope, key_cache, value_cache, slot_mapping, cache_layout="hnd"
+        )
+        outs = pk.gather_selection_kv_cache(
+            sel_k_rope,
+            sel_kv,
+            sel_table,
+            sel_status,
+            topk,
+            full_k_rope,
+            full_kv,
+            full_table,
+            kv_len,
+            q_len,
+            selection_topk_block_size=4,
+            alias_io=0,
+        )
         return (kc, vc, *outs[:3], outs[3] + 0)
 
 
@@ -38,8 +66,7 @@ def _inputs(seed=0):
     sk = gather_skeleton(np.dtype(np.float16), S=2, tbs=4)
     from onnx_export import single_op_model
 
-    g = make_feeds(single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=4),
-                   seed)
+    g = make_feeds(single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=4), seed)
     scatter = {
         "kv": rng.standard_normal((3, 1, 16)).astype(np.float16),
         "k_rope": rng.standard_normal((3, 1, 8)).astype(np.float16),
@@ -52,12 +79,19 @@ def _inputs(seed=0):
 
 def _numpy_reference(scatter, g):
     kc, vc = scatter["key_cache"].copy(), scatter["value_cache"].copy()
-    scatter_pa_kv_cache(scatter["kv"], scatter["k_rope"], kc, vc, scatter["slot_mapping"],
-                        cache_layout="hnd")
+    scatter_pa_kv_cache(
+        scatter["kv"], scatter["k_rope"], kc, vc, scatter["slot_mapping"], cache_layout="hnd"
+    )
     x = {k: v.copy() for k, v in g.items()}
     actual = gather_selection_kv_cache(*x.values(), selection_topk_block_size=4)
-    return [kc, vc, x["selection_k_rope"], x["selection_kv_cache"],
-            x["selection_kv_block_status"], np.asarray(actual, np.int32)]
+    return [
+        kc,
+        vc,
+        x["selection_k_rope"],
+        x["selection_kv_cache"],
+        x["selection_kv_block_status"],
+        np.asarray(actual, np.int32),
+    ]
 
 
 def test_dynamo_export_round_trip(tmp_path):
@@ -70,10 +104,18 @@ def test_dynamo_export_round_trip(tmp_path):
     custom = [n for n in model.graph.node if n.domain == "pytrt_kv"]
     assert [n.op_type for n in custom] == ["ScatterPaKvCache", "GatherSelectionKvCache"]
     attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in custom]
-    assert attrs[0] == {"alias_io": 1, "cache_layout": b"hnd", "plugin_namespace": b"pytrt_kv",
-                        "plugin_version": b"1"}
-    assert attrs[1] == {"alias_io": 0, "selection_topk_block_size": 4,
-                        "plugin_namespace": b"pytrt_kv", "plugin_version": b"1"}
+    assert attrs[0] == {
+        "alias_io": 1,
+        "cache_layout": b"hnd",
+        "plugin_namespace": b"pytrt_kv",
+        "plugin_version": b"1",
+    }
+    assert attrs[1] == {
+        "alias_io": 0,
+        "selection_topk_block_size": 4,
+        "plugin_namespace": b"pytrt_kv",
+        "plugin_version": b"1",
+    }
     assert {o.domain: o.version for o in model.opset_import}["pytrt_kv"] == 1
     path = tmp_path / "torch.onnx"
     onnx.save(model, str(path))
@@ -82,7 +124,7 @@ def test_dynamo_export_round_trip(tmp_path):
     feeds = dict(zip(names, [*scatter.values(), *g.values()]))
     got = list(runtime.run(path, feeds).values())
     for i, (a, b) in enumerate(zip(got, _numpy_reference(scatter, g))):
-        assert_bits_equal(a, b, f"output {i}")
+        assert_same_bits(a, b, f"output {i}")
 
 
 def test_eager_mode_runs_the_reference():
@@ -91,9 +133,9 @@ def test_eager_mode_runs_the_reference():
     before = [a.clone() for a in args]
     got = WriteThenGather()(*args)
     for a, b in zip(args, before):
-        assert torch.equal(a, b)                            # functional: inputs untouched
+        assert torch.equal(a, b)  # functional: inputs untouched
     for i, (a, b) in enumerate(zip(got, _numpy_reference(scatter, g))):
-        assert_bits_equal(a.numpy(), b, f"output {i}")
+        assert_same_bits(a.numpy(), b, f"output {i}")
 
 
 def test_eager_bfloat16_and_validation():

@@ -15,12 +15,10 @@ import time
 import numpy as np
 import pytest
 
-from onnx_export import single_op_model
 from pytrt_kv import runtime
-from pytrt_kv.polygraphy.data_loader import make_feeds
-
-from conftest import polygraphy_command
-from trt_models import compress_model, gather_model, scatter_model
+from pytrt_kv.graph.feeds import make_feeds
+from support.env import polygraphy_command
+from support.models import compress_model, gather_model, scatter_model
 
 pytestmark = pytest.mark.trt
 
@@ -33,7 +31,9 @@ def _bits(a: np.ndarray) -> np.ndarray:
 def assert_bit_exact(got: dict, want: dict, where: str):
     for name, w in want.items():
         g = np.asarray(got[name])
-        assert g.shape == w.shape and g.dtype == w.dtype, f"{where}: {name} {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+        assert g.shape == w.shape and g.dtype == w.dtype, (
+            f"{where}: {name} {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+        )
         diff = np.flatnonzero(_bits(g) != _bits(w))
         assert diff.size == 0, f"{where}: {name} differs at {diff.size} bytes, first {diff[0]}"
 
@@ -59,6 +59,7 @@ def _run_and_compare(model, tmp_path, steps=2, seed=0):
 
 # --- bit-exact single-op engines ----------------------------------------------------------
 
+
 @pytest.mark.parametrize("idx", ["int32", "int64"])
 @pytest.mark.parametrize("layout", ["nd", "hnd", "nz"])
 @pytest.mark.parametrize("dt", ["float16", "bfloat16", "float32", "int8", "float8_e4m3fn"])
@@ -68,12 +69,22 @@ def test_scatter_engine_bit_exact(tmp_path, dt, layout, idx):
 
 @pytest.mark.parametrize("alias_io", [1, 0])
 def test_scatter_engine_key_only_and_alias_off(tmp_path, alias_io):
-    _run_and_compare(scatter_model("nd", "bfloat16", "int32", value=False, alias_io=alias_io), tmp_path)
+    _run_and_compare(
+        scatter_model("nd", "bfloat16", "int32", value=False, alias_io=alias_io), tmp_path
+    )
 
 
-@pytest.mark.parametrize("dt,mode,offsets", [
-    ("float16", "", True), ("bfloat16", "rope", True), ("float32", "rope", True),
-    ("int8", "omni", True), ("float16", "alibi", True), ("int8", "", False)])
+@pytest.mark.parametrize(
+    "dt,mode,offsets",
+    [
+        ("float16", "", True),
+        ("bfloat16", "rope", True),
+        ("float32", "rope", True),
+        ("int8", "omni", True),
+        ("float16", "alibi", True),
+        ("int8", "", False),
+    ],
+)
 @pytest.mark.parametrize("idx", ["int32", "int64"])
 def test_scatter_engine_compress_bit_exact(tmp_path, dt, mode, offsets, idx):
     _run_and_compare(compress_model(dt, idx, mode, offsets), tmp_path)
@@ -108,12 +119,16 @@ def test_example_model(tmp_path):
 
 # --- what is in the engine ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("which", ["scatter", "gather"])
 def test_plugin_layer_is_in_the_engine(tmp_path, which):
     from pytrt_kv.trt import build_engine, engine_layers, plugin_layers
 
-    model = scatter_model("nd", "float16", "int32") if which == "scatter" else \
-        gather_model("float16", False, 4)
+    model = (
+        scatter_model("nd", "float16", "int32")
+        if which == "scatter"
+        else gather_model("float16", False, 4)
+    )
     eng = build_engine(_save(model, tmp_path))
     layers = plugin_layers(eng)
     op = "ScatterPaKvCache" if which == "scatter" else "GatherSelectionKvCache"
@@ -129,7 +144,9 @@ def test_inplace_binding_and_inserted_copies(tmp_path, alias_io, record_property
     from pytrt_kv.trt import DeviceArray, EngineRunner, build_engine, copy_layers
     from pytrt_kv.trt._tensorrt import check_cuda, import_cudart
 
-    model = scatter_model("nd", "float16", "int32", alias_io=alias_io, T=64, H=8, Dk=128, NB=512, BS=16)
+    model = scatter_model(
+        "nd", "float16", "int32", alias_io=alias_io, T=64, H=8, Dk=128, NB=512, BS=16
+    )
     eng = build_engine(_save(model, tmp_path))
     feeds = make_feeds(model, 3)
     want = runtime.run(model, feeds)
@@ -137,8 +154,14 @@ def test_inplace_binding_and_inserted_copies(tmp_path, alias_io, record_property
     runner = EngineRunner(eng)
     runner.run(dev)
     assert runner.address("key_cache_out") == dev["key_cache"].address
-    assert_bit_exact({"key_cache_out": dev["key_cache"].to_numpy(),
-                      "value_cache_out": dev["value_cache"].to_numpy()}, want, "in place")
+    assert_bit_exact(
+        {
+            "key_cache_out": dev["key_cache"].to_numpy(),
+            "value_cache_out": dev["value_cache"].to_numpy(),
+        },
+        want,
+        "in place",
+    )
 
     cudart = import_cudart()
     stream = int(check_cuda(cudart.cudaStreamCreate(), "cudaStreamCreate"))
@@ -153,14 +176,25 @@ def test_inplace_binding_and_inserted_copies(tmp_path, alias_io, record_property
         return (time.perf_counter() - t0) / n * 1e6
 
     t_engine = timed(lambda: runner.execute(stream))
-    t_eager = timed(lambda: ops.scatter_pa_kv_cache(
-        dev["key"], dev["value"], dev["key_cache"], dev["value_cache"], dev["slot_mapping"],
-        cache_layout="nd", stream=stream))
+    t_eager = timed(
+        lambda: ops.scatter_pa_kv_cache(
+            dev["key"],
+            dev["value"],
+            dev["key_cache"],
+            dev["value_cache"],
+            dev["slot_mapping"],
+            cache_layout="nd",
+            stream=stream,
+        )
+    )
     copies = copy_layers(eng)
     record_property("copy_layers", len(copies))
     record_property("engine_us", round(t_engine, 2))
     record_property("eager_us", round(t_eager, 2))
-    print(f"alias_io={alias_io}: {len(copies)} copy layers, engine {t_engine:.1f} us, eager {t_eager:.1f} us")
+    print(
+        f"alias_io={alias_io}: {len(copies)} copy layers, engine {t_engine:.1f} us, "
+        f"eager {t_eager:.1f} us"
+    )
     cudart.cudaStreamDestroy(stream)
 
 
@@ -206,8 +240,14 @@ def test_cuda_graph_replay(tmp_path):
         dev[n].copy_from(feeds[n], stream)
     graph.launch(stream)
     check_cuda(cudart.cudaStreamSynchronize(stream), "sync")
-    assert_bit_exact({"key_cache_out": dev["key_cache"].to_numpy(),
-                      "value_cache_out": dev["value_cache"].to_numpy()}, want, "graph replay")
+    assert_bit_exact(
+        {
+            "key_cache_out": dev["key_cache"].to_numpy(),
+            "value_cache_out": dev["value_cache"].to_numpy(),
+        },
+        want,
+        "graph replay",
+    )
     cudart.cudaStreamDestroy(stream)
 
 
@@ -231,8 +271,11 @@ def test_runner_accepts_framework_buffers(tmp_path, lib):
     runner.run(bufs, stream=stream)
     stream.synchronize()
     host = (lambda t: t.cpu().numpy()) if lib == "torch" else (lambda t: mod.asnumpy(t))
-    assert_bit_exact({"key_cache_out": host(bufs["key_cache"]), "value_cache_out": host(bufs["value_cache"])},
-                     want, lib)
+    assert_bit_exact(
+        {"key_cache_out": host(bufs["key_cache"]), "value_cache_out": host(bufs["value_cache"])},
+        want,
+        lib,
+    )
 
 
 def test_loading_both_libraries_is_refused():
@@ -254,10 +297,24 @@ def test_polygraphy_cli_compares_with_the_reference(tmp_path):
 
     model = scatter_model("nd", "float16", "int32")
     path = _save(model, tmp_path)
-    cmd = [*polygraphy_command(), "run", str(path), "--trt", "--strongly-typed", "--pytrt-kv-ref",
-           "--plugins", str(_lib.require(_lib.PLUGINS_AUTOREG_LIB)),
-           "--preview-features", "ALIASED_PLUGIN_IO_10_03",
-           "--data-loader-script", data_loader.__file__, "--atol", "0", "--rtol", "0"]
+    cmd = [
+        *polygraphy_command(),
+        "run",
+        str(path),
+        "--trt",
+        "--strongly-typed",
+        "--pytrt-kv-ref",
+        "--plugins",
+        str(_lib.require(_lib.PLUGINS_AUTOREG_LIB)),
+        "--preview-features",
+        "ALIASED_PLUGIN_IO_10_03",
+        "--data-loader-script",
+        data_loader.__file__,
+        "--atol",
+        "0",
+        "--rtol",
+        "0",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "PASSED" in r.stdout + r.stderr

@@ -16,9 +16,11 @@ import pytest
 
 import pytrt_kv.trt as ptrt
 from onnx_export import single_op_model
-from pytrt_kv import specs
-from pytrt_kv.trt import _tensorrt, buffers, model as trt_model, runner as trt_runner
+from pytrt_kv.contract import specs
+from pytrt_kv.trt import _tensorrt, buffers
 from pytrt_kv.trt import build as trt_build
+from pytrt_kv.trt import model as trt_model
+from pytrt_kv.trt import runner as trt_runner
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,26 +44,46 @@ def _fake_trt(monkeypatch, version):
 
 # --- no TensorRT: every entry point explains itself -------------------------------------
 
+
 def test_import_does_not_load_tensorrt():
-    code = ("import sys, pytrt_kv.trt, pytrt_kv.trt.model\n"
-            "print([m for m in ('tensorrt', 'cuda', 'torch', 'cupy') if m in sys.modules])")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": REPO})
+    code = (
+        "import sys, pytrt_kv.trt, pytrt_kv.trt.model\n"
+        "print([m for m in ('tensorrt', 'cuda', 'torch', 'cupy') if m in sys.modules])"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("call", [
-    lambda: ptrt.build_engine("model.onnx"),
-    lambda: ptrt.load_plugins(),
-    lambda: ptrt.load_engine(b"plan"),
-    lambda: ptrt.EngineRunner(object()),
-    lambda: ptrt.run_model_steps("model.onnx", [{}]),
-    lambda: _tensorrt.tensorrt_version(),
-], ids=["build_engine", "load_plugins", "load_engine", "EngineRunner", "run_model_steps",
-        "tensorrt_version"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: ptrt.build_engine("model.onnx"),
+        lambda: ptrt.load_plugins(),
+        lambda: ptrt.load_engine(b"plan"),
+        lambda: ptrt.EngineRunner(object()),
+        lambda: ptrt.run_model_steps("model.onnx", [{}]),
+        lambda: _tensorrt.tensorrt_version(),
+    ],
+    ids=[
+        "build_engine",
+        "load_plugins",
+        "load_engine",
+        "EngineRunner",
+        "run_model_steps",
+        "tensorrt_version",
+    ],
+)
 def test_clear_import_error_without_tensorrt(no_tensorrt, call):
-    with pytest.raises(ImportError, match=r"TensorRT Python package.*pip install 'pytrt-kv\[trt\]'"):
+    with pytest.raises(
+        ImportError, match=r"TensorRT Python package.*pip install 'pytrt-kv\[trt\]'"
+    ):
         call()
 
 
@@ -70,14 +92,24 @@ def test_availability_names_tensorrt(no_tensorrt):
     assert "TensorRT" in reason and "pip install" in reason
 
 
-@pytest.mark.parametrize("version,ok", [("10.2.0.19", False), ("8.6.1", False), ("10.3.0", True),
-                                        ("10.13.2.6", True), ("11.1.0", True)])
+@pytest.mark.parametrize(
+    "version,ok",
+    [
+        ("10.2.0.19", False),
+        ("8.6.1", False),
+        ("10.3.0", True),
+        ("10.13.2.6", True),
+        ("11.1.0", True),
+    ],
+)
 def test_tensorrt_version_gate(monkeypatch, version, ok):
     _fake_trt(monkeypatch, version)
     if ok:
         assert _tensorrt.import_tensorrt().__version__ == version
     else:
-        with pytest.raises(ImportError, match=r"TensorRT >= 10\.3, got " + version.replace(".", r"\.")):
+        with pytest.raises(
+            ImportError, match=r"TensorRT >= 10\.3, got " + version.replace(".", r"\.")
+        ):
             _tensorrt.import_tensorrt()
 
 
@@ -107,9 +139,13 @@ def test_check_cuda_unwraps_and_raises():
 
 # --- the positional plugin form --------------------------------------------------------
 
+
 def _scatter_inputs(value: bool, idx=np.int32, dtype=np.float16):
-    d = {"key": np.ones((3, 2, 16), dtype), "key_cache": np.ones((4, 8, 2, 16), dtype),
-         "slot_mapping": np.arange(3, dtype=idx)}
+    d = {
+        "key": np.ones((3, 2, 16), dtype),
+        "key_cache": np.ones((4, 8, 2, 16), dtype),
+        "slot_mapping": np.arange(3, dtype=idx),
+    }
     if value:
         d["value"] = np.ones((3, 2, 8), dtype)
         d["value_cache"] = np.ones((4, 8, 2, 8), dtype)
@@ -117,26 +153,33 @@ def _scatter_inputs(value: bool, idx=np.int32, dtype=np.float16):
 
 
 def _compress_inputs(offsets: bool, idx=np.int32, dtype=np.float16):
-    d = {"key": np.ones((2, 5, 3, 8), dtype), "value": np.ones((2, 5, 3, 8), dtype),
-         "key_cache": np.ones((10, 8, 1, 8), dtype), "value_cache": np.ones((10, 8, 1, 8), dtype),
-         "slot_mapping": np.zeros((2, 3), idx), "compress_lens": np.zeros((2, 3), idx),
-         "seq_lens": np.zeros((2,), idx)}
+    d = {
+        "key": np.ones((2, 5, 3, 8), dtype),
+        "value": np.ones((2, 5, 3, 8), dtype),
+        "key_cache": np.ones((10, 8, 1, 8), dtype),
+        "value_cache": np.ones((10, 8, 1, 8), dtype),
+        "slot_mapping": np.zeros((2, 3), idx),
+        "compress_lens": np.zeros((2, 3), idx),
+        "seq_lens": np.zeros((2,), idx),
+    }
     if offsets:
         d["compress_seq_offsets"] = np.zeros((6,), idx)
     return d
 
 
 def _gather_inputs(rope: bool = True, dtype=np.float16):
-    return {"selection_k_rope": np.ones((6, 16, 8) if rope else (0,), dtype),
-            "selection_kv_cache": np.ones((6, 16, 32), dtype),
-            "selection_kv_block_table": np.zeros((5, 2), np.int32),
-            "selection_kv_block_status": np.zeros((2, 2, 1, 5), np.int32),
-            "selection_topk_indices": np.zeros((2, 2, 1, 4), np.int32),
-            "full_k_rope": np.ones((24, 16, 8) if rope else (0,), dtype),
-            "full_kv_cache": np.ones((24, 16, 32), dtype),
-            "full_kv_block_table": np.zeros((2, 6), np.int32),
-            "full_kv_actual_seq": np.zeros((2,), np.int32),
-            "full_q_actual_seq": np.zeros((2,), np.int32)}
+    return {
+        "selection_k_rope": np.ones((6, 16, 8) if rope else (0,), dtype),
+        "selection_kv_cache": np.ones((6, 16, 32), dtype),
+        "selection_kv_block_table": np.zeros((5, 2), np.int32),
+        "selection_kv_block_status": np.zeros((2, 2, 1, 5), np.int32),
+        "selection_topk_indices": np.zeros((2, 2, 1, 4), np.int32),
+        "full_k_rope": np.ones((24, 16, 8) if rope else (0,), dtype),
+        "full_kv_cache": np.ones((24, 16, 32), dtype),
+        "full_kv_block_table": np.zeros((2, 6), np.int32),
+        "full_kv_actual_seq": np.zeros((2,), np.int32),
+        "full_q_actual_seq": np.zeros((2,), np.int32),
+    }
 
 
 def _attrs(op):
@@ -160,29 +203,46 @@ def test_prepare_key_only_scatter_gets_empty_value_placeholders(dtype):
     for k in (1, 3):
         a = inits[node.input[k]]
         assert a.shape == (0,) and a.dtype == np.dtype(dtype)
-    assert node.input[0] == "key" and node.input[2] == "key_cache" and node.input[4] == "slot_mapping"
-    assert node.output[0] == "key_cache_out" and node.output[1] not in {o.name for o in p.graph.output}
+    assert (
+        node.input[0] == "key" and node.input[2] == "key_cache" and node.input[4] == "slot_mapping"
+    )
+    assert node.output[0] == "key_cache_out" and node.output[1] not in {
+        o.name for o in p.graph.output
+    }
     assert len(set(node.output) | set(node.input)) == 7, "fresh names must be unique"
     onnx.checker.check_model(p)
 
 
 @pytest.mark.parametrize("idx", [np.int32, np.int64])
 def test_prepare_compress_without_offsets_gets_index_placeholder(idx):
-    p = trt_model.prepare_for_tensorrt(single_op_model("ScatterPaKvCache", _compress_inputs(False, idx)))
+    p = trt_model.prepare_for_tensorrt(
+        single_op_model("ScatterPaKvCache", _compress_inputs(False, idx))
+    )
     node = p.graph.node[0]
     assert len(node.input) == 8 and len(node.output) == 2
     off = _initializers(p)[node.input[6]]
     assert off.shape == (0,) and off.dtype == np.dtype(idx)
     assert list(node.input[:6]) + [node.input[7]] == [
-        "key", "value", "key_cache", "value_cache", "slot_mapping", "compress_lens", "seq_lens"]
+        "key",
+        "value",
+        "key_cache",
+        "value_cache",
+        "slot_mapping",
+        "compress_lens",
+        "seq_lens",
+    ]
 
 
-@pytest.mark.parametrize("op,inputs", [
-    ("ScatterPaKvCache", _scatter_inputs(True)),
-    ("ScatterPaKvCache", _compress_inputs(True, np.int64)),
-    ("GatherSelectionKvCache", _gather_inputs(True)),
-    ("GatherSelectionKvCache", _gather_inputs(False, np.int8)),
-], ids=["scatter-3d", "scatter-4d", "gather", "gather-c8"])
+@pytest.mark.parametrize(
+    "op,inputs",
+    [
+        ("ScatterPaKvCache", _scatter_inputs(True)),
+        ("ScatterPaKvCache", _compress_inputs(True, np.int64)),
+        ("GatherSelectionKvCache", _gather_inputs(True)),
+        ("GatherSelectionKvCache", _gather_inputs(False, np.int8)),
+    ],
+    ids=["scatter-3d", "scatter-4d", "gather", "gather-c8"],
+)
 def test_prepare_leaves_complete_nodes_alone(op, inputs):
     m = single_op_model(op, inputs, **_attrs(op))
     p = trt_model.prepare_for_tensorrt(m)
@@ -205,14 +265,26 @@ def test_prepare_refuses_unknown_key_and_half_value():
         trt_model.prepare_for_tensorrt(unknown)
 
 
-@pytest.mark.parametrize("op,inputs,expected", [
-    ("ScatterPaKvCache", _scatter_inputs(True),
-     {"key_cache_out": "key_cache", "value_cache_out": "value_cache"}),
-    ("ScatterPaKvCache", _scatter_inputs(False), {"key_cache_out": "key_cache"}),
-    ("GatherSelectionKvCache", _gather_inputs(True),
-     {"selection_k_rope_out": "selection_k_rope", "selection_kv_cache_out": "selection_kv_cache",
-      "selection_kv_block_status_out": "selection_kv_block_status"}),
-])
+@pytest.mark.parametrize(
+    "op,inputs,expected",
+    [
+        (
+            "ScatterPaKvCache",
+            _scatter_inputs(True),
+            {"key_cache_out": "key_cache", "value_cache_out": "value_cache"},
+        ),
+        ("ScatterPaKvCache", _scatter_inputs(False), {"key_cache_out": "key_cache"}),
+        (
+            "GatherSelectionKvCache",
+            _gather_inputs(True),
+            {
+                "selection_k_rope_out": "selection_k_rope",
+                "selection_kv_cache_out": "selection_kv_cache",
+                "selection_kv_block_status_out": "selection_kv_block_status",
+            },
+        ),
+    ],
+)
 def test_alias_pairs_follow_specs(op, inputs, expected):
     p = trt_model.prepare_for_tensorrt(single_op_model(op, inputs, **_attrs(op)))
     pairs = trt_model.alias_pairs(p)
@@ -249,24 +321,44 @@ def test_example_model_prepares_and_aliases():
 def test_prepare_cli(tmp_path):
     src, dst = tmp_path / "m.onnx", tmp_path / "p.onnx"
     onnx.save(single_op_model("ScatterPaKvCache", _scatter_inputs(False)), src)
-    r = subprocess.run([sys.executable, "-m", "pytrt_kv.trt", "prepare", str(src), str(dst)],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    r = subprocess.run(
+        [sys.executable, "-m", "pytrt_kv.trt", "prepare", str(src), str(dst)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert r.returncode == 0, r.stderr
     assert len(onnx.load(dst).graph.node[0].input) == 5
 
 
 # --- buffers and streams ----------------------------------------------------------------
 
+
 class _Cai:
     def __init__(self, ptr, shape, typestr, strides=None, dtype=None):
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": typestr,
-                                         "strides": strides, "version": 3}
+        self.__cuda_array_interface__ = {
+            "data": (ptr, False),
+            "shape": shape,
+            "typestr": typestr,
+            "strides": strides,
+            "version": 3,
+        }
         if dtype is not None:
             self.dtype = dtype
 
 
-@pytest.mark.parametrize("typestr,name", [("<f2", "float16"), ("<f4", "float32"), ("|i1", "int8"),
-                                          ("<i4", "int32"), ("<i8", "int64"), ("|u1", "uint8")])
+@pytest.mark.parametrize(
+    "typestr,name",
+    [
+        ("<f2", "float16"),
+        ("<f4", "float32"),
+        ("|i1", "int8"),
+        ("<i4", "int32"),
+        ("<i8", "int64"),
+        ("|u1", "uint8"),
+    ],
+)
 def test_as_buffer_reads_cuda_array_interface(typestr, name):
     v = buffers.as_buffer(_Cai(0x7000, (4, 3), typestr), "key")
     assert (v.address, v.shape, v.dtype, v.host) == (0x7000, (4, 3), name, False)
@@ -311,13 +403,17 @@ def test_default_aliases_use_specs_naming():
     outs = ["key_cache_out", "value_cache_out", "attn_out", "selection_kv_actual_seq"]
     ins = ["key", "key_cache", "value_cache"]
     assert trt_runner._default_aliases(outs, ins) == {
-        "key_cache_out": "key_cache", "value_cache_out": "value_cache"}
+        "key_cache_out": "key_cache",
+        "value_cache_out": "value_cache",
+    }
 
 
 def test_profile_spans_the_steps():
-    feeds = [{"key": np.zeros((3, 2, 8)), "slot": np.zeros(3)},
-             {"key": np.zeros((5, 2, 8)), "slot": np.zeros(5)},
-             {"key": np.zeros((1, 2, 8)), "slot": np.zeros(1)}]
+    feeds = [
+        {"key": np.zeros((3, 2, 8)), "slot": np.zeros(3)},
+        {"key": np.zeros((5, 2, 8)), "slot": np.zeros(5)},
+        {"key": np.zeros((1, 2, 8)), "slot": np.zeros(1)},
+    ]
     prof = ptrt._profile(feeds)
     assert prof["key"] == ((1, 2, 8), (3, 2, 8), (5, 2, 8))
     assert prof["slot"] == ((1,), (3,), (5,))
@@ -335,8 +431,7 @@ def test_prepared_model_runs_on_the_cpu_reference(case):
     from pytrt_kv.runtime import run
 
     rng = np.random.default_rng(7)
-    inputs = (_scatter_inputs(False) if case == "key_only"
-              else _compress_inputs(False, np.int32))
+    inputs = _scatter_inputs(False) if case == "key_only" else _compress_inputs(False, np.int32)
     for k, v in inputs.items():  # random data, valid indices: nothing is a no-op write
         if v.dtype == np.float16:
             inputs[k] = rng.standard_normal(v.shape).astype(np.float16)
@@ -348,16 +443,25 @@ def test_prepared_model_runs_on_the_cpu_reference(case):
     got = run(p, inputs)
     want = {k: v.copy() for k, v in inputs.items()}
     reference.scatter_pa_kv_cache(
-        want["key"], want.get("value"), want["key_cache"], want.get("value_cache"),
-        want["slot_mapping"], compress_lens=want.get("compress_lens"),
-        compress_seq_offsets=want.get("compress_seq_offsets"), seq_lens=want.get("seq_lens"))
-    assert not np.array_equal(want["key_cache"].view(np.uint8),
-                              inputs["key_cache"].view(np.uint8)), "the case writes nothing"
-    np.testing.assert_array_equal(got["key_cache_out"].view(np.uint8),
-                                  want["key_cache"].view(np.uint8))
+        want["key"],
+        want.get("value"),
+        want["key_cache"],
+        want.get("value_cache"),
+        want["slot_mapping"],
+        compress_lens=want.get("compress_lens"),
+        compress_seq_offsets=want.get("compress_seq_offsets"),
+        seq_lens=want.get("seq_lens"),
+    )
+    assert not np.array_equal(
+        want["key_cache"].view(np.uint8), inputs["key_cache"].view(np.uint8)
+    ), "the case writes nothing"
+    np.testing.assert_array_equal(
+        got["key_cache_out"].view(np.uint8), want["key_cache"].view(np.uint8)
+    )
     if "value_cache" in inputs:
-        np.testing.assert_array_equal(got["value_cache_out"].view(np.uint8),
-                                      want["value_cache"].view(np.uint8))
+        np.testing.assert_array_equal(
+            got["value_cache_out"].view(np.uint8), want["value_cache"].view(np.uint8)
+        )
 
 
 def test_empty_batch_rope_offsets_are_not_read_as_a_placeholder():
@@ -379,8 +483,10 @@ def test_empty_batch_rope_offsets_are_not_read_as_a_placeholder():
 
 # --- EngineRunner / CudaGraph / build_engine with fake TensorRT and CUDA -------------------
 
-_TRT = types.SimpleNamespace(DataType=types.SimpleNamespace(HALF="half", INT32="int32"),
-                             TensorIOMode=types.SimpleNamespace(INPUT="in", OUTPUT="out"))
+_TRT = types.SimpleNamespace(
+    DataType=types.SimpleNamespace(HALF="half", INT32="int32"),
+    TensorIOMode=types.SimpleNamespace(INPUT="in", OUTPUT="out"),
+)
 
 
 class _FakeContext:
@@ -478,9 +584,13 @@ class _FakeCudart:
         return (0,)
 
 
-_SCATTER_IO = {"key": ("in", "half", (3, 16)), "key_cache": ("in", "half", (8, 16)),
-               "slot": ("in", "int32", (-1,)), "key_cache_out": ("out", "half", (8, 16)),
-               "count": ("out", "int32", (4,))}
+_SCATTER_IO = {
+    "key": ("in", "half", (3, 16)),
+    "key_cache": ("in", "half", (8, 16)),
+    "slot": ("in", "int32", (-1,)),
+    "key_cache_out": ("out", "half", (8, 16)),
+    "count": ("out", "int32", (4,)),
+}
 
 
 @pytest.fixture
@@ -494,8 +604,11 @@ def fake_runtime(monkeypatch):
 
 
 def _feeds(n_slots=3):
-    return {"key": _Cai(0x100, (3, 16), "<f2"), "key_cache": _Cai(0x200, (8, 16), "<f2"),
-            "slot": _Cai(0x300, (n_slots,), "<i4")}
+    return {
+        "key": _Cai(0x100, (3, 16), "<f2"),
+        "key_cache": _Cai(0x200, (8, 16), "<f2"),
+        "slot": _Cai(0x300, (n_slots,), "<i4"),
+    }
 
 
 def test_runner_binds_aliases_and_queries_engine_shapes_once(fake_runtime, monkeypatch):
@@ -519,8 +632,11 @@ def test_runner_binds_aliases_and_queries_engine_shapes_once(fake_runtime, monke
 
 def test_runner_refuses_two_outputs_on_one_input(fake_runtime):
     io = {**_SCATTER_IO, "other_out": ("out", "half", (8, 16))}
-    with pytest.raises(ValueError, match=r"^aliases: expected at most one output per input, got "
-                                         r"'key_cache_out' and 'other_out' both -> 'key_cache'"):
+    with pytest.raises(
+        ValueError,
+        match=r"^aliases: expected at most one output per input, got "
+        r"'key_cache_out' and 'other_out' both -> 'key_cache'",
+    ):
         trt_runner.EngineRunner(_FakeEngine(io), aliases={"other_out": "key_cache"})
     with pytest.raises(ValueError, match="'key_cache_out' and 'other_out' both -> 'key_cache'"):
         trt_runner.EngineRunner(_FakeEngine(io, aliases={"other_out": "key_cache"}))
@@ -609,8 +725,11 @@ def _fake_build_trt(monkeypatch, accept):
             pass
 
     trt = types.SimpleNamespace(
-        Logger=Logger, Builder=Builder, NetworkDefinitionCreationFlag=types.SimpleNamespace(),
-        OnnxParser=lambda net, logger: types.SimpleNamespace(parse=lambda data, path: True))
+        Logger=Logger,
+        Builder=Builder,
+        NetworkDefinitionCreationFlag=types.SimpleNamespace(),
+        OnnxParser=lambda net, logger: types.SimpleNamespace(parse=lambda data, path: True),
+    )
     monkeypatch.setattr(trt_build, "import_tensorrt", lambda *a, **k: trt)
     monkeypatch.setattr(trt_build, "load_plugins", lambda *a, **k: None)
     monkeypatch.setattr(trt_build, "_LOGGERS", {})
@@ -624,11 +743,18 @@ def test_build_refuses_a_timing_cache_tensorrt_rejects(tmp_path, monkeypatch, ac
     src, cache = tmp_path / "m.onnx", tmp_path / "cache.bin"
     onnx.save(single_op_model("ScatterPaKvCache", _scatter_inputs(False)), src)
     cache.write_bytes(b"cache from another GPU")
-    call = lambda: ptrt.build_engine(src, timing_cache=cache, aliased_plugin_io=False,  # noqa: E731
-                                     detailed_profile=False)
+
+    def call():
+        return ptrt.build_engine(
+            src, timing_cache=cache, aliased_plugin_io=False, detailed_profile=False
+        )
+
     if not accept:
-        with pytest.raises(ValueError, match=r"^timing_cache: expected a timing cache TensorRT "
-                                             r"accepts.*got .*cache\.bin$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^timing_cache: expected a timing cache TensorRT "
+            r"accepts.*got .*cache\.bin$",
+        ):
             call()
         assert not built and cache.read_bytes() == b"cache from another GPU"
     else:
@@ -638,6 +764,7 @@ def test_build_refuses_a_timing_cache_tensorrt_rejects(tmp_path, monkeypatch, ac
 
 
 # --- prepare_for_tensorrt refusals (issue: bad inputs found by fuzzing) -------------------
+
 
 def test_prepare_refuses_a_ninth_scatter_input():
     m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
@@ -649,7 +776,9 @@ def test_prepare_refuses_a_ninth_scatter_input():
 def test_prepare_refuses_an_unnamed_cache_update():
     m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
     m.graph.node[0].output[0] = ""
-    with pytest.raises(ValueError, match=r"key_cache_out: expected a name for the updated 'key_cache'"):
+    with pytest.raises(
+        ValueError, match=r"key_cache_out: expected a name for the updated 'key_cache'"
+    ):
         trt_model.prepare_for_tensorrt(m)
 
 
@@ -667,9 +796,18 @@ def test_prepare_refuses_dtypes_tensorrt_cannot_pass(dtype):
     from pytrt_kv import dtypes
 
     d = dtypes.numpy_dtype(dtype)
-    m = single_op_model("ScatterPaKvCache", {"key": np.ones((3, 2, 16), d), "key_cache": np.ones((4, 8, 2, 16), d),
-                                             "slot_mapping": np.arange(3, dtype=np.int32)}, cache_layout="nd")
-    with pytest.raises(ValueError, match=rf"key: expected a dtype TensorRT can pass to a plugin.*got {dtype}"):
+    m = single_op_model(
+        "ScatterPaKvCache",
+        {
+            "key": np.ones((3, 2, 16), d),
+            "key_cache": np.ones((4, 8, 2, 16), d),
+            "slot_mapping": np.arange(3, dtype=np.int32),
+        },
+        cache_layout="nd",
+    )
+    with pytest.raises(
+        ValueError, match=rf"key: expected a dtype TensorRT can pass to a plugin.*got {dtype}"
+    ):
         trt_model.prepare_for_tensorrt(m)
 
 
@@ -680,7 +818,9 @@ def test_prepare_refuses_mixed_index_dtypes():
             inp.type.tensor_type.elem_type = onnx.TensorProto.INT64
     m.graph.node[0].input.extend(["lens"])
     m.graph.input.append(onnx.helper.make_tensor_value_info("lens", onnx.TensorProto.INT32, [3]))
-    with pytest.raises(ValueError, match=r"compress_lens: expected the index dtype of slot_mapping \(int64"):
+    with pytest.raises(
+        ValueError, match=r"compress_lens: expected the index dtype of slot_mapping \(int64"
+    ):
         trt_model.prepare_for_tensorrt(m)
 
 
@@ -690,10 +830,23 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["prepare", str(tmp_path), str(tmp_path / "o.onnx")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "expected an ONNX file, got the directory" in err
-    r = subprocess.run([sys.executable, "-m", "pytrt_kv.trt", "prepare", str(tmp_path / "missing.onnx"),
-                        str(tmp_path / "o.onnx")], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": REPO})
-    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "no such file" in r.stderr, r.stderr
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytrt_kv.trt",
+            "prepare",
+            str(tmp_path / "missing.onnx"),
+            str(tmp_path / "o.onnx"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "no such file" in r.stderr, (
+        r.stderr
+    )
 
 
 def test_runner_binds_zero_element_tensors_at_address_0_to_a_valid_buffer(fake_runtime):
@@ -704,7 +857,9 @@ def test_runner_binds_zero_element_tensors_at_address_0_to_a_valid_buffer(fake_r
     bound = runner.context.addresses["slot"]
     assert bound != 0 and bound % 256 == 0
     feeds["key"] = _Cai(0, (3, 16), "<f2")
-    with pytest.raises(ValueError, match=r"^key: expected a buffer with a non-null address for shape \[3, 16\]"):
+    with pytest.raises(
+        ValueError, match=r"^key: expected a buffer with a non-null address for shape \[3, 16\]"
+    ):
         runner.bind(feeds)
 
 
@@ -724,7 +879,9 @@ def test_tensorrt_rtx_version_gate(monkeypatch, version, ok):
 
 
 def test_flavour_choice_is_checked(monkeypatch):
-    with pytest.raises(ValueError, match=r"^flavour: expected one of \['rtx', 'tensorrt'\], got 'trt'"):
+    with pytest.raises(
+        ValueError, match=r"^flavour: expected one of \['rtx', 'tensorrt'\], got 'trt'"
+    ):
         _tensorrt.import_tensorrt("trt")
     monkeypatch.setenv("PYTRT_KV_TENSORRT", "full")
     with pytest.raises(ValueError, match=r"^PYTRT_KV_TENSORRT: expected one of"):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -41,16 +40,22 @@ def _np(name: str) -> np.dtype:
     return dtypes.numpy_dtype(name)
 
 
-def scatter_shapes(layout: str, dt: str, vdt: Optional[str], idx: str, T=7, H=2, Dk=16, Dv=None,
-                   NB=5, BS=8) -> Dict[str, np.ndarray]:
+def scatter_shapes(
+    layout: str, dt: str, vdt: str | None, idx: str, T=7, H=2, Dk=16, Dv=None, NB=5, BS=8
+) -> dict[str, np.ndarray]:
     """Zero arrays carrying shapes/dtypes only (single_op_model reads nothing else).
     Dv != Dk except in nz, where H*D*itemsize % 32 == 0 must hold for int8 too."""
     Dv = Dv if Dv is not None else (16 if layout == "nz" else 8)
+
     def cache(d, t):
         L = 32 // _np(t).itemsize
         return {"nd": (NB, BS, H, d), "hnd": (NB, H, BS, d), "nz": (NB, H * d // L, BS, L)}[layout]
-    out = {"key": np.zeros((T, H, Dk), _np(dt)), "key_cache": np.zeros(cache(Dk, dt), _np(dt)),
-           "slot_mapping": np.zeros((T,), _np(idx))}
+
+    out = {
+        "key": np.zeros((T, H, Dk), _np(dt)),
+        "key_cache": np.zeros(cache(Dk, dt), _np(dt)),
+        "slot_mapping": np.zeros((T,), _np(idx)),
+    }
     if vdt is not None:
         out["value"] = np.zeros((T, H, Dv), _np(vdt))
         out["value_cache"] = np.zeros(cache(Dv, vdt), _np(vdt))
@@ -58,67 +63,151 @@ def scatter_shapes(layout: str, dt: str, vdt: Optional[str], idx: str, T=7, H=2,
 
 
 def compress_shapes(dt: str, idx: str, offsets: bool, B=2, Smax=9, H=3, D=16, NB=12, BS=8):
-    out = {"key": np.zeros((B, Smax, H, D), _np(dt)), "value": np.zeros((B, Smax, H, D), _np(dt)),
-           "key_cache": np.zeros((NB, BS, 1, D), _np(dt)),
-           "value_cache": np.zeros((NB, BS, 1, D), _np(dt)),
-           "slot_mapping": np.zeros((B, H), _np(idx)), "compress_lens": np.zeros((B, H), _np(idx)),
-           "seq_lens": np.zeros((B,), _np(idx))}
+    out = {
+        "key": np.zeros((B, Smax, H, D), _np(dt)),
+        "value": np.zeros((B, Smax, H, D), _np(dt)),
+        "key_cache": np.zeros((NB, BS, 1, D), _np(dt)),
+        "value_cache": np.zeros((NB, BS, 1, D), _np(dt)),
+        "slot_mapping": np.zeros((B, H), _np(idx)),
+        "compress_lens": np.zeros((B, H), _np(idx)),
+        "seq_lens": np.zeros((B,), _np(idx)),
+    }
     if offsets:
         out["compress_seq_offsets"] = np.zeros((B * H,), _np(idx))
     return out
 
 
-def gather_shapes(dt: str, tnd: bool, tbs: int, rope: bool, B=2, S=2, K=4, SBS=16, FBS=16,
-                  KV=32, KR=8, FBN=24, FMAX=6):
+def gather_shapes(
+    dt: str,
+    tnd: bool,
+    tbs: int,
+    rope: bool,
+    B=2,
+    S=2,
+    K=4,
+    SBS=16,
+    FBS=16,
+    KV=32,
+    KR=8,
+    FBN=24,
+    FMAX=6,
+):
     smax = -(-K * tbs // SBS)
     R = B * S + 1
     lead = (B * S, 1) if tnd else (B, S, 1)
     kr = (B * S * smax + 2, SBS, KR) if rope else (0,)
-    return {"selection_k_rope": np.zeros(kr, _np(dt)),
-            "selection_kv_cache": np.zeros((B * S * smax + 2, SBS, KV), _np(dt)),
-            "selection_kv_block_table": np.zeros((R, smax), np.int32),
-            "selection_kv_block_status": np.zeros(lead + (K + 1,), np.int32),
-            "selection_topk_indices": np.zeros(lead + (K,), np.int32),
-            "full_k_rope": np.zeros((FBN, FBS, KR) if rope else (0,), _np(dt)),
-            "full_kv_cache": np.zeros((FBN, FBS, KV), _np(dt)),
-            "full_kv_block_table": np.zeros((B, FMAX), np.int32),
-            "full_kv_actual_seq": np.zeros((B,), np.int32),
-            "full_q_actual_seq": np.zeros((B,), np.int32)}
+    return {
+        "selection_k_rope": np.zeros(kr, _np(dt)),
+        "selection_kv_cache": np.zeros((B * S * smax + 2, SBS, KV), _np(dt)),
+        "selection_kv_block_table": np.zeros((R, smax), np.int32),
+        "selection_kv_block_status": np.zeros(lead + (K + 1,), np.int32),
+        "selection_topk_indices": np.zeros(lead + (K,), np.int32),
+        "full_k_rope": np.zeros((FBN, FBS, KR) if rope else (0,), _np(dt)),
+        "full_kv_cache": np.zeros((FBN, FBS, KV), _np(dt)),
+        "full_kv_block_table": np.zeros((B, FMAX), np.int32),
+        "full_kv_actual_seq": np.zeros((B,), np.int32),
+        "full_q_actual_seq": np.zeros((B,), np.int32),
+    }
 
 
-def cases() -> List[dict]:
+def cases() -> list[dict]:
     cs = []
     for dt in ("float16", "bfloat16", "float32", "int8", "float8_e4m3fn"):
         for layout in ("nd", "hnd", "nz"):
             for idx in ("int32", "int64"):
-                cs.append(dict(op=SCATTER, name=f"scatter_{layout}_{dt}_{idx}",
-                               shapes=scatter_shapes(layout, dt, dt, idx), attrs={"cache_layout": layout}))
-    cs.append(dict(op=SCATTER, name="scatter_nz_f16_key_int8_value",
-                   shapes=scatter_shapes("nz", "float16", "int8", "int32"), attrs={"cache_layout": "nz"}))
-    cs.append(dict(op=SCATTER, name="scatter_nd_key_only",
-                   shapes=scatter_shapes("nd", "bfloat16", None, "int32"), attrs={"cache_layout": "nd"}))
-    cs.append(dict(op=SCATTER, name="scatter_nd_alias_io_0",
-                   shapes=scatter_shapes("nd", "float16", "float16", "int64"), attrs={"cache_layout": "nd", "alias_io": 0}))
+                cs.append(
+                    dict(
+                        op=SCATTER,
+                        name=f"scatter_{layout}_{dt}_{idx}",
+                        shapes=scatter_shapes(layout, dt, dt, idx),
+                        attrs={"cache_layout": layout},
+                    )
+                )
+    cs.append(
+        dict(
+            op=SCATTER,
+            name="scatter_nz_f16_key_int8_value",
+            shapes=scatter_shapes("nz", "float16", "int8", "int32"),
+            attrs={"cache_layout": "nz"},
+        )
+    )
+    cs.append(
+        dict(
+            op=SCATTER,
+            name="scatter_nd_key_only",
+            shapes=scatter_shapes("nd", "bfloat16", None, "int32"),
+            attrs={"cache_layout": "nd"},
+        )
+    )
+    cs.append(
+        dict(
+            op=SCATTER,
+            name="scatter_nd_alias_io_0",
+            shapes=scatter_shapes("nd", "float16", "float16", "int64"),
+            attrs={"cache_layout": "nd", "alias_io": 0},
+        )
+    )
     for dt in ("float16", "bfloat16", "float32"):
-        cs.append(dict(op=SCATTER, name=f"scatter_rope_{dt}", shapes=compress_shapes(dt, "int32", True),
-                       attrs={}))
-    cs.append(dict(op=SCATTER, name="scatter_omni_int8", shapes=compress_shapes("int8", "int64", True),
-                   attrs={"compress_mode": "omni"}))
-    cs.append(dict(op=SCATTER, name="scatter_alibi_no_offsets",
-                   shapes=compress_shapes("float16", "int32", False), attrs={}))
+        cs.append(
+            dict(
+                op=SCATTER,
+                name=f"scatter_rope_{dt}",
+                shapes=compress_shapes(dt, "int32", True),
+                attrs={},
+            )
+        )
+    cs.append(
+        dict(
+            op=SCATTER,
+            name="scatter_omni_int8",
+            shapes=compress_shapes("int8", "int64", True),
+            attrs={"compress_mode": "omni"},
+        )
+    )
+    cs.append(
+        dict(
+            op=SCATTER,
+            name="scatter_alibi_no_offsets",
+            shapes=compress_shapes("float16", "int32", False),
+            attrs={},
+        )
+    )
     for dt in ("float16", "bfloat16", "int8", "float32", "float8_e4m3fn"):
         for tnd in (False, True):
             for tbs in (1, 4):
-                cs.append(dict(op=GATHER, name=f"gather_{dt}_{'tnd' if tnd else 'bsnd'}_tbs{tbs}",
-                               shapes=gather_shapes(dt, tnd, tbs, rope=True),
-                               attrs={"selection_topk_block_size": tbs}))
-    cs.append(dict(op=GATHER, name="gather_c8_int8", shapes=gather_shapes("int8", False, 4, rope=False),
-                   attrs={"selection_topk_block_size": 4}))
-    cs.append(dict(op=GATHER, name="gather_host_full_cache", host=("full_kv_cache", "full_k_rope"),
-                   shapes=gather_shapes("bfloat16", False, 4, rope=True),
-                   attrs={"selection_topk_block_size": 4}))
-    cs.append(dict(op=GATHER, name="gather_alias_io_0", shapes=gather_shapes("float16", True, 1, rope=True),
-                   attrs={"selection_topk_block_size": 1, "alias_io": 0}))
+                cs.append(
+                    dict(
+                        op=GATHER,
+                        name=f"gather_{dt}_{'tnd' if tnd else 'bsnd'}_tbs{tbs}",
+                        shapes=gather_shapes(dt, tnd, tbs, rope=True),
+                        attrs={"selection_topk_block_size": tbs},
+                    )
+                )
+    cs.append(
+        dict(
+            op=GATHER,
+            name="gather_c8_int8",
+            shapes=gather_shapes("int8", False, 4, rope=False),
+            attrs={"selection_topk_block_size": 4},
+        )
+    )
+    cs.append(
+        dict(
+            op=GATHER,
+            name="gather_host_full_cache",
+            host=("full_kv_cache", "full_k_rope"),
+            shapes=gather_shapes("bfloat16", False, 4, rope=True),
+            attrs={"selection_topk_block_size": 4},
+        )
+    )
+    cs.append(
+        dict(
+            op=GATHER,
+            name="gather_alias_io_0",
+            shapes=gather_shapes("float16", True, 1, rope=True),
+            attrs={"selection_topk_block_size": 1, "alias_io": 0},
+        )
+    )
     return cs
 
 
@@ -126,7 +215,9 @@ def _write(path: Path, a: np.ndarray) -> None:
     path.write_bytes(np.ascontiguousarray(a).tobytes())
 
 
-def write_case(out: Path, case: dict, seed: int, feeds: Optional[Dict[str, np.ndarray]] = None) -> Dict:
+def write_case(
+    out: Path, case: dict, seed: int, feeds: dict[str, np.ndarray] | None = None
+) -> dict:
     model = single_op_model(case["op"], case["shapes"], **case["attrs"])
     feeds = feeds if feeds is not None else make_feeds(model, seed=seed)
     expected = runtime.run(model, feeds)
@@ -143,8 +234,12 @@ def write_case(out: Path, case: dict, seed: int, feeds: Optional[Dict[str, np.nd
         a = feeds[name] if name in feeds else inits[name]
         f = f"in{k}.bin"
         _write(d / f, a)
-        lines.append(f"input {name} {dtypes.name_of(a.dtype)} {a.ndim} "
-                     f"{' '.join(str(s) for s in a.shape)} {f}{' host' if name in host else ''}".replace("  ", " "))
+        lines.append(
+            f"input {name} {dtypes.name_of(a.dtype)} {a.ndim} "
+            f"{' '.join(str(s) for s in a.shape)} {f}{' host' if name in host else ''}".replace(
+                "  ", " "
+            )
+        )
     for k, name in enumerate(node.output):
         if name in expected:
             a = expected[name]
@@ -152,8 +247,10 @@ def write_case(out: Path, case: dict, seed: int, feeds: Optional[Dict[str, np.nd
             a = inits[node.input[specs.SCATTER_PA_KV_CACHE.aliased_input_index(k)]]
         f = f"out{k}.bin"
         _write(d / f, a)
-        lines.append(f"output {name} {dtypes.name_of(a.dtype)} {a.ndim} "
-                     f"{' '.join(str(s) for s in a.shape)} {f}".replace("  ", " "))
+        lines.append(
+            f"output {name} {dtypes.name_of(a.dtype)} {a.ndim} "
+            f"{' '.join(str(s) for s in a.shape)} {f}".replace("  ", " ")
+        )
     (d / "case.txt").write_text("\n".join(lines) + "\n")
     return {"feeds": feeds, "expected": expected}
 
@@ -174,8 +271,12 @@ def main(argv=None) -> int:
                 feeds[name] = r["expected"][name + "_out"]
             table = feeds["full_kv_block_table"]
             limit = table.shape[1] * case["shapes"]["full_kv_cache"].shape[1]
-            feeds["full_kv_actual_seq"] = np.minimum(feeds["full_kv_actual_seq"] + 1, limit).astype(np.int32)
-            write_case(args.out, dict(case, name=case["name"] + "_step2"), args.seed + i, feeds=feeds)
+            feeds["full_kv_actual_seq"] = np.minimum(feeds["full_kv_actual_seq"] + 1, limit).astype(
+                np.int32
+            )
+            write_case(
+                args.out, dict(case, name=case["name"] + "_step2"), args.seed + i, feeds=feeds
+            )
             n += 1
     print(f"wrote {n} cases to {args.out}")
     return 0

@@ -15,11 +15,31 @@ See docs/DATADIST.md.
 from .contract import TransferPlan, check_transfer, push_kv_blocks_reference
 from .llm_datadist import DEFAULT_OPTIONS, LlmDataDist, TransferHandle
 from .transport import nixl_unavailable_reason
-from .types import (Cache, CacheDesc, CacheIndex, KvCacheExtParam, LLMException,
-                    LLMParamInvalid, LLMRole, LLMStatus)
+from .types import (
+    Cache,
+    CacheDesc,
+    CacheIndex,
+    KvCacheExtParam,
+    LLMException,
+    LLMParamInvalid,
+    LLMRole,
+    LLMStatus,
+)
 
 __all__ = [
-    "Cache", "CacheDesc", "CacheIndex", "KvCacheExtParam", "LLMException", "LLMParamInvalid",
-    "LLMRole", "LLMStatus", "LlmDataDist", "TransferHandle", "TransferPlan", "DEFAULT_OPTIONS",
-    "check_transfer", "push_kv_blocks_reference", "nixl_unavailable_reason",
+    "Cache",
+    "CacheDesc",
+    "CacheIndex",
+    "KvCacheExtParam",
+    "LLMException",
+    "LLMParamInvalid",
+    "LLMRole",
+    "LLMStatus",
+    "LlmDataDist",
+    "TransferHandle",
+    "TransferPlan",
+    "DEFAULT_OPTIONS",
+    "check_transfer",
+    "push_kv_blocks_reference",
+    "nixl_unavailable_reason",
 ]

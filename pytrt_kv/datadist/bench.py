@@ -26,7 +26,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable, Dict, List
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -38,20 +39,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pytrt-kv bench datadist`` (besides the shared ``--quick``,
     ``--repeats``, ``--output``, ``--json``)."""
     g = parser.add_argument_group("datadist (pytrt-kv bench datadist)")
-    g.add_argument("--memory", choices=("host", "device", "pinned-to-device"), default="host",
-                   help="where the caches live (device variants need a GPU and the kernel "
-                        "library)")
+    g.add_argument(
+        "--memory",
+        choices=("host", "device", "pinned-to-device"),
+        default="host",
+        help="where the caches live (device variants need a GPU and the kernel library)",
+    )
     g.add_argument("--total-mib", type=float, default=64.0, help="MiB per push (default 64)")
     g.add_argument("--pushes", type=int, default=5, help="pushes per timed run (default 5)")
 
 
-def _median_times(fns: Dict[str, Callable[[], None]], pushes: int, repeats: int
-                  ) -> Dict[str, float]:
+def _median_times(
+    fns: dict[str, Callable[[], None]], pushes: int, repeats: int
+) -> dict[str, float]:
     """Median seconds per call of each function; the functions take turns within each
     repeat, so that load changes on a shared machine hit all of them alike."""
     for fn in fns.values():
         fn()  # warm: connections, registrations, first-touch of pages
-    times: Dict[str, List[float]] = {k: [] for k in fns}
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
             t0 = time.perf_counter()
@@ -66,12 +71,13 @@ class _Buffers:
 
     def __init__(self, memory: str, nb: int, block: int):
         self.memory, self.nb, self.block = memory, nb, block
-        self._keep: List[Any] = []
+        self._keep: list[Any] = []
         if memory == "host":
             from .memory import _aligned_host
 
-            self.src = _aligned_host(nb * block).reshape(nb, block)
-            self.dst = _aligned_host(nb * block).reshape(nb, block)
+            # Host blocks are NumPy arrays, device ones _cuda.DeviceArray / HostArray.
+            self.src: Any = _aligned_host(nb * block).reshape(nb, block)
+            self.dst: Any = _aligned_host(nb * block).reshape(nb, block)
             self.src[...] = np.random.default_rng(0).integers(0, 256, self.src.shape, np.uint8)
             self.dst[...] = 0
             self.src_place = self.dst_place = "host"
@@ -80,9 +86,11 @@ class _Buffers:
         from .. import _cuda
 
         dst = _cuda.DeviceArray((nb, block), np.uint8)
+        src: Any
         if memory == "device":
             src = _cuda.DeviceArray.from_numpy(
-                np.random.default_rng(0).integers(0, 256, (nb, block), np.uint8))
+                np.random.default_rng(0).integers(0, 256, (nb, block), np.uint8)
+            )
             self.src_place, self.src_addr = "device", src.ptr
         else:
             src = _cuda.HostArray((nb, block), np.uint8)
@@ -97,6 +105,7 @@ class _Buffers:
 
             def numpy_copy():
                 dst[db] = src[sb]
+
             return numpy_copy
         from .. import _cuda
 
@@ -104,8 +113,10 @@ class _Buffers:
         src = self.src.ptr if self.memory == "device" else self.src.address
 
         def memcpy():
-            _cuda.check_status(_cuda.kernels().pytrt_kv_copy(self.dst.ptr, src, nbytes, 0, 0),
-                               "cudaMemcpy")
+            _cuda.check_status(
+                _cuda.kernels().pytrt_kv_copy(self.dst.ptr, src, nbytes, 0, 0), "cudaMemcpy"
+            )
+
         return memcpy
 
     def check(self, sb: np.ndarray, db: np.ndarray) -> bool:
@@ -136,8 +147,9 @@ def _raw_pair(buf: _Buffers):
     return a, b, local, remote
 
 
-def bench_case(memory: str, block: int, pattern: str, total: int, pushes: int,
-               repeats: int) -> Dict[str, Any]:
+def bench_case(
+    memory: str, block: int, pattern: str, total: int, pushes: int, repeats: int
+) -> dict[str, Any]:
     from .llm_datadist import POLL_INTERVAL_S, LlmDataDist
     from .types import CacheDesc, CacheIndex, KvCacheExtParam
 
@@ -148,8 +160,13 @@ def bench_case(memory: str, block: int, pattern: str, total: int, pushes: int,
         sb = db = np.arange(nb)
     else:
         sb, db = rng.permutation(nb), rng.permutation(nb)
-    row: Dict[str, Any] = {"memory": memory, "block": block, "pattern": pattern,
-                           "blocks": nb, "mib": nb * block / 2**20}
+    row: dict[str, Any] = {
+        "memory": memory,
+        "block": block,
+        "pattern": pattern,
+        "blocks": nb,
+        "mib": nb * block / 2**20,
+    }
 
     p = LlmDataDist(1, "prompt", backend="nixl")
     d = LlmDataDist(2, "decoder", backend="nixl")
@@ -178,8 +195,9 @@ def bench_case(memory: str, block: int, pattern: str, total: int, pushes: int,
 
         wrapper()
         row["correct"] = buf.check(sb, db)
-        t = _median_times({"wrapper": wrapper, "raw": raw, "baseline": buf.baseline(sb, db)},
-                          pushes, repeats)
+        t = _median_times(
+            {"wrapper": wrapper, "raw": raw, "baseline": buf.baseline(sb, db)}, pushes, repeats
+        )
         t_wrap, t_raw, t_base = t["wrapper"], t["raw"], t["baseline"]
     finally:
         local.release()
@@ -187,59 +205,77 @@ def bench_case(memory: str, block: int, pattern: str, total: int, pushes: int,
         p.finalize()
         d.finalize()
     nbytes = nb * block
-    row.update(wrapper_gbs=nbytes / t_wrap / 1e9, raw_gbs=nbytes / t_raw / 1e9,
-               baseline_gbs=nbytes / t_base / 1e9, wrapper_ms=t_wrap * 1e3, raw_ms=t_raw * 1e3,
-               baseline_ms=t_base * 1e3)
+    row.update(
+        wrapper_gbs=nbytes / t_wrap / 1e9,
+        raw_gbs=nbytes / t_raw / 1e9,
+        baseline_gbs=nbytes / t_base / 1e9,
+        wrapper_ms=t_wrap * 1e3,
+        raw_ms=t_raw * 1e3,
+        baseline_ms=t_base * 1e3,
+    )
     row["wrapper_vs_raw"] = t_raw / t_wrap
     row["nixl_vs_baseline"] = t_base / t_raw
     row["met"] = row["wrapper_vs_raw"] >= TARGETS["wrapper_vs_raw"] and (
-        memory == "host" or row["nixl_vs_baseline"] >= TARGETS["gpu_vs_memcpy"])
+        memory == "host" or row["nixl_vs_baseline"] >= TARGETS["gpu_vs_memcpy"]
+    )
     return row
 
 
-def _machine() -> Dict[str, str]:
+def _machine() -> dict[str, str]:
     try:
         from importlib.metadata import version
+
         nixl_version = version("nixl")
     except Exception:
         nixl_version = "?"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
     except OSError:
         pass
-    return {"cpu": cpu, "cores": str(os.cpu_count()), "python": platform.python_version(),
-            "load": "%.1f" % os.getloadavg()[0],
-            "nixl": nixl_version,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "python": platform.python_version(),
+        "load": f"{os.getloadavg()[0]:.1f}",
+        "nixl": nixl_version,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
 
 
-def markdown(info: Dict[str, str], rows: List[Dict[str, Any]]) -> str:
+def markdown(info: dict[str, str], rows: list[dict[str, Any]]) -> str:
     base = "NumPy copy" if all(r["memory"] == "host" for r in rows) else "baseline"
-    lines = [f"{info['cpu']}, {info['cores']} cores (load average {info['load']} at the start), "
-             f"nixl {info['nixl']} (UCX), Python {info['python']}, {info['date']}", "",
-             f"| memory | block | pattern | blocks | MiB/push | wrapper GB/s | raw NIXL GB/s | "
-             f"wrapper/raw | {base} GB/s | NIXL/{base} | correct |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{info['cpu']}, {info['cores']} cores (load average {info['load']} at the start), "
+        f"nixl {info['nixl']} (UCX), Python {info['python']}, {info['date']}",
+        "",
+        f"| memory | block | pattern | blocks | MiB/push | wrapper GB/s | raw NIXL GB/s | "
+        f"wrapper/raw | {base} GB/s | NIXL/{base} | correct |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         blk = f"{r['block'] >> 10} KiB" if r["block"] < 1 << 20 else f"{r['block'] >> 20} MiB"
-        lines.append(f"| {r['memory']} | {blk} | {r['pattern']} | {r['blocks']} | "
-                     f"{r['mib']:.0f} | {r['wrapper_gbs']:.2f} | {r['raw_gbs']:.2f} | "
-                     f"{r['wrapper_vs_raw']:.2f} | {r['baseline_gbs']:.2f} | "
-                     f"{r['nixl_vs_baseline']:.2f} | {'yes' if r['correct'] else 'NO'} |")
+        lines.append(
+            f"| {r['memory']} | {blk} | {r['pattern']} | {r['blocks']} | "
+            f"{r['mib']:.0f} | {r['wrapper_gbs']:.2f} | {r['raw_gbs']:.2f} | "
+            f"{r['wrapper_vs_raw']:.2f} | {r['baseline_gbs']:.2f} | "
+            f"{r['nixl_vs_baseline']:.2f} | {'yes' if r['correct'] else 'NO'} |"
+        )
     return "\n".join(lines + [""] + chart(rows, base)) + "\n"
 
 
-def chart(rows: List[Dict[str, Any]], base: str, width: int = 40) -> List[str]:
+def chart(rows: list[dict[str, Any]], base: str, width: int = 40) -> list[str]:
     """A text bar chart of the table's three throughputs (renders in any Markdown)."""
     top = max(max(r["wrapper_gbs"], r["raw_gbs"], r["baseline_gbs"]) for r in rows) or 1.0
     out = ["```", f"GB/s (bar = {top / width:.3f} GB/s)"]
     for r in rows:
         blk = f"{r['block'] >> 10} KiB" if r["block"] < 1 << 20 else f"{r['block'] >> 20} MiB"
-        for i, (name, key) in enumerate((("wrapper", "wrapper_gbs"), ("raw NIXL", "raw_gbs"),
-                                         (base, "baseline_gbs"))):
+        for i, (name, key) in enumerate(
+            (("wrapper", "wrapper_gbs"), ("raw NIXL", "raw_gbs"), (base, "baseline_gbs"))
+        ):
             label = f"{blk} {r['pattern']}" if i == 0 else ""
             bar = "#" * max(1, round(r[key] / top * width))
             out.append(f"{label:<18} {name:<10} {bar} {r[key]:.2f}")
@@ -257,17 +293,22 @@ def run(args: argparse.Namespace) -> int:
     pushes = 1 if args.quick else args.pushes
     repeats = 1 if args.quick else args.repeats
     info = _machine()
-    print(f"pytrt-kv bench datadist ({args.memory} memory, {total / 2**20:.0f} MiB per push) "
-          f"on {info['cpu']}, {info['date']}")
+    print(
+        f"pytrt-kv bench datadist ({args.memory} memory, {total / 2**20:.0f} MiB per push) "
+        f"on {info['cpu']}, {info['date']}"
+    )
     rows = []
     for block in BLOCK_SIZES:
         for pattern in ("contiguous", "scattered"):
             if block > total:
                 continue
             r = bench_case(args.memory, block, pattern, total, pushes, repeats)
-            print(f"  {block >> 10:>5} KiB {pattern:<10} wrapper {r['wrapper_gbs']:6.2f} GB/s  "
-                  f"raw {r['raw_gbs']:6.2f} GB/s  ({r['wrapper_vs_raw']:.2f})  baseline "
-                  f"{r['baseline_gbs']:6.2f} GB/s", flush=True)
+            print(
+                f"  {block >> 10:>5} KiB {pattern:<10} wrapper {r['wrapper_gbs']:6.2f} GB/s  "
+                f"raw {r['raw_gbs']:6.2f} GB/s  ({r['wrapper_vs_raw']:.2f})  baseline "
+                f"{r['baseline_gbs']:6.2f} GB/s",
+                flush=True,
+            )
             rows.append(r)
     text = markdown(info, rows)
     print()

@@ -8,12 +8,13 @@ has accepted the whole call, so a refused call transfers nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
-from .._errors import describe
+from ..contract.errors import describe
 from .types import CacheDesc, KvCacheExtParam, LLMRole, param_invalid
 
 
@@ -29,8 +30,8 @@ class TransferPlan:
     block_bytes : int
     """
 
-    src_tensors: Tuple[int, ...]
-    dst_tensors: Tuple[int, ...]
+    src_tensors: tuple[int, ...]
+    dst_tensors: tuple[int, ...]
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
     block_bytes: int
@@ -44,7 +45,7 @@ class TransferPlan:
     def nbytes(self) -> int:
         return self.num_copies * self.block_bytes
 
-    def descriptor_indices(self, src_nb: int, dst_nb: int) -> Tuple[np.ndarray, np.ndarray]:
+    def descriptor_indices(self, src_nb: int, dst_nb: int) -> tuple[np.ndarray, np.ndarray]:
         """Indices into per-cache descriptor lists whose entry ``t * NB + b`` is block ``b``
         of tensor ``t``: int32 arrays [U * N], tensor-major, so that consecutive blocks stay
         adjacent (NIXL merges descriptors adjacent on both sides into one)."""
@@ -54,10 +55,10 @@ class TransferPlan:
         dst = (dt * dst_nb + self.dst_blocks[None, :]).reshape(-1)
         return src.astype(np.int32), dst.astype(np.int32)
 
-    def runs(self) -> List[Tuple[int, int, int, int, int]]:
+    def runs(self) -> list[tuple[int, int, int, int, int]]:
         """Maximal runs ``(src_tensor, dst_tensor, src_block, dst_block, count)`` of blocks
         consecutive on both sides, in plan order: the fewest copies that move the plan."""
-        out: List[Tuple[int, int, int, int, int]] = []
+        out: list[tuple[int, int, int, int, int]] = []
         n = len(self.src_blocks)
         if n == 0:
             return out
@@ -71,7 +72,7 @@ class TransferPlan:
         return out
 
 
-def _layer_tensors(arg: str, layer_range: Any, num_tensors: int, tnpl: int) -> Tuple[int, ...]:
+def _layer_tensors(arg: str, layer_range: Any, num_tensors: int, tnpl: int) -> tuple[int, ...]:
     """Tensors ``[first*tnpl, (second+1)*tnpl)`` of a layer range checked against its own
     side (docs/SPEC.md D2, D4)."""
     max_layer = num_tensors // tnpl - 1
@@ -84,9 +85,12 @@ def _layer_tensors(arg: str, layer_range: Any, num_tensors: int, tnpl: int) -> T
     if (first, second) == (-1, -1):
         return tuple(range(num_tensors))
     if not 0 <= first <= second <= max_layer:
-        raise param_invalid(arg, f"(-1, -1) or 0 <= first <= second <= max layer {max_layer} "
-                                 f"(num_tensors {num_tensors} / tensor_num_per_layer {tnpl} - 1)",
-                            (first, second))
+        raise param_invalid(
+            arg,
+            f"(-1, -1) or 0 <= first <= second <= max layer {max_layer} "
+            f"(num_tensors {num_tensors} / tensor_num_per_layer {tnpl} - 1)",
+            (first, second),
+        )
     return tuple(range(first * tnpl, (second + 1) * tnpl))
 
 
@@ -97,8 +101,9 @@ def _block_ids(arg: str, blocks: Any, nb: int) -> np.ndarray:
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         if a.size == 0 and a.ndim == 1:
             return np.zeros(0, np.int64)
-        raise param_invalid(arg, "a 1-D sequence of int block ids",
-                            f"{a.dtype} array of shape {list(a.shape)}")
+        raise param_invalid(
+            arg, "a 1-D sequence of int block ids", f"{a.dtype} array of shape {list(a.shape)}"
+        )
     a = a.astype(np.int64)
     bad = np.flatnonzero((a < 0) | (a >= nb))
     if bad.size:
@@ -107,9 +112,16 @@ def _block_ids(arg: str, blocks: Any, nb: int) -> np.ndarray:
     return a
 
 
-def check_transfer(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: Any,
-                   ext_param: Optional[KvCacheExtParam] = None, *,
-                   op: str = "push", role: Optional[LLMRole] = None) -> TransferPlan:
+def check_transfer(
+    src: CacheDesc,
+    dst: CacheDesc,
+    src_blocks: Any,
+    dst_blocks: Any,
+    ext_param: KvCacheExtParam | None = None,
+    *,
+    op: str = "push",
+    role: LLMRole | None = None,
+) -> TransferPlan:
     """Check one push/pull against docs/SPEC.md D4 and return its plan.
 
     Parameters
@@ -130,8 +142,11 @@ def check_transfer(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: 
     if role is not None:
         need = LLMRole.PROMPT if op == "push" else LLMRole.DECODER
         if role is not need:
-            raise param_invalid("role", f"{op} only from a {need.value} node (docs/SPEC.md D4)",
-                                f"a {role.value} node")
+            raise param_invalid(
+                "role",
+                f"{op} only from a {need.value} node (docs/SPEC.md D4)",
+                f"a {role.value} node",
+            )
     ext = KvCacheExtParam() if ext_param is None else ext_param
     if not isinstance(ext, KvCacheExtParam):
         raise param_invalid("ext_param", "a KvCacheExtParam", describe(ext))
@@ -141,29 +156,39 @@ def check_transfer(src: CacheDesc, dst: CacheDesc, src_blocks: Any, dst_blocks: 
     tnpl = int(tnpl)
     for side, desc in (("source", src), ("destination", dst)):
         if not 1 <= tnpl <= desc.num_tensors or desc.num_tensors % tnpl:
-            raise param_invalid("ext_param.tensor_num_per_layer",
-                                f"a divisor of the {side} cache's num_tensors "
-                                f"{desc.num_tensors} in [1, {desc.num_tensors}]", tnpl)
+            raise param_invalid(
+                "ext_param.tensor_num_per_layer",
+                f"a divisor of the {side} cache's num_tensors "
+                f"{desc.num_tensors} in [1, {desc.num_tensors}]",
+                tnpl,
+            )
     st = _layer_tensors("ext_param.src_layer_range", ext.src_layer_range, src.num_tensors, tnpl)
     dt = _layer_tensors("ext_param.dst_layer_range", ext.dst_layer_range, dst.num_tensors, tnpl)
     if len(st) != len(dt):
-        raise param_invalid("ext_param.dst_layer_range",
-                            f"as many layers as src_layer_range ({len(st) // tnpl})",
-                            f"{len(dt) // tnpl} layers")
+        raise param_invalid(
+            "ext_param.dst_layer_range",
+            f"as many layers as src_layer_range ({len(st) // tnpl})",
+            f"{len(dt) // tnpl} layers",
+        )
     sb = _block_ids("src_blocks", src_blocks, src.num_blocks)
     db = _block_ids("dst_blocks", dst_blocks, dst.num_blocks)
     if len(sb) != len(db):
         raise param_invalid("dst_blocks", f"as many ids as src_blocks ({len(sb)})", len(db))
     counts = np.bincount(db, minlength=dst.num_blocks) if len(db) else np.zeros(1, np.int64)
     if counts.max() > 1:  # ids are in range here; bincount is O(N + NB), np.unique sorts
-        raise param_invalid("dst_blocks", "distinct destination block ids",
-                            f"block {int(np.argmax(counts > 1))} more than once")
+        raise param_invalid(
+            "dst_blocks",
+            "distinct destination block ids",
+            f"block {int(np.argmax(counts > 1))} more than once",
+        )
     if src.data_type != dst.data_type:
         raise param_invalid("dst cache data_type", f"the source's {src.data_type}", dst.data_type)
     if src.block_bytes != dst.block_bytes:
-        raise param_invalid("dst cache block_bytes",
-                            f"the source's {src.block_bytes} (shape {list(src.shape)})",
-                            f"{dst.block_bytes} (shape {list(dst.shape)})")
+        raise param_invalid(
+            "dst cache block_bytes",
+            f"the source's {src.block_bytes} (shape {list(src.shape)})",
+            f"{dst.block_bytes} (shape {list(dst.shape)})",
+        )
     return TransferPlan(st, dt, sb, db, src.block_bytes)
 
 
@@ -171,21 +196,27 @@ def desc_of_arrays(arg: str, tensors: Sequence[Any], placement: str = "host") ->
     """The :class:`CacheDesc` of equal-shaped, equal-dtype NumPy arrays (the reference's
     caches)."""
     if isinstance(tensors, np.ndarray) or not isinstance(tensors, (list, tuple)) or not tensors:
-        raise TypeError(f"{arg}: expected a non-empty list of NumPy arrays, got "
-                        f"{describe(tensors)}")
+        raise TypeError(
+            f"{arg}: expected a non-empty list of NumPy arrays, got {describe(tensors)}"
+        )
     first = tensors[0]
     for i, t in enumerate(tensors):
         if not isinstance(t, np.ndarray):
             raise TypeError(f"{arg}[{i}]: expected a NumPy array, got {describe(t)}")
         if t.shape != first.shape or t.dtype != first.dtype:
-            raise ValueError(f"{arg}[{i}]: expected {describe(first)} like {arg}[0], got "
-                             f"{describe(t)}")
+            raise ValueError(
+                f"{arg}[{i}]: expected {describe(first)} like {arg}[0], got {describe(t)}"
+            )
     return CacheDesc(len(tensors), first.shape, first.dtype, placement)
 
 
-def push_kv_blocks_reference(src_cache: Sequence[np.ndarray], dst_cache: Sequence[np.ndarray],
-                             src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                             ext_param: Optional[KvCacheExtParam] = None) -> List[np.ndarray]:
+def push_kv_blocks_reference(
+    src_cache: Sequence[np.ndarray],
+    dst_cache: Sequence[np.ndarray],
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    ext_param: KvCacheExtParam | None = None,
+) -> list[np.ndarray]:
     """NumPy reference of PushKvBlocks (docs/SPEC.md D2-D4): the destination after the push.
 
     Parameters

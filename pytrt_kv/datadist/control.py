@@ -13,7 +13,8 @@ import json
 import socket
 import struct
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 #: Refuse messages larger than this (a table of thousands of caches is far below it).
 MAX_MESSAGE = 64 << 20
@@ -31,12 +32,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def send_message(sock: socket.socket, msg: Dict[str, Any]) -> None:
+def send_message(sock: socket.socket, msg: dict[str, Any]) -> None:
     data = json.dumps(msg).encode()
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_message(sock: socket.socket) -> Dict[str, Any]:
+def recv_message(sock: socket.socket) -> dict[str, Any]:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > MAX_MESSAGE:
         raise ConnectionError(f"control channel: message of {n} bytes refused")
@@ -46,7 +47,7 @@ def recv_message(sock: socket.socket) -> Dict[str, Any]:
     return msg
 
 
-def request(address: Tuple[str, int], msg: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
+def request(address: tuple[str, int], msg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Send ``msg`` to a node's control server and return its reply.
 
     Raises
@@ -74,8 +75,13 @@ class ControlServer:
         ``{"error": message}``.
     """
 
-    def __init__(self, host: str, port: int, handler: Callable[[Dict[str, Any]], Dict[str, Any]],
-                 timeout_s: float = 5.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: Callable[[dict[str, Any]], dict[str, Any]],
+        timeout_s: float = 5.0,
+    ):
         self._handler = handler
         self._timeout = timeout_s
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -88,18 +94,18 @@ class ControlServer:
             raise
         # Bounded accept so that close() is noticed promptly.
         self._sock.settimeout(0.1)
-        self.address: Tuple[str, int] = self._sock.getsockname()[:2]
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name=f"pytrt_kv-datadist-control"
-                                                                  f"-{self.address[1]}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name=f"pytrt_kv-datadist-control-{self.address[1]}", daemon=True
+        )
         self._thread.start()
 
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -118,7 +124,7 @@ class ControlServer:
                 except OSError:
                     continue
 
-    def close(self, timeout_s: Optional[float] = 2.0) -> None:
+    def close(self, timeout_s: float | None = 2.0) -> None:
         self._stop.set()
         try:
             self._sock.close()

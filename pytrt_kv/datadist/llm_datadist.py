@@ -24,22 +24,31 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any
 
-from .._errors import describe
+from ..contract.errors import describe
 from . import control, memory
 from .contract import check_transfer
 from .transport import READ, WRITE, CacheInfo, Transport, Xfer, make_transport
-from .types import (Cache, CacheDesc, CacheIndex, KvCacheExtParam, LLMException, LLMRole,
-                    LLMStatus, param_invalid)
+from .types import (
+    Cache,
+    CacheDesc,
+    CacheIndex,
+    KvCacheExtParam,
+    LLMException,
+    LLMRole,
+    LLMStatus,
+    param_invalid,
+)
 
 #: Options and their defaults (``LlmDataDist(..., options={...})``).
-DEFAULT_OPTIONS: Dict[str, Any] = {
-    "timeout_s": 5.0,           # default timeout of push/pull and wait()
-    "control_timeout_s": 2.0,   # each control-channel request (link, table, drop, bye)
-    "local.latency_s": 0.0,     # "local" backend: simulated transfer latency
-    "nixl.backends": ["UCX"],   # "nixl" backend: NIXL backends to create
+DEFAULT_OPTIONS: dict[str, Any] = {
+    "timeout_s": 5.0,  # default timeout of push/pull and wait()
+    "control_timeout_s": 2.0,  # each control-channel request (link, table, drop, bye)
+    "local.latency_s": 0.0,  # "local" backend: simulated transfer latency
+    "nixl.backends": ["UCX"],  # "nixl" backend: NIXL backends to create
     "nixl.num_threads": 0,
 }
 _NOTIF = "pytrt_kv.dd1"
@@ -51,8 +60,8 @@ _PROBE_EVERY_S = 0.2
 class _Peer:
     cluster_id: int
     agent: str
-    address: Tuple[str, int]
-    caches: Dict[int, CacheInfo] = field(default_factory=dict)
+    address: tuple[str, int]
+    caches: dict[int, CacheInfo] = field(default_factory=dict)
     broken: bool = False
 
 
@@ -65,7 +74,7 @@ def _poll_sleep(start: float) -> None:
     time.sleep(POLL_INTERVAL_S)
 
 
-def _parse_address(arg: str, c: Any) -> Tuple[str, int]:
+def _parse_address(arg: str, c: Any) -> tuple[str, int]:
     if isinstance(c, str) and ":" in c:
         host, _, port = c.rpartition(":")
         c = (host, port)
@@ -84,11 +93,10 @@ class TransferHandle:
     or times out; after a TIMEOUT the destination blocks are undefined (docs/SPEC.md D5).
     """
 
-    def __init__(self, dd: "LlmDataDist", xfer: Optional[Xfer], tag: str, peer: _Peer,
-                 timeout_s: float):
+    def __init__(self, dd: LlmDataDist, xfer: Xfer | None, tag: str, peer: _Peer, timeout_s: float):
         self._dd, self._xfer, self.tag, self._peer = dd, xfer, tag, peer
         self.timeout_s = timeout_s
-        self._error: Optional[LLMException] = None
+        self._error: LLMException | None = None
         self._done = xfer is None
 
     @property
@@ -114,8 +122,10 @@ class TransferHandle:
             raise self._error
         if self._done:
             return True
+        xfer = self._xfer
+        assert xfer is not None  # not done, so the transfer is still held
         try:
-            state = self._xfer.state()
+            state = xfer.state()
         except LLMException as exc:
             self._fail(exc)
         if state == "DONE":
@@ -123,7 +133,7 @@ class TransferHandle:
             self._release()
         return self._done
 
-    def wait(self, timeout_s: Optional[float] = None) -> None:
+    def wait(self, timeout_s: float | None = None) -> None:
         """Block until complete, at most ``timeout_s`` (default: the call's timeout).
 
         Raises
@@ -137,16 +147,24 @@ class TransferHandle:
         while not self.done():
             now = time.monotonic()
             if now - start >= timeout:
-                self._fail(LLMException(LLMStatus.TIMEOUT,
-                                        f"transfer {self.tag!r} not complete within {timeout} s; "
-                                        f"its handle was released and the destination blocks "
-                                        f"are undefined (docs/SPEC.md D5)"))
+                self._fail(
+                    LLMException(
+                        LLMStatus.TIMEOUT,
+                        f"transfer {self.tag!r} not complete within {timeout} s; "
+                        f"its handle was released and the destination blocks "
+                        f"are undefined (docs/SPEC.md D5)",
+                    )
+                )
             if now >= next_probe:
                 next_probe = now + _PROBE_EVERY_S
                 if not self._dd._peer_alive(self._peer):
-                    self._fail(LLMException(LLMStatus.NOT_YET_LINK,
-                                            f"cluster {self._peer.cluster_id} went away during "
-                                            f"transfer {self.tag!r}"))
+                    self._fail(
+                        LLMException(
+                            LLMStatus.NOT_YET_LINK,
+                            f"cluster {self._peer.cluster_id} went away during "
+                            f"transfer {self.tag!r}",
+                        )
+                    )
             _poll_sleep(start)
 
 
@@ -181,8 +199,14 @@ class LlmDataDist:
     >>> p.finalize(); d.finalize()
     """
 
-    def __init__(self, cluster_id: int, role: Any, *, backend: str = "nixl",
-                 options: Optional[Dict[str, Any]] = None):
+    def __init__(
+        self,
+        cluster_id: int,
+        role: Any,
+        *,
+        backend: str = "nixl",
+        options: dict[str, Any] | None = None,
+    ):
         if isinstance(cluster_id, bool) or not isinstance(cluster_id, int) or cluster_id < 0:
             raise TypeError(f"cluster_id: expected an int >= 0, got {cluster_id!r}")
         if backend not in ("nixl", "local"):
@@ -190,24 +214,25 @@ class LlmDataDist:
         opts = dict(DEFAULT_OPTIONS)
         unknown = sorted(set(options or {}) - set(DEFAULT_OPTIONS))
         if unknown:
-            raise ValueError(f"options: unknown keys {unknown}; expected some of "
-                             f"{sorted(DEFAULT_OPTIONS)}")
+            raise ValueError(
+                f"options: unknown keys {unknown}; expected some of {sorted(DEFAULT_OPTIONS)}"
+            )
         opts.update(options or {})
         self.cluster_id = cluster_id
         self.role = LLMRole.of(role)
         self.backend = backend
         self.options = opts
         self._lock = threading.RLock()
-        self._transport: Optional[Transport] = None
-        self._server: Optional[control.ControlServer] = None
-        self._caches: Dict[int, Cache] = {}
-        self._peers: Dict[int, _Peer] = {}
+        self._transport: Transport | None = None
+        self._server: control.ControlServer | None = None
+        self._caches: dict[int, Cache] = {}
+        self._peers: dict[int, _Peer] = {}
         self._ids = itertools.count(1)
         self._generations = itertools.count(1)
         self._tags = itertools.count(1)
         self._received: set = set()
         self._stale: set = set()
-        self.listen_address: Optional[Tuple[str, int]] = None
+        self.listen_address: tuple[str, int] | None = None
 
     # --- life cycle -----------------------------------------------------------------------
 
@@ -219,12 +244,14 @@ class LlmDataDist:
         name = f"pytrt_kv-{self.cluster_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         transport = make_transport(self.backend, name, self.options)
         try:
-            self._server = control.ControlServer(listen_ip, int(listen_port), self._handle,
-                                                 float(self.options["control_timeout_s"]))
+            self._server = control.ControlServer(
+                listen_ip, int(listen_port), self._handle, float(self.options["control_timeout_s"])
+            )
         except OSError as exc:
             transport.close()
-            raise LLMException(LLMStatus.FAILED, f"initialize: cannot listen on "
-                                                 f"{listen_ip}:{listen_port}: {exc}") from exc
+            raise LLMException(
+                LLMStatus.FAILED, f"initialize: cannot listen on {listen_ip}:{listen_port}: {exc}"
+            ) from exc
         self._transport = transport
         self.listen_address = self._server.address
 
@@ -247,7 +274,7 @@ class LlmDataDist:
         self._transport.close()
         self._transport = None
 
-    def __enter__(self) -> "LlmDataDist":
+    def __enter__(self) -> LlmDataDist:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -286,25 +313,32 @@ class LlmDataDist:
             raise TypeError(f"cache_desc: expected a CacheDesc, got {describe(cache_desc)}")
         self._require()
         if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Sequence):
-            raise TypeError(f"tensors: expected a list of {cache_desc.num_tensors} tensors, got "
-                            f"{describe(tensors)}")
+            raise TypeError(
+                f"tensors: expected a list of {cache_desc.num_tensors} tensors, got "
+                f"{describe(tensors)}"
+            )
         if len(tensors) != cache_desc.num_tensors:
-            raise ValueError(f"tensors: expected {cache_desc.num_tensors} tensors "
-                             f"(cache_desc.num_tensors), got {len(tensors)}")
-        addrs = tuple(memory.tensor_address(f"tensors[{i}]", t, cache_desc)
-                      for i, t in enumerate(tensors))
+            raise ValueError(
+                f"tensors: expected {cache_desc.num_tensors} tensors "
+                f"(cache_desc.num_tensors), got {len(tensors)}"
+            )
+        addrs = tuple(
+            memory.tensor_address(f"tensors[{i}]", t, cache_desc) for i, t in enumerate(tensors)
+        )
         order = sorted(range(len(addrs)), key=lambda i: addrs[i])
         for a, b in zip(order, order[1:]):
             if addrs[a] + cache_desc.tensor_bytes > addrs[b]:
-                raise ValueError(f"tensors[{b}]: expected memory of its own, got an overlap "
-                                 f"with tensors[{a}]")
+                raise ValueError(
+                    f"tensors[{b}]: expected memory of its own, got an overlap with tensors[{a}]"
+                )
         return self._add_cache(cache_desc, list(tensors), addrs, owned=False)
 
-    def _add_cache(self, desc: CacheDesc, tensors: List[Any], addrs: Tuple[int, ...],
-                   owned: bool) -> Cache:
+    def _add_cache(
+        self, desc: CacheDesc, tensors: list[Any], addrs: tuple[int, ...], owned: bool
+    ) -> Cache:
         with self._lock:
             cache = Cache(next(self._ids), desc, addrs, tensors, next(self._generations), owned)
-            cache._backend_state = self._transport.register(self._info(cache))
+            cache._backend_state = self._require().register(self._info(cache))
             self._caches[cache.cache_id] = cache
         return cache
 
@@ -324,18 +358,24 @@ class LlmDataDist:
         with self._lock:
             if not isinstance(cache, Cache) or self._caches.get(cache.cache_id) is not cache:
                 what = cache.cache_id if isinstance(cache, Cache) else describe(cache)
-                raise LLMException(LLMStatus.KV_CACHE_NOT_EXIST,
-                                   f"cache: not a live cache of cluster {self.cluster_id}: {what}")
+                raise LLMException(
+                    LLMStatus.KV_CACHE_NOT_EXIST,
+                    f"cache: not a live cache of cluster {self.cluster_id}: {what}",
+                )
             del self._caches[cache.cache_id]
             peers = [p for p in self._peers.values() if not p.broken]
-        msg = {"op": "drop", "from": self.cluster_id, "cache_id": cache.cache_id,
-               "generation": cache.generation}
+        msg = {
+            "op": "drop",
+            "from": self.cluster_id,
+            "cache_id": cache.cache_id,
+            "generation": cache.generation,
+        }
         for peer in peers:
             try:
                 control.request(peer.address, msg, float(self.options["control_timeout_s"]))
             except OSError:
                 peer.broken = True
-        self._transport.deregister(cache._backend_state)
+        self._require().deregister(cache._backend_state)
         cache._backend_state = None
         if cache.owned:
             for t in cache.tensors:
@@ -345,51 +385,58 @@ class LlmDataDist:
 
     # --- metadata and links ---------------------------------------------------------------
 
-    def _metadata(self) -> Dict[str, Any]:
+    def _metadata(self) -> dict[str, Any]:
         transport = self._require()
         with self._lock:
             caches = [self._info(c).to_dict() for c in self._caches.values()]
-        return {"version": 1, "cluster_id": self.cluster_id, "role": self.role.value,
-                "backend": self.backend, "agent": transport.name,
-                "address": list(self.listen_address), "transport": transport.metadata(),
-                "caches": caches}
+        return {
+            "version": 1,
+            "cluster_id": self.cluster_id,
+            "role": self.role.value,
+            "backend": self.backend,
+            "agent": transport.name,
+            "address": list(self.listen_address or ()),  # initialized: an address
+            "transport": transport.metadata(),
+            "caches": caches,
+        }
 
     def local_metadata(self) -> bytes:
         """This node as a peer sees it (JSON): cluster id, role, control address,
         transport metadata, and each cache's id, generation, layout and addresses."""
         return json.dumps(self._metadata()).encode()
 
-    def _apply_metadata(self, md: Dict[str, Any]) -> _Peer:
+    def _apply_metadata(self, md: dict[str, Any]) -> _Peer:
         """Load a peer's metadata: (re)load its transport metadata and its cache table."""
         if md.get("version") != 1 or md.get("backend") != self.backend:
-            raise LLMException(LLMStatus.FAILED,
-                               f"peer metadata: expected a version-1 {self.backend!r} node, "
-                               f"got version {md.get('version')} backend {md.get('backend')!r}")
+            raise LLMException(
+                LLMStatus.FAILED,
+                f"peer metadata: expected a version-1 {self.backend!r} node, "
+                f"got version {md.get('version')} backend {md.get('backend')!r}",
+            )
         cid = int(md["cluster_id"])
         if cid == self.cluster_id:
             raise LLMException(LLMStatus.FAILED, f"peer has this node's own cluster_id {cid}")
-        self._transport.add_peer(md["agent"], md["transport"])
+        self._require().add_peer(md["agent"], md["transport"])
         caches = {int(c["cache_id"]): CacheInfo.from_dict(c) for c in md["caches"]}
         with self._lock:
             peer = self._peers.get(cid)
             if peer is None or peer.agent != md["agent"]:
                 if peer is not None:  # the cluster restarted: a new agent
-                    self._transport.remove_peer(peer.agent)
+                    self._require().remove_peer(peer.agent)
                 peer = _Peer(cid, md["agent"], tuple(md["address"]))
                 self._peers[cid] = peer
             self._set_caches(peer, caches)
             peer.broken = False
         return peer
 
-    def _set_caches(self, peer: _Peer, caches: Dict[int, CacheInfo]) -> None:
+    def _set_caches(self, peer: _Peer, caches: dict[int, CacheInfo]) -> None:
         for cid, old in list(peer.caches.items()):
             new = caches.get(cid)
             if new is None or new.generation != old.generation:
-                self._transport.forget_remote(peer.agent, old)
+                self._require().forget_remote(peer.agent, old)
         peer.caches = caches
 
-    def link_clusters(self, clusters: Iterable[Any], timeout_s: Optional[float] = None
-                      ) -> List[int]:
+    def link_clusters(self, clusters: Iterable[Any], timeout_s: float | None = None) -> list[int]:
         """Link to peers listening at ``clusters`` (``(ip, port)`` pairs or ``"ip:port"``).
 
         Both sides learn each other's caches and transport metadata. Returns the peers'
@@ -409,16 +456,15 @@ class LlmDataDist:
             try:
                 reply = control.request(addr, {"op": "hello", "md": self._metadata()}, timeout)
             except OSError as exc:
-                raise LLMException(LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]}: {exc}") \
-                    from exc
+                raise LLMException(LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]}: {exc}") from exc
             if "error" in reply:
-                raise LLMException(LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]} refused: "
-                                                     f"{reply['error']}")
+                raise LLMException(
+                    LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]} refused: {reply['error']}"
+                )
             linked.append(self._apply_metadata(reply["md"]).cluster_id)
         return linked
 
-    def unlink_clusters(self, cluster_ids: Iterable[int], timeout_s: Optional[float] = None
-                        ) -> None:
+    def unlink_clusters(self, cluster_ids: Iterable[int], timeout_s: float | None = None) -> None:
         """End links on both sides (the peer is told, bounded by ``timeout_s``).
 
         Raises
@@ -433,20 +479,23 @@ class LlmDataDist:
                 peer = self._peers.pop(cid, None)
             if peer is None:
                 raise LLMException(LLMStatus.NOT_YET_LINK, f"cluster {cid} is not linked")
-            self._transport.remove_peer(peer.agent)
+            self._require().remove_peer(peer.agent)
             if not peer.broken:
                 try:
-                    control.request(peer.address, {"op": "bye", "from": self.cluster_id,
-                                                   "agent": self._transport.name}, timeout)
+                    control.request(
+                        peer.address,
+                        {"op": "bye", "from": self.cluster_id, "agent": self._require().name},
+                        timeout,
+                    )
                 except OSError:
                     pass  # gone already: nothing to tell
 
-    def linked_clusters(self) -> List[int]:
+    def linked_clusters(self) -> list[int]:
         """Cluster ids linked now (a broken link is listed until unlinked)."""
         with self._lock:
             return sorted(self._peers)
 
-    def _handle(self, msg: Dict[str, Any]) -> Dict[str, Any]:
+    def _handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Control requests from peers (server thread)."""
         op = msg.get("op")
         if op == "hello":
@@ -462,13 +511,13 @@ class LlmDataDist:
                     old = peer.caches.get(int(msg["cache_id"]))
                     if old is not None and old.generation == int(msg["generation"]):
                         del peer.caches[old.cache_id]
-                        self._transport.forget_remote(peer.agent, old)
+                        self._require().forget_remote(peer.agent, old)
             return {}
         if op == "bye":
             if peer is not None and peer.agent == msg.get("agent"):
                 with self._lock:
                     self._peers.pop(peer.cluster_id, None)
-                self._transport.remove_peer(peer.agent)
+                self._require().remove_peer(peer.agent)
             return {}
         return {"error": f"unknown request {op!r}"}
 
@@ -488,39 +537,49 @@ class LlmDataDist:
             raise param_invalid(arg, "a Cache from allocate_cache/register_cache", describe(cache))
         with self._lock:
             if self._caches.get(cache.cache_id) is not cache:
-                raise LLMException(LLMStatus.KV_CACHE_NOT_EXIST,
-                                   f"{arg}: cache {cache.cache_id} is not registered in cluster "
-                                   f"{self.cluster_id} (deallocated?)")
+                raise LLMException(
+                    LLMStatus.KV_CACHE_NOT_EXIST,
+                    f"{arg}: cache {cache.cache_id} is not registered in cluster "
+                    f"{self.cluster_id} (deallocated?)",
+                )
         return cache
 
-    def _remote_cache(self, arg: str, index: Any) -> Tuple[_Peer, CacheInfo]:
+    def _remote_cache(self, arg: str, index: Any) -> tuple[_Peer, CacheInfo]:
         if not isinstance(index, CacheIndex):
             raise param_invalid(arg, "a CacheIndex(cluster_id, cache_id)", describe(index))
         if index.batch_index != 0:
-            raise param_invalid(f"{arg}.batch_index", "0 (blocks are addressed by id)",
-                                index.batch_index)
+            raise param_invalid(
+                f"{arg}.batch_index", "0 (blocks are addressed by id)", index.batch_index
+            )
         with self._lock:
             peer = self._peers.get(index.cluster_id)
         if peer is None or peer.broken:
-            raise LLMException(LLMStatus.NOT_YET_LINK,
-                               f"{arg}: cluster {index.cluster_id} is not linked"
-                               + (" (the link broke)" if peer is not None else ""))
+            raise LLMException(
+                LLMStatus.NOT_YET_LINK,
+                f"{arg}: cluster {index.cluster_id} is not linked"
+                + (" (the link broke)" if peer is not None else ""),
+            )
         info = peer.caches.get(index.cache_id)
         if info is None:  # created after the link? ask the peer once
             try:
-                reply = control.request(peer.address, {"op": "table", "from": self.cluster_id},
-                                        float(self.options["control_timeout_s"]))
+                reply = control.request(
+                    peer.address,
+                    {"op": "table", "from": self.cluster_id},
+                    float(self.options["control_timeout_s"]),
+                )
             except OSError as exc:
                 peer.broken = True
-                raise LLMException(LLMStatus.NOT_YET_LINK,
-                                   f"{arg}: cluster {index.cluster_id} does not answer: "
-                                   f"{exc}") from exc
+                raise LLMException(
+                    LLMStatus.NOT_YET_LINK,
+                    f"{arg}: cluster {index.cluster_id} does not answer: {exc}",
+                ) from exc
             self._apply_metadata(reply["md"])
             info = peer.caches.get(index.cache_id)
         if info is None:
-            raise LLMException(LLMStatus.KV_CACHE_NOT_EXIST,
-                               f"{arg}: cluster {index.cluster_id} has no cache "
-                               f"{index.cache_id}")
+            raise LLMException(
+                LLMStatus.KV_CACHE_NOT_EXIST,
+                f"{arg}: cluster {index.cluster_id} has no cache {index.cache_id}",
+            )
         return peer, info
 
     def _tag(self, tag: Any) -> str:
@@ -530,45 +589,76 @@ class LlmDataDist:
             raise param_invalid("tag", "a non-empty str", repr(tag))
         return tag
 
-    def _start(self, op: str, local: Cache, peer: _Peer, remote: CacheInfo, plan, tag: str,
-               stream: Any, timeout_s: Optional[float]) -> TransferHandle:
+    def _start(
+        self,
+        op: str,
+        local: Cache,
+        peer: _Peer,
+        remote: CacheInfo,
+        plan,
+        tag: str,
+        stream: Any,
+        timeout_s: float | None,
+    ) -> TransferHandle:
         timeout = float(self.options["timeout_s"] if timeout_s is None else timeout_s)
         if op == WRITE and local.cache_desc.placement == "device":
             memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
         notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode()
         try:
             if plan.num_copies == 0:
-                self._transport.notify(peer.agent, notif)
+                self._require().notify(peer.agent, notif)
                 xfer = None
             else:
-                xfer = self._transport.post(op, plan, self._info(local), local._backend_state,
-                                            remote, peer.agent, notif)
+                xfer = self._require().post(
+                    op, plan, self._info(local), local._backend_state, remote, peer.agent, notif
+                )
         except LLMException as exc:
             if exc.status == LLMStatus.NOT_YET_LINK:
                 peer.broken = True
             raise
         return TransferHandle(self, xfer, tag, peer, timeout)
 
-    def push_kv_blocks_async(self, src_cache: Cache, dst_cache_index: CacheIndex,
-                             src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                             ext_param: Optional[KvCacheExtParam] = None, *,
-                             timeout_s: Optional[float] = None, tag: Optional[str] = None,
-                             stream: Any = None) -> TransferHandle:
+    def push_kv_blocks_async(
+        self,
+        src_cache: Cache,
+        dst_cache_index: CacheIndex,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        ext_param: KvCacheExtParam | None = None,
+        *,
+        timeout_s: float | None = None,
+        tag: str | None = None,
+        stream: Any = None,
+    ) -> TransferHandle:
         """:meth:`push_kv_blocks` without waiting: returns a :class:`TransferHandle`."""
         self._require()
         if self.role is not LLMRole.PROMPT:
             raise param_invalid("role", "push only from a prompt node", "a decoder node")
         local = self._local_cache("src_cache", src_cache)
         peer, remote = self._remote_cache("dst_cache_index", dst_cache_index)
-        plan = check_transfer(local.cache_desc, remote.desc, src_blocks, dst_blocks, ext_param,
-                              op="push", role=self.role)
+        plan = check_transfer(
+            local.cache_desc,
+            remote.desc,
+            src_blocks,
+            dst_blocks,
+            ext_param,
+            op="push",
+            role=self.role,
+        )
         return self._start(WRITE, local, peer, remote, plan, self._tag(tag), stream, timeout_s)
 
-    def push_kv_blocks(self, src_cache: Cache, dst_cache_index: CacheIndex,
-                       src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                       ext_param: Optional[KvCacheExtParam] = None, *,
-                       timeout_s: Optional[float] = None, tag: Optional[str] = None,
-                       stream: Any = None) -> str:
+    def push_kv_blocks(
+        self,
+        src_cache: Cache,
+        dst_cache_index: CacheIndex,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        ext_param: KvCacheExtParam | None = None,
+        *,
+        timeout_s: float | None = None,
+        tag: str | None = None,
+        stream: Any = None,
+    ) -> str:
         """Push blocks of a local cache into a linked decoder's cache (docs/SPEC.md D3).
 
         For each i and each tensor offset u of the layer ranges,
@@ -605,39 +695,76 @@ class LlmDataDist:
             PARAM_INVALID (nothing transferred; also a ValueError), NOT_YET_LINK,
             KV_CACHE_NOT_EXIST, TIMEOUT, FAILED (docs/SPEC.md D4, D5).
         """
-        h = self.push_kv_blocks_async(src_cache, dst_cache_index, src_blocks, dst_blocks,
-                                      ext_param, timeout_s=timeout_s, tag=tag, stream=stream)
+        h = self.push_kv_blocks_async(
+            src_cache,
+            dst_cache_index,
+            src_blocks,
+            dst_blocks,
+            ext_param,
+            timeout_s=timeout_s,
+            tag=tag,
+            stream=stream,
+        )
         h.wait()
         return h.tag
 
-    def pull_kv_blocks_async(self, src_cache_index: CacheIndex, dst_cache: Cache,
-                             src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                             ext_param: Optional[KvCacheExtParam] = None, *,
-                             timeout_s: Optional[float] = None, tag: Optional[str] = None,
-                             stream: Any = None) -> TransferHandle:
+    def pull_kv_blocks_async(
+        self,
+        src_cache_index: CacheIndex,
+        dst_cache: Cache,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        ext_param: KvCacheExtParam | None = None,
+        *,
+        timeout_s: float | None = None,
+        tag: str | None = None,
+        stream: Any = None,
+    ) -> TransferHandle:
         """:meth:`pull_kv_blocks` without waiting: returns a :class:`TransferHandle`."""
         self._require()
         if self.role is not LLMRole.DECODER:
             raise param_invalid("role", "pull only from a decoder node", "a prompt node")
         local = self._local_cache("dst_cache", dst_cache)
         peer, remote = self._remote_cache("src_cache_index", src_cache_index)
-        plan = check_transfer(remote.desc, local.cache_desc, src_blocks, dst_blocks, ext_param,
-                              op="pull", role=self.role)
+        plan = check_transfer(
+            remote.desc,
+            local.cache_desc,
+            src_blocks,
+            dst_blocks,
+            ext_param,
+            op="pull",
+            role=self.role,
+        )
         return self._start(READ, local, peer, remote, plan, self._tag(tag), stream, timeout_s)
 
-    def pull_kv_blocks(self, src_cache_index: CacheIndex, dst_cache: Cache,
-                       src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                       ext_param: Optional[KvCacheExtParam] = None, *,
-                       timeout_s: Optional[float] = None, tag: Optional[str] = None,
-                       stream: Any = None) -> str:
+    def pull_kv_blocks(
+        self,
+        src_cache_index: CacheIndex,
+        dst_cache: Cache,
+        src_blocks: Sequence[int],
+        dst_blocks: Sequence[int],
+        ext_param: KvCacheExtParam | None = None,
+        *,
+        timeout_s: float | None = None,
+        tag: str | None = None,
+        stream: Any = None,
+    ) -> str:
         """Pull blocks of a linked prompt node's cache into a local cache: the mirror of
         :meth:`push_kv_blocks` (same rules; only a decoder node pulls). When it returns,
         the local blocks are in place; the source node sees the tag with
         :meth:`received` once its blocks have been read (it may then reuse them).
         ``stream`` is accepted for symmetry; a device destination is written by NIXL, not
         by a stream."""
-        h = self.pull_kv_blocks_async(src_cache_index, dst_cache, src_blocks, dst_blocks,
-                                      ext_param, timeout_s=timeout_s, tag=tag, stream=stream)
+        h = self.pull_kv_blocks_async(
+            src_cache_index,
+            dst_cache,
+            src_blocks,
+            dst_blocks,
+            ext_param,
+            timeout_s=timeout_s,
+            tag=tag,
+            stream=stream,
+        )
         h.wait()
         return h.tag
 
@@ -668,14 +795,16 @@ class LlmDataDist:
         with self._lock:
             if tag in self._stale:
                 self._stale.discard(tag)
-                raise LLMException(LLMStatus.KV_CACHE_NOT_EXIST,
-                                   f"transfer {tag!r} targeted a cache deallocated since")
+                raise LLMException(
+                    LLMStatus.KV_CACHE_NOT_EXIST,
+                    f"transfer {tag!r} targeted a cache deallocated since",
+                )
             if tag in self._received:
                 self._received.discard(tag)
                 return True
         return False
 
-    def wait_received(self, tag: str, timeout_s: Optional[float] = None) -> None:
+    def wait_received(self, tag: str, timeout_s: float | None = None) -> None:
         """Block until :meth:`received` is True for ``tag``, at most ``timeout_s``.
 
         Raises
@@ -687,10 +816,10 @@ class LlmDataDist:
         start = time.monotonic()
         while not self.received(tag):
             if time.monotonic() - start >= timeout:
-                raise LLMException(LLMStatus.TIMEOUT, f"tag {tag!r} not received within "
-                                                      f"{timeout} s")
+                raise LLMException(
+                    LLMStatus.TIMEOUT, f"tag {tag!r} not received within {timeout} s"
+                )
             _poll_sleep(start)
 
 
 __all__ = ["LlmDataDist", "TransferHandle", "DEFAULT_OPTIONS"]
-

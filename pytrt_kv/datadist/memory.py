@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-from typing import Any, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
 from .. import _cuda
-from .._errors import describe
+from ..contract.errors import describe
 from .types import CacheDesc
 
 
@@ -27,16 +27,16 @@ def _aligned_host(nbytes: int) -> np.ndarray:
     page = mmap.PAGESIZE
     raw = np.empty(nbytes + page, np.uint8)
     off = -int(raw.ctypes.data) % page
-    return raw[off:off + nbytes]
+    return raw[off : off + nbytes]
 
 
-def allocate(desc: CacheDesc) -> Tuple[List[Any], Tuple[int, ...]]:
+def allocate(desc: CacheDesc) -> tuple[list[Any], tuple[int, ...]]:
     """Allocate ``desc.num_tensors`` tensors; returns (tensors, addresses).
 
     Host caches are NumPy arrays of ``desc.shape`` (contents are uninitialized); device
     caches are :class:`pytrt_kv._cuda.DeviceArray` (needs the kernel library and a GPU).
     """
-    tensors: List[Any] = []
+    tensors: list[Any] = []
     for _ in range(desc.num_tensors):
         if desc.placement == "host":
             t = _aligned_host(desc.tensor_bytes).view(desc.dtype).reshape(desc.shape)
@@ -53,20 +53,29 @@ def address(t: Any) -> int:
     return int(t.ptr)
 
 
-def _check_shape(arg: str, desc: CacheDesc, shape: Optional[Tuple[int, ...]],
-                 dtype: Optional[np.dtype], contiguous: bool) -> None:
+def _check_shape(
+    arg: str,
+    desc: CacheDesc,
+    shape: tuple[int, ...] | None,
+    dtype: np.dtype | None,
+    contiguous: bool,
+) -> None:
     if shape is not None and tuple(shape) != desc.shape:
-        raise ValueError(f"{arg}: expected shape {list(desc.shape)} (cache_desc.shape), got "
-                         f"{list(shape)}")
+        raise ValueError(
+            f"{arg}: expected shape {list(desc.shape)} (cache_desc.shape), got {list(shape)}"
+        )
     if dtype is not None and dtype.itemsize != desc.dtype.itemsize:
-        raise ValueError(f"{arg}: expected dtype {desc.data_type} (cache_desc.data_type), got "
-                         f"{dtype}")
+        raise ValueError(
+            f"{arg}: expected dtype {desc.data_type} (cache_desc.data_type), got {dtype}"
+        )
     if dtype is not None and dtype.kind != "V" and dtype != desc.dtype:
-        raise ValueError(f"{arg}: expected dtype {desc.data_type} (cache_desc.data_type), got "
-                         f"{dtype}")
+        raise ValueError(
+            f"{arg}: expected dtype {desc.data_type} (cache_desc.data_type), got {dtype}"
+        )
     if not contiguous:
-        raise ValueError(f"{arg}: expected a C-contiguous tensor (block b is the row t[b]; "
-                         f"docs/SPEC.md D1)")
+        raise ValueError(
+            f"{arg}: expected a C-contiguous tensor (block b is the row t[b]; docs/SPEC.md D1)"
+        )
 
 
 def tensor_address(arg: str, obj: Any, desc: CacheDesc) -> int:
@@ -88,32 +97,41 @@ def tensor_address(arg: str, obj: Any, desc: CacheDesc) -> int:
         a = obj.array
         _check_shape(arg, desc, a.shape, a.dtype, a.flags.c_contiguous)
         if not host:
-            raise TypeError(f"{arg}: expected device memory (cache_desc.placement 'device'), "
-                            f"got pinned host memory")
+            raise TypeError(
+                f"{arg}: expected device memory (cache_desc.placement 'device'), "
+                f"got pinned host memory"
+            )
         addr = int(a.ctypes.data)
     elif isinstance(obj, np.ndarray):
         _check_shape(arg, desc, obj.shape, obj.dtype, obj.flags.c_contiguous)
         if not host:
-            raise TypeError(f"{arg}: expected device memory (cache_desc.placement 'device'), "
-                            f"got a NumPy array {describe(obj)}")
+            raise TypeError(
+                f"{arg}: expected device memory (cache_desc.placement 'device'), "
+                f"got a NumPy array {describe(obj)}"
+            )
         if not obj.flags.writeable:
             raise ValueError(f"{arg}: expected a writeable array (a cache receives blocks)")
         addr = int(obj.ctypes.data)
     else:
         if isinstance(obj, _cuda.DeviceArray):
-            buf = _cuda.Buffer(arg, obj, obj.ptr, obj.shape, obj.dtype, True, _cuda.DEVICE,
-                               obj.device)
+            buf = _cuda.Buffer(
+                arg, obj, obj.ptr, obj.shape, obj.dtype, True, _cuda.DEVICE, obj.device
+            )
         else:
             buf = _cuda.buffer(arg, obj, opaque_ok=True)
         _check_shape(arg, desc, buf.shape, buf.dtype, buf.contiguous)
         is_device = buf.kind in (_cuda.DEVICE, _cuda.MANAGED)
         if is_device == host:
             where = "device" if is_device else "host"
-            raise TypeError(f"{arg}: expected {desc.placement} memory (cache_desc.placement), "
-                            f"got {where} memory")
+            raise TypeError(
+                f"{arg}: expected {desc.placement} memory (cache_desc.placement), "
+                f"got {where} memory"
+            )
         if is_device and buf.device >= 0 and buf.device != desc.device:
-            raise ValueError(f"{arg}: expected memory of CUDA device {desc.device} "
-                             f"(cache_desc.device), got device {buf.device}")
+            raise ValueError(
+                f"{arg}: expected memory of CUDA device {desc.device} "
+                f"(cache_desc.device), got device {buf.device}"
+            )
         addr = buf.ptr
     if addr == 0:
         raise ValueError(f"{arg}: expected a non-null address, got 0")
@@ -126,11 +144,12 @@ def copy_bytes(dst: int, src: int, nbytes: int, host: bool, device: int) -> None
     if host:
         ctypes.memmove(dst, src, nbytes)
     else:
-        _cuda.check_status(_cuda.kernels().pytrt_kv_copy(dst, src, nbytes, 0, device),
-                           "datadist local copy")
+        _cuda.check_status(
+            _cuda.kernels().pytrt_kv_copy(dst, src, nbytes, 0, device), "datadist local copy"
+        )
 
 
-def synchronize_stream(stream: Any, tensors: List[Any], device: int) -> None:
+def synchronize_stream(stream: Any, tensors: list[Any], device: int) -> None:
     """Synchronize the stream that produced a device source before NIXL reads it
     (docs/SPEC.md D6). ``None``: torch's current stream when the cache holds torch
     tensors, else the legacy default stream."""
@@ -144,8 +163,9 @@ def synchronize_stream(stream: Any, tensors: List[Any], device: int) -> None:
     except ImportError:
         # No cuda-python: the kernel library's copy entry point synchronizes the stream
         # after an (empty) cudaMemcpyAsync on it.
-        _cuda.check_status(_cuda.kernels().pytrt_kv_copy(0, 0, 0, handle, device),
-                           "stream: cudaStreamSynchronize")
+        _cuda.check_status(
+            _cuda.kernels().pytrt_kv_copy(0, 0, 0, handle, device), "stream: cudaStreamSynchronize"
+        )
         return
     err = cudart.cudaStreamSynchronize(handle)[0]
     if int(err) != 0:

@@ -19,14 +19,13 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import numpy as np
 
 from .contract import TransferPlan
 from .transport import WRITE, CacheInfo, Transport, Xfer
 from .types import LLMException, LLMStatus
-
 
 #: NIXL's per-CUDA-version wheels (the ``nixl`` meta package picks one of them).
 _VARIANTS = ("nixl_cu13", "nixl_cu12")
@@ -59,14 +58,16 @@ def nixl_modules():
             # unless NIXL_LOG_LEVEL asks for more.
             logging.getLogger("nixl").setLevel(logging.WARNING)
     except Exception as exc:
-        raise LLMException(LLMStatus.FAILED,
-                           f"the 'nixl' backend needs the nixl package: {exc} (install "
-                           f"nixl==1.5.1 and nixl-cu13==1.5.1 with --no-deps; see "
-                           f"docs/DATADIST.md), or use backend='local'") from exc
+        raise LLMException(
+            LLMStatus.FAILED,
+            f"the 'nixl' backend needs the nixl package: {exc} (install "
+            f"nixl==1.5.1 and nixl-cu13==1.5.1 with --no-deps; see "
+            f"docs/DATADIST.md), or use backend='local'",
+        ) from exc
     return _api, _bindings
 
 
-def _mem(info: CacheInfo) -> Tuple[str, int]:
+def _mem(info: CacheInfo) -> tuple[str, int]:
     if info.desc.placement == "device":
         return "VRAM", info.desc.device
     return "DRAM", 0
@@ -83,26 +84,31 @@ class NixlTransport(Transport):
     """Options: ``"nixl.backends"`` (list, default ``["UCX"]``), ``"nixl.num_threads"``
     (int, default 0: the backend's default)."""
 
-    def __init__(self, name: str, options: Dict[str, Any]):
+    def __init__(self, name: str, options: dict[str, Any]):
         self._api, self._b = nixl_modules()
         self.name = name
         conf = self._api.nixl_agent_config(
-            enable_prog_thread=True, enable_listen_thread=False,
+            enable_prog_thread=True,
+            enable_listen_thread=False,
             # The control thread loads peers' metadata while the caller transfers.
             sync_mode=self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
             backends=list(options.get("nixl.backends", ["UCX"])),
-            num_threads=int(options.get("nixl.num_threads", 0)))
+            num_threads=int(options.get("nixl.num_threads", 0)),
+        )
         try:
             self.agent = self._api.nixl_agent(name, conf)
         except Exception as exc:
             raise self._error(exc, "creating the NIXL agent") from exc
         if not self.agent.backends:
-            raise LLMException(LLMStatus.FAILED, f"NIXL has none of the backends "
-                                                 f"{conf.backends} (available: "
-                                                 f"{self.agent.get_plugin_list()})")
-        self._remote: Dict[Tuple[str, int, int], Any] = {}
+            raise LLMException(
+                LLMStatus.FAILED,
+                f"NIXL has none of the backends "
+                f"{conf.backends} (available: "
+                f"{self.agent.get_plugin_list()})",
+            )
+        self._remote: dict[tuple[str, int, int], Any] = {}
         self._lock = threading.Lock()
-        self.unreleased: List[Any] = []
+        self.unreleased: list[Any] = []
 
     # --- errors ---------------------------------------------------------------------------
 
@@ -113,8 +119,10 @@ class NixlTransport(Transport):
         if isinstance(exc, getattr(b, "nixlRemoteDisconnectError", ())):
             return LLMException(LLMStatus.NOT_YET_LINK, f"{what}: the peer disconnected ({exc})")
         if isinstance(exc, getattr(b, "nixlNotFoundError", ())):
-            return LLMException(LLMStatus.KV_CACHE_NOT_EXIST,
-                                f"{what}: NIXL does not know this memory or agent ({exc})")
+            return LLMException(
+                LLMStatus.KV_CACHE_NOT_EXIST,
+                f"{what}: NIXL does not know this memory or agent ({exc})",
+            )
         return LLMException(LLMStatus.FAILED, f"{what}: {type(exc).__name__}: {exc}")
 
     # --- memory ---------------------------------------------------------------------------
@@ -176,16 +184,25 @@ class NixlTransport(Transport):
             try:
                 h = self.agent.prep_xfer_dlist(peer, _rows(info), mem)
             except Exception as exc:
-                raise self._error(exc, f"preparing remote cache {info.cache_id} of {peer!r}") \
-                    from exc
+                raise self._error(
+                    exc, f"preparing remote cache {info.cache_id} of {peer!r}"
+                ) from exc
             with self._lock:
                 self._remote[key] = h
         return h
 
     # --- transfers ------------------------------------------------------------------------
 
-    def post(self, op: str, plan: TransferPlan, local: CacheInfo, local_state: Any,
-             remote: CacheInfo, peer: str, notif: bytes) -> Xfer:
+    def post(
+        self,
+        op: str,
+        plan: TransferPlan,
+        local: CacheInfo,
+        local_state: Any,
+        remote: CacheInfo,
+        peer: str,
+        notif: bytes,
+    ) -> Xfer:
         src, dst = (local, remote) if op == WRITE else (remote, local)
         si, di = plan.descriptor_indices(src.desc.num_blocks, dst.desc.num_blocks)
         li, ri = (si, di) if op == WRITE else (di, si)
@@ -208,13 +225,16 @@ class NixlTransport(Transport):
         except Exception as exc:
             raise self._error(exc, f"notifying {peer!r}") from exc
 
-    def poll(self) -> List[Tuple[str, bytes]]:
+    def poll(self) -> list[tuple[str, bytes]]:
         try:
             notifs = self.agent.get_new_notifs()
         except Exception as exc:
             raise self._error(exc, "reading notifications") from exc
-        return [(k.decode() if isinstance(k, bytes) else k, m)
-                for k, msgs in notifs.items() for m in msgs]
+        return [
+            (k.decode() if isinstance(k, bytes) else k, m)
+            for k, msgs in notifs.items()
+            for m in msgs
+        ]
 
     def close(self) -> None:
         with self._lock:

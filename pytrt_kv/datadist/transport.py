@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from .contract import TransferPlan
 from .memory import copy_bytes
@@ -32,16 +32,24 @@ class CacheInfo:
     cache_id: int
     generation: int
     desc: CacheDesc
-    addrs: Tuple[int, ...]
+    addrs: tuple[int, ...]
 
     def to_dict(self) -> dict:
-        return {"cache_id": self.cache_id, "generation": self.generation,
-                "desc": self.desc.to_dict(), "addrs": list(self.addrs)}
+        return {
+            "cache_id": self.cache_id,
+            "generation": self.generation,
+            "desc": self.desc.to_dict(),
+            "addrs": list(self.addrs),
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CacheInfo":
-        return cls(int(d["cache_id"]), int(d["generation"]), CacheDesc.from_dict(d["desc"]),
-                   tuple(int(a) for a in d["addrs"]))
+    def from_dict(cls, d: dict) -> CacheInfo:
+        return cls(
+            int(d["cache_id"]),
+            int(d["generation"]),
+            CacheDesc.from_dict(d["desc"]),
+            tuple(int(a) for a in d["addrs"]),
+        )
 
 
 class Xfer:
@@ -79,14 +87,22 @@ class Transport:
     def forget_remote(self, peer: str, info: CacheInfo) -> None:
         """Drop what was prepared for a remote cache (it was deallocated or replaced)."""
 
-    def post(self, op: str, plan: TransferPlan, local: CacheInfo, local_state: Any,
-             remote: CacheInfo, peer: str, notif: bytes) -> Xfer:
+    def post(
+        self,
+        op: str,
+        plan: TransferPlan,
+        local: CacheInfo,
+        local_state: Any,
+        remote: CacheInfo,
+        peer: str,
+        notif: bytes,
+    ) -> Xfer:
         raise NotImplementedError
 
     def notify(self, peer: str, notif: bytes) -> None:
         raise NotImplementedError
 
-    def poll(self) -> List[Tuple[str, bytes]]:
+    def poll(self) -> list[tuple[str, bytes]]:
         """Notifications received since the last poll: (peer name, message)."""
         raise NotImplementedError
 
@@ -96,7 +112,7 @@ class Transport:
 
 # --- local --------------------------------------------------------------------------------
 
-_LOCAL: "weakref.WeakValueDictionary[str, LocalTransport]" = weakref.WeakValueDictionary()
+_LOCAL: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 _LOCAL_LOCK = threading.Lock()
 
 
@@ -130,11 +146,11 @@ class LocalTransport(Transport):
     a handle released earlier copies nothing.
     """
 
-    def __init__(self, name: str, options: Dict[str, Any]):
+    def __init__(self, name: str, options: dict[str, Any]):
         self.name = name
         self._latency = float(options.get("local.latency_s", 0.0))
-        self._inbox: "collections.deque[Tuple[str, bytes]]" = collections.deque()
-        self._peers: Dict[str, "LocalTransport"] = {}
+        self._inbox: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._peers: dict[str, LocalTransport] = {}
         with _LOCAL_LOCK:
             _LOCAL[name] = self
 
@@ -149,8 +165,10 @@ class LocalTransport(Transport):
 
     def add_peer(self, peer: str, metadata: str) -> None:
         if metadata != self.metadata():
-            raise LLMException(LLMStatus.FAILED, f"the local backend links only nodes of one "
-                                                 f"process; peer {peer!r} is {metadata!r}")
+            raise LLMException(
+                LLMStatus.FAILED,
+                f"the local backend links only nodes of one process; peer {peer!r} is {metadata!r}",
+            )
         with _LOCAL_LOCK:
             transport = _LOCAL.get(peer)
         if transport is None:
@@ -160,14 +178,22 @@ class LocalTransport(Transport):
     def remove_peer(self, peer: str) -> None:
         self._peers.pop(peer, None)
 
-    def _peer(self, peer: str) -> "LocalTransport":
+    def _peer(self, peer: str) -> LocalTransport:
         transport = self._peers.get(peer)
         if transport is None or _LOCAL.get(peer) is not transport:
             raise LLMException(LLMStatus.NOT_YET_LINK, f"peer {peer!r} is gone")
         return transport
 
-    def post(self, op: str, plan: TransferPlan, local: CacheInfo, local_state: Any,
-             remote: CacheInfo, peer: str, notif: bytes) -> Xfer:
+    def post(
+        self,
+        op: str,
+        plan: TransferPlan,
+        local: CacheInfo,
+        local_state: Any,
+        remote: CacheInfo,
+        peer: str,
+        notif: bytes,
+    ) -> Xfer:
         target = self._peer(peer)
         src, dst = (local, remote) if op == WRITE else (remote, local)
         host = src.desc.placement == "host" and dst.desc.placement == "host"
@@ -179,15 +205,16 @@ class LocalTransport(Transport):
             for st, dt, sb, db, n in runs:
                 copy_bytes(dst.addrs[dt] + db * bb, src.addrs[st] + sb * bb, n * bb, host, device)
 
-        xfer = _LocalXfer(copy, time.monotonic() + self._latency,
-                          lambda: target._inbox.append((self.name, notif)))
+        xfer = _LocalXfer(
+            copy, time.monotonic() + self._latency, lambda: target._inbox.append((self.name, notif))
+        )
         xfer.state()  # completes now unless a latency is simulated
         return xfer
 
     def notify(self, peer: str, notif: bytes) -> None:
         self._peer(peer)._inbox.append((self.name, notif))
 
-    def poll(self) -> List[Tuple[str, bytes]]:
+    def poll(self) -> list[tuple[str, bytes]]:
         out = []
         while self._inbox:
             out.append(self._inbox.popleft())
@@ -200,7 +227,7 @@ class LocalTransport(Transport):
         self._peers.clear()
 
 
-def make_transport(backend: str, name: str, options: Dict[str, Any]) -> Transport:
+def make_transport(backend: str, name: str, options: dict[str, Any]) -> Transport:
     if backend == "local":
         return LocalTransport(name, options)
     if backend == "nixl":
@@ -210,7 +237,7 @@ def make_transport(backend: str, name: str, options: Dict[str, Any]) -> Transpor
     raise ValueError(f"backend: expected 'nixl' or 'local', got {backend!r}")
 
 
-def nixl_unavailable_reason() -> Optional[str]:
+def nixl_unavailable_reason() -> str | None:
     """None when NIXL imports here, else why not."""
     from .nixl_transport import nixl_modules
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
-from ..dtypes import NUMPY, name_of
+from ..contract.dtypes import NUMPY, name_of
 
 
 class LLMStatus(enum.IntEnum):
@@ -63,13 +63,14 @@ class LLMRole(str, enum.Enum):
     DECODER = "decoder"
 
     @classmethod
-    def of(cls, role: Any) -> "LLMRole":
+    def of(cls, role: Any) -> LLMRole:
         if isinstance(role, cls):
             return role
         if isinstance(role, str) and role.lower() in ("prompt", "decoder"):
             return cls(role.lower())
-        raise TypeError(f"role: expected LLMRole.PROMPT/DECODER or 'prompt'/'decoder', got "
-                        f"{role!r}")
+        raise TypeError(
+            f"role: expected LLMRole.PROMPT/DECODER or 'prompt'/'decoder', got {role!r}"
+        )
 
 
 #: Where a cache lives. ``"host"``: host memory (pinned or pageable; NIXL "DRAM");
@@ -103,7 +104,7 @@ class CacheDesc:
     """
 
     num_tensors: int
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     data_type: Any = "float16"
     placement: str = "host"
     device: int = 0
@@ -118,8 +119,10 @@ class CacheDesc:
         except (TypeError, ValueError):
             raise TypeError(f"shape: expected a sequence of ints, got {self.shape!r}") from None
         if len(shape) < 1 or any(d < 1 for d in shape):
-            raise ValueError(f"shape: expected [NB, ...] with every dimension >= 1 (a block "
-                             f"holds bytes), got {list(shape)}")
+            raise ValueError(
+                f"shape: expected [NB, ...] with every dimension >= 1 (a block "
+                f"holds bytes), got {list(shape)}"
+            )
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "data_type", name_of(self.data_type))
         if self.placement not in PLACEMENTS:
@@ -144,14 +147,19 @@ class CacheDesc:
         return self.num_blocks * self.block_bytes
 
     def to_dict(self) -> dict:
-        return {"num_tensors": self.num_tensors, "shape": list(self.shape),
-                "data_type": self.data_type, "placement": self.placement,
-                "device": self.device}
+        return {
+            "num_tensors": self.num_tensors,
+            "shape": list(self.shape),
+            "data_type": self.data_type,
+            "placement": self.placement,
+            "device": self.device,
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CacheDesc":
-        return cls(d["num_tensors"], tuple(d["shape"]), d["data_type"], d["placement"],
-                   d.get("device", 0))
+    def from_dict(cls, d: dict) -> CacheDesc:
+        return cls(
+            d["num_tensors"], tuple(d["shape"]), d["data_type"], d["placement"], d.get("device", 0)
+        )
 
 
 @dataclass(frozen=True)
@@ -175,8 +183,8 @@ class KvCacheExtParam:
     ``0 <= first <= second <= num_tensors / tensor_num_per_layer - 1`` on its own side.
     """
 
-    src_layer_range: Tuple[int, int] = (-1, -1)
-    dst_layer_range: Tuple[int, int] = (-1, -1)
+    src_layer_range: tuple[int, int] = (-1, -1)
+    dst_layer_range: tuple[int, int] = (-1, -1)
     tensor_num_per_layer: int = 2
 
 
@@ -200,9 +208,9 @@ class Cache:
 
     cache_id: int
     cache_desc: CacheDesc
-    tensor_addrs: Tuple[int, ...]
+    tensor_addrs: tuple[int, ...]
     tensors: list = field(repr=False, default_factory=list)
     generation: int = 0
     owned: bool = field(default=False, repr=False)
     _keepalive: Any = field(default=None, repr=False)
-    _backend_state: Optional[Any] = field(default=None, repr=False)
+    _backend_state: Any | None = field(default=None, repr=False)

@@ -8,8 +8,10 @@ from polygraphy.tools.args.base import BaseRunnerArgs
 from polygraphy.tools.script import make_invocable
 
 #: The loader script users pass with --data-loader-script (shown in the error below).
-_LOADER_HINT = ("--data-loader-script $(python3 -c \"import pytrt_kv.polygraphy.data_loader "
-                "as m; print(m.__file__)\")")
+_LOADER_HINT = (
+    '--data-loader-script $(python3 -c "import pytrt_kv.polygraphy.data_loader '
+    'as m; print(m.__file__)")'
+)
 
 
 def index_inputs_fed_by_graph(model_path: str) -> list:
@@ -24,8 +26,7 @@ def index_inputs_fed_by_graph(model_path: str) -> list:
         model = onnx.load(model_path, load_external_data=False)
     except Exception:  # noqa: BLE001 - Polygraphy's own loader reports a broken model
         return []
-    graph_inputs = {i.name for i in model.graph.input} - {
-        i.name for i in model.graph.initializer}
+    graph_inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
     found = []
     for node, op, ports in _our_nodes(model):
         for port in INDEX_PORTS[op.name]:
@@ -48,10 +49,12 @@ class PytrtKvRefRunnerArgs(BaseRunnerArgs):
         return "pytrt_kv CPU reference", "pytrt-kv-ref"
 
     def get_extra_help_text_impl(self):
-        return ("Standard ops run on onnx.reference; ScatterPaKvCache and "
-                "GatherSelectionKvCache on the NumPy reference. Feed valid index inputs with "
-                "--data-loader-script <pytrt_kv/polygraphy/data_loader.py> (required when "
-                "graph inputs feed index inputs of those ops).")
+        return (
+            "Standard ops run on onnx.reference; ScatterPaKvCache and "
+            "GatherSelectionKvCache on the NumPy reference. Feed valid index inputs with "
+            "--data-loader-script <pytrt_kv/polygraphy/data_loader.py> (required when "
+            "graph inputs feed index inputs of those ops)."
+        )
 
     def _check_data_loader(self):
         # Polygraphy's default loader fills index inputs with small random integers: every
@@ -65,7 +68,8 @@ class PytrtKvRefRunnerArgs(BaseRunnerArgs):
         if loader is None or model is None or not getattr(model, "path", None):
             return
         if getattr(loader, "data_loader_script", None) or getattr(
-                loader, "load_inputs_paths", None):
+            loader, "load_inputs_paths", None
+        ):
             return
         fed = index_inputs_fed_by_graph(model.path)
         if fed:
@@ -73,7 +77,8 @@ class PytrtKvRefRunnerArgs(BaseRunnerArgs):
                 f"--pytrt-kv-ref: the model's index inputs ({'; '.join(fed)}) need valid "
                 f"values, which Polygraphy's default data loader does not make (a run would "
                 f"skip every row and check nothing). Pass {_LOADER_HINT}, or --load-inputs "
-                f"with data of your own.")
+                f"with data of your own."
+            )
 
     def add_to_script_impl(self, script):
         self._check_data_loader()

@@ -46,12 +46,15 @@ class PytrtKvRefRunner(BaseRunner):
         elif isinstance(model, (str, os.PathLike)):
             path = os.fspath(model)
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"model: expected an ONNX file, got {path!r} (no "
-                                        f"such file)")
+                raise FileNotFoundError(
+                    f"model: expected an ONNX file, got {path!r} (no such file)"
+                )
             model = onnx.load(path)
         elif not isinstance(model, onnx.ModelProto):
-            raise TypeError(f"model: expected an onnx.ModelProto, a path, bytes or a loader "
-                            f"returning one, got {type(model).__name__}")
+            raise TypeError(
+                f"model: expected an onnx.ModelProto, a path, bytes or a loader "
+                f"returning one, got {type(model).__name__}"
+            )
         self.model = model
         self.evaluator = make_evaluator(model)
 
@@ -59,7 +62,7 @@ class PytrtKvRefRunner(BaseRunner):
     def get_input_metadata_impl(self):
         from polygraphy.datatype import DataType
 
-        from pytrt_kv import dtypes
+        from pytrt_kv.contract import dtypes
 
         inits = {i.name for i in self.model.graph.initializer}
         meta = TensorMetadata()
@@ -67,8 +70,10 @@ class PytrtKvRefRunner(BaseRunner):
             if vi.name in inits:
                 continue
             tt = vi.type.tensor_type
-            shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                     for d in tt.shape.dim]
+            shape = [
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                for d in tt.shape.dim
+            ]
             # Polygraphy's own DataType (NumPy dtypes are deprecated there); it knows the
             # ONNX types, bfloat16 and float8 included.
             dtype = DataType.from_dtype(tt.elem_type, "onnx")

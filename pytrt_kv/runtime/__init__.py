@@ -24,8 +24,22 @@ Example
 (3.0, 0.0)
 """
 
-from ._evaluator import (GatherSelectionKvCacheOp, ScatterPaKvCacheOp, check_feeds,
-                         make_evaluator, run, validate_model, validate_node)
+from ..graph.runtime import (
+    GatherSelectionKvCacheOp,
+    ScatterPaKvCacheOp,
+    check_feeds,
+    make_evaluator,
+    run,
+    validate_model,
+    validate_node,
+)
 
-__all__ = ["run", "make_evaluator", "validate_model", "validate_node", "check_feeds",
-           "ScatterPaKvCacheOp", "GatherSelectionKvCacheOp"]
+__all__ = [
+    "run",
+    "make_evaluator",
+    "validate_model",
+    "validate_node",
+    "check_feeds",
+    "ScatterPaKvCacheOp",
+    "GatherSelectionKvCacheOp",
+]

@@ -19,23 +19,47 @@ ImportError that says how to install it. See docs/TENSORRT.md.
 from __future__ import annotations
 
 import importlib
-from typing import Dict, List, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .model import alias_pairs, needs_aliased_io, prepare_for_tensorrt
+from ..graph.tensorrt import alias_pairs, needs_aliased_io, prepare_for_tensorrt
 
 __all__ = [
-    "availability", "run_model_steps", "load_plugins", "build_plan", "build_engine", "load_engine", "Engine",
-    "EngineRunner", "CudaGraph", "DeviceArray", "HostArray", "engine_layers", "plugin_layers",
-    "copy_layers", "prepare_for_tensorrt", "alias_pairs", "needs_aliased_io", "import_tensorrt",
+    "availability",
+    "run_model_steps",
+    "load_plugins",
+    "build_plan",
+    "build_engine",
+    "load_engine",
+    "Engine",
+    "EngineRunner",
+    "CudaGraph",
+    "DeviceArray",
+    "HostArray",
+    "engine_layers",
+    "plugin_layers",
+    "copy_layers",
+    "prepare_for_tensorrt",
+    "alias_pairs",
+    "needs_aliased_io",
+    "import_tensorrt",
 ]
 
 _LAZY = {
-    "load_plugins": ".plugins", "build_plan": ".build", "build_engine": ".build", "load_engine": ".build",
-    "Engine": ".build", "engine_layers": ".build", "plugin_layers": ".build",
-    "copy_layers": ".build", "EngineRunner": ".runner", "CudaGraph": ".runner",
-    "DeviceArray": ".buffers", "HostArray": ".buffers", "import_tensorrt": "._tensorrt",
+    "load_plugins": ".plugins",
+    "build_plan": ".build",
+    "build_engine": ".build",
+    "load_engine": ".build",
+    "Engine": ".build",
+    "engine_layers": ".build",
+    "plugin_layers": ".build",
+    "copy_layers": ".build",
+    "EngineRunner": ".runner",
+    "CudaGraph": ".runner",
+    "DeviceArray": ".buffers",
+    "HostArray": ".buffers",
+    "import_tensorrt": "._tensorrt",
 }
 
 
@@ -71,8 +95,8 @@ def availability() -> str:
     return ""
 
 
-def _profile(feeds_list: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, tuple]:
-    shapes: Dict[str, List[tuple]] = {}
+def _profile(feeds_list: Sequence[Mapping[str, np.ndarray]]) -> dict[str, tuple]:
+    shapes: dict[str, list[tuple]] = {}
     for feeds in feeds_list:
         for name, a in feeds.items():
             shapes.setdefault(name, []).append(tuple(np.shape(a)))
@@ -80,15 +104,18 @@ def _profile(feeds_list: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, tuple]
     for name, seen in shapes.items():
         ranks = {len(s) for s in seen}
         if len(ranks) != 1:
-            raise ValueError(f"feeds_list: {name}: expected one rank in every step, got shapes {seen}")
+            raise ValueError(
+                f"feeds_list: {name}: expected one rank in every step, got shapes {seen}"
+            )
         mn = tuple(min(d) for d in zip(*seen))
         mx = tuple(max(d) for d in zip(*seen))
         out[name] = (mn, seen[0], mx)
     return out
 
 
-def run_model_steps(onnx_path, feeds_list: Sequence[Mapping[str, np.ndarray]], *,
-                    timing_cache=None) -> List[Dict[str, np.ndarray]]:
+def run_model_steps(
+    onnx_path, feeds_list: Sequence[Mapping[str, np.ndarray]], *, timing_cache=None
+) -> list[dict[str, np.ndarray]]:
     """Build an engine from ``onnx_path`` once and run it on each step's feeds.
 
     Functional semantics, as the CPU runtime: each step's feeds (caches included) are the

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 UNVERSIONED = "libtensorrt_rtx.so"
 #: Line the child writes to its stderr after each request (see the module docstring).
@@ -42,10 +42,10 @@ _DONE = "\x00pytrt_kv-rtx-request-done"
 CHILD_ENV = "PYTRT_KV_RTX_CHILD"
 
 _lock = threading.Lock()
-_worker: Optional["_Worker"] = None
+_worker: _Worker | None = None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plugin_parsing_works_here() -> bool:
     """True when ``libtensorrt_rtx.so`` resolves in this process (what the parser needs)."""
     try:
@@ -61,8 +61,10 @@ def _versioned_library() -> Path:
     for folder in folders:
         for candidate in sorted(Path(folder).glob(UNVERSIONED + ".*")):
             return candidate
-    raise ImportError(f"TensorRT-RTX: no {UNVERSIONED}.* in the tensorrt_rtx_libs package "
-                      f"({folders or 'not installed'}); reinstall `pip install 'pytrt-kv[rtx]'`")
+    raise ImportError(
+        f"TensorRT-RTX: no {UNVERSIONED}.* in the tensorrt_rtx_libs package "
+        f"({folders or 'not installed'}); reinstall `pip install 'pytrt-kv[rtx]'`"
+    )
 
 
 class _Worker:
@@ -71,22 +73,35 @@ class _Worker:
         os.symlink(_versioned_library(), Path(self.dir.name) / UNVERSIONED)
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (self.dir.name, env.get("LD_LIBRARY_PATH", "")) if p)
+            p for p in (self.dir.name, env.get("LD_LIBRARY_PATH", "")) if p
+        )
         env["PYTRT_KV_TENSORRT"] = "rtx"
         env[CHILD_ENV] = "1"
         # The child imports the same pytrt_kv as this process (and so finds the same
         # native libraries), whatever the working directory.
         package_root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (package_root, env.get("PYTHONPATH", "")) if p
+        )
         read_fd, write_fd = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from pytrt_kv.trt._rtx import serve; serve(int(sys.argv[1]))",
-             str(write_fd)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            env=env, pass_fds=(write_fd,), text=True, errors="replace")
+            [
+                sys.executable,
+                "-c",
+                "import sys; from pytrt_kv.trt._rtx import serve; serve(int(sys.argv[1]))",
+                str(write_fd),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            pass_fds=(write_fd,),
+            text=True,
+            errors="replace",
+        )
         os.close(write_fd)
         self.answers = os.fdopen(read_fd, "r")
-        self.plugin_lines: List[str] = []
+        self.plugin_lines: list[str] = []
         self.done = threading.Event()
         self.relay = threading.Thread(target=self._relay, daemon=True)
         self.relay.start()
@@ -104,7 +119,7 @@ class _Worker:
                 pass
         self.done.set()
 
-    def request(self, payload: Dict[str, Any]) -> Dict[str, Any]:
+    def request(self, payload: dict[str, Any]) -> dict[str, Any]:
         self.plugin_lines = []
         self.done.clear()
         try:
@@ -116,8 +131,10 @@ class _Worker:
         self.done.wait(timeout=30)
         if not line:
             code = self.proc.wait()
-            raise RuntimeError(f"the TensorRT-RTX build process ended (exit status {code}) while "
-                               f"building {payload.get('onnx_path')}; its log is above")
+            raise RuntimeError(
+                f"the TensorRT-RTX build process ended (exit status {code}) while "
+                f"building {payload.get('onnx_path')}; its log is above"
+            )
         return json.loads(line)
 
     def close(self):
@@ -142,11 +159,16 @@ def _close_worker():
 atexit.register(_close_worker)
 
 
-_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError,
-           "ImportError": ImportError, "FileNotFoundError": FileNotFoundError}
+_ERRORS = {
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "RuntimeError": RuntimeError,
+    "ImportError": ImportError,
+    "FileNotFoundError": FileNotFoundError,
+}
 
 
-def build_in_worker(onnx_path: str, kwargs: Dict[str, Any]) -> bytes:
+def build_in_worker(onnx_path: str, kwargs: dict[str, Any]) -> bytes:
     """:func:`pytrt_kv.trt.build_plan` with TensorRT-RTX, run in the helper process; its
     errors are raised here with the same type and message."""
     global _worker
@@ -156,8 +178,13 @@ def build_in_worker(onnx_path: str, kwargs: Dict[str, Any]) -> bytes:
         with tempfile.NamedTemporaryFile(dir=_worker.dir.name, suffix=".plan", delete=False) as f:
             out = f.name
         try:
-            payload = {"onnx_path": str(Path(onnx_path).resolve()) if Path(onnx_path).exists()
-                       else str(onnx_path), "out": out, "kwargs": kwargs}
+            payload = {
+                "onnx_path": str(Path(onnx_path).resolve())
+                if Path(onnx_path).exists()
+                else str(onnx_path),
+                "out": out,
+                "kwargs": kwargs,
+            }
             try:
                 answer = _worker.request(payload)
             except RuntimeError:
@@ -169,7 +196,7 @@ def build_in_worker(onnx_path: str, kwargs: Dict[str, Any]) -> bytes:
                 extra = [ln for ln in _worker.plugin_lines if ln not in message]
                 if extra:
                     message += "; " + "; ".join(extra)
-                raise _ERRORS.get(answer.get("type"), RuntimeError)(message)
+                raise _ERRORS.get(str(answer.get("type")), RuntimeError)(message)
             return Path(out).read_bytes()
         finally:
             Path(out).unlink(missing_ok=True)
@@ -185,7 +212,7 @@ def serve(answer_fd: int) -> None:
             try:
                 plan = build_plan(req["onnx_path"], flavour="rtx", **req["kwargs"])
                 Path(req["out"]).write_bytes(plan)
-                answer = {"ok": True}
+                answer: dict[str, Any] = {"ok": True}
             except Exception as exc:  # every error goes back to the caller, typed
                 answer = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
             sys.stdout.flush()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 #: Oldest TensorRT with IPluginV3OneBuildV2 / aliased plugin I/O (docs/TENSORRT.md).
 MIN_TENSORRT = (10, 3)
@@ -23,13 +23,15 @@ FLAVOURS = {"tensorrt": ("tensorrt", MIN_TENSORRT), "rtx": ("tensorrt_rtx", MIN_
 #: Environment variable that picks a flavour ("tensorrt" or "rtx") instead of trying both.
 FLAVOUR_ENV = "PYTRT_KV_TENSORRT"
 
-_INSTALL_HINT = ("install it with `pip install 'pytrt-kv[trt]'` (TensorRT 10.3+ or 11.x "
-                 "wheels, or a TensorRT tar/deb install) on a machine with an NVIDIA driver, "
-                 "or `pip install 'pytrt-kv[rtx]'` (TensorRT-RTX, which also builds engines "
-                 "without a GPU)")
+_INSTALL_HINT = (
+    "install it with `pip install 'pytrt-kv[trt]'` (TensorRT 10.3+ or 11.x "
+    "wheels, or a TensorRT tar/deb install) on a machine with an NVIDIA driver, "
+    "or `pip install 'pytrt-kv[rtx]'` (TensorRT-RTX, which also builds engines "
+    "without a GPU)"
+)
 
 
-def _version_tuple(text: str) -> Tuple[int, ...]:
+def _version_tuple(text: str) -> tuple[int, ...]:
     parts = []
     for p in str(text).split("."):
         digits = "".join(ch for ch in p if ch.isdigit())
@@ -45,24 +47,30 @@ def _import_flavour(flavour: str) -> Any:
     try:
         trt = importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"pytrt_kv.trt needs the {label} Python package, which is not "
-                          f"installed ({exc}); {_INSTALL_HINT}") from exc
+        raise ImportError(
+            f"pytrt_kv.trt needs the {label} Python package, which is not "
+            f"installed ({exc}); {_INSTALL_HINT}"
+        ) from exc
     except Exception as exc:  # the PyPI stub raises other errors when libraries are missing
-        raise ImportError(f"pytrt_kv.trt: `import {module}` failed: {type(exc).__name__}: "
-                          f"{exc}; {_INSTALL_HINT}") from exc
+        raise ImportError(
+            f"pytrt_kv.trt: `import {module}` failed: {type(exc).__name__}: {exc}; {_INSTALL_HINT}"
+        ) from exc
     try:
         # Lazy-loading wrappers only touch the native libraries on first attribute access.
         version = _version_tuple(getattr(trt, "__version__", "0"))
     except Exception as exc:
-        raise ImportError(f"pytrt_kv.trt: `import {module}` failed: {type(exc).__name__}: "
-                          f"{exc}; {_INSTALL_HINT}") from exc
+        raise ImportError(
+            f"pytrt_kv.trt: `import {module}` failed: {type(exc).__name__}: {exc}; {_INSTALL_HINT}"
+        ) from exc
     if version[:2] < minimum:
-        raise ImportError(f"pytrt_kv.trt needs {label} >= {minimum[0]}.{minimum[1]}, "
-                          f"got {getattr(trt, '__version__', '?')}; {_INSTALL_HINT}")
+        raise ImportError(
+            f"pytrt_kv.trt needs {label} >= {minimum[0]}.{minimum[1]}, "
+            f"got {getattr(trt, '__version__', '?')}; {_INSTALL_HINT}"
+        )
     return trt
 
 
-def import_tensorrt(flavour: Optional[str] = None) -> Any:
+def import_tensorrt(flavour: str | None = None) -> Any:
     """The TensorRT module, or an ImportError that says what is missing and how to fix it.
 
     Parameters
@@ -103,12 +111,12 @@ def flavour_of(trt: Any) -> str:
     return "rtx" if getattr(trt, "__name__", "").startswith("tensorrt_rtx") else "tensorrt"
 
 
-def tensorrt_version(flavour: Optional[str] = None) -> Tuple[int, ...]:
+def tensorrt_version(flavour: str | None = None) -> tuple[int, ...]:
     """(major, minor, patch, ...) of the installed TensorRT (imports it)."""
     return _version_tuple(import_tensorrt(flavour).__version__)
 
 
-def installed_flavours() -> Dict[str, str]:
+def installed_flavours() -> dict[str, str]:
     """flavour -> version, or the reason it cannot be used, for each flavour (never raises;
     imports each installed one)."""
     out = {}
@@ -128,20 +136,24 @@ def import_cudart() -> Any:
     older releases), or an ImportError naming the extra to install."""
     try:
         from cuda.bindings import runtime as cudart  # noqa: PLC0415
+
         return cudart
     except ImportError:
         pass
     try:
-        from cuda import cudart  # type: ignore  # noqa: PLC0415 - cuda-python < 12.6
+        from cuda import cudart  # noqa: PLC0415 - cuda-python < 12.6
+
         return cudart
     except ImportError as exc:
-        raise ImportError("pytrt_kv.trt needs cuda-python for streams and device memory; "
-                          "install it with `pip install 'pytrt-kv[trt]'` (or 'pytrt-kv[gpu]')"
-                          ) from exc
+        raise ImportError(
+            "pytrt_kv.trt needs cuda-python for streams and device memory; "
+            "install it with `pip install 'pytrt-kv[trt]'` (or 'pytrt-kv[gpu]')"
+        ) from exc
 
 
 def check_cuda(result: Any, what: str) -> Any:
     """Unwrap a cuda-python ``(err, *values)`` tuple; RuntimeError naming ``what`` on error."""
+    err: Any
     if isinstance(result, tuple):
         err, rest = result[0], result[1:]
     else:

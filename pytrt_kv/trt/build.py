@@ -5,18 +5,19 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any
 
-from .. import specs
-from .._errors import value_error
+from ..contract import specs
+from ..contract.errors import value_error
+from ..graph.tensorrt import alias_pairs, needs_aliased_io, prepare_for_tensorrt
 from . import _rtx
 from ._tensorrt import flavour_of, import_tensorrt
-from .model import alias_pairs, needs_aliased_io, prepare_for_tensorrt
 from .plugins import load_plugins
 
-Shape = Tuple[int, ...]
+Shape = tuple[int, ...]
 
 
 @dataclass
@@ -37,10 +38,10 @@ class Engine:
     engine: Any
     runtime: Any
     plan: bytes
-    aliases: Dict[str, str] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
-_LOGGERS: Dict[Tuple[int, bool], Any] = {}
+_LOGGERS: dict[tuple[int, bool], Any] = {}
 
 
 def _logger(trt, verbose: bool):
@@ -57,10 +58,11 @@ def _logger(trt, verbose: bool):
     else:
         threshold = 4 if verbose else 2  # Severity: 0 internal error .. 2 warning .. 4 verbose
 
-        class _Recorder(base):
+        # base is TensorRT's ILogger, found at run time (mypy cannot type a runtime base).
+        class _Recorder(base):  # type: ignore[misc,valid-type]
             def __init__(self):
                 base.__init__(self)
-                self.errors: List[str] = []
+                self.errors: list[str] = []
 
             def log(self, severity, msg):
                 level = int(severity)
@@ -74,7 +76,7 @@ def _logger(trt, verbose: bool):
     return logger
 
 
-def _errors_since(logger, mark: int) -> List[str]:
+def _errors_since(logger, mark: int) -> list[str]:
     return list(getattr(logger, "errors", [])[mark:])
 
 
@@ -84,21 +86,28 @@ def _network_flags(trt) -> int:
     # TensorRT 10: strong typing is opt-in; 11 and TensorRT-RTX: always on (the flag is
     # deprecated there and may vanish).
     strongly = getattr(cflag, "STRONGLY_TYPED", None)
-    if strongly is not None and flavour_of(trt) == "tensorrt" and trt.__version__.split(".")[0] == "10":
+    if (
+        strongly is not None
+        and flavour_of(trt) == "tensorrt"
+        and trt.__version__.split(".")[0] == "10"
+    ):
         flags |= 1 << int(strongly)
     return flags
 
 
-def _profile_shapes(network, shapes: Mapping[str, Any]) -> Dict[str, Tuple[Shape, Shape, Shape]]:
-    out: Dict[str, Tuple[Shape, Shape, Shape]] = {}
+def _profile_shapes(network, shapes: Mapping[str, Any]) -> dict[str, tuple[Shape, Shape, Shape]]:
+    out: dict[str, tuple[Shape, Shape, Shape]] = {}
     for i in range(network.num_inputs):
         t = network.get_input(i)
         dims = tuple(t.shape)
         if all(d >= 0 for d in dims):
             continue
         if t.name not in shapes:
-            raise value_error("shapes", f"min/opt/max shapes for the dynamic input {t.name!r} "
-                              f"{list(dims)}", f"only {sorted(shapes)}")
+            raise value_error(
+                "shapes",
+                f"min/opt/max shapes for the dynamic input {t.name!r} {list(dims)}",
+                f"only {sorted(shapes)}",
+            )
         s = shapes[t.name]
         if len(s) == 3 and all(isinstance(x, (tuple, list)) for x in s):
             out[t.name] = tuple(tuple(int(d) for d in x) for x in s)  # type: ignore[assignment]
@@ -124,21 +133,27 @@ def parse_target(target) -> str:
         major, _, minor = text.partition(".")
         text = major + minor
     if not text.isdigit() or len(text) < 2:
-        raise value_error("targets", "compute capabilities such as 'sm80', '8.9' or 120", repr(target))
+        raise value_error(
+            "targets", "compute capabilities such as 'sm80', '8.9' or 120", repr(target)
+        )
     return f"SM{int(text)}"
 
 
-def rtx_targets(trt) -> List[str]:
+def rtx_targets(trt) -> list[str]:
     """Every compute capability this TensorRT-RTX can build for (``["SM75", ...]``)."""
     members = getattr(trt.ComputeCapability, "__members__", {})
     return [name for name in members if name.startswith("SM")]
 
 
-def _set_targets(trt, config, targets: Optional[Sequence[Any]]) -> None:
+def _set_targets(trt, config, targets: Sequence[Any] | None) -> None:
     if flavour_of(trt) != "rtx":
         if targets:
-            raise value_error("targets", "no targets with full TensorRT (it builds for the GPU "
-                              "it runs on; targets are a TensorRT-RTX feature)", list(targets))
+            raise value_error(
+                "targets",
+                "no targets with full TensorRT (it builds for the GPU "
+                "it runs on; targets are a TensorRT-RTX feature)",
+                list(targets),
+            )
         return
     if targets is None:
         from ..info import cuda_devices  # noqa: PLC0415
@@ -152,8 +167,11 @@ def _set_targets(trt, config, targets: Optional[Sequence[Any]]) -> None:
     known = rtx_targets(trt)
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise value_error("targets", f"compute capabilities TensorRT-RTX {trt.__version__} builds "
-                          f"for ({', '.join(known)})", ", ".join(unknown))
+        raise value_error(
+            "targets",
+            f"compute capabilities TensorRT-RTX {trt.__version__} builds for ({', '.join(known)})",
+            ", ".join(unknown),
+        )
     config.num_compute_capabilities = len(names)
     for i, name in enumerate(names):
         config.set_compute_capability(getattr(trt.ComputeCapability, name), i)
@@ -169,7 +187,7 @@ def _progress_monitor(trt):
 
         def __init__(self):
             base.__init__(self)
-            self.started: Dict[str, float] = {}
+            self.started: dict[str, float] = {}
 
         def phase_start(self, phase_name, parent_phase, num_steps):
             if parent_phase is None:
@@ -182,17 +200,29 @@ def _progress_monitor(trt):
         def phase_finish(self, phase_name):
             t0 = self.started.pop(phase_name, None)
             if t0 is not None:
-                print(f"  {phase_name} done in {time.perf_counter() - t0:.2f} s", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"  {phase_name} done in {time.perf_counter() - t0:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     return _Progress()
 
 
-def build_plan(onnx_path, *, engine_path=None, timing_cache=None,
-               shapes: Optional[Mapping[str, Any]] = None, workspace: Optional[int] = None,
-               aliased_plugin_io: Optional[bool] = None, detailed_profile: bool = True,
-               verbose: bool = False, targets: Optional[Sequence[Any]] = None,
-               flavour: Optional[str] = None, progress: bool = False) -> bytes:
+def build_plan(
+    onnx_path,
+    *,
+    engine_path=None,
+    timing_cache=None,
+    shapes: Mapping[str, Any] | None = None,
+    workspace: int | None = None,
+    aliased_plugin_io: bool | None = None,
+    detailed_profile: bool = True,
+    verbose: bool = False,
+    targets: Sequence[Any] | None = None,
+    flavour: str | None = None,
+    progress: bool = False,
+) -> bytes:
     """Parse an ONNX model with pytrt_kv nodes and build a serialized TensorRT engine.
 
     Building needs no GPU with TensorRT-RTX (ahead-of-time for ``targets``); full
@@ -250,17 +280,29 @@ def build_plan(onnx_path, *, engine_path=None, timing_cache=None,
     >>> plan = build_plan("scatter.onnx", flavour="rtx", targets=["sm89"])  # doctest: +SKIP
     """
     trt = import_tensorrt(flavour)
-    kwargs = dict(timing_cache=timing_cache, shapes=shapes, workspace=workspace,
-                  aliased_plugin_io=aliased_plugin_io, detailed_profile=detailed_profile,
-                  verbose=verbose, targets=targets, progress=progress)
+    kwargs = dict(
+        timing_cache=timing_cache,
+        shapes=shapes,
+        workspace=workspace,
+        aliased_plugin_io=aliased_plugin_io,
+        detailed_profile=detailed_profile,
+        verbose=verbose,
+        targets=targets,
+        progress=progress,
+    )
     if flavour_of(trt) == "rtx":
         if timing_cache is not None:
-            raise value_error("timing_cache", "none with TensorRT-RTX (its timing caches need a "
-                              "GPU; it builds without one)", str(timing_cache))
+            raise value_error(
+                "timing_cache",
+                "none with TensorRT-RTX (its timing caches need a GPU; it builds without one)",
+                str(timing_cache),
+            )
         if not _rtx.plugin_parsing_works_here():
             if os.environ.get(_rtx.CHILD_ENV):
-                raise RuntimeError(f"{_rtx.UNVERSIONED} does not resolve even in the TensorRT-RTX "
-                                   f"build process (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH')})")
+                raise RuntimeError(
+                    f"{_rtx.UNVERSIONED} does not resolve even in the TensorRT-RTX "
+                    f"build process (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH')})"
+                )
             plan = _rtx.build_in_worker(str(onnx_path), kwargs)
             if engine_path is not None:
                 Path(engine_path).write_bytes(plan)
@@ -282,11 +324,24 @@ def _load_onnx(onnx_path):
     try:
         return onnx.load(str(path))
     except Exception as exc:  # protobuf's DecodeError and friends
-        raise value_error("onnx_path", "an ONNX model file", f"{path} ({type(exc).__name__}: {exc})") from exc
+        raise value_error(
+            "onnx_path", "an ONNX model file", f"{path} ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
-def _build_here(trt, onnx_path, *, timing_cache, shapes, workspace, aliased_plugin_io,
-                detailed_profile, verbose, targets, progress) -> bytes:
+def _build_here(
+    trt,
+    onnx_path,
+    *,
+    timing_cache,
+    shapes,
+    workspace,
+    aliased_plugin_io,
+    detailed_profile,
+    verbose,
+    targets,
+    progress,
+) -> bytes:
     model = prepare_for_tensorrt(_load_onnx(onnx_path))
     load_plugins(flavour=flavour_of(trt))
     logger = _logger(trt, verbose)
@@ -305,8 +360,10 @@ def _build_here(trt, onnx_path, *, timing_cache, shapes, workspace, aliased_plug
     if want_alias:
         feature = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
         if feature is None:
-            raise RuntimeError("this TensorRT has no PreviewFeature.ALIASED_PLUGIN_IO_10_03; "
-                               "export the model with alias_io=0")
+            raise RuntimeError(
+                "this TensorRT has no PreviewFeature.ALIASED_PLUGIN_IO_10_03; "
+                "export the model with alias_io=0"
+            )
         config.set_preview_feature(feature, True)
     if workspace is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace))
@@ -328,8 +385,12 @@ def _build_here(trt, onnx_path, *, timing_cache, shapes, workspace, aliased_plug
         cache = config.create_timing_cache(data)
         # ignore_mismatch=False: a cache from another device is refused, not used.
         if cache is None or not config.set_timing_cache(cache, ignore_mismatch=False):
-            raise value_error("timing_cache", "a timing cache TensorRT accepts for this GPU and "
-                              "version (delete the file to start a new one)", str(cache_file))
+            raise value_error(
+                "timing_cache",
+                "a timing cache TensorRT accepts for this GPU and "
+                "version (delete the file to start a new one)",
+                str(cache_file),
+            )
 
     plan = builder.build_serialized_network(network, config)
     if plan is None:
@@ -344,11 +405,19 @@ def _build_here(trt, onnx_path, *, timing_cache, shapes, workspace, aliased_plug
     return plan_bytes
 
 
-def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
-                 shapes: Optional[Mapping[str, Any]] = None, workspace: Optional[int] = None,
-                 aliased_plugin_io: Optional[bool] = None, detailed_profile: bool = True,
-                 verbose: bool = False, targets: Optional[Sequence[Any]] = None,
-                 flavour: Optional[str] = None) -> Engine:
+def build_engine(
+    onnx_path,
+    *,
+    engine_path=None,
+    timing_cache=None,
+    shapes: Mapping[str, Any] | None = None,
+    workspace: int | None = None,
+    aliased_plugin_io: bool | None = None,
+    detailed_profile: bool = True,
+    verbose: bool = False,
+    targets: Sequence[Any] | None = None,
+    flavour: str | None = None,
+) -> Engine:
     """Build an engine with :func:`build_plan` and deserialize it (:func:`load_engine`)
     for this machine's GPU.
 
@@ -378,20 +447,33 @@ def build_engine(onnx_path, *, engine_path=None, timing_cache=None,
     >>> eng = build_engine("scatter.onnx", timing_cache="cache.bin")  # doctest: +SKIP
     >>> runner = EngineRunner(eng)                                 # doctest: +SKIP
     """
-    plan = build_plan(onnx_path, engine_path=engine_path, timing_cache=timing_cache, shapes=shapes,
-                      workspace=workspace, aliased_plugin_io=aliased_plugin_io,
-                      detailed_profile=detailed_profile, verbose=verbose, targets=targets,
-                      flavour=flavour)
+    plan = build_plan(
+        onnx_path,
+        engine_path=engine_path,
+        timing_cache=timing_cache,
+        shapes=shapes,
+        workspace=workspace,
+        aliased_plugin_io=aliased_plugin_io,
+        detailed_profile=detailed_profile,
+        verbose=verbose,
+        targets=targets,
+        flavour=flavour,
+    )
     model = prepare_for_tensorrt(_load_onnx(onnx_path))
     return load_engine(plan, aliases=alias_pairs(model), verbose=verbose, flavour=flavour)
 
 
-def load_engine(plan, *, aliases: Optional[Mapping[str, str]] = None,
-                verbose: bool = False, flavour: Optional[str] = None) -> Engine:
+def load_engine(
+    plan,
+    *,
+    aliases: Mapping[str, str] | None = None,
+    verbose: bool = False,
+    flavour: str | None = None,
+) -> Engine:
     """Deserialize ``plan`` (bytes or an engine file path) after loading the plugins.
 
     ``aliases`` (graph output -> graph input) should come from the model
-    (:func:`pytrt_kv.trt.model.alias_pairs`); without it, only the pairs TensorRT reports
+    (:func:`pytrt_kv.graph.tensorrt.alias_pairs`); without it, only the pairs TensorRT reports
     (``get_aliased_input_tensor``, TensorRT 10.14+) and the ``*_out`` naming of
     specs.py are used.
     """
@@ -402,12 +484,14 @@ def load_engine(plan, *, aliases: Optional[Mapping[str, str]] = None,
     runtime = trt.Runtime(_logger(trt, verbose))
     engine = runtime.deserialize_cuda_engine(plan)
     if engine is None:
-        raise RuntimeError("TensorRT could not deserialize the engine (built by another TensorRT "
-                           "version or GPU, or the plugins are missing)")
+        raise RuntimeError(
+            "TensorRT could not deserialize the engine (built by another TensorRT "
+            "version or GPU, or the plugins are missing)"
+        )
     return Engine(engine, runtime, bytes(plan), dict(aliases or {}))
 
 
-def engine_layers(engine) -> Sequence[Dict[str, Any]]:
+def engine_layers(engine) -> Sequence[dict[str, Any]]:
     """The engine inspector's per-layer JSON (needs ``detailed_profile`` at build time)."""
     import json  # noqa: PLC0415
 
@@ -419,7 +503,7 @@ def engine_layers(engine) -> Sequence[Dict[str, Any]]:
     return [layer if isinstance(layer, dict) else {"Name": layer} for layer in layers]
 
 
-def plugin_layers(engine) -> Sequence[Dict[str, Any]]:
+def plugin_layers(engine) -> Sequence[dict[str, Any]]:
     """Layers that run a pytrt_kv plugin (so no fallback replaced it)."""
     out = []
     for layer in engine_layers(engine):
@@ -429,7 +513,7 @@ def plugin_layers(engine) -> Sequence[Dict[str, Any]]:
     return out
 
 
-def copy_layers(engine) -> Sequence[Dict[str, Any]]:
+def copy_layers(engine) -> Sequence[dict[str, Any]]:
     """Layers TensorRT added that only move data (reformat/copy): the cost aliasing
     is meant to avoid. Their presence is what the ``trt`` tests measure."""
     out = []

@@ -11,16 +11,15 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Tuple
 
 
-def _shape(text: str) -> Tuple[int, ...]:
+def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.lower().split("x") if d != "")
 
 
-def parse_shapes(specs) -> Dict[str, tuple]:
+def parse_shapes(specs) -> dict[str, tuple]:
     """``name:1x8,4x8,16x8`` (min,opt,max) or ``name:4x8`` (fixed) -> build_plan's ``shapes``."""
-    out: Dict[str, tuple] = {}
+    out: dict[str, tuple] = {}
     for spec in specs or ():
         name, sep, dims = spec.rpartition(":")
         try:
@@ -28,8 +27,10 @@ def parse_shapes(specs) -> Dict[str, tuple]:
         except ValueError:
             parts = []
         if not sep or not name or len(parts) not in (1, 3):
-            raise ValueError(f"--shapes: expected NAME:MINxDIMS,OPTxDIMS,MAXxDIMS or NAME:DIMS "
-                             f"(e.g. key:1x8x128,16x8x128,64x8x128), got {spec!r}")
+            raise ValueError(
+                f"--shapes: expected NAME:MINxDIMS,OPTxDIMS,MAXxDIMS or NAME:DIMS "
+                f"(e.g. key:1x8x128,16x8x128,64x8x128), got {spec!r}"
+            )
         out[name] = tuple(parts) if len(parts) == 3 else parts[0]
     return out
 
@@ -39,17 +40,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model", help="ONNX model with pytrt_kv nodes (any form: prepared or not)")
     parser.add_argument("-o", "--output", help="plan file to write (default: MODEL with .plan)")
-    parser.add_argument("--target", nargs="+", default=None, metavar="SM",
-                        help="TensorRT-RTX: compute capabilities to build for, e.g. sm80 sm89 sm120 "
-                             "(default: this GPU, or every one TensorRT-RTX knows when there is none)")
-    parser.add_argument("--flavour", choices=("tensorrt", "rtx"), default=None,
-                        help="which TensorRT builds (default: full TensorRT when it imports, else "
-                             "TensorRT-RTX; or $PYTRT_KV_TENSORRT)")
-    parser.add_argument("--shapes", nargs="+", default=None, metavar="NAME:MIN,OPT,MAX",
-                        help="optimization profile of each dynamic input, dims joined by x "
-                             "(key:1x8x128,16x8x128,64x8x128)")
+    parser.add_argument(
+        "--target",
+        nargs="+",
+        default=None,
+        metavar="SM",
+        help="TensorRT-RTX: compute capabilities to build for, e.g. sm80 sm89 sm120 "
+        "(default: this GPU, or every one TensorRT-RTX knows when there is none)",
+    )
+    parser.add_argument(
+        "--flavour",
+        choices=("tensorrt", "rtx"),
+        default=None,
+        help="which TensorRT builds (default: full TensorRT when it imports, else "
+        "TensorRT-RTX; or $PYTRT_KV_TENSORRT)",
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        metavar="NAME:MIN,OPT,MAX",
+        help="optimization profile of each dynamic input, dims joined by x "
+        "(key:1x8x128,16x8x128,64x8x128)",
+    )
     parser.add_argument("--workspace", type=int, default=None, help="workspace limit in bytes")
-    parser.add_argument("--timing-cache", default=None, help="timing cache file (full TensorRT only)")
+    parser.add_argument(
+        "--timing-cache", default=None, help="timing cache file (full TensorRT only)"
+    )
     parser.add_argument("--verbose", action="store_true", help="TensorRT verbose log")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
@@ -63,11 +80,22 @@ def run(args: argparse.Namespace) -> int:
     label = "TensorRT-RTX" if flavour_of(trt) == "rtx" else "TensorRT"
     if not args.quiet:
         targets = f" for {', '.join(args.target)}" if args.target else ""
-        print(f"building {args.model} with {label} {trt.__version__}{targets}", file=sys.stderr, flush=True)
+        print(
+            f"building {args.model} with {label} {trt.__version__}{targets}",
+            file=sys.stderr,
+            flush=True,
+        )
     t0 = time.perf_counter()
-    plan = build_plan(args.model, engine_path=out, timing_cache=args.timing_cache,
-                      shapes=parse_shapes(args.shapes), workspace=args.workspace,
-                      verbose=args.verbose, targets=args.target, flavour=flavour_of(trt),
-                      progress=not args.quiet)
+    plan = build_plan(
+        args.model,
+        engine_path=out,
+        timing_cache=args.timing_cache,
+        shapes=parse_shapes(args.shapes),
+        workspace=args.workspace,
+        verbose=args.verbose,
+        targets=args.target,
+        flavour=flavour_of(trt),
+        progress=not args.quiet,
+    )
     print(f"wrote {out} ({len(plan)} bytes) in {time.perf_counter() - t0:.2f} s")
     return 0

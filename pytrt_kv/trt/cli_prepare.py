@@ -15,8 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import onnx
 
+    from ..graph.tensorrt import prepare_for_tensorrt
     from .build import _load_onnx
-    from .model import prepare_for_tensorrt
 
     onnx.save(prepare_for_tensorrt(_load_onnx(args.src)), args.dst)
     print(f"wrote {args.dst}")

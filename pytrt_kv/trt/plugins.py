@@ -13,14 +13,15 @@ from __future__ import annotations
 import ctypes
 import threading
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any
 
-from .. import _lib, specs
+from .. import _lib
+from ..contract import specs
 from ._tensorrt import flavour_of, import_tensorrt
 
 _lock = threading.Lock()
-_loaded: Dict[str, Tuple[str, Path]] = {}  # flavour -> ("loader" or "autoreg", library)
-_keep = []  # handles that must stay alive as long as the process
+_loaded: dict[str, tuple[str, Path]] = {}  # flavour -> ("loader" or "autoreg", library)
+_keep: list[Any] = []  # handles that must stay alive as long as the process
 
 
 def _creator_registered(trt, name: str) -> bool:
@@ -34,7 +35,7 @@ def _creator_registered(trt, name: str) -> bool:
         return False
 
 
-def load_plugins(kind: str = "loader", flavour: Optional[str] = None) -> Path:
+def load_plugins(kind: str = "loader", flavour: str | None = None) -> Path:
     """Register both pytrt_kv plugin creators with TensorRT (idempotent).
 
     Parameters
@@ -77,7 +78,8 @@ def load_plugins(kind: str = "loader", flavour: Optional[str] = None) -> Path:
             if loaded_kind != kind:
                 raise RuntimeError(
                     f"kind: {path} is already loaded; loading the {kind!r} library too would "
-                    f"register every creator twice (never load both into one process)")
+                    f"register every creator twice (never load both into one process)"
+                )
             return path
         lib = _lib.require(_lib.PLUGINS_LIB if kind == "loader" else _lib.PLUGINS_AUTOREG_LIB)
         if kind == "loader":
@@ -91,13 +93,15 @@ def load_plugins(kind: str = "loader", flavour: Optional[str] = None) -> Path:
         _keep.append(handle)
         missing = [n for n in specs.OPS if not _creator_registered(trt, n)]
         if missing:
-            raise RuntimeError(f"{lib} loaded but {missing} are not in TensorRT's plugin registry "
-                               f"(namespace {specs.NAMESPACE!r}, version {specs.PLUGIN_VERSION!r})")
+            raise RuntimeError(
+                f"{lib} loaded but {missing} are not in TensorRT's plugin registry "
+                f"(namespace {specs.NAMESPACE!r}, version {specs.PLUGIN_VERSION!r})"
+            )
         _loaded[key] = (kind, lib)
         return lib
 
 
-def loaded_library(flavour: Optional[str] = None) -> Optional[Path]:
+def loaded_library(flavour: str | None = None) -> Path | None:
     """The plugin library this process loaded through :func:`load_plugins` (into the
     registry of ``flavour``; default: any), or None."""
     for key, (_, path) in _loaded.items():

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from .. import dtypes, specs
 from .._cuda import BufferView, DeviceArray, binding_view, stream_handle
-from .._errors import type_error, value_error
+from ..contract import dtypes, specs
+from ..contract.errors import type_error, value_error
 from ._tensorrt import check_cuda, import_cudart, import_tensorrt
 
 
@@ -19,7 +20,7 @@ def _dtype_name(trt, trt_dtype, tensor: str) -> str:
     raise type_error(tensor, f"a dtype in {sorted(dtypes.TENSORRT)}", trt_dtype)
 
 
-def _default_aliases(output_names, input_names) -> Dict[str, str]:
+def _default_aliases(output_names, input_names) -> dict[str, str]:
     """specs.py naming: '<input>_out' updates '<input>' in place."""
     out = {}
     inputs = set(input_names)
@@ -48,18 +49,21 @@ class EngineRunner:
     Examples
     --------
     >>> runner = EngineRunner(build_engine("model.onnx"))           # doctest: +SKIP
-    >>> runner.run({"key": key_t, "key_cache": kc_t, ...}, stream=torch.cuda.current_stream())  # doctest: +SKIP
+    >>> stream = torch.cuda.current_stream()                          # doctest: +SKIP
+    >>> runner.run({"key": key_t, "key_cache": kc_t, ...}, stream=stream)  # doctest: +SKIP
     >>> graph = runner.capture_graph(stream)   # replay with graph.launch(stream)  # doctest: +SKIP
     """
 
-    def __init__(self, engine, *, aliases: Optional[Mapping[str, str]] = None):
+    def __init__(self, engine, *, aliases: Mapping[str, str] | None = None):
         self._trt = import_tensorrt()
         trt = self._trt
         self.engine_handle = engine
         self.engine = getattr(engine, "engine", engine)
         self.context = self.engine.create_execution_context()
         if self.context is None:
-            raise RuntimeError("TensorRT could not create an execution context (out of GPU memory?)")
+            raise RuntimeError(
+                "TensorRT could not create an execution context (out of GPU memory?)"
+            )
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         is_input = {n: self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT for n in names}
         self.input_names = [n for n in names if is_input[n]]
@@ -68,10 +72,10 @@ class EngineRunner:
         self._engine_shapes = {n: tuple(self.engine.get_tensor_shape(n)) for n in self.input_names}
         self._dynamic = {n: any(d < 0 for d in s) for n, s in self._engine_shapes.items()}
         self.aliases = self._resolve_aliases(engine, aliases)
-        self._owned: Dict[str, DeviceArray] = {}
-        self._bound: Dict[str, BufferView] = {}
+        self._owned: dict[str, DeviceArray] = {}
+        self._bound: dict[str, BufferView] = {}
 
-    def _resolve_aliases(self, engine, given) -> Dict[str, str]:
+    def _resolve_aliases(self, engine, given) -> dict[str, str]:
         pairs = _default_aliases(self.output_names, self.input_names)
         pairs.update(getattr(engine, "aliases", {}) or {})
         # TensorRT 10.14+/11 reports aliases of its own (e.g. KV-cache layers); an
@@ -85,19 +89,25 @@ class EngineRunner:
                     src = None
                 if src:
                     if o in pairs and pairs[o] != src:
-                        raise RuntimeError(f"{o}: the model aliases it to {pairs[o]!r}, TensorRT "
-                                           f"to {src!r}")
+                        raise RuntimeError(
+                            f"{o}: the model aliases it to {pairs[o]!r}, TensorRT to {src!r}"
+                        )
                     pairs[o] = src
         if given:
             pairs.update(given)
         for o, i in pairs.items():
             if o not in self.output_names or i not in self.input_names:
-                raise value_error("aliases", "output -> input names of this engine", f"{o!r} -> {i!r}")
-        first: Dict[str, str] = {}
+                raise value_error(
+                    "aliases", "output -> input names of this engine", f"{o!r} -> {i!r}"
+                )
+        first: dict[str, str] = {}
         for o, i in pairs.items():
             if i in first:
-                raise value_error("aliases", "at most one output per input",
-                                  f"{first[i]!r} and {o!r} both -> {i!r}")
+                raise value_error(
+                    "aliases",
+                    "at most one output per input",
+                    f"{first[i]!r} and {o!r} both -> {i!r}",
+                )
             first[i] = o
         return pairs
 
@@ -110,7 +120,7 @@ class EngineRunner:
         if view.shape is not None and shape is not None and tuple(view.shape) != tuple(shape):
             raise value_error(name, f"shape {list(shape)}", list(view.shape))
 
-    def bind(self, tensors: Mapping[str, Any], *, shapes: Optional[Mapping[str, Any]] = None) -> None:
+    def bind(self, tensors: Mapping[str, Any], *, shapes: Mapping[str, Any] | None = None) -> None:
         """Set every input (and given output) address, and the dynamic input shapes.
 
         Parameters
@@ -123,11 +133,16 @@ class EngineRunner:
         """
         unknown = set(tensors) - set(self.input_names) - set(self.output_names)
         if unknown:
-            raise value_error("tensors", f"names among inputs {self.input_names} and outputs "
-                              f"{self.output_names}", sorted(unknown))
+            raise value_error(
+                "tensors",
+                f"names among inputs {self.input_names} and outputs {self.output_names}",
+                sorted(unknown),
+            )
         missing = [n for n in self.input_names if n not in tensors]
         if missing:
-            raise value_error("tensors", f"every engine input {self.input_names}", f"missing {missing}")
+            raise value_error(
+                "tensors", f"every engine input {self.input_names}", f"missing {missing}"
+            )
         shapes = dict(shapes or {})
         for name in self.input_names:
             view = binding_view(name, tensors[name])
@@ -136,10 +151,13 @@ class EngineRunner:
                 self._check(name, view, None)
                 shape = view.shape if view.shape is not None else shapes.get(name)
                 if shape is None:
-                    raise value_error(name, f"a shape for the dynamic input {list(engine_shape)}", "none")
+                    raise value_error(
+                        name, f"a shape for the dynamic input {list(engine_shape)}", "none"
+                    )
                 if not self.context.set_input_shape(name, tuple(shape)):
-                    raise value_error(name, f"a shape within the profile of {list(engine_shape)}",
-                                      list(shape))
+                    raise value_error(
+                        name, f"a shape within the profile of {list(engine_shape)}", list(shape)
+                    )
             else:
                 self._check(name, view, engine_shape)
             self._set(name, view)
@@ -167,10 +185,13 @@ class EngineRunner:
 
     def _set(self, name: str, view: BufferView) -> None:
         if view.address == 0:
-            shape = view.shape if view.shape is not None else tuple(self.context.get_tensor_shape(name))
+            shape = (
+                view.shape if view.shape is not None else tuple(self.context.get_tensor_shape(name))
+            )
             if int(np.prod(shape, dtype=np.int64)) != 0:
-                raise value_error(name, f"a buffer with a non-null address for shape {list(shape)}",
-                                  "address 0")
+                raise value_error(
+                    name, f"a buffer with a non-null address for shape {list(shape)}", "address 0"
+                )
             scratch = self._owned.get(self._SCRATCH)
             if scratch is None:
                 scratch = self._owned[self._SCRATCH] = DeviceArray((256,), "uint8")
@@ -186,7 +207,9 @@ class EngineRunner:
     def output(self, name: str) -> DeviceArray:
         """The runner-owned buffer of a non-aliased output (``__cuda_array_interface__``)."""
         if name not in self._owned:
-            raise value_error("name", f"a runner-owned output among {sorted(self._owned)}", repr(name))
+            raise value_error(
+                "name", f"a runner-owned output among {sorted(self._owned)}", repr(name)
+            )
         return self._owned[name]
 
     # --- execution -------------------------------------------------------------------
@@ -194,15 +217,17 @@ class EngineRunner:
     def execute(self, stream=None) -> None:
         """Enqueue the engine on ``stream`` (asynchronous)."""
         if not self.context.execute_async_v3(stream_handle(stream)):
-            raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log: a plugin "
-                               "refusing its shapes logs why)")
+            raise RuntimeError(
+                "TensorRT execute_async_v3 failed (see the TensorRT log: a plugin "
+                "refusing its shapes logs why)"
+            )
 
     def run(self, tensors: Mapping[str, Any], *, stream=None, shapes=None) -> None:
         """:meth:`bind` then :meth:`execute`."""
         self.bind(tensors, shapes=shapes)
         self.execute(stream)
 
-    def capture_graph(self, stream) -> "CudaGraph":
+    def capture_graph(self, stream) -> CudaGraph:
         """Capture one execution into a CUDA graph on ``stream`` (not the default stream).
 
         The current bindings are baked in: replay only while the same buffers hold the
@@ -215,8 +240,11 @@ class EngineRunner:
         """
         handle = stream_handle(stream)
         if handle == 0:
-            raise value_error("stream", "a created stream (capture is illegal on the legacy "
-                              "default stream)", "the default stream")
+            raise value_error(
+                "stream",
+                "a created stream (capture is illegal on the legacy default stream)",
+                "the default stream",
+            )
         cudart = import_cudart()
         self.execute(handle)
         check_cuda(cudart.cudaStreamSynchronize(handle), "cudaStreamSynchronize")
@@ -255,11 +283,13 @@ class CudaGraph:
     def __init__(self, cudart, graph, exe, runner: EngineRunner):
         self._cudart, self._graph, self._exe = cudart, graph, exe
         self.runner = runner
-        self.buffers: Dict[str, DeviceArray] = dict(runner._owned)
-        self.bindings: Dict[str, BufferView] = dict(runner._bound)
+        self.buffers: dict[str, DeviceArray] = dict(runner._owned)
+        self.bindings: dict[str, BufferView] = dict(runner._bound)
 
     def launch(self, stream) -> None:
-        check_cuda(self._cudart.cudaGraphLaunch(self._exe, stream_handle(stream)), "cudaGraphLaunch")
+        check_cuda(
+            self._cudart.cudaGraphLaunch(self._exe, stream_handle(stream)), "cudaGraphLaunch"
+        )
 
     def __del__(self):
         try:
@@ -277,8 +307,11 @@ def run_steps(engine, feeds_list, *, stream=None):
     """
     cudart = import_cudart()
     own_stream = stream is None
-    handle = int(check_cuda(cudart.cudaStreamCreate(), "cudaStreamCreate")) if own_stream \
+    handle = (
+        int(check_cuda(cudart.cudaStreamCreate(), "cudaStreamCreate"))
+        if own_stream
         else stream_handle(stream)
+    )
     runner = EngineRunner(engine)
     results = []
     try:
@@ -286,8 +319,11 @@ def run_steps(engine, feeds_list, *, stream=None):
             device = {}
             for name in runner.input_names:
                 if name not in feeds:
-                    raise value_error(f"feeds_list[{step}]", f"every engine input {runner.input_names}",
-                                      f"missing {name!r}")
+                    raise value_error(
+                        f"feeds_list[{step}]",
+                        f"every engine input {runner.input_names}",
+                        f"missing {name!r}",
+                    )
                 host = np.ascontiguousarray(feeds[name])
                 device[name] = DeviceArray(host.shape, host.dtype).copy_from(host, handle)
             runner.bind(device)

@@ -2,7 +2,7 @@
 (tests/test_datadist_processes.py). One JSON command per stdin line; each reply is one
 stdout line starting with ``@@`` (anything else on stdout is ignored by the driver).
 
-    python tests/datadist_node.py --cluster-id 2 --role decoder --backend nixl \
+    python tests/support/datadist_node.py --cluster-id 2 --role decoder --backend nixl \
         --cache 4,8x64,float16
 
 Commands: ``link`` {addr}, ``read`` {tag, timeout_s} (waits for the tag, returns the
@@ -24,8 +24,9 @@ SENTINEL = 99
 
 
 def _bytes(cache) -> str:
-    return base64.b64encode(b"".join(np.ascontiguousarray(t).tobytes()
-                                     for t in cache.tensors)).decode()
+    return base64.b64encode(
+        b"".join(np.ascontiguousarray(t).tobytes() for t in cache.tensors)
+    ).decode()
 
 
 def _reply(**kw) -> None:
@@ -66,8 +67,14 @@ def main() -> int:
                 _reply(data=_bytes(cache))
             elif op == "pull":
                 ext = KvCacheExtParam(*cmd["ext"]) if cmd.get("ext") else None
-                node.pull_kv_blocks(CacheIndex(cmd["cluster"], cmd["cache"]), cache, cmd["src"],
-                                    cmd["dst"], ext, timeout_s=5)
+                node.pull_kv_blocks(
+                    CacheIndex(cmd["cluster"], cmd["cache"]),
+                    cache,
+                    cmd["src"],
+                    cmd["dst"],
+                    ext,
+                    timeout_s=5,
+                )
                 _reply(data=_bytes(cache))
             else:
                 _reply(error=f"unknown command {op!r}")

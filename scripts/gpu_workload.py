@@ -4,7 +4,10 @@ scripts/gpu_check.sh. Uses only NumPy and the kernel library (device buffers are
 ``pytrt_kv._cuda.DeviceArray``, host-resident full caches are pinned NumPy arrays), so the
 sanitizer sees our kernels and nothing of torch or CuPy.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python3 benchmarks/sanitize_smoke.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/gpu_workload.py
+
+It lives beside gpu_check.sh because it is a check, not a benchmark: the benchmark is
+``pytrt-kv bench`` (``pytrt_kv/bench.py``, shipped in the wheel; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import sys
 import numpy as np
 
 from pytrt_kv import _cuda, ops
-from pytrt_kv._gather import gather_selection_kv_cache as ref_gather
-from pytrt_kv._scatter import nz_last_dim, scatter_pa_kv_cache as ref_scatter
-from pytrt_kv.dtypes import numpy_dtype
+from pytrt_kv.contract.dtypes import numpy_dtype
+from pytrt_kv.contract.scatter import nz_last_dim
+from pytrt_kv.reference import gather_selection_kv_cache as ref_gather
+from pytrt_kv.reference import scatter_pa_kv_cache as ref_scatter
 
 BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
@@ -42,17 +46,25 @@ def scatter_cases(rng):
         for dtype in ("bfloat16", "int8", "float32"):
             T, H, NB, BS = 37, 2, 7, 9
             L = nz_last_dim(numpy_dtype(dtype))
-            shape = {"nd": (NB, BS, H, D), "hnd": (NB, H, BS, D),
-                     "nz": (NB, H * D // L, BS, L)}[layout]
+            shape = {"nd": (NB, BS, H, D), "hnd": (NB, H, BS, D), "nz": (NB, H * D // L, BS, L)}[
+                layout
+            ]
             key = rand(rng, (T, H, D), dtype if dtype != "int8" else "float32").astype(
-                numpy_dtype(dtype))
+                numpy_dtype(dtype)
+            )
             slots = rng.permutation(NB * BS)[:T].astype(np.int64)
             slots[::5] = -1
             slots[1] = NB * BS + 3  # out of range: skipped by the kernel
             cache = np.full(shape, 3, numpy_dtype(dtype))
             want = cache.copy()
-            ref_scatter(key, key, want, want.copy(), np.where(slots >= NB * BS, -1, slots),
-                        cache_layout=layout)
+            ref_scatter(
+                key,
+                key,
+                want,
+                want.copy(),
+                np.where(slots >= NB * BS, -1, slots),
+                cache_layout=layout,
+            )
             dk, dc, dv, dvc = dev(key), dev(cache), dev(key), dev(cache)
             ops.scatter_pa_kv_cache(dk, dv, dc, dvc, dev(slots), cache_layout=layout)
             same(dc.get(), want, f"scatter {layout} D={D} {dtype}")
@@ -69,17 +81,42 @@ def scatter_cases(rng):
         want = cache.copy()
         ok_base = base.copy()
         ok_base[1, 1] = -1
-        ref_scatter(key, None, want, None, ok_base, compress_lens=lens,
-                    compress_seq_offsets=offs, seq_lens=seq, compress_mode=mode)
+        ref_scatter(
+            key,
+            None,
+            want,
+            None,
+            ok_base,
+            compress_lens=lens,
+            compress_seq_offsets=offs,
+            seq_lens=seq,
+            compress_mode=mode,
+        )
         dc = dev(cache)
-        ops.scatter_pa_kv_cache(dev(key), None, dc, None, dev(ok_base), compress_lens=dev(lens),
-                                compress_seq_offsets=dev(offs), seq_lens=dev(seq),
-                                compress_mode=mode)
+        ops.scatter_pa_kv_cache(
+            dev(key),
+            None,
+            dc,
+            None,
+            dev(ok_base),
+            compress_lens=dev(lens),
+            compress_seq_offsets=dev(offs),
+            seq_lens=dev(seq),
+            compress_mode=mode,
+        )
         same(dc.get(), want, f"scatter compress {mode}")
         # And the run that reaches past the cache: written only inside it.
-        ops.scatter_pa_kv_cache(dev(key), None, dc, None, dev(base), compress_lens=dev(lens),
-                                compress_seq_offsets=dev(offs), seq_lens=dev(seq),
-                                compress_mode=mode)
+        ops.scatter_pa_kv_cache(
+            dev(key),
+            None,
+            dc,
+            None,
+            dev(base),
+            compress_lens=dev(lens),
+            compress_seq_offsets=dev(offs),
+            seq_lens=dev(seq),
+            compress_mode=mode,
+        )
         dc.get()
 
 
@@ -94,7 +131,7 @@ def gather_case(rng, *, K, tbs, sbs, fbs, S, rope, host, steps=3):
     sel_kv = np.full((sbn, sbs, kv), 3, full_kv.dtype)
     sel_rope = np.full((sbn, sbs, rope), 3, full_kv.dtype) if rope else np.zeros(0, full_kv.dtype)
     sel_table = rng.permutation(sbn).reshape(R, smax).astype(np.int32)
-    full_table = rng.permutation(fbn)[:B * fmax].reshape(B, fmax).astype(np.int32)
+    full_table = rng.permutation(fbn)[: B * fmax].reshape(B, fmax).astype(np.int32)
     status = np.full((B, S, 1, K + 1), -1, np.int32)
     kv_len = np.array([fmax * fbs - S, K * tbs // 2 + 1], np.int32)
     q = np.ones(B, np.int32)
@@ -104,8 +141,18 @@ def gather_case(rng, *, K, tbs, sbs, fbs, S, rope, host, steps=3):
         d_full_kv, d_full_rope = full_kv, full_rope
     else:
         d_full_kv, d_full_rope = dev(full_kv), dev(full_rope)
-    d = [dev(sel_rope), dev(sel_kv), dev(sel_table), dev(status), None, d_full_rope,
-         d_full_kv, dev(full_table), None, dev(q)]
+    d = [
+        dev(sel_rope),
+        dev(sel_kv),
+        dev(sel_table),
+        dev(status),
+        None,
+        d_full_rope,
+        d_full_kv,
+        dev(full_table),
+        None,
+        dev(q),
+    ]
     prev = None
     for step in range(steps):
         topk = np.full((B, S, 1, K), -1, np.int32)
@@ -115,15 +162,26 @@ def gather_case(rng, *, K, tbs, sbs, fbs, S, rope, host, steps=3):
             max_id = -(-eff // tbs) - 1
             ids = list(rng.permutation(max_id + 1)[:K])
             if prev is not None:
-                keep = [v for v in prev.reshape(-1, K)[r] if 0 <= v <= max_id][:K // 2]
+                keep = [v for v in prev.reshape(-1, K)[r] if 0 <= v <= max_id][: K // 2]
                 ids = keep + [v for v in ids if v not in keep]
             row = np.array(ids[:K] + [-1] * K, np.int64)[:K]
             row[rng.random(K) < 0.2] = -1
             topk.reshape(-1, K)[r] = row
         prev = topk
         d[4], d[8] = dev(topk), dev(kv_len)
-        want = ref_gather(sel_rope, sel_kv, sel_table, status, topk, full_rope, full_kv,
-                          full_table, kv_len, q, selection_topk_block_size=tbs)
+        want = ref_gather(
+            sel_rope,
+            sel_kv,
+            sel_table,
+            status,
+            topk,
+            full_rope,
+            full_kv,
+            full_table,
+            kv_len,
+            q,
+            selection_topk_block_size=tbs,
+        )
         out = ops.gather_selection_kv_cache(*d, selection_topk_block_size=tbs)
         what = f"gather K={K} tbs={tbs} S={S} rope={rope} host={host} step={step}"
         same(out.get(), want, what + " actual_seq")
@@ -144,7 +202,7 @@ def main() -> int:
         gather_case(rng, K=8, tbs=4, sbs=8, fbs=12, S=2, rope=0, host=host)
     gather_case(rng, K=33, tbs=1, sbs=5, fbs=7, S=3, rope=8, host=False)
     gather_case(rng, K=40, tbs=4, sbs=16, fbs=8, S=2, rope=8, host=True)  # K > 32, TBS > 1
-    print("sanitize_smoke: all kernel paths match the reference")
+    print("gpu_workload: all kernel paths match the reference")
     return 0
 
 

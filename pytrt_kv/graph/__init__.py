@@ -1,0 +1,16 @@
+"""The graph layer of pytrt_kv: everything that works on ONNX graphs holding our ops.
+
+- :mod:`.check`: export-time validation of one node (attributes, shapes, dtypes through
+  the contract's checks) and its output types;
+- :mod:`.schemas`: the ONNX schemas, registered with ``onnx.defs`` on import;
+- :mod:`.runtime`: the CPU runtime (``onnx.reference`` + the NumPy reference); public
+  path :mod:`pytrt_kv.runtime`;
+- :mod:`.tensorrt`: ``prepare_for_tensorrt`` and the aliasing facts TensorRT builders need;
+  public path :mod:`pytrt_kv.trt`;
+- :mod:`.feeds`: the valid-input generator ``make_feeds`` (tests, examples, benchmark,
+  Polygraphy data loader).
+
+It imports the contract and the reference, never ``onnx_export`` (which builds on it) nor
+the GPU layers (docs/ARCHITECTURE.md). Submodules are imported on demand: importing this
+package needs no onnx.
+"""

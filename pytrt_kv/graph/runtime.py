@@ -1,0 +1,385 @@
+"""CPU runtime of the graph layer: onnx.reference OpRun classes for the pytrt_kv ops, node
+and feed validation, and the :func:`run` entry point (public path: :mod:`pytrt_kv.runtime`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
+
+from ..contract import dtypes, specs
+from ..reference import gather_selection_kv_cache, scatter_pa_kv_cache
+from . import schemas
+from .check import check_attributes
+
+schemas.register()
+
+
+def _attrs(op: specs.OpSpec, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for a in op.attributes:
+        v = kwargs.get(a.name, None)
+        if isinstance(v, bytes):
+            v = v.decode()
+        out[a.name] = a.default if v is None else v
+    return out
+
+
+def _named(op: specs.OpSpec, args) -> dict[str, np.ndarray | None]:
+    vals = list(args) + [None] * (len(op.inputs) - len(args))
+    return {t.name: (None if v is None else np.asarray(v)) for t, v in zip(op.inputs, vals)}
+
+
+def _absent_placeholders(x: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+    """Move the placeholders of absent optional inputs (``specs.ABSENT_INPUT_SHAPE``, the
+    positional form of ``pytrt_kv.trt.prepare_for_tensorrt``) out of ``x``, so the CPU
+    reference runs prepared models too; returns what was moved."""
+    key = x["key"]
+    # With B*H == 0 a real compress_seq_offsets [B*H] has the placeholder's shape: keep it.
+    no_runs = key is not None and key.ndim == 4 and key.shape[0] * key.shape[2] == 0
+    moved = {}
+    for name in ("value", "value_cache", "compress_seq_offsets"):
+        v = x[name]
+        if v is None or v.shape != specs.ABSENT_INPUT_SHAPE:
+            continue
+        if name == "compress_seq_offsets" and no_runs:
+            continue
+        moved[name], x[name] = v, None
+    return moved
+
+
+def _node_where(node: onnx.NodeProto) -> str:
+    return f"node {node.name or '<unnamed>'!r} ({node.op_type}): "
+
+
+def validate_node(node: onnx.NodeProto) -> dict[str, Any]:
+    """Check one ``pytrt_kv`` node against its schema, with the rules of the TensorRT
+    plugin creators; return its attributes with defaults filled in.
+
+    Checked: a known op type; every attribute known, given once, of its declared type
+    (INT or STRING) and allowed value (``plugin_namespace``/``plugin_version`` included
+    when present); no more inputs and outputs than the op has, every required input and
+    output named; a ScatterPaKvCache with a value cache also names ``value_cache_out``
+    (else that update would be lost).
+
+    Raises
+    ------
+    ValueError
+        Unknown op type or attribute, repeated attribute, bad value, wrong counts.
+    TypeError
+        An attribute of the wrong type (e.g. a float ``selection_topk_block_size``).
+    """
+    from onnx import helper
+
+    where = _node_where(node)
+    if node.op_type not in specs.OPS:
+        raise ValueError(
+            f"{where}op_type: expected one of {sorted(specs.OPS)} in domain "
+            f"{specs.DOMAIN!r}, got {node.op_type!r}"
+        )
+    op = specs.OPS[node.op_type]
+    attrs: dict[str, Any] = {}
+    for a in node.attribute:
+        if a.name in attrs:
+            raise ValueError(f"{where}attribute {a.name!r}: expected once, got it repeated")
+        spec = next((x for x in op.attributes if x.name == a.name), None)
+        want = (
+            onnx.AttributeProto.INT
+            if spec is not None and spec.type == "int"
+            else onnx.AttributeProto.STRING
+        )
+        if (spec is not None or a.name in specs.PLUGIN_NODE_ATTRIBUTES) and a.type != want:
+            raise TypeError(
+                f"{where}attribute {a.name!r}: expected "
+                f"{onnx.AttributeProto.AttributeType.Name(want)}, got "
+                f"{onnx.AttributeProto.AttributeType.Name(a.type)} "
+                f"{helper.get_attribute_value(a)!r}"
+            )
+        attrs[a.name] = helper.get_attribute_value(a)
+    attrs = check_attributes(op, attrs, where)
+
+    n_in, n_out = len(node.input), len(node.output)
+    if n_in > len(op.inputs):
+        raise ValueError(
+            f"{where}inputs: expected at most {len(op.inputs)} "
+            f"({', '.join(op.input_names)}), got {n_in}: {list(node.input)}"
+        )
+    for i, t in enumerate(op.inputs):
+        if not t.optional and (i >= n_in or not node.input[i]):
+            raise ValueError(
+                f"{where}{t.name}: expected a graph tensor (required input {i}), got none"
+            )
+    if n_out > len(op.outputs):
+        raise ValueError(
+            f"{where}outputs: expected at most {len(op.outputs)} "
+            f"({', '.join(op.output_names)}), got {n_out}: {list(node.output)}"
+        )
+    required = [t.name for t in op.outputs if not t.optional]
+    vc = op.input_index("value_cache") if op is specs.SCATTER_PA_KV_CACHE else -1
+    if vc >= 0 and vc < n_in and node.input[vc]:
+        required.append("value_cache_out")
+    for name in required:
+        i = op.output_index(name)
+        if i >= n_out or not node.output[i]:
+            what = ", the updated value_cache" if name == "value_cache_out" else ""
+            raise ValueError(f"{where}{name}: expected a graph tensor (output {i}{what}), got none")
+    return attrs
+
+
+def _named_error(node: onnx.NodeProto, op: specs.OpSpec, exc: Exception) -> Exception:
+    """``exc`` of the reference, prefixed with the node and the graph tensor of the
+    argument it names (``key_cache: ...`` -> ``node 'n' (ScatterPaKvCache): key_cache
+    (graph tensor 'cache_in'): ...``)."""
+    msg = str(exc)
+    head, sep, rest = msg.partition(":")
+    arg = head.split("[", 1)[0].split(" ", 1)[0]
+    if sep and arg in op.input_names:
+        i = op.input_index(arg)
+        tensor = node.input[i] if i < len(node.input) else ""
+        msg = f"{head} (graph tensor {tensor!r}):{rest}"
+    return type(exc)(_node_where(node) + msg)
+
+
+class ScatterPaKvCache(OpRun):
+    """ScatterPaKvCache on the NumPy reference; outputs are updated copies of the caches."""
+
+    op_domain = specs.DOMAIN
+
+    def _run(self, *args, **kwargs):
+        op = specs.SCATTER_PA_KV_CACHE
+        x = _named(op, args)
+        a = _attrs(op, kwargs)
+        placeholders = _absent_placeholders(x)
+        key_cache = x["key_cache"].copy()
+        value_cache = None if x["value_cache"] is None else x["value_cache"].copy()
+        try:
+            scatter_pa_kv_cache(
+                x["key"],
+                x["value"],
+                key_cache,
+                value_cache,
+                x["slot_mapping"],
+                compress_lens=x["compress_lens"],
+                compress_seq_offsets=x["compress_seq_offsets"],
+                seq_lens=x["seq_lens"],
+                cache_layout=a["cache_layout"] or None,
+                compress_mode=a["compress_mode"] or None,
+            )
+        except (ValueError, TypeError) as exc:
+            raise _named_error(self.onnx_node, op, exc) from None
+        if value_cache is not None:
+            return key_cache, value_cache
+        if len(self.onnx_node.output) > 1 and "value_cache" in placeholders:
+            return key_cache, placeholders["value_cache"].copy()
+        return (key_cache,)
+
+
+class GatherSelectionKvCache(OpRun):
+    """GatherSelectionKvCache on the NumPy reference; the three updated inputs are copies."""
+
+    op_domain = specs.DOMAIN
+
+    def _run(self, *args, **kwargs):
+        op = specs.GATHER_SELECTION_KV_CACHE
+        x = _named(op, args)
+        a = _attrs(op, kwargs)
+        sel_k_rope = x["selection_k_rope"].copy()
+        sel_kv = x["selection_kv_cache"].copy()
+        status = x["selection_kv_block_status"].copy()
+        try:
+            actual = gather_selection_kv_cache(
+                sel_k_rope,
+                sel_kv,
+                x["selection_kv_block_table"],
+                status,
+                x["selection_topk_indices"],
+                x["full_k_rope"],
+                x["full_kv_cache"],
+                x["full_kv_block_table"],
+                x["full_kv_actual_seq"],
+                x["full_q_actual_seq"],
+                selection_topk_block_size=a["selection_topk_block_size"],
+            )
+        except (ValueError, TypeError) as exc:
+            raise _named_error(self.onnx_node, op, exc) from None
+        return sel_k_rope, sel_kv, status, np.asarray(actual, dtype=np.int32)
+
+
+#: Alias names that say what the classes are (the evaluator needs the op_type as the name).
+ScatterPaKvCacheOp = ScatterPaKvCache
+GatherSelectionKvCacheOp = GatherSelectionKvCache
+
+
+def _load(model_or_path: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
+    if isinstance(model_or_path, onnx.ModelProto):
+        return model_or_path
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return onnx.load(os.fspath(model_or_path))
+    raise TypeError(
+        f"model_or_path: expected an onnx.ModelProto or a path, got {type(model_or_path).__name__}"
+    )
+
+
+def validate_model(model: onnx.ModelProto) -> None:
+    """:func:`validate_node` on every ``pytrt_kv`` node of the graph (ValueError or
+    TypeError naming the node)."""
+    for node in model.graph.node:
+        if node.domain == specs.DOMAIN:
+            validate_node(node)
+
+
+class _Evaluator(ReferenceEvaluator):
+    """ReferenceEvaluator that remembers the declared types of the graph inputs."""
+
+    def __init__(self, model: onnx.ModelProto):
+        validate_model(model)
+        super().__init__(model, new_ops=[ScatterPaKvCache, GatherSelectionKvCache])
+        inits = {i.name for i in model.graph.initializer}
+        self.declared_inputs = {
+            vi.name: vi.type for vi in model.graph.input if vi.name not in inits
+        }
+
+
+def make_evaluator(model_or_path: onnx.ModelProto | str | os.PathLike) -> ReferenceEvaluator:
+    """A ``ReferenceEvaluator`` that knows our ops (reuse it to run a model many times).
+
+    Every ``pytrt_kv`` node is validated first (:func:`validate_node`).
+
+    Raises
+    ------
+    ValueError, TypeError
+        A node breaks its schema; the message names the node.
+    FileNotFoundError
+        ``model_or_path`` names no file.
+    """
+    return _Evaluator(_load(model_or_path))
+
+
+def _describe_type(tp: onnx.TypeProto) -> str:
+    tt = tp.tensor_type
+    try:
+        name = str(dtypes.numpy_of_onnx(tt.elem_type)) if tt.elem_type else "?"
+    except TypeError:
+        name = onnx.TensorProto.DataType.Name(tt.elem_type).lower()
+    if not tt.HasField("shape"):
+        return f"{name}[...]"
+    dims = [
+        str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim
+    ]
+    return f"{name}[{', '.join(dims)}]"
+
+
+def check_feeds(declared: Mapping[str, onnx.TypeProto], feeds: Mapping[str, np.ndarray]) -> None:
+    """Check each feed against the dtype and shape its graph input declares.
+
+    Static dims must match; a symbolic dim (``"T"``) must take one value across all the
+    inputs that use it.
+
+    Raises
+    ------
+    TypeError
+        A feed's dtype differs from the declared element type.
+    ValueError
+        A feed's rank or a dim differs from the declaration.
+    """
+    bound: dict[str, Any] = {}
+    for name, tp in declared.items():
+        if name not in feeds or not tp.HasField("tensor_type"):
+            continue
+        x = np.asarray(feeds[name])
+        tt = tp.tensor_type
+        want = f"{_describe_type(tp)} (declared by graph input {name!r})"
+        got = f"{x.dtype}{list(x.shape)}"
+        if tt.elem_type:
+            try:
+                expected = dtypes.numpy_of_onnx(tt.elem_type, f"feeds[{name!r}]")
+            except TypeError:
+                expected = None
+            if expected is not None and x.dtype != expected:
+                raise TypeError(f"feeds[{name!r}]: expected {want}, got {got}")
+        if not tt.HasField("shape"):
+            continue
+        dims = tt.shape.dim
+        if x.ndim != len(dims):
+            raise ValueError(f"feeds[{name!r}]: expected rank {len(dims)}: {want}, got {got}")
+        for axis, (d, n) in enumerate(zip(dims, x.shape)):
+            if d.HasField("dim_value") and d.dim_value != n:
+                raise ValueError(
+                    f"feeds[{name!r}]: expected dim {axis} = {d.dim_value}: {want}, got {got}"
+                )
+            if d.HasField("dim_param") and d.dim_param:
+                prev = bound.setdefault(d.dim_param, (n, name))
+                if prev[0] != n:
+                    raise ValueError(
+                        f"feeds[{name!r}]: expected dim {axis} = {d.dim_param} = {prev[0]} "
+                        f"(as in feeds[{prev[1]!r}]): {want}, got {got}"
+                    )
+
+
+def run(
+    model_or_path: onnx.ModelProto | str | os.PathLike | ReferenceEvaluator,
+    feeds: Mapping[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    """Run a model on the CPU and return every graph output by name.
+
+    Parameters
+    ----------
+    model_or_path : onnx.ModelProto, path, or an evaluator from :func:`make_evaluator`
+    feeds : mapping graph input name -> array
+        Never modified: each ``*_out`` is an updated copy of its cache input.
+
+    Returns
+    -------
+    dict name -> numpy.ndarray
+
+    Raises
+    ------
+    ValueError
+        A graph input is missing from ``feeds`` or an unknown name is fed; a feed's
+        shape differs from its declaration; a ``pytrt_kv`` node breaks its schema (see
+        :func:`validate_node`); or the reference refuses an input: the message names
+        the node, the op argument and its graph tensor.
+    TypeError
+        A feed's dtype differs from its declaration, a node attribute has the wrong
+        type, or the reference refuses an argument's type (named the same way).
+
+    Notes
+    -----
+    The feeds are never modified, so concurrent runs are safe; a caller that feeds
+    each ``*_out`` back as the next step's input must order those steps itself.
+    """
+    ev = (
+        model_or_path
+        if isinstance(model_or_path, ReferenceEvaluator)
+        else make_evaluator(model_or_path)
+    )
+    expected = list(ev.input_names)
+    missing = [n for n in expected if n not in feeds]
+    extra = [n for n in feeds if n not in expected]
+    if missing or extra:
+        raise ValueError(
+            f"feeds: expected exactly the graph inputs {expected}, got "
+            f"{sorted(feeds)} (missing {missing}, unknown {extra})"
+        )
+    arrays = {n: np.asarray(feeds[n]) for n in expected}
+    declared = getattr(ev, "declared_inputs", None)
+    if declared is None:  # an evaluator made elsewhere: validate its model now
+        model = getattr(ev, "proto_", None)
+        if isinstance(model, onnx.ModelProto):
+            validate_model(model)
+            declared = {vi.name: vi.type for vi in model.graph.input if vi.name in arrays}
+    check_feeds(declared or {}, arrays)
+    try:
+        results = ev.run(None, arrays)
+    except TypeError as exc:
+        # onnx.reference wraps every TypeError of an op into a generic message; surface
+        # the reference's own (it names the argument).
+        if isinstance(exc.__cause__, TypeError):
+            raise exc.__cause__ from None
+        raise
+    return dict(zip(ev.output_names, results))

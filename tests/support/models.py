@@ -1,0 +1,116 @@
+"""The single-op models that the TensorRT engine tests build (tests/test_trt_engine.py on
+a GPU, tests/test_rtx_build.py ahead of time with TensorRT-RTX), in one place so both
+build exactly the same set."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_export import single_op_model
+
+
+def _np(name):
+    from pytrt_kv.contract import dtypes
+
+    return dtypes.numpy_dtype(name)
+
+
+def scatter_model(layout, dt, idx, value=True, alias_io=1, T=9, H=2, Dk=16, NB=6, BS=8):
+    Dv = 16 if layout == "nz" else 8
+
+    def cache(d, t):
+        L = 32 // _np(t).itemsize
+        return {"nd": (NB, BS, H, d), "hnd": (NB, H, BS, d), "nz": (NB, H * d // L, BS, L)}[layout]
+
+    shapes = {
+        "key": np.zeros((T, H, Dk), _np(dt)),
+        "key_cache": np.zeros(cache(Dk, dt), _np(dt)),
+        "slot_mapping": np.zeros((T,), _np(idx)),
+    }
+    if value:
+        shapes["value"] = np.zeros((T, H, Dv), _np(dt))
+        shapes["value_cache"] = np.zeros(cache(Dv, dt), _np(dt))
+    return single_op_model("ScatterPaKvCache", shapes, cache_layout=layout, alias_io=alias_io)
+
+
+def compress_model(dt, idx, mode, offsets=True, B=2, Smax=9, H=3, D=16, NB=12, BS=8):
+    shapes = {
+        "key": np.zeros((B, Smax, H, D), _np(dt)),
+        "value": np.zeros((B, Smax, H, D), _np(dt)),
+        "key_cache": np.zeros((NB, BS, 1, D), _np(dt)),
+        "value_cache": np.zeros((NB, BS, 1, D), _np(dt)),
+        "slot_mapping": np.zeros((B, H), _np(idx)),
+        "compress_lens": np.zeros((B, H), _np(idx)),
+        "seq_lens": np.zeros((B,), _np(idx)),
+    }
+    if offsets:
+        shapes["compress_seq_offsets"] = np.zeros((B * H,), _np(idx))
+    attrs = {"compress_mode": mode} if mode else {}
+    return single_op_model("ScatterPaKvCache", shapes, **attrs)
+
+
+def gather_model(
+    dt, tnd, tbs, rope=True, alias_io=1, B=2, S=2, K=4, SBS=16, FBS=16, KV=32, KR=8, FBN=24, FMAX=6
+):
+    smax = -(-K * tbs // SBS)
+    lead = (B * S, 1) if tnd else (B, S, 1)
+    shapes = {
+        "selection_k_rope": np.zeros((B * S * smax + 2, SBS, KR) if rope else (0,), _np(dt)),
+        "selection_kv_cache": np.zeros((B * S * smax + 2, SBS, KV), _np(dt)),
+        "selection_kv_block_table": np.zeros((B * S + 1, smax), np.int32),
+        "selection_kv_block_status": np.zeros(lead + (K + 1,), np.int32),
+        "selection_topk_indices": np.zeros(lead + (K,), np.int32),
+        "full_k_rope": np.zeros((FBN, FBS, KR) if rope else (0,), _np(dt)),
+        "full_kv_cache": np.zeros((FBN, FBS, KV), _np(dt)),
+        "full_kv_block_table": np.zeros((B, FMAX), np.int32),
+        "full_kv_actual_seq": np.zeros((B,), np.int32),
+        "full_q_actual_seq": np.zeros((B,), np.int32),
+    }
+    return single_op_model(
+        "GatherSelectionKvCache", shapes, selection_topk_block_size=tbs, alias_io=alias_io
+    )
+
+
+def engine_test_models():
+    """(id, model) for every model tests/test_trt_engine.py builds, the example included."""
+    from onnx_export.example import build_example_model
+
+    out = []
+    for dt in ["float16", "bfloat16", "float32", "int8", "float8_e4m3fn"]:
+        for layout in ["nd", "hnd", "nz"]:
+            for idx in ["int32", "int64"]:
+                out.append((f"scatter-{dt}-{layout}-{idx}", scatter_model(layout, dt, idx)))
+    for alias_io in [1, 0]:
+        out.append(
+            (
+                f"scatter-key-only-alias{alias_io}",
+                scatter_model("nd", "bfloat16", "int32", value=False, alias_io=alias_io),
+            )
+        )
+    for dt, mode, offsets in [
+        ("float16", "", True),
+        ("bfloat16", "rope", True),
+        ("float32", "rope", True),
+        ("int8", "omni", True),
+        ("float16", "alibi", True),
+        ("int8", "", False),
+    ]:
+        for idx in ["int32", "int64"]:
+            out.append(
+                (
+                    f"compress-{dt}-{mode or 'default'}-{'offsets' if offsets else 'none'}-{idx}",
+                    compress_model(dt, idx, mode, offsets),
+                )
+            )
+    for dt in ["float16", "bfloat16", "int8", "float32", "float8_e4m3fn"]:
+        for tnd in [False, True]:
+            for tbs in [1, 4]:
+                for rope in [True, False]:
+                    name = (
+                        f"gather-{dt}-{'tnd' if tnd else 'bsnd'}-tbs{tbs}-"
+                        f"{'rope' if rope else 'c8'}"
+                    )
+                    out.append((name, gather_model(dt, tnd, tbs, rope)))
+    out.append(("gather-alias-off", gather_model("float16", False, 4, alias_io=0)))
+    out.append(("example", build_example_model()))
+    return out
