@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from pytrt_kv.contract import dtypes, specs
+from pytrt_kv.contract import dtypes, limits, specs
 
 #: Graph inputs updated in place, with the graph output that is their new version.
 CACHE_OUTPUTS = {
@@ -107,8 +107,10 @@ class ExampleSizes:
                 f"topk: expected <= max_blocks_per_seq * block_size = "
                 f"{self.max_tokens}, got {self.topk}"
             )
-        if self.topk > 2048:
-            raise ValueError(f"topk: expected <= 2048 (docs/SPEC.md G2), got {self.topk}")
+        if self.topk > limits.MAX_TOPK:
+            raise ValueError(
+                f"topk: expected <= {limits.MAX_TOPK} (docs/SPEC.md G2), got {self.topk}"
+            )
         return self
 
 

@@ -10,8 +10,7 @@ are loaded lazily by the submodules that use them (``pytrt_kv.ops``, ``pytrt_kv.
 """
 
 from .contract import specs
-from .reference import gather_selection_kv_cache, scatter_pa_kv_cache
-
 from .contract.limits import VERSION as __version__  # the one source of the version
+from .reference import gather_selection_kv_cache, scatter_pa_kv_cache
 
 __all__ = ["specs", "scatter_pa_kv_cache", "gather_selection_kv_cache", "__version__"]

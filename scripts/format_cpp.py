@@ -19,7 +19,6 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Folders holding C++/CUDA sources, and the suffixes formatted.
@@ -27,10 +26,14 @@ SOURCE_DIRS = ("plugins",)
 SUFFIXES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
 
 
-def sources() -> List[Path]:
+def sources() -> list[Path]:
     """Every C++/CUDA source under :data:`SOURCE_DIRS`, sorted."""
-    return sorted(p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*")
-                  if p.is_file() and p.suffix in SUFFIXES)
+    return sorted(
+        p
+        for d in SOURCE_DIRS
+        for p in (ROOT / d).rglob("*")
+        if p.is_file() and p.suffix in SUFFIXES
+    )
 
 
 def executable() -> str:
@@ -40,21 +43,28 @@ def executable() -> str:
     except ImportError:
         raise SystemExit(
             "clang-format: the 'clang-format' wheel is not installed in "
-            f"{sys.executable}; install the test extra: pip install -e '.[test]'") from None
+            f"{sys.executable}; install the test extra: pip install -e '.[test]'"
+        ) from None
     return clang_format.get_executable("clang-format")
 
 
-def run(check: bool, files: List[Path]) -> subprocess.CompletedProcess:
+def run(check: bool, files: list[Path]) -> subprocess.CompletedProcess:
     """clang-format over ``files``: ``--dry-run --Werror`` when ``check``, else ``-i``."""
     args = ["--dry-run", "--Werror"] if check else ["-i"]
-    return subprocess.run([executable(), "--style=file", *args, *map(str, files)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [executable(), "--style=file", *args, *map(str, files)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="change nothing; exit 1 if any file is not formatted")
+    parser.add_argument(
+        "--check", action="store_true", help="change nothing; exit 1 if any file is not formatted"
+    )
     args = parser.parse_args(argv)
     r = run(args.check, sources())
     sys.stdout.write(r.stdout)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, List
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ROOT / "plugins" / "kernels" / "kvContract.h"
@@ -40,10 +40,13 @@ def _namespace_of(op_name: str) -> str:
     return op_name[0].lower() + op_name[1:]
 
 
-def _op_block(op) -> List[str]:
-    lines = [f"//! {op.name} (specs.OPS[\"{op.name}\"]).",
-             f"namespace {_namespace_of(op.name)}", "{",
-             f"constexpr char const* kNAME{{{_cpp_string(op.name)}}};"]
+def _op_block(op) -> list[str]:
+    lines = [
+        f'//! {op.name} (specs.OPS["{op.name}"]).',
+        f"namespace {_namespace_of(op.name)}",
+        "{",
+        f"constexpr char const* kNAME{{{_cpp_string(op.name)}}};",
+    ]
     for kind, tensors in (("IN", op.inputs), ("OUT", op.outputs)):
         lines.append(f"//! {'Input' if kind == 'IN' else 'Output'} positions and names.")
         for i, t in enumerate(tensors):
@@ -120,7 +123,7 @@ def render() -> str:
         "//! docs/SPEC.md G2: largest K of GatherSelectionKvCache (any TBS).",
         f"constexpr int32_t kMAX_TOPK{{{limits.MAX_TOPK}}};",
         "//! kMAX_TOPK as a string literal, for messages built by literal concatenation.",
-        f"#define PYTRT_KV_MAX_TOPK_STR \"{limits.MAX_TOPK}\"",
+        f'#define PYTRT_KV_MAX_TOPK_STR "{limits.MAX_TOPK}"',
         "",
         "//! cudaError_t values with a meaning of their own (kvError.cpp static_asserts them).",
         f"constexpr int32_t kSTATUS_SUCCESS{{{limits.STATUS_SUCCESS}}};",
@@ -131,10 +134,13 @@ def render() -> str:
         "",
     ]
     lines += _codes("DTYPE", limits.DTYPE_CODES, "kernels::DataType values (limits.DTYPE_CODES).")
-    lines += _codes("LAYOUT", limits.LAYOUT_CODES, "kernels::CacheLayout values (limits.LAYOUT_CODES).")
+    lines += _codes(
+        "LAYOUT", limits.LAYOUT_CODES, "kernels::CacheLayout values (limits.LAYOUT_CODES)."
+    )
     lines += _codes("MODE", limits.MODE_CODES, "kernels::CompressMode values (limits.MODE_CODES).")
-    lines += _codes("POINTER", limits.POINTER_KINDS,
-                    "pytrt_kv_pointer_info() kinds (limits.POINTER_KINDS).")
+    lines += _codes(
+        "POINTER", limits.POINTER_KINDS, "pytrt_kv_pointer_info() kinds (limits.POINTER_KINDS)."
+    )
     lines += [
         "//! TensorRT plugin namespace (= ONNX domain) and plugin version (specs.NAMESPACE,",
         "//! specs.PLUGIN_VERSION).",
@@ -150,16 +156,19 @@ def render() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 (and say so) if the checked-in header differs")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 (and say so) if the checked-in header differs"
+    )
     parser.add_argument("--output", type=Path, default=HEADER, help=f"default: {HEADER}")
     args = parser.parse_args(argv)
     text = render()
     if args.check:
         current = args.output.read_text() if args.output.exists() else None
         if current != text:
-            print(f"{args.output} is stale: run python scripts/gen_contract_header.py",
-                  file=sys.stderr)
+            print(
+                f"{args.output} is stale: run python scripts/gen_contract_header.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     args.output.write_text(text)

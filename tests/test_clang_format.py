@@ -11,8 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("format_cpp",
-                                                  ROOT / "scripts" / "format_cpp.py")
+    spec = importlib.util.spec_from_file_location("format_cpp", ROOT / "scripts" / "format_cpp.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -37,8 +36,8 @@ def test_sources_are_clang_formatted():
     assert any(f.suffix == ".cu" for f in files) and any(f.suffix == ".h" for f in files)
     r = tool.run(True, files)
     assert r.returncode == 0, (
-        "C++/CUDA sources not formatted (run: python scripts/format_cpp.py):\n"
-        + r.stderr[-6000:])
+        "C++/CUDA sources not formatted (run: python scripts/format_cpp.py):\n" + r.stderr[-6000:]
+    )
 
 
 def test_check_catches_a_badly_formatted_file(tmp_path):
@@ -46,6 +45,10 @@ def test_check_catches_a_badly_formatted_file(tmp_path):
     (tmp_path / ".clang-format").write_text((ROOT / ".clang-format").read_text())
     bad = tmp_path / "bad.cpp"
     bad.write_text("int  f( int x ){return x;}\n")
-    r = tool.subprocess.run([tool.executable(), "--style=file", "--dry-run", "--Werror", str(bad)],
-                            capture_output=True, text=True, cwd=tmp_path)
+    r = tool.subprocess.run(
+        [tool.executable(), "--style=file", "--dry-run", "--Werror", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode != 0 and "bad.cpp" in r.stderr

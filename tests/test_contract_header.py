@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _generator():
     spec = importlib.util.spec_from_file_location(
-        "gen_contract_header", ROOT / "scripts" / "gen_contract_header.py")
+        "gen_contract_header", ROOT / "scripts" / "gen_contract_header.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -30,14 +31,18 @@ def test_checked_in_header_is_what_the_generator_writes():
     text = gen.render()
     current = gen.HEADER.read_text()
     assert current == text, (
-        f"{gen.HEADER.relative_to(ROOT)} is stale: run python scripts/gen_contract_header.py")
+        f"{gen.HEADER.relative_to(ROOT)} is stale: run python scripts/gen_contract_header.py"
+    )
 
 
 def test_generator_check_mode_fails_on_a_stale_header(tmp_path, capsys):
     gen = _generator()
     stale = tmp_path / "kvContract.h"
-    stale.write_text(gen.render().replace(f"kMAX_TOPK{{{limits.MAX_TOPK}}}",
-                                          f"kMAX_TOPK{{{limits.MAX_TOPK + 1}}}"))
+    stale.write_text(
+        gen.render().replace(
+            f"kMAX_TOPK{{{limits.MAX_TOPK}}}", f"kMAX_TOPK{{{limits.MAX_TOPK + 1}}}"
+        )
+    )
     assert gen.main(["--check", "--output", str(stale)]) == 1
     assert "stale" in capsys.readouterr().err
     gen.main(["--output", str(stale)])
@@ -57,8 +62,9 @@ def test_header_carries_every_op_name_tensor_and_field():
 
 
 def test_codes_cover_the_contract_values():
-    all_dtypes = {d for op in specs.OPS.values() for t in (*op.inputs, *op.outputs)
-                  for d in t.dtypes}
+    all_dtypes = {
+        d for op in specs.OPS.values() for t in (*op.inputs, *op.outputs) for d in t.dtypes
+    }
     assert all_dtypes <= set(limits.DTYPE_CODES)
     assert sorted(limits.DTYPE_CODES.values()) == list(range(len(limits.DTYPE_CODES)))
     assert set(limits.LAYOUT_CODES) == set(specs.CACHE_LAYOUTS)
@@ -71,7 +77,8 @@ def test_ctypes_layer_reads_the_contract():
     assert _cuda.MODE_CODE == limits.MODE_CODES
     assert _cuda.ABI_VERSION == limits.ABI_VERSION
     assert (_cuda.HOST, _cuda.PINNED, _cuda.DEVICE, _cuda.MANAGED) == tuple(
-        limits.POINTER_KINDS[k] for k in ("host", "pinned", "device", "managed"))
+        limits.POINTER_KINDS[k] for k in ("host", "pinned", "device", "managed")
+    )
 
 
 def test_version_has_one_source():
@@ -87,21 +94,26 @@ def test_version_has_one_source():
         [provider] = [d for d in pyproject["tool"]["dynamic-metadata"] if d["field"] == "version"]
         assert provider["input"] == "pytrt_kv/contract/limits.py"
     # What scikit-build-core's regex provider matches by default in that file.
-    found = re.findall(r"(?m)^(?:__version__|VERSION) *= *(['\"])v?(.+?)\1",
-                       (ROOT / "pytrt_kv" / "contract" / "limits.py").read_text())
+    found = re.findall(
+        r"(?m)^(?:__version__|VERSION) *= *(['\"])v?(.+?)\1",
+        (ROOT / "pytrt_kv" / "contract" / "limits.py").read_text(),
+    )
     assert [v for _, v in found] == [limits.VERSION]
 
 
-@pytest.mark.parametrize("path, pattern", [
-    ("plugins/kernels/gatherPlan.h", r"kMAX_TOPK = \d"),
-    ("plugins/kernels/capi.cpp", r"return \d+; // \d"),
-    ("plugins/kernels/capi.cpp", r"kABI_VERSION = \d"),
-    ("plugins/gatherSelectionKvCache/gatherSelectionKvCachePlugin.h", r"kMAX_TOPK\{\d"),
-    ("plugins/common/pluginCommon.h", r'kPLUGIN_NAMESPACE\{"'),
-    ("pytrt_kv/_cuda/abi.py", r"ABI_VERSION = \d"),
-    ("pytrt_kv/__init__.py", r"__version__ = \""),
-    ("CMakeLists.txt", r"project\(pytrt_kv VERSION \d"),
-])
+@pytest.mark.parametrize(
+    "path, pattern",
+    [
+        ("plugins/kernels/gatherPlan.h", r"kMAX_TOPK = \d"),
+        ("plugins/kernels/capi.cpp", r"return \d+; // \d"),
+        ("plugins/kernels/capi.cpp", r"kABI_VERSION = \d"),
+        ("plugins/gatherSelectionKvCache/gatherSelectionKvCachePlugin.h", r"kMAX_TOPK\{\d"),
+        ("plugins/common/pluginCommon.h", r'kPLUGIN_NAMESPACE\{"'),
+        ("pytrt_kv/_cuda/abi.py", r"ABI_VERSION = \d"),
+        ("pytrt_kv/__init__.py", r"__version__ = \""),
+        ("CMakeLists.txt", r"project\(pytrt_kv VERSION \d"),
+    ],
+)
 def test_no_hand_copies_left(path, pattern):
     file = ROOT / path
     assert file.exists(), path

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Dict, Optional
 
 from .. import _lib
 from ..contract import limits
@@ -20,9 +19,9 @@ from ..contract import limits
 # --- the library -------------------------------------------------------------------------
 
 #: DataType of plugins/kernels/kvCommon.h for each dtype name.
-DTYPE_CODE: Dict[str, int] = dict(limits.DTYPE_CODES)
-LAYOUT_CODE: Dict[str, int] = dict(limits.LAYOUT_CODES)
-MODE_CODE: Dict[str, int] = dict(limits.MODE_CODES)
+DTYPE_CODE: dict[str, int] = dict(limits.DTYPE_CODES)
+LAYOUT_CODE: dict[str, int] = dict(limits.LAYOUT_CODES)
+MODE_CODE: dict[str, int] = dict(limits.MODE_CODES)
 #: pytrt_kv_abi_version() this module's structures match.
 ABI_VERSION = limits.ABI_VERSION
 
@@ -31,17 +30,28 @@ class ScatterParams(ctypes.Structure):
     """Mirror of ``pytrt_kv::kernels::ScatterParams`` (scatterPaKvCache.h)."""
 
     _fields_ = [
-        ("key", ctypes.c_void_p), ("value", ctypes.c_void_p),
-        ("keyCache", ctypes.c_void_p), ("valueCache", ctypes.c_void_p),
-        ("slotMapping", ctypes.c_void_p), ("compressLens", ctypes.c_void_p),
-        ("compressSeqOffsets", ctypes.c_void_p), ("seqLens", ctypes.c_void_p),
-        ("keyType", ctypes.c_int32), ("valueType", ctypes.c_int32),
-        ("indexType", ctypes.c_int32), ("compress", ctypes.c_bool),
-        ("layout", ctypes.c_int32), ("mode", ctypes.c_int32),
-        ("numTokens", ctypes.c_int64), ("batch", ctypes.c_int32),
-        ("maxSeqLen", ctypes.c_int32), ("numHeads", ctypes.c_int32),
-        ("headSizeK", ctypes.c_int32), ("headSizeV", ctypes.c_int32),
-        ("numBlocks", ctypes.c_int64), ("blockSize", ctypes.c_int32),
+        ("key", ctypes.c_void_p),
+        ("value", ctypes.c_void_p),
+        ("keyCache", ctypes.c_void_p),
+        ("valueCache", ctypes.c_void_p),
+        ("slotMapping", ctypes.c_void_p),
+        ("compressLens", ctypes.c_void_p),
+        ("compressSeqOffsets", ctypes.c_void_p),
+        ("seqLens", ctypes.c_void_p),
+        ("keyType", ctypes.c_int32),
+        ("valueType", ctypes.c_int32),
+        ("indexType", ctypes.c_int32),
+        ("compress", ctypes.c_bool),
+        ("layout", ctypes.c_int32),
+        ("mode", ctypes.c_int32),
+        ("numTokens", ctypes.c_int64),
+        ("batch", ctypes.c_int32),
+        ("maxSeqLen", ctypes.c_int32),
+        ("numHeads", ctypes.c_int32),
+        ("headSizeK", ctypes.c_int32),
+        ("headSizeV", ctypes.c_int32),
+        ("numBlocks", ctypes.c_int64),
+        ("blockSize", ctypes.c_int32),
     ]
 
 
@@ -49,19 +59,32 @@ class GatherSelectionParams(ctypes.Structure):
     """Mirror of ``pytrt_kv::kernels::GatherSelectionParams`` (gatherSelectionKvCache.h)."""
 
     _fields_ = [
-        ("selectionKRope", ctypes.c_void_p), ("selectionKvCache", ctypes.c_void_p),
-        ("selectionKvBlockTable", ctypes.c_void_p), ("selectionKvBlockStatus", ctypes.c_void_p),
-        ("selectionTopkIndices", ctypes.c_void_p), ("fullKRope", ctypes.c_void_p),
-        ("fullKvCache", ctypes.c_void_p), ("fullKvBlockTable", ctypes.c_void_p),
-        ("fullKvActualSeq", ctypes.c_void_p), ("selectionKvActualSeq", ctypes.c_void_p),
-        ("cacheType", ctypes.c_int32), ("batch", ctypes.c_int32),
-        ("seqPerBatch", ctypes.c_int32), ("topk", ctypes.c_int32),
-        ("topkBlockSize", ctypes.c_int32), ("selectionRows", ctypes.c_int32),
-        ("selectionBlockNum", ctypes.c_int64), ("selectionBlockSize", ctypes.c_int32),
-        ("selectionMaxBlockNum", ctypes.c_int32), ("fullBlockNum", ctypes.c_int64),
-        ("fullBlockSize", ctypes.c_int32), ("fullMaxBlockNum", ctypes.c_int32),
-        ("kRopeDim", ctypes.c_int32), ("kvDim", ctypes.c_int32),
-        ("workspace", ctypes.c_void_p), ("workspaceBytes", ctypes.c_size_t),
+        ("selectionKRope", ctypes.c_void_p),
+        ("selectionKvCache", ctypes.c_void_p),
+        ("selectionKvBlockTable", ctypes.c_void_p),
+        ("selectionKvBlockStatus", ctypes.c_void_p),
+        ("selectionTopkIndices", ctypes.c_void_p),
+        ("fullKRope", ctypes.c_void_p),
+        ("fullKvCache", ctypes.c_void_p),
+        ("fullKvBlockTable", ctypes.c_void_p),
+        ("fullKvActualSeq", ctypes.c_void_p),
+        ("selectionKvActualSeq", ctypes.c_void_p),
+        ("cacheType", ctypes.c_int32),
+        ("batch", ctypes.c_int32),
+        ("seqPerBatch", ctypes.c_int32),
+        ("topk", ctypes.c_int32),
+        ("topkBlockSize", ctypes.c_int32),
+        ("selectionRows", ctypes.c_int32),
+        ("selectionBlockNum", ctypes.c_int64),
+        ("selectionBlockSize", ctypes.c_int32),
+        ("selectionMaxBlockNum", ctypes.c_int32),
+        ("fullBlockNum", ctypes.c_int64),
+        ("fullBlockSize", ctypes.c_int32),
+        ("fullMaxBlockNum", ctypes.c_int32),
+        ("kRopeDim", ctypes.c_int32),
+        ("kvDim", ctypes.c_int32),
+        ("workspace", ctypes.c_void_p),
+        ("workspaceBytes", ctypes.c_size_t),
     ]
 
 
@@ -84,15 +107,19 @@ _SIGNATURES = {
     "pytrt_kv_copy": (_I32, [_P, _P, ctypes.c_size_t, _P, _I32]),
     "pytrt_kv_host_register": (_I32, [_P, ctypes.c_size_t, ctypes.c_uint32]),
     "pytrt_kv_host_unregister": (_I32, [_P]),
-    "pytrt_kv_gather_plan_rows_host": (_I32, [_I32, _I32, _I32, _I32, _I32P, _I32P, _I32P, _I32P,
-                                              _I32P, _U8P, _I32P, _U8P]),
+    "pytrt_kv_gather_plan_rows_host": (
+        _I32,
+        [_I32, _I32, _I32, _I32, _I32P, _I32P, _I32P, _I32P, _I32P, _U8P, _I32P, _U8P],
+    ),
     "pytrt_kv_gather_plan_host": (_I32, [ctypes.POINTER(GatherSelectionParams)]),
-    "pytrt_kv_compress_rows_host": (_I32, [_I32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                           _I32, _I32P]),
+    "pytrt_kv_compress_rows_host": (
+        _I32,
+        [_I32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, _I32, _I32P],
+    ),
 }
 
 _LOCK = threading.Lock()
-_KERNELS: Optional[ctypes.CDLL] = None
+_KERNELS: ctypes.CDLL | None = None
 
 
 def kernels() -> ctypes.CDLL:
@@ -109,7 +136,8 @@ def kernels() -> ctypes.CDLL:
             if abi != ABI_VERSION:
                 raise RuntimeError(
                     f"{_lib.KERNELS_LIB}: ABI version {abi}, this pytrt_kv expects "
-                    f"{ABI_VERSION}; reinstall the package so library and Python match")
+                    f"{ABI_VERSION}; reinstall the package so library and Python match"
+                )
             _KERNELS = lib
         return _KERNELS
 
@@ -117,7 +145,7 @@ def kernels() -> ctypes.CDLL:
 #: cudaErrorStubLibrary, cudaErrorInsufficientDriver, cudaErrorNoDevice: what the runtime
 
 
-def loaded() -> Optional[ctypes.CDLL]:
+def loaded() -> ctypes.CDLL | None:
     """The kernel library if :func:`kernels` loaded it already, else None (never loads:
     for finalizers, which must not load a library at interpreter exit)."""
     return _KERNELS
@@ -143,7 +171,8 @@ def check_status(code: int, what: str) -> None:
             raise RuntimeError(
                 f"{what}: {detail}. pytrt_kv.ops needs an NVIDIA GPU and its driver; the "
                 f"NumPy reference (pytrt_kv.reference) and the CPU runtime "
-                f"(pytrt_kv.runtime) work without one")
+                f"(pytrt_kv.runtime) work without one"
+            )
     lib = kernels()
     detail = (lib.pytrt_kv_get_last_error() or b"").decode(errors="replace")
     text = (lib.pytrt_kv_error_string(code) or b"").decode(errors="replace")

@@ -4,7 +4,7 @@ arrays whose dtype only the engine knows."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +21,7 @@ def _has_cai(obj: Any) -> bool:
         return False
 
 
-def _raw_address(obj: Any) -> Optional[int]:
+def _raw_address(obj: Any) -> int | None:
     """A cuda.core ``Buffer`` (``.handle``), ``CUdeviceptr`` or int, else None."""
     if isinstance(obj, (bool, str, bytes)):
         return None
@@ -51,18 +51,29 @@ def binding_view(arg: str, obj: Any) -> BufferView:
     if isinstance(obj, (DeviceArray, PinnedHost)):
         return obj.view()
     if getattr(obj, "is_cuda", True) is False:  # a torch CPU tensor: int(x) would read its value
-        raise type_error(arg, "a CUDA tensor (or pinned host memory: pytrt_kv.trt.HostArray)",
-                         f"a CPU tensor {tuple(obj.shape)}")
+        raise type_error(
+            arg,
+            "a CUDA tensor (or pinned host memory: pytrt_kv.trt.HostArray)",
+            f"a CPU tensor {tuple(obj.shape)}",
+        )
     array_like = _is_torch(obj) or _has_cai(obj) or isinstance(obj, np.ndarray)
-    if not array_like and getattr(obj, "handle", None) is None and hasattr(obj, "__dlpack__") \
-            and hasattr(obj, "__dlpack_device__"):
+    if (
+        not array_like
+        and getattr(obj, "handle", None) is None
+        and hasattr(obj, "__dlpack__")
+        and hasattr(obj, "__dlpack_device__")
+    ):
         array_like = True  # DLPack; a cuda.core Buffer (handle) is bound as a raw address
     if not array_like:
         address = _raw_address(obj)
         if address is None:
-            raise type_error(arg, "a CUDA array (torch, CuPy, PyCUDA, Numba: "
-                                  "__cuda_array_interface__), a pinned host array, a cuda-python "
-                                  "allocation or an address", type(obj).__name__)
+            raise type_error(
+                arg,
+                "a CUDA array (torch, CuPy, PyCUDA, Numba: "
+                "__cuda_array_interface__), a pinned host array, a cuda-python "
+                "allocation or an address",
+                type(obj).__name__,
+            )
         return BufferView(address, None, None)
     buf = buffer(arg, obj, opaque_ok=True)
     if not buf.contiguous:
@@ -70,10 +81,13 @@ def binding_view(arg: str, obj: Any) -> BufferView:
     if buf.kind in (HOST, PINNED):  # pinned: bind the device-side address, as ops do
         locate(buf)
         if buf.kind == HOST:
-            raise type_error(arg, "a device buffer or pinned host memory (pytrt_kv.trt.HostArray)",
-                             "a pageable host array")
+            raise type_error(
+                arg,
+                "a device buffer or pinned host memory (pytrt_kv.trt.HostArray)",
+                "a pageable host array",
+            )
     try:
-        dtype: Optional[str] = name_of(buf.dtype)
+        dtype: str | None = name_of(buf.dtype)
     except TypeError:  # the void dtype of an opaque bfloat16/float8 array
         dtype = None
     return BufferView(buf.ptr, buf.shape, dtype, host=buf.kind == PINNED)

@@ -9,8 +9,9 @@ and without synchronizing; :func:`locate` asks the driver where the memory lives
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,9 @@ from ..dtypes import NUMPY, name_of
 from .abi import check_status, kernels
 
 #: Where a buffer lives (pytrt_kv_pointer_info kinds).
-HOST, PINNED, DEVICE, MANAGED = (limits.POINTER_KINDS[k] for k in ("host", "pinned", "device", "managed"))
+HOST, PINNED, DEVICE, MANAGED = (
+    limits.POINTER_KINDS[k] for k in ("host", "pinned", "device", "managed")
+)
 
 
 @dataclass
@@ -35,20 +38,20 @@ class Buffer:
     arg: str
     obj: Any
     ptr: int
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     dtype: np.dtype
     contiguous: bool
     kind: int = DEVICE
     device: int = -1
     keepalive: Any = None
-    strides: Optional[Tuple[int, ...]] = None  #: in bytes; None = C order
+    strides: tuple[int, ...] | None = None  #: in bytes; None = C order
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def _c_contiguous(shape: Sequence[int], strides: Optional[Sequence[int]], itemsize: int) -> bool:
+def _c_contiguous(shape: Sequence[int], strides: Sequence[int] | None, itemsize: int) -> bool:
     """Strides in bytes (None = C order); size-1 and empty dims never break contiguity."""
     if strides is None or int(np.prod(shape, dtype=np.int64)) == 0:
         return True
@@ -85,13 +88,25 @@ def _from_torch(arg: str, t: Any) -> Buffer:
     elif t.device.type == "cpu":
         kind, device = (PINNED if t.is_pinned() else HOST), -1
     else:
-        raise type_error(arg, "a CUDA tensor (or a pinned CPU tensor for the full caches)",
-                         f"a tensor on {t.device}")
-    return Buffer(arg, t, int(t.data_ptr()), shape, dtype,
-                  _c_contiguous(shape, strides, dtype.itemsize), kind, device, strides=strides)
+        raise type_error(
+            arg,
+            "a CUDA tensor (or a pinned CPU tensor for the full caches)",
+            f"a tensor on {t.device}",
+        )
+    return Buffer(
+        arg,
+        t,
+        int(t.data_ptr()),
+        shape,
+        dtype,
+        _c_contiguous(shape, strides, dtype.itemsize),
+        kind,
+        device,
+        strides=strides,
+    )
 
 
-def _from_cai(arg: str, obj: Any, cai: Dict[str, Any], opaque_ok: bool = False) -> Buffer:
+def _from_cai(arg: str, obj: Any, cai: dict[str, Any], opaque_ok: bool = False) -> Buffer:
     shape = tuple(int(d) for d in cai["shape"])
     typestr = cai["typestr"]
     if typestr[1] == "V" and opaque_ok and getattr(obj, "dtype", None) is None:
@@ -104,8 +119,9 @@ def _from_cai(arg: str, obj: Any, cai: Dict[str, Any], opaque_ok: bool = False) 
     strides = None if strides is None else tuple(int(s) for s in strides)
     ptr = int(cai["data"][0] or 0)
     # CAI v3 "stream": the producer's stream; we order work on the caller's stream only.
-    return Buffer(arg, obj, ptr, shape, dtype, _c_contiguous(shape, strides, dtype.itemsize),
-                  strides=strides)
+    return Buffer(
+        arg, obj, ptr, shape, dtype, _c_contiguous(shape, strides, dtype.itemsize), strides=strides
+    )
 
 
 class _DLDevice(ctypes.Structure):
@@ -117,16 +133,30 @@ class _DLDataType(ctypes.Structure):
 
 
 class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
 
 
 #: DLPack (code, bits) -> dtype name. Codes: 0 int, 1 uint, 2 float, 4 bfloat,
 #: 10 float8_e4m3fn, 12 float8_e5m2 (DLPack 1.0).
-_DL_DTYPES = {(0, 8): specs.INT8, (0, 32): specs.INT32, (0, 64): specs.INT64,
-              (1, 8): specs.UINT8, (2, 16): specs.FLOAT16, (2, 32): specs.FLOAT32,
-              (4, 16): specs.BFLOAT16, (10, 8): specs.FLOAT8_E4M3, (12, 8): specs.FLOAT8_E5M2}
+_DL_DTYPES = {
+    (0, 8): specs.INT8,
+    (0, 32): specs.INT32,
+    (0, 64): specs.INT64,
+    (1, 8): specs.UINT8,
+    (2, 16): specs.FLOAT16,
+    (2, 32): specs.FLOAT32,
+    (4, 16): specs.BFLOAT16,
+    (10, 8): specs.FLOAT8_E4M3,
+    (12, 8): specs.FLOAT8_E5M2,
+}
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
 
@@ -145,20 +175,34 @@ def _from_dlpack(arg: str, obj: Any) -> Buffer:
     shape = tuple(int(t.shape[i]) for i in range(t.ndim))
     key = (int(t.dtype.code), int(t.dtype.bits))
     if key not in _DL_DTYPES or t.dtype.lanes != 1:
-        raise type_error(arg, f"a dtype in {sorted(NUMPY)}",
-                         f"DLPack dtype code {key[0]}, {key[1]} bits x {t.dtype.lanes}")
+        raise type_error(
+            arg,
+            f"a dtype in {sorted(NUMPY)}",
+            f"DLPack dtype code {key[0]}, {key[1]} bits x {t.dtype.lanes}",
+        )
     dtype = NUMPY[_DL_DTYPES[key]]
-    strides = (None if not t.strides else
-               tuple(int(t.strides[i]) * dtype.itemsize for i in range(t.ndim)))
+    strides = (
+        None if not t.strides else tuple(int(t.strides[i]) * dtype.itemsize for i in range(t.ndim))
+    )
     dev = int(t.device.device_type)
-    kind = {_DL_CUDA: DEVICE, _DL_CUDA_HOST: PINNED, _DL_CUDA_MANAGED: MANAGED,
-            _DL_CPU: HOST}.get(dev)
+    kind = {_DL_CUDA: DEVICE, _DL_CUDA_HOST: PINNED, _DL_CUDA_MANAGED: MANAGED, _DL_CPU: HOST}.get(
+        dev
+    )
     if kind is None:
         raise type_error(arg, "a CUDA buffer", f"a DLPack tensor on device type {dev}")
     device = int(t.device.device_id) if kind in (DEVICE, MANAGED) else -1
-    return Buffer(arg, obj, int(t.data or 0) + int(t.byte_offset), shape, dtype,
-                  _c_contiguous(shape, strides, dtype.itemsize), kind, device, keepalive=capsule,
-                  strides=strides)
+    return Buffer(
+        arg,
+        obj,
+        int(t.data or 0) + int(t.byte_offset),
+        shape,
+        dtype,
+        _c_contiguous(shape, strides, dtype.itemsize),
+        kind,
+        device,
+        keepalive=capsule,
+        strides=strides,
+    )
 
 
 def buffer(arg: str, obj: Any, *, opaque_ok: bool = False) -> Buffer:
@@ -181,13 +225,25 @@ def buffer(arg: str, obj: Any, *, opaque_ok: bool = False) -> Buffer:
         # A NumPy array is host memory: usable only if pinned (cudaHostRegister). Read
         # directly, not through DLPack, which refuses ml_dtypes (bfloat16, float8) arrays.
         shape = tuple(int(d) for d in obj.shape)
-        return Buffer(arg, obj, int(obj.ctypes.data), shape, _numpy_dtype(arg, obj, None),
-                      bool(obj.flags.c_contiguous), HOST, -1,
-                      strides=tuple(int(s) for s in obj.strides))
+        return Buffer(
+            arg,
+            obj,
+            int(obj.ctypes.data),
+            shape,
+            _numpy_dtype(arg, obj, None),
+            bool(obj.flags.c_contiguous),
+            HOST,
+            -1,
+            strides=tuple(int(s) for s in obj.strides),
+        )
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         return _from_dlpack(arg, obj)
-    raise type_error(arg, "a CUDA buffer: torch tensor, CuPy array, PyCUDA GPUArray or any "
-                          "object with __cuda_array_interface__ or DLPack", describe(obj))
+    raise type_error(
+        arg,
+        "a CUDA buffer: torch tensor, CuPy array, PyCUDA GPUArray or any "
+        "object with __cuda_array_interface__ or DLPack",
+        describe(obj),
+    )
 
 
 def locate(buf: Buffer) -> Buffer:
@@ -196,9 +252,12 @@ def locate(buf: Buffer) -> Buffer:
     if buf.nbytes == 0 or buf.ptr == 0:
         return buf
     kind, device, dptr = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_void_p()
-    check_status(kernels().pytrt_kv_pointer_info(buf.ptr, ctypes.byref(kind),
-                                                  ctypes.byref(device), ctypes.byref(dptr)),
-                 f"{buf.arg}: cudaPointerGetAttributes")
+    check_status(
+        kernels().pytrt_kv_pointer_info(
+            buf.ptr, ctypes.byref(kind), ctypes.byref(device), ctypes.byref(dptr)
+        ),
+        f"{buf.arg}: cudaPointerGetAttributes",
+    )
     buf.kind = kind.value
     if buf.kind in (DEVICE, MANAGED):
         buf.device = device.value
@@ -212,7 +271,6 @@ class BufferView:
     """What a TensorRT binding needs: a device-visible address, and shape/dtype when known."""
 
     address: int
-    shape: Optional[Tuple[int, ...]]
-    dtype: Optional[str]  #: specs.py dtype name; None: the engine's dtype decides
+    shape: tuple[int, ...] | None
+    dtype: str | None  #: specs.py dtype name; None: the engine's dtype decides
     host: bool = False  #: pinned host memory seen through its device address
-

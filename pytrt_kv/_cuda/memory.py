@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -33,19 +33,21 @@ class DeviceArray:
         CUDA device; -1 (default): the current one.
     """
 
-    def __init__(self, shape: Tuple[int, ...], dtype: Any, device: int = -1):
+    def __init__(self, shape: tuple[int, ...], dtype: Any, device: int = -1):
         self.shape = tuple(int(d) for d in shape)
         self.dtype = numpy_dtype(dtype)
         self.device = device
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         ptr = ctypes.c_void_p()
         # Zero-element arrays still get a valid address (TensorRT refuses null ones).
-        check_status(kernels().pytrt_kv_device_malloc(max(self.nbytes, 1), device,
-                                                      ctypes.byref(ptr)), "cudaMalloc")
+        check_status(
+            kernels().pytrt_kv_device_malloc(max(self.nbytes, 1), device, ctypes.byref(ptr)),
+            "cudaMalloc",
+        )
         self.ptr = int(ptr.value or 0)
 
     @classmethod
-    def from_numpy(cls, a: np.ndarray, device: int = -1) -> "DeviceArray":
+    def from_numpy(cls, a: np.ndarray, device: int = -1) -> DeviceArray:
         """A device copy of the NumPy array ``a`` (synchronous)."""
         a = np.ascontiguousarray(a)
         return cls(a.shape, a.dtype, device).copy_from(a)
@@ -58,21 +60,32 @@ class DeviceArray:
         return BufferView(self.ptr, self.shape, name_of(self.dtype))
 
     @property
-    def __cuda_array_interface__(self) -> Dict[str, Any]:
-        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
-                "strides": None, "version": 3}
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr, False),
+            "strides": None,
+            "version": 3,
+        }
 
-    def copy_from(self, host: np.ndarray, stream: Any = 0) -> "DeviceArray":
+    def copy_from(self, host: np.ndarray, stream: Any = 0) -> DeviceArray:
         """Host -> device copy of ``host`` (same shape and dtype), ordered on ``stream``;
         returns when it is done."""
         host = np.ascontiguousarray(host)
         if tuple(host.shape) != self.shape or numpy_dtype(host.dtype) != self.dtype:
-            raise value_error("host", f"{name_of(self.dtype)}{list(self.shape)}",
-                              f"{host.dtype}{list(host.shape)}")
+            raise value_error(
+                "host",
+                f"{name_of(self.dtype)}{list(self.shape)}",
+                f"{host.dtype}{list(host.shape)}",
+            )
         if self.nbytes:
-            check_status(kernels().pytrt_kv_copy(self.ptr, host.ctypes.data, self.nbytes,
-                                                 stream_handle(stream), self.device),
-                         "copy to device")
+            check_status(
+                kernels().pytrt_kv_copy(
+                    self.ptr, host.ctypes.data, self.nbytes, stream_handle(stream), self.device
+                ),
+                "copy to device",
+            )
         return self
 
     def get(self, stream: Any = 0) -> np.ndarray:
@@ -96,8 +109,10 @@ class DeviceArray:
 def copy_to_host(out: np.ndarray, ptr: int, stream: int, device: int) -> np.ndarray:
     """Fill the C-contiguous ``out`` from device address ``ptr``, ordered on ``stream``."""
     if out.nbytes:
-        check_status(kernels().pytrt_kv_copy(out.ctypes.data, ptr, out.nbytes, stream, device),
-                     "copy to host")
+        check_status(
+            kernels().pytrt_kv_copy(out.ctypes.data, ptr, out.nbytes, stream, device),
+            "copy to host",
+        )
     return out
 
 
@@ -113,22 +128,27 @@ class PinnedHost:
 
     def __init__(self, a: np.ndarray):
         if not a.flags.c_contiguous:
-            raise type_error("a", "a C-contiguous NumPy array to pin",
-                             f"a strided {describe(a)} with strides {a.strides}")
+            raise type_error(
+                "a",
+                "a C-contiguous NumPy array to pin",
+                f"a strided {describe(a)} with strides {a.strides}",
+            )
         self.array = a
         self._ptr = int(a.ctypes.data) if a.nbytes else 0
         self._nbytes = int(a.nbytes)
-        self._device_ptr: Optional[int] = None
+        self._device_ptr: int | None = None
         if self._ptr:
-            check_status(kernels().pytrt_kv_host_register(self._ptr, a.nbytes, 0),
-                         "cudaHostRegister")
+            check_status(
+                kernels().pytrt_kv_host_register(self._ptr, a.nbytes, 0), "cudaHostRegister"
+            )
 
     @property
     def address(self) -> int:
         """The device-side address of the pinned memory (0 for an empty array)."""
         if self._device_ptr is None:
-            buf = Buffer("array", self.array, self._ptr, (self._nbytes,), np.dtype(np.uint8),
-                         True, HOST)
+            buf = Buffer(
+                "array", self.array, self._ptr, (self._nbytes,), np.dtype(np.uint8), True, HOST
+            )
             self._device_ptr = locate(buf).ptr
         return self._device_ptr
 
@@ -162,7 +182,7 @@ class HostArray(PinnedHost):
         Any dtype :func:`pytrt_kv.dtypes.name_of` accepts.
     """
 
-    def __init__(self, shape: Tuple[int, ...], dtype: Any):
+    def __init__(self, shape: tuple[int, ...], dtype: Any):
         self.shape = tuple(int(d) for d in shape)
         self.dtype = numpy_dtype(dtype)
         nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
@@ -172,7 +192,7 @@ class HostArray(PinnedHost):
         size = -(-max(nbytes, 1) // page) * page
         raw = np.empty(size + page, np.uint8)
         offset = -int(raw.ctypes.data) % page
-        raw = raw[offset:offset + size]
+        raw = raw[offset : offset + size]
         super().__init__(raw)
         self.array = raw[:nbytes].view(self.dtype).reshape(self.shape)
         self._raw = raw
@@ -186,10 +206,10 @@ class WorkspaceCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._current: Dict[Tuple[int, int], DeviceArray] = {}
+        self._current: dict[tuple[int, int], DeviceArray] = {}
         self._retired: list = []
 
-    def get(self, device: int, stream: int, nbytes: int) -> Tuple[int, int]:
+    def get(self, device: int, stream: int, nbytes: int) -> tuple[int, int]:
         if nbytes == 0:
             return 0, 0
         key = (device, stream)

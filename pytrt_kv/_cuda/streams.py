@@ -4,13 +4,14 @@ handle or None."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from .._errors import type_error
 from .buffers import _is_torch
 
 
-def _frameworks_of(objs: Sequence[Any]) -> Tuple[bool, bool]:
+def _frameworks_of(objs: Sequence[Any]) -> tuple[bool, bool]:
     torch_in = any(_is_torch(o) for o in objs)
     cupy_in = any(type(o).__module__.startswith("cupy") for o in objs)
     return torch_in, cupy_in

@@ -73,7 +73,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import specs
+from . import limits, specs
 from .alias import array_range, check_no_alias
 from .dtypes import name_of
 from .errors import describe, type_error, value_error
@@ -92,10 +92,8 @@ __all__ = [
     "id_size",
 ]
 
-#: docs/SPEC.md G2: largest K, for every TBS. (The Ascend kernel also requires TBS == 1 when
-#: K > 32; pytrt_kv lifts that limit: retrieval recalls ~190 blocks of 128 tokens at 128K,
-#: docs/SPEC.md G2 and R.)
-MAX_TOPK = 2048
+#: docs/SPEC.md G2: largest K, for every TBS (one source for every language: limits.py).
+MAX_TOPK = limits.MAX_TOPK
 
 #: The ten tensors of the op, in its order.
 GATHER_ARG_NAMES = _ARG_NAMES = (

@@ -16,8 +16,6 @@ Nothing here imports anything, so every layer (and the build) can read it.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
-
 #: Package version (PEP 440 "major.minor.patch"); the one place to bump it.
 VERSION = "0.1.0"
 
@@ -51,18 +49,25 @@ STATUS_INVALID_VALUE = 1
 STATUS_INSUFFICIENT_DRIVER = 35
 STATUS_STUB_LIBRARY = 34
 STATUS_NO_DEVICE = 100
-STATUS_NO_GPU: Tuple[int, ...] = (STATUS_STUB_LIBRARY, STATUS_INSUFFICIENT_DRIVER, STATUS_NO_DEVICE)
+STATUS_NO_GPU: tuple[int, ...] = (STATUS_STUB_LIBRARY, STATUS_INSUFFICIENT_DRIVER, STATUS_NO_DEVICE)
 
 # --- enum codes of the C ABI ---------------------------------------------------------
 
 #: ``kernels::DataType`` (plugins/kernels/kvCommon.h) of each dtype name (specs.py names).
-DTYPE_CODES: Dict[str, int] = {
-    "float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "uint8": 4,
-    "float8_e4m3fn": 5, "float8_e5m2": 6, "int32": 7, "int64": 8,
+DTYPE_CODES: dict[str, int] = {
+    "float32": 0,
+    "float16": 1,
+    "bfloat16": 2,
+    "int8": 3,
+    "uint8": 4,
+    "float8_e4m3fn": 5,
+    "float8_e5m2": 6,
+    "int32": 7,
+    "int64": 8,
 }
 #: ``kernels::CacheLayout`` (docs/SPEC.md S2) of each ``cache_layout`` value.
-LAYOUT_CODES: Dict[str, int] = {"nd": 0, "nz": 1, "hnd": 2}
+LAYOUT_CODES: dict[str, int] = {"nd": 0, "nz": 1, "hnd": 2}
 #: ``kernels::CompressMode`` (docs/SPEC.md S6) of each ``compress_mode`` value.
-MODE_CODES: Dict[str, int] = {"rope": 0, "omni": 1, "alibi": 2}
+MODE_CODES: dict[str, int] = {"rope": 0, "omni": 1, "alibi": 2}
 #: ``pytrt_kv_pointer_info`` kinds: where a buffer's memory lives.
-POINTER_KINDS: Dict[str, int] = {"host": 0, "pinned": 1, "device": 2, "managed": 3}
+POINTER_KINDS: dict[str, int] = {"host": 0, "pinned": 1, "device": 2, "managed": 3}
