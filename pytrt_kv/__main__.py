@@ -17,6 +17,8 @@ SUBCOMMANDS = (
     ("demo", "pytrt_kv.demo", "export the example sparse-attention decode model and run it step by step, verified"),
     ("export-example", "onnx_export.example", "write the example model (ScatterPaKvCache + GatherSelectionKvCache) to an .onnx file"),
     ("bench", "pytrt_kv.bench", "benchmark the CUDA kernels against same-run baselines (needs a GPU)"),
+    ("retrieval-demo", "pytrt_kv.retrieval.demo", "RetrievalKV decode steps (scatter, block scoring, recall, attention) on the CPU runtime, verified against the NumPy reference"),
+    ("study", "pytrt_kv.retrieval.study", "RetrievalKV accuracy study on SmolLM2-135M: passkey retrieval and next-token loss vs dense (extra 'study')"),
 )
 
 
