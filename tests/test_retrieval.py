@@ -261,3 +261,14 @@ def test_topk_percent_one_graph_equals_dense():
     sizes = RetrievalSizes(batch=1, q_heads=4, kv_heads=2, head_dim=8, max_len=640)
     checks = run_steps(cfg, sizes, [500], steps=3, seed=1)
     assert max(c.err_dense for c in checks) < 2e-5
+
+
+def test_retrieval_demo_cli(capsys):
+    from pytrt_kv.__main__ import main
+
+    assert main(["retrieval-demo", "--steps", "3", "--dtype", "float16"]) == 0
+    out = capsys.readouterr().out
+    assert "sparse_offload" in out and "recalled" in out and "kept" in out
+    assert "OK: 6 row-steps match the NumPy reference" in out
+    assert main(["retrieval-demo", "--init-tokens", "50"]) == 1
+    assert "init_tokens: expected a multiple of block_size" in capsys.readouterr().err

@@ -12,8 +12,8 @@ own selection), so the question and the teacher-forced text are fed that way.
 
 Tasks:
 
-* passkey: a 5-digit key hidden at a depth of natural filler text (Debian's licence
-  texts); dense prefill of everything before the question, then the question decoded
+* passkey: a 5-digit key hidden at a depth of filler text (the usual repeated
+  sentences, or Debian's licence texts with ``--filler licence``); dense prefill of everything before the question, then the question decoded
   sparse and the answer generated greedily, sparse. Hit = the key is in the answer.
 * loss: teacher-forced next-token loss over the end of a long text (dense prefill of
   the rest), and top-1 agreement of the next-token argmax with dense.
@@ -47,6 +47,9 @@ LICENSES_DIR = Path("/usr/share/common-licenses")
 #: Distinct texts (GPL, LGPL, GFDL are links to the newest versions).
 LICENSE_FILES = ("GPL-3", "Apache-2.0", "LGPL-2.1", "MPL-2.0", "GFDL-1.3", "GPL-2",
                  "MPL-1.1", "Artistic", "LGPL-2", "CC0-1.0", "GPL-1", "BSD")
+#: The usual passkey filler (Mohtashami and Jaggi, "Landmark Attention", 2023).
+SYNTHETIC_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+                    "There and back again.")
 ATTENTION_NAME = "pytrt_kv_retrieval"
 SELECTORS = ("random", MEAN, MINMAX, "oracle")
 METHODS = ("dense", "window") + SELECTORS
@@ -291,6 +294,7 @@ class StudySettings:
     local_tokens: int = 896
     loss_context: int = 7168
     loss_tokens: int = 1024  #: tokens scored at the end of the loss text
+    filler: str = "synthetic"  #: passkey filler: "synthetic" (the usual) or "licence"
     seed: int = 0
 
     def method_list(self, names: Sequence[str]) -> List[Method]:
@@ -341,7 +345,10 @@ def run_passkey(model, tok, settings: StudySettings, log=print) -> List[Dict]:
     from transformers import DynamicCache
 
     rng = np.random.default_rng(settings.seed)
-    filler = tok(licence_text(), add_special_tokens=False).input_ids
+    if settings.filler == "licence":
+        filler = tok(licence_text(), add_special_tokens=False).input_ids
+    else:
+        filler = tok(" ".join([SYNTHETIC_FILLER] * 800), add_special_tokens=False).input_ids
     methods = settings.method_list(settings.passkey_methods or settings.methods)
     rows = []
     for ctx in settings.contexts:
@@ -356,7 +363,7 @@ def run_passkey(model, tok, settings: StudySettings, log=print) -> List[Dict]:
                            add_special_tokens=False).input_ids
             n_fill = ctx - len(intro) - len(needle) - len(question)
             if n_fill > len(filler):
-                raise StudyUnavailable(f"the licence texts give {len(filler)} tokens; "
+                raise StudyUnavailable(f"the filler gives {len(filler)} tokens; "
                                        f"context {ctx} needs {n_fill}")
             cut = int(round(depth * n_fill))
             prefix = intro + filler[:cut] + needle + filler[cut:n_fill]
@@ -460,7 +467,7 @@ def markdown(settings: StudySettings, passkey: List[Dict], loss: List[Dict],
         f"Model: {MODEL_NAME}. Date: {_dt.date.today().isoformat()}. CPU, float32, "
         f"{seconds / 60:.0f} min.",
         f"Scaled windows: init {settings.init_tokens}, local {settings.local_tokens}; "
-        f"passkey contexts {', '.join(map(str, ctxs))} tokens at depths "
+        f"{settings.filler} passkey filler; passkey contexts {', '.join(map(str, ctxs))} tokens at depths "
         f"{', '.join(map(str, settings.depths))}; loss over the last "
         f"{loss[0]['tokens'] if loss else 0} tokens of a {settings.loss_context}-token "
         "text (Debian licence texts).",
@@ -579,6 +586,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens of the loss text (0: skip the loss task)")
     parser.add_argument("--loss-tokens", type=int, default=d.loss_tokens,
                         help="tokens scored at its end (default %(default)s)")
+    parser.add_argument("--filler", choices=("synthetic", "licence"), default=d.filler,
+                        help="passkey filler: the usual repeated sentences, or Debian's "
+                             "licence texts (natural text; harder for block selection)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -590,7 +600,8 @@ def settings_from_args(args: argparse.Namespace) -> StudySettings:
         passkey_methods=(tuple(x for x in args.passkey_methods.split(",") if x)
                          if args.passkey_methods else None),
         init_tokens=args.init_tokens, local_tokens=args.local_tokens,
-        loss_context=args.loss_context, loss_tokens=args.loss_tokens, seed=args.seed)
+        loss_context=args.loss_context, loss_tokens=args.loss_tokens, filler=args.filler,
+        seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
