@@ -17,9 +17,12 @@ from a full cache that may live in pinned host memory) and attended with init an
 
 from .config import (DENSE, MEAN, MINMAX, SPARSE, SPARSE_OFFLOAD, Partition,
                      RetrievalConfig)
+from .graph import build_retrieval_decode_step
+from .planner import RetrievalPlanner, RetrievalSizes
 from .reference import (block_representations, block_scores, dense_attention,
                         group_query, select_blocks, sparse_decode_attention)
 
 __all__ = ["RetrievalConfig", "Partition", "DENSE", "SPARSE", "SPARSE_OFFLOAD", "MINMAX",
            "MEAN", "block_representations", "block_scores", "dense_attention",
-           "group_query", "select_blocks", "sparse_decode_attention"]
+           "group_query", "select_blocks", "sparse_decode_attention", "RetrievalPlanner",
+           "RetrievalSizes", "build_retrieval_decode_step"]

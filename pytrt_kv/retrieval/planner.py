@@ -142,15 +142,15 @@ class RetrievalPlanner:
     cfg: RetrievalConfig
     sizes: RetrievalSizes
     seed: int = 0  #: permutes the block tables (a real allocator hands out any blocks)
-    layout: StepLayout = field(init=False)
-    full_block_table: np.ndarray = field(init=False)
-    selection_block_table: np.ndarray = field(init=False)
-    status: np.ndarray = field(init=False)
-    lengths: np.ndarray = field(init=False)
+    layout: StepLayout = field(init=False, repr=False)
+    full_block_table: np.ndarray = field(init=False, repr=False)
+    selection_block_table: np.ndarray = field(init=False, repr=False)
+    status: np.ndarray = field(init=False, repr=False)
+    lengths: np.ndarray = field(init=False, repr=False)
     modes: List[str] = field(init=False)
-    block_repr: np.ndarray = field(init=False)
-    represented: np.ndarray = field(init=False)
-    history: List[List[StepRecord]] = field(init=False)
+    block_repr: np.ndarray = field(init=False, repr=False)
+    represented: np.ndarray = field(init=False, repr=False)
+    history: List[List[StepRecord]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.sizes.validate(self.cfg)

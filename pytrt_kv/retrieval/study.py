@@ -348,7 +348,8 @@ def run_passkey(model, tok, settings: StudySettings, log=print) -> List[Dict]:
     if settings.filler == "licence":
         filler = tok(licence_text(), add_special_tokens=False).input_ids
     else:
-        filler = tok(" ".join([SYNTHETIC_FILLER] * 800), add_special_tokens=False).input_ids
+        reps = max(settings.contexts) // 16 + 50  # ~25 tokens per repetition
+        filler = tok(" ".join([SYNTHETIC_FILLER] * reps), add_special_tokens=False).input_ids
     methods = settings.method_list(settings.passkey_methods or settings.methods)
     rows = []
     for ctx in settings.contexts:
