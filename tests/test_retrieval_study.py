@@ -4,7 +4,6 @@ NumPy reference, and a reduced accuracy study on SmolLM2-135M (docs/RETRIEVAL.md
 from __future__ import annotations
 
 import importlib.util
-import math
 
 import numpy as np
 import pytest

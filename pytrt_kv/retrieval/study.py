@@ -473,7 +473,8 @@ def markdown(settings: StudySettings, passkey: List[Dict], loss: List[Dict],
         f"Model: {MODEL_NAME}. Date: {_dt.date.today().isoformat()}. CPU, float32, "
         f"{seconds / 60:.0f} min.",
         f"Scaled windows: init {settings.init_tokens}, local {settings.local_tokens}; "
-        f"{settings.filler} passkey filler; passkey contexts {', '.join(map(str, ctxs))} tokens at depths "
+        f"{settings.filler} passkey filler; passkey contexts "
+        f"{', '.join(map(str, ctxs))} tokens at depths "
         f"{', '.join(map(str, settings.depths))}; loss over the last "
         f"{loss[0]['tokens'] if loss else 0} tokens of a {settings.loss_context}-token "
         "text (Debian licence texts).",
