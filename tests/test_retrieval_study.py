@@ -58,7 +58,7 @@ def test_study_attention_equals_reference(rng, rep, chunk):
 
 #: The reduced study: passkey at 2K (dense prefill, question and answer decoded sparse),
 #: loss over the last 512 tokens of a 3K-token text; minutes on 2 CPU cores.
-REDUCED = dict(contexts=(2048,), depths=(0.2, 0.5), block_sizes=(32, 128),
+REDUCED = dict(contexts=(2048,), depths=(0.2, 0.5), block_sizes=(128,),
                loss_context=3072, loss_tokens=512)
 
 
