@@ -22,7 +22,7 @@ Tasks:
 
 Methods: ``dense``; ``window`` (init + local only); ``random``, ``mean``, ``minmax`` at each
 recall fraction; ``oracle`` (the blocks holding the most softmax mass of the layer's
-heads: an upper bound no real selector reaches).
+heads: a reference point, not a usable selector, since it needs the full attention).
 """
 
 from __future__ import annotations
