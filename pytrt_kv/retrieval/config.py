@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from fractions import Fraction
-from typing import Mapping, Optional
+from typing import Any
 
 #: R2 modes.
 DENSE = "dense"
@@ -85,8 +86,13 @@ class RetrievalConfig:
     representation: str = MINMAX
 
     def __post_init__(self) -> None:
-        for name in ("init_tokens", "local_tokens", "block_size", "dense_boundary",
-                     "offload_boundary"):
+        for name in (
+            "init_tokens",
+            "local_tokens",
+            "block_size",
+            "dense_boundary",
+            "offload_boundary",
+        ):
             _int(name, getattr(self, name))
         if self.block_size < 1:
             raise ValueError(f"block_size: expected >= 1, got {self.block_size}")
@@ -94,26 +100,31 @@ class RetrievalConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if self.init_tokens % self.block_size:
-            raise ValueError(f"init_tokens: expected a multiple of block_size = "
-                             f"{self.block_size} (docs/SPEC.md R3), got {self.init_tokens}")
-        if isinstance(self.topk_percent, bool) or not isinstance(self.topk_percent,
-                                                                 (int, float)):
+            raise ValueError(
+                f"init_tokens: expected a multiple of block_size = "
+                f"{self.block_size} (docs/SPEC.md R3), got {self.init_tokens}"
+            )
+        if isinstance(self.topk_percent, bool) or not isinstance(self.topk_percent, (int, float)):
             raise TypeError(f"topk_percent: expected a float, got {self.topk_percent!r}")
         if not 0.0 <= float(self.topk_percent) <= 1.0:
-            raise ValueError(f"topk_percent: expected a fraction in [0, 1], got "
-                             f"{self.topk_percent}")
+            raise ValueError(
+                f"topk_percent: expected a fraction in [0, 1], got {self.topk_percent}"
+            )
         if self.offload_boundary < self.dense_boundary:
-            raise ValueError(f"offload_boundary: expected >= dense_boundary = "
-                             f"{self.dense_boundary}, got {self.offload_boundary}")
+            raise ValueError(
+                f"offload_boundary: expected >= dense_boundary = "
+                f"{self.dense_boundary}, got {self.offload_boundary}"
+            )
         if self.representation not in REPRESENTATIONS:
-            raise ValueError(f"representation: expected one of {list(REPRESENTATIONS)}, got "
-                             f"{self.representation!r}")
+            raise ValueError(
+                f"representation: expected one of {list(REPRESENTATIONS)}, got "
+                f"{self.representation!r}"
+            )
 
     # --- construction ----------------------------------------------------------------
 
     @classmethod
-    def from_env(cls, environ: Optional[Mapping[str, str]] = None,
-                 **overrides) -> "RetrievalConfig":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> RetrievalConfig:
         """Defaults overridden by the ``VLLM_RETRIEVAL_*`` variables (see ``ENV_NAMES``),
         then by keyword ``overrides``.
 
@@ -123,7 +134,7 @@ class RetrievalConfig:
             A variable that does not parse; the message names it.
         """
         env = os.environ if environ is None else environ
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             var = ENV_NAMES[f.name]
             raw = env.get(var)
@@ -138,9 +149,10 @@ class RetrievalConfig:
                 else:
                     values[f.name] = _parse_tokens(raw)
             except ValueError:
-                want = {"topk_percent": "a float in [0, 1]",
-                        "representation": f"one of {list(REPRESENTATIONS)}"}.get(
-                            f.name, "a token count such as 1024 or 32K")
+                want = {
+                    "topk_percent": "a float in [0, 1]",
+                    "representation": f"one of {list(REPRESENTATIONS)}",
+                }.get(f.name, "a token count such as 1024 or 32K")
                 raise ValueError(f"{var}: expected {want}, got {raw!r}") from None
         values.update(overrides)
         try:
@@ -151,7 +163,7 @@ class RetrievalConfig:
                 raise type(exc)(f"{ENV_NAMES[name]} ({exc})") from None
             raise
 
-    def with_(self, **changes) -> "RetrievalConfig":
+    def with_(self, **changes) -> RetrievalConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
@@ -169,7 +181,7 @@ class RetrievalConfig:
             return SPARSE
         return SPARSE_OFFLOAD
 
-    def partition(self, seq_len: int) -> "Partition":
+    def partition(self, seq_len: int) -> Partition:
         """R3 partition of the current length ``seq_len`` (tokens cached, the current one
         included)."""
         _int("seq_len", seq_len)
@@ -177,9 +189,14 @@ class RetrievalConfig:
             raise ValueError(f"seq_len: expected >= 0, got {seq_len}")
         B = self.block_size
         nb = max(0, (seq_len - self.local_tokens - self.init_tokens) // B)
-        return Partition(seq_len=seq_len, init_end=min(self.init_tokens, seq_len),
-                         num_blocks=nb, block_size=B, first_id=self.init_tokens // B,
-                         local_start=min(seq_len, self.init_tokens + nb * B))
+        return Partition(
+            seq_len=seq_len,
+            init_end=min(self.init_tokens, seq_len),
+            num_blocks=nb,
+            block_size=B,
+            first_id=self.init_tokens // B,
+            local_start=min(seq_len, self.init_tokens + nb * B),
+        )
 
     def num_selected(self, num_blocks: int) -> int:
         """R4: ``k = ceil(topk_percent * nb)`` (exact for decimal fractions)."""
@@ -237,10 +254,13 @@ class Partition:
 
     def local_ids(self) -> range:
         """Ids (TBS units) of the local tokens (the last one may be partial)."""
-        return range(self.first_id + self.num_blocks, self.max_id + 1) if \
-            self.seq_len > self.init_end else range(0)
+        return (
+            range(self.first_id + self.num_blocks, self.max_id + 1)
+            if self.seq_len > self.init_end
+            else range(0)
+        )
 
-    def attended(self, selected_blocks) -> "list[int]":
+    def attended(self, selected_blocks) -> list[int]:
         """Token positions attended with the given retrievable blocks (ascending)."""
         pos = list(range(self.init_end))
         for j in sorted(int(j) for j in selected_blocks):

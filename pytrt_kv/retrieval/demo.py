@@ -1,6 +1,6 @@
 """``pytrt-kv retrieval-demo``: RetrievalKV decode steps end to end, verified.
 
-1. builds the retrieval decode step (:func:`.graph.build_retrieval_decode_step`), checked
+1. builds the retrieval decode step (:func:`onnx_export.retrieval.build_retrieval_decode_step`), checked
    by ``onnx.checker``;
 2. starts each row with a random prompt (written into the full caches as a dense prefill
    would) and runs decode steps on the CPU runtime, feeding each step's caches and status
@@ -18,8 +18,8 @@ Exit status 0 only when every check passed.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -40,17 +40,23 @@ class StepCheck:
     row: int
     record: StepRecord
     err_reference: float  #: max |graph - NumPy reference|
-    err_dense: float      #: max |graph - dense attention|
+    err_dense: float  #: max |graph - dense attention|
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x).view(np.uint8)
 
 
-def run_steps(cfg: RetrievalConfig, sizes: RetrievalSizes, prompt_lens: Sequence[int],
-              steps: int, *, seed: int = 0,
-              run: Optional[Callable[[Dict[str, np.ndarray]], Dict[str, np.ndarray]]] = None,
-              log: Optional[Callable[[str], None]] = None) -> List[StepCheck]:
+def run_steps(
+    cfg: RetrievalConfig,
+    sizes: RetrievalSizes,
+    prompt_lens: Sequence[int],
+    steps: int,
+    *,
+    seed: int = 0,
+    run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[StepCheck]:
     """Run and verify ``steps`` decode steps; raises ``AssertionError`` on a mismatch.
 
     Parameters
@@ -61,7 +67,7 @@ def run_steps(cfg: RetrievalConfig, sizes: RetrievalSizes, prompt_lens: Sequence
     run : feeds -> outputs; default the CPU runtime on the built model
     log : called with one line per step and row
     """
-    from .graph import build_retrieval_decode_step
+    from onnx_export.retrieval import build_retrieval_decode_step
 
     if len(prompt_lens) != sizes.batch:
         raise ValueError(f"prompt_lens: expected {sizes.batch} lengths, got {list(prompt_lens)}")
@@ -83,7 +89,7 @@ def run_steps(cfg: RetrievalConfig, sizes: RetrievalSizes, prompt_lens: Sequence
         hist_k.append(k)
         hist_v.append(v)
     B = planner.layout.block_size
-    checks: List[StepCheck] = []
+    checks: list[StepCheck] = []
     atol = ATOL[sizes.dtype]
     for step in range(steps):
         q = rng.standard_normal((sizes.batch, Hq, D)).astype(cdt)
@@ -97,56 +103,66 @@ def run_steps(cfg: RetrievalConfig, sizes: RetrievalSizes, prompt_lens: Sequence
         # The reference, row by row, from the histories (never from the caches).
         results = []
         for b in range(sizes.batch):
-            hist_k[b] = np.concatenate([hist_k[b], k_new[b:b + 1]])
-            hist_v[b] = np.concatenate([hist_v[b], v_new[b:b + 1]])
+            hist_k[b] = np.concatenate([hist_k[b], k_new[b : b + 1]])
+            hist_v[b] = np.concatenate([hist_v[b], v_new[b : b + 1]])
             row_cfg = cfg.with_(topk_percent=1.0) if planner.modes[b] == DENSE else cfg
             results.append(sparse_decode_attention(q[b], hist_k[b], hist_v[b], row_cfg))
         want_ids = planner.topk_rows([r.selected for r in results])
         got_ids = out["topk_indices"]
         assert np.array_equal(got_ids, want_ids), (
             f"step {step}: ids {got_ids.reshape(sizes.batch, -1).tolist()} != reference "
-            f"{want_ids.reshape(sizes.batch, -1).tolist()}")
+            f"{want_ids.reshape(sizes.batch, -1).tolist()}"
+        )
 
         # Full caches: the new token at its slot, nothing else changed.
         for name, new in (("full_key_cache", k_new), ("full_value_cache", v_new)):
             want = caches[name].copy()
             slot = feeds["slot_mapping"].astype(np.int64)
             want[slot // B, slot % B] = new
-            assert np.array_equal(_bits(out[name + "_out"]), _bits(want)), \
+            assert np.array_equal(_bits(out[name + "_out"]), _bits(want)), (
                 f"step {step}: {name}_out differs beyond the new token's slot"
+            )
 
-        records = planner.commit(got_ids, out["selection_kv_block_status_out"],
-                                 out["selection_kv_actual_seq"])
+        records = planner.commit(
+            got_ids, out["selection_kv_block_status_out"], out["selection_kv_actual_seq"]
+        )
         status = out["selection_kv_block_status_out"].reshape(sizes.batch, -1)
         K = planner.layout.topk
         for b, (res, rec) in enumerate(zip(results, records)):
             L = hist_k[b].shape[0]
             assert rec.resident_tokens == len(res.positions), (
                 f"step {step} row {b}: {rec.resident_tokens} resident tokens, reference "
-                f"attends {len(res.positions)}")
+                f"attends {len(res.positions)}"
+            )
             # Every slot holds its id's tokens, bit for bit (keys and values).
             for j, v in enumerate(status[b, :K].tolist()):
                 if v < 0:
                     continue
                 size = min(B, L - v * B)
                 blk = planner.selection_block_table[b, j]
-                for name, hist in (("selection_key_cache_out", hist_k[b]),
-                                   ("selection_value_cache_out", hist_v[b])):
+                for name, hist in (
+                    ("selection_key_cache_out", hist_k[b]),
+                    ("selection_value_cache_out", hist_v[b]),
+                ):
                     got = out[name][blk, :size]
-                    want = hist[v * B:v * B + size].reshape(size, -1)
-                    assert np.array_equal(_bits(got), _bits(want)), \
+                    want = hist[v * B : v * B + size].reshape(size, -1)
+                    assert np.array_equal(_bits(got), _bits(want)), (
                         f"step {step} row {b}: slot {j} (id {v}) of {name} is wrong"
+                    )
             got = out["attn_out"][b]
             err_ref = float(np.abs(got - res.out).max())
-            assert err_ref <= atol, (f"step {step} row {b}: attention differs from the "
-                                     f"reference by {err_ref} > {atol}")
+            assert err_ref <= atol, (
+                f"step {step} row {b}: attention differs from the reference by {err_ref} > {atol}"
+            )
             err_dense = float(np.abs(got - dense_attention(q[b], hist_k[b], hist_v[b])).max())
             checks.append(StepCheck(step, b, rec, err_ref, err_dense))
             if log:
-                log(f"step {step} row {b}: L={rec.length} {rec.mode:<14} recalled "
+                log(
+                    f"step {step} row {b}: L={rec.length} {rec.mode:<14} recalled "
                     f"{rec.selected} kept {rec.kept} copied {rec.copied} blocks "
                     f"({rec.copied_tokens} tokens), resident {rec.resident_tokens}; "
-                    f"|out - reference| {err_ref:.1e}, |out - dense| {err_dense:.2e}")
+                    f"|out - reference| {err_ref:.1e}, |out - dense| {err_dense:.2e}"
+                )
         caches = {name: out[name + "_out"] for name in caches}
     return checks
 
@@ -157,16 +173,22 @@ def run_steps(cfg: RetrievalConfig, sizes: RetrievalSizes, prompt_lens: Sequence
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=6, help="decode steps (default 6)")
     parser.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
-    parser.add_argument("--prompt-len", type=int, default=900,
-                        help="prompt of row 0 (row b: + 37*b; default 900)")
-    parser.add_argument("--max-len", type=int, default=1024,
-                        help="full-cache capacity per sequence (default 1024)")
+    parser.add_argument(
+        "--prompt-len", type=int, default=900, help="prompt of row 0 (row b: + 37*b; default 900)"
+    )
+    parser.add_argument(
+        "--max-len", type=int, default=1024, help="full-cache capacity per sequence (default 1024)"
+    )
     parser.add_argument("--init-tokens", type=int, default=64)
     parser.add_argument("--local-tokens", type=int, default=200)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--topk-percent", type=float, default=0.2)
-    parser.add_argument("--dense-boundary", type=int, default=256,
-                        help="R2 boundary (default 256, so the demo prompt is sparse)")
+    parser.add_argument(
+        "--dense-boundary",
+        type=int,
+        default=256,
+        help="R2 boundary (default 256, so the demo prompt is sparse)",
+    )
     parser.add_argument("--offload-boundary", type=int, default=512)
     parser.add_argument("--representation", choices=("minmax", "mean"), default="minmax")
     parser.add_argument("--q-heads", type=int, default=4)
@@ -177,19 +199,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = RetrievalConfig(init_tokens=args.init_tokens, local_tokens=args.local_tokens,
-                          block_size=args.block_size, topk_percent=args.topk_percent,
-                          dense_boundary=args.dense_boundary,
-                          offload_boundary=args.offload_boundary,
-                          representation=args.representation)
-    sizes = RetrievalSizes(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                           head_dim=args.head_dim, max_len=args.max_len, dtype=args.dtype)
+    cfg = RetrievalConfig(
+        init_tokens=args.init_tokens,
+        local_tokens=args.local_tokens,
+        block_size=args.block_size,
+        topk_percent=args.topk_percent,
+        dense_boundary=args.dense_boundary,
+        offload_boundary=args.offload_boundary,
+        representation=args.representation,
+    )
+    sizes = RetrievalSizes(
+        batch=args.batch,
+        q_heads=args.q_heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        max_len=args.max_len,
+        dtype=args.dtype,
+    )
     prompts = [args.prompt_len + 37 * b for b in range(args.batch)]
     if args.steps < 1:
         raise ValueError(f"--steps: expected >= 1, got {args.steps}")
     if max(prompts) + args.steps > args.max_len:
-        raise ValueError(f"--max-len: expected >= longest prompt + steps = "
-                         f"{max(prompts) + args.steps}, got {args.max_len}")
+        raise ValueError(
+            f"--max-len: expected >= longest prompt + steps = "
+            f"{max(prompts) + args.steps}, got {args.max_len}"
+        )
     print(f"config {cfg}")
     print(f"modes (R2): {[cfg.mode_for(p) for p in prompts]} for prompts {prompts}")
     try:
@@ -199,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     copied = sum(c.record.copied_tokens for c in checks if c.step)
     kept = sum(c.record.kept for c in checks if c.step)
-    print(f"OK: {len(checks)} row-steps match the NumPy reference (ids, slots, attention); "
-          f"after the first step, {kept} block slots kept in place and {copied} tokens copied")
+    print(
+        f"OK: {len(checks)} row-steps match the NumPy reference (ids, slots, attention); "
+        f"after the first step, {kept} block slots kept in place and {copied} tokens copied"
+    )
     return 0

