@@ -1,7 +1,7 @@
 """``pytrt-kv retrieval-demo``: RetrievalKV decode steps end to end, verified.
 
-1. builds the retrieval decode step (:func:`onnx_export.retrieval.build_retrieval_decode_step`), checked
-   by ``onnx.checker``;
+1. builds the retrieval decode step
+   (:func:`onnx_export.retrieval.build_retrieval_decode_step`), checked by ``onnx.checker``;
 2. starts each row with a random prompt (written into the full caches as a dense prefill
    would) and runs decode steps on the CPU runtime, feeding each step's caches and status
    back, the planner supplying tables, slots, representations and counts;
@@ -179,23 +179,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-len", type=int, default=1024, help="full-cache capacity per sequence (default 1024)"
     )
-    parser.add_argument("--init-tokens", type=int, default=64)
-    parser.add_argument("--local-tokens", type=int, default=200)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--topk-percent", type=float, default=0.2)
+    parser.add_argument(
+        "--init-tokens", type=int, default=64, help="resident initial tokens (default 64)"
+    )
+    parser.add_argument(
+        "--local-tokens", type=int, default=200, help="sliding-window tokens (default 200)"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=32, help="tokens per retrievable block (default 32)"
+    )
+    parser.add_argument(
+        "--topk-percent",
+        type=float,
+        default=0.2,
+        help="fraction of retrievable blocks recalled per step (default 0.2)",
+    )
     parser.add_argument(
         "--dense-boundary",
         type=int,
         default=256,
         help="R2 boundary (default 256, so the demo prompt is sparse)",
     )
-    parser.add_argument("--offload-boundary", type=int, default=512)
-    parser.add_argument("--representation", choices=("minmax", "mean"), default="minmax")
-    parser.add_argument("--q-heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--offload-boundary",
+        type=int,
+        default=512,
+        help="prompt length from which the full cache is host-resident (default 512)",
+    )
+    parser.add_argument(
+        "--representation",
+        choices=("minmax", "mean"),
+        default="minmax",
+        help="block representation used for scoring (default minmax)",
+    )
+    parser.add_argument("--q-heads", type=int, default=4, help="query heads (default 4)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
+    parser.add_argument("--head-dim", type=int, default=16, help="head size (default 16)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help="cache and activation dtype (default float32)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -679,17 +679,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="2048,4096,7168",
         help="passkey context lengths (tokens; 'K' suffix allowed; empty: skip the passkey task)",
     )
-    parser.add_argument("--depths", default=",".join(map(str, d.depths)))
-    parser.add_argument("--block-sizes", default="32,128")
-    parser.add_argument("--percents", default="0.1,0.2")
+    parser.add_argument(
+        "--depths",
+        default=",".join(map(str, d.depths)),
+        help="passkey depths as fractions of the context, comma-separated",
+    )
+    parser.add_argument(
+        "--block-sizes", default="32,128", help="block sizes to study (default 32,128)"
+    )
+    parser.add_argument(
+        "--percents", default="0.1,0.2", help="recall fractions to study (default 0.1,0.2)"
+    )
     parser.add_argument(
         "--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}"
     )
     parser.add_argument(
         "--passkey-methods", default=None, help="methods for the passkey task (default: --methods)"
     )
-    parser.add_argument("--init-tokens", type=int, default=d.init_tokens)
-    parser.add_argument("--local-tokens", type=int, default=d.local_tokens)
+    parser.add_argument(
+        "--init-tokens",
+        type=int,
+        default=d.init_tokens,
+        help=f"resident initial tokens (default {d.init_tokens})",
+    )
+    parser.add_argument(
+        "--local-tokens",
+        type=int,
+        default=d.local_tokens,
+        help=f"sliding-window tokens (default {d.local_tokens})",
+    )
     parser.add_argument(
         "--loss-context",
         type=int,
@@ -709,7 +727,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="passkey filler: the usual repeated sentences, or Debian's "
         "licence texts (natural text; harder for block selection)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
 
 def settings_from_args(args: argparse.Namespace) -> StudySettings:
