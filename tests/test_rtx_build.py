@@ -340,3 +340,28 @@ def test_build_cli_prints_progress_and_writes_the_plan(tmp_path, capsys):
     assert main(["build", str(bad), "--flavour", "rtx", "--target", "sm89"]) == 1
     err = capsys.readouterr().err
     assert "pytrt-kv build: error:" in err and "cache_layout" in err
+
+
+@pytest.mark.parametrize("representation", ["minmax", "mean"])
+def test_retrieval_decode_step_builds_unchanged(tmp_path, representation):
+    """The RetrievalKV decode-step graph (docs/RETRIEVAL.md) goes through the builder
+    exactly as the CPU runtime runs it: standard ops plus the two plugins, host-resident
+    full caches as plain inputs."""
+    from onnx_export.retrieval import build_retrieval_decode_step
+    from pytrt_kv.retrieval import RetrievalConfig
+    from pytrt_kv.retrieval.planner import RetrievalSizes
+
+    cfg = RetrievalConfig(
+        init_tokens=64,
+        local_tokens=200,
+        block_size=32,
+        topk_percent=0.2,
+        dense_boundary=0,
+        offload_boundary=512,
+        representation=representation,
+    )
+    model = build_retrieval_decode_step(RetrievalSizes(max_len=1024), cfg)
+    # Multi-node graph: the I/O table order varies between builds, as for the example model
+    # (UNORDERED_IO above).
+    first, again = _build(model, tmp_path, "a.onnx"), _build(model, tmp_path, "b.onnx")
+    _assert_same_plan(first, again, unordered=True)
