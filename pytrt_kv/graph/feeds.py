@@ -4,27 +4,10 @@ The valid-input generator of the graph layer: tests, examples, the benchmark and
 Polygraphy's data loader (:mod:`pytrt_kv.polygraphy.data_loader`) all draw from it.
 
 Random index inputs are invalid for our ops (duplicate slots, out-of-range block ids,
-corrupted status rows), so Polygraphy's default data loader cannot drive them. Use::
-
-    polygraphy run model.onnx --pytrt-kv-ref --data-loader-script \\
-        $(python3 -c "import pytrt_kv.polygraphy.data_loader as m; print(m.__file__)")
-
-``load_data()`` finds the model in this order: its ``model`` argument, the
-``PYTRT_KV_MODEL`` environment variable, the first ``*.onnx`` path on the command line
-(which is where ``polygraphy run m.onnx ...`` puts it).
-
-Options of the Polygraphy command line are honoured (an argument of :func:`load_data` or
-:func:`make_feeds` wins over them, and they win over the environment):
-
-- ``--seed N``: base seed (else ``$PYTRT_KV_SEED``, else 0); iteration i uses seed + i,
-  so every runner of one Polygraphy invocation sees the same data;
-- ``--iterations N`` / ``--iters N``: feed dicts to yield (else
-  ``$PYTRT_KV_ITERATIONS``, else 3);
-- ``--input-shapes name:[d0,d1,...] ...`` (alias ``--inputs``), else the opt shapes of
-  the first ``--trt-opt-shapes`` profile: the shapes of inputs with dynamic dims. A
-  symbolic dim takes one value everywhere (``--input-shapes kv:[3,1,64]`` sets every
-  ``batch`` dim when kv is ``[batch, 1, 64]``); a dynamic dim given by neither takes
-  Polygraphy's default shape value, 1.
+corrupted status rows), so generic random feeds cannot drive them. How Polygraphy's
+command line reaches this module (model path, ``--seed``, ``--iterations``,
+``--input-shapes`` / ``--trt-opt-shapes``) is described in
+:mod:`pytrt_kv.polygraphy.data_loader`; :func:`polygraphy_options` reads those options.
 
 What the feeds satisfy (docs/SPEC.md S6, S7, G2-G5):
 

@@ -25,23 +25,8 @@ Options of the Polygraphy command line are honoured (an argument of :func:`load_
   ``batch`` dim when kv is ``[batch, 1, 64]``); a dynamic dim given by neither takes
   Polygraphy's default shape value, 1.
 
-What the feeds satisfy (docs/SPEC.md S6, S7, G2-G5):
-
-- ``slot_mapping``: unique slots (some -1 padding); with ``full_kv_block_table`` and
-  ``full_kv_actual_seq`` present, the slot of this step's token s of batch b is position
-  ``kv_len - S + s`` of b's block table (a decode step);
-- compressing writes: ``seq_lens``/``compress_lens``/``compress_seq_offsets`` within their
-  constraints, each (b, h) run in its own rows;
-- ``full_kv_block_table``: in-range, private blocks per batch;
-- ``selection_kv_block_table``: private selection blocks per used row;
-- ``selection_topk_indices``: distinct valid ids per row (some reused from the old status,
-  padding -1 anywhere); ``selection_kv_block_status``: fresh (-1) or a valid previous state;
-- ``full_q_actual_seq``: cumulative query counts; every other input random, never zeros.
-
-A model the loader cannot serve is refused with a ValueError naming the input: an index
-input of a pytrt_kv node whose graph input has another name than the op input it feeds
-(the loader would otherwise fill it with random, invalid values), an input the loader
-needs that the graph does not have, or sizes that leave no room for valid data.
+What the feeds satisfy, and which models are refused (a ValueError naming the input):
+:mod:`pytrt_kv.graph.feeds`.
 """
 
 from __future__ import annotations
