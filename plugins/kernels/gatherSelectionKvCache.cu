@@ -358,8 +358,8 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
     // wave; the kernel reads the real miss count, so blocks beyond the misses exit at once.
     int64_t const worstTasks = entries * params.topkBlockSize;
     return dispatchVectorWidth(width, [&](auto w) {
-        auto kernel = gatherCopyKernel<decltype(w)::value>;
-        int64_t const grid = residentGridSize(kernel, worstTasks, c.group);
+        constexpr auto kernel = gatherCopyKernel<decltype(w)::value>;
+        int64_t const grid = residentGridSize<kernel>(worstTasks, c.group);
         kernel<<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(c);
         return recordLaunch(cudaGetLastError(), "gatherCopyKernel");
     });
