@@ -348,8 +348,15 @@ cudaError_t copyIfDistinct(
     {
         return cudaErrorInvalidValue;
     }
-    return cudaMemcpyAsync(
+    cudaError_t const e = cudaMemcpyAsync(
         dst, src, static_cast<size_t>(n) * static_cast<size_t>(kernels::dataTypeSize(t)), cudaMemcpyDefault, stream);
+    if (e != cudaSuccess)
+    {
+        // Ours (cudart is linked statically): left pending, it would make every later
+        // launch on this thread refuse to run (kvError.h refusePendingError).
+        cudaGetLastError();
+    }
+    return e;
 }
 
 // Messages are built only on failure: these run on every shape check.
