@@ -70,7 +70,10 @@ struct AutoRegistrar
     AutoRegistrar() noexcept
     {
         auto getRegistry = reinterpret_cast<GetRegistryFn>(findNvinferSymbol("getPluginRegistry"));
-        if (getRegistry != nullptr && !pytrt_kv::plugin::abiMatchesHeaders(pytrt_kv::plugin::loadedTensorRtAbi()))
+        // The layout of the library the registry comes from (two majors may be loaded).
+        if (getRegistry != nullptr
+            && !pytrt_kv::plugin::abiMatchesHeaders(
+                pytrt_kv::plugin::tensorRtAbiOf(reinterpret_cast<void const*>(getRegistry))))
         {
             // Its registry and logger have the other vtable layout: calling them would run
             // unrelated virtuals (a crash, seen with TensorRT-RTX and 10.x headers).

@@ -571,3 +571,37 @@ def test_empty_batch_plans_nothing(lib, rng):
     assert lib.pytrt_kv_gather_workspace_size(ctypes.byref(p)) == 0
     assert lib.pytrt_kv_gather_plan_host(ctypes.byref(p)) == 0, lib.pytrt_kv_get_last_error()
     assert actual.tolist() == [0, 0, 0]
+
+
+def test_refuses_a_miss_list_past_int32(lib):
+    """B*S*K > INT_MAX: the int32 miss count would wrap and the plan would write before
+    the workspace, so the call is refused before anything is read or written."""
+    K = 2048
+    S = (2**31) // K + 1  # B*S*K = 2**31 + K
+    buf = np.full(64, -5, np.int32)
+    before = buf.copy()
+    addr = buf.ctypes.data
+    p = _cuda.GatherSelectionParams()
+    for name in (
+        "selectionKvCache",
+        "fullKvCache",
+        "selectionKvBlockTable",
+        "selectionKvBlockStatus",
+        "selectionTopkIndices",
+        "fullKvBlockTable",
+        "fullKvActualSeq",
+        "selectionKvActualSeq",
+        "workspace",
+    ):
+        setattr(p, name, addr)
+    p.cacheType = _cuda.DTYPE_CODE["float16"]
+    p.batch, p.seqPerBatch, p.topk, p.topkBlockSize = 1, S, K, 1
+    p.selectionRows = S
+    p.selectionBlockNum, p.selectionBlockSize, p.selectionMaxBlockNum = 1, 1, K
+    p.fullBlockNum, p.fullBlockSize, p.fullMaxBlockNum = 1, 1, 1
+    p.kvDim = 8
+    # A workspace that claims to be large enough: only the size check stands in the way.
+    p.workspaceBytes = 2**63
+    assert lib.pytrt_kv_gather_plan_host(ctypes.byref(p)) == 1
+    assert "topk must fit in int32" in lib.pytrt_kv_get_last_error().decode()
+    assert np.array_equal(buf, before)

@@ -199,3 +199,41 @@ def test_libraries_do_not_depend_on_libnvinfer(build):
         assert r.returncode == 0, r.stderr
         needed = re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", r.stdout)
         assert needed and not any("nvinfer" in n or "cudart" in n for n in needed), needed
+
+
+def test_autoreg_judges_the_registry_library_not_the_loaded_set(build, tmp_path):
+    """libnvinfer.so.10 and libtensorrt_rtx.so.1 loaded side by side (two TensorRT majors
+    in one process): the set of loaded sonames is ambiguous, so the ABI guard must judge
+    the library that getPluginRegistry comes from. The registry here is a fake TensorRT
+    10 one; with TensorRT 11 headers it must never be called."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the stand-in TensorRT libraries")
+    if not re.search(r"found version \"11\.", build[1]):
+        pytest.skip("the layouts differ only when the headers are TensorRT 11's")
+    src = tmp_path / "fake.c"
+    src.write_text(
+        "#include <stdio.h>\n"
+        'void* getPluginRegistry(void) { fputs("FAKE10 REGISTRY CALLED\\n", stderr);'
+        " return 0; }\n"
+    )
+    rtx_src = tmp_path / "rtx.c"
+    rtx_src.write_text("int pytrt_kv_fake_rtx(void) { return 1; }\n")
+    v10 = tmp_path / "libnvinfer.so.10"
+    rtx = tmp_path / "libtensorrt_rtx.so.1"
+    for out, c, soname in ((v10, src, "libnvinfer.so.10"), (rtx, rtx_src, "libtensorrt_rtx.so.1")):
+        r = _run([cc, "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", out, c])
+        assert r.returncode == 0, r.stderr
+    lib = build[0] / "lib" / "libpytrt_kv_plugins_autoreg.so"
+    code = (
+        "import ctypes\n"
+        f"ctypes.CDLL({str(rtx)!r})\n"
+        f"ctypes.CDLL({str(v10)!r})\n"
+        f"l = ctypes.CDLL({str(lib)!r})\n"
+        "print(l.pytrt_kv_registered_creators())\n"
+    )
+    r = _run([sys.executable, "-c", code])
+    assert r.returncode == 0, r.stderr
+    assert "FAKE10 REGISTRY CALLED" not in r.stderr, r.stderr
+    assert "other interface layout" in r.stderr, r.stderr
+    assert r.stdout.split() == ["-1"]

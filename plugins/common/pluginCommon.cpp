@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <dlfcn.h>
 #include <limits>
 #include <mutex>
@@ -52,6 +54,43 @@ int32_t loadedTensorRtAbi() noexcept
     return v11 == v10 ? 0 : (v11 ? 11 : 10);
 }
 
+int32_t tensorRtAbiOf(void const* address) noexcept
+{
+    // The library that holds the address, by its file name (a symlink such as
+    // libnvinfer.so is resolved to the versioned file it points to).
+    auto classify = [](char const* path) {
+        char const* slash = path != nullptr ? std::strrchr(path, '/') : nullptr;
+        char const* base = slash != nullptr ? slash + 1 : path;
+        if (base == nullptr)
+        {
+            return 0;
+        }
+        if (std::strncmp(base, "libnvinfer.so.11", 16) == 0 || std::strncmp(base, "libtensorrt_rtx.so", 18) == 0)
+        {
+            return 11;
+        }
+        return std::strncmp(base, "libnvinfer.so.10", 16) == 0 ? 10 : 0;
+    };
+    Dl_info info{};
+    if (address != nullptr && dladdr(address, &info) != 0 && info.dli_fname != nullptr)
+    {
+        int32_t abi = classify(info.dli_fname);
+        if (abi == 0)
+        {
+            if (char* real = realpath(info.dli_fname, nullptr))
+            {
+                abi = classify(real);
+                std::free(real);
+            }
+        }
+        if (abi != 0)
+        {
+            return abi;
+        }
+    }
+    return loadedTensorRtAbi();
+}
+
 bool abiMatchesHeaders(int32_t abi) noexcept
 {
     return abi == 0 || (abi >= 11) == (NV_TENSORRT_MAJOR >= 11);
@@ -59,7 +98,9 @@ bool abiMatchesHeaders(int32_t abi) noexcept
 
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
 {
-    if (finder != nullptr && !abiMatchesHeaders(loadedTensorRtAbi()))
+    // The finder's vtable lies in the TensorRT library that made it: with two TensorRT
+    // majors loaded in one process, that one decides, not whichever is loaded.
+    if (finder != nullptr && !abiMatchesHeaders(tensorRtAbiOf(*reinterpret_cast<void* const*>(finder))))
     {
         std::fprintf(stderr,
             "[pytrt_kv] WARNING: built against TensorRT %d headers, loaded by a TensorRT with the other "
@@ -307,8 +348,15 @@ cudaError_t copyIfDistinct(
     {
         return cudaErrorInvalidValue;
     }
-    return cudaMemcpyAsync(
+    cudaError_t const e = cudaMemcpyAsync(
         dst, src, static_cast<size_t>(n) * static_cast<size_t>(kernels::dataTypeSize(t)), cudaMemcpyDefault, stream);
+    if (e != cudaSuccess)
+    {
+        // Ours (cudart is linked statically): left pending, it would make every later
+        // launch on this thread refuse to run (kvError.h refusePendingError).
+        cudaGetLastError();
+    }
+    return e;
 }
 
 // Messages are built only on failure: these run on every shape check.

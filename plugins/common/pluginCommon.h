@@ -64,6 +64,12 @@ void check(bool condition, Parts const&... parts)
 //! interfaces (IPluginV3, IPluginCreatorV3One) kept theirs.
 int32_t loadedTensorRtAbi() noexcept;
 
+//! The interface layout of the TensorRT library that holds \p address (a symbol, or an
+//! object's vtable), from its file name: 11, 10, or loadedTensorRtAbi() when the library
+//! is not recognised. Decides correctly where loadedTensorRtAbi() cannot: two TensorRT
+//! majors loaded in one process (e.g. libnvinfer.so.10 beside libtensorrt_rtx.so.1).
+int32_t tensorRtAbiOf(void const* address) noexcept;
+
 //! True when \p abi (from loadedTensorRtAbi) is unknown or the one of the headers this
 //! library was compiled with: only then may TensorRT's ILogger, ILoggerFinder and
 //! IPluginRegistry objects be called (docs/TENSORRT.md, "Header version vs TensorRT ABI").

@@ -422,6 +422,10 @@ int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc,
             size_t const bytes = static_cast<size_t>(p.selectionRows) * sizeof(int32_t);
             cudaError_t const st
                 = bytes == 0 ? cudaSuccess : cudaMemsetAsync(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ], 0, bytes, stream);
+            if (st != cudaSuccess)
+            {
+                cudaGetLastError(); // ours: never left pending for the next launch (as copyIfDistinct)
+            }
             check(st == cudaSuccess, "enqueue: clearing selection_kv_actual_seq failed: ", cudaGetErrorName(st));
             return 0;
         }

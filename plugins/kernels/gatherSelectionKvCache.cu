@@ -170,6 +170,12 @@ cudaError_t checkGather(GatherSelectionParams const& p)
     {
         return invalidArgument("gather: batch * seqPerBatch must fit in int32");
     }
+    // The miss list is counted and indexed in int32 (gatherPlan.h): a larger list would
+    // wrap the count and write before the workspace.
+    if (planEntries(p) > INT_MAX)
+    {
+        return invalidArgument("gather: batch * seqPerBatch * topk must fit in int32");
+    }
     if (p.selectionBlockSize < 1 || p.fullBlockSize < 1 || p.selectionBlockSize % p.topkBlockSize != 0
         || p.fullBlockSize % p.topkBlockSize != 0)
     {
@@ -352,8 +358,8 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
     // wave; the kernel reads the real miss count, so blocks beyond the misses exit at once.
     int64_t const worstTasks = entries * params.topkBlockSize;
     return dispatchVectorWidth(width, [&](auto w) {
-        auto kernel = gatherCopyKernel<decltype(w)::value>;
-        int64_t const grid = residentGridSize(kernel, worstTasks, c.group);
+        constexpr auto kernel = gatherCopyKernel<decltype(w)::value>;
+        int64_t const grid = residentGridSize<kernel>(worstTasks, c.group);
         kernel<<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(c);
         return recordLaunch(cudaGetLastError(), "gatherCopyKernel");
     });

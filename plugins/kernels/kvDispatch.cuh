@@ -248,8 +248,12 @@ struct AlwaysReady
 //! pending (refusePendingError, kvError.h), so an error raised by these queries is ours
 //! and is cleared here (the kernels are grid-stride loops: any grid size is correct, so
 //! a failed query falls back to a generous fixed size).
-template <typename Kernel>
-int64_t residentGridSize(Kernel kernel, int64_t tasks, int32_t group)
+//!
+//! \p Kernel is a template argument, not a function argument: the cache below is then one
+//! per kernel. Keyed by the kernel's type, every vector width (and index or float type
+//! with the same argument struct) would share the first instantiation's count.
+template <auto Kernel>
+int64_t residentGridSize(int64_t tasks, int32_t group)
 {
     int64_t const groupsPerBlock = kBLOCK_THREADS / group;
     int64_t const needed = (tasks + groupsPerBlock - 1) / groupsPerBlock;
@@ -269,7 +273,7 @@ int64_t residentGridSize(Kernel kernel, int64_t tasks, int32_t group)
     if (resident <= 0)
     {
         if (!known || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess
-            || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, kernel, kBLOCK_THREADS, 0) != cudaSuccess
+            || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&perSm, Kernel, kBLOCK_THREADS, 0) != cudaSuccess
             || sms <= 0 || perSm <= 0)
         {
             cudaGetLastError();

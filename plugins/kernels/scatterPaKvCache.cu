@@ -325,8 +325,8 @@ cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
     }
     a.group = groupSize(maxVectorsBytes / width);
     return dispatchVectorWidth(width, [&](auto w) {
-        auto kernel = scatterTokensKernel<IndexT, decltype(w)::value>;
-        int64_t const grid = residentGridSize(kernel, a.numTokens * a.numTensors, a.group);
+        constexpr auto kernel = scatterTokensKernel<IndexT, decltype(w)::value>;
+        int64_t const grid = residentGridSize<kernel>(a.numTokens * a.numTensors, a.group);
         kernel<<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
         return recordLaunch(cudaGetLastError(), "scatterTokensKernel");
     });
@@ -365,8 +365,8 @@ cudaError_t launchRuns(ScatterParams const& p, cudaStream_t stream)
     int64_t const tasks = static_cast<int64_t>(a.batch) * a.heads * a.maxSeqLen * a.numTensors;
     auto launch = [&](auto w, auto meanTag) {
         using MeanT = typename decltype(meanTag)::Type;
-        auto kernel = scatterRunsKernel<IndexT, decltype(w)::value, MeanT>;
-        int64_t const grid = residentGridSize(kernel, tasks, a.group);
+        constexpr auto kernel = scatterRunsKernel<IndexT, decltype(w)::value, MeanT>;
+        int64_t const grid = residentGridSize<kernel>(tasks, a.group);
         kernel<<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
         return recordLaunch(cudaGetLastError(), "scatterRunsKernel");
     };
