@@ -355,6 +355,8 @@ def gather_selection_kv_cache(
     if meta.k_rope_dim:
         pairs.append((selection_k_rope, full_k_rope))
     actual_seq = np.zeros(meta.rows, dtype=np.int32)
+    if not plans:  # B*S == 0: an empty batch reads and writes nothing (docs/SPEC.md G2)
+        return actual_seq
     new_status = np.stack([p.status for p in plans])
     for r, plan in enumerate(plans):
         if plan.skipped:

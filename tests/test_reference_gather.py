@@ -16,6 +16,7 @@ import pytest
 from pytrt_kv.contract import specs
 from pytrt_kv.contract.dtypes import numpy_dtype
 from pytrt_kv.contract.gather import GatherMeta, check_gather, check_gather_values, plan_row
+from pytrt_kv.reference import gather_selection_kv_cache
 from support.gather_cases import I32, Case, base_case, make_case
 
 
@@ -935,3 +936,48 @@ def test_resident_id_in_reserved_slot_moves(rng):
     assert_slot(case, 0, 0, 1, 2)
     assert_slot(case, 0, 1, 4, 1)
     assert changed_tokens(case, before) == 3
+
+
+@pytest.mark.parametrize("batch,seq,layout", [(0, 1, "BSND"), (2, 0, "BSND"), (0, 0, "TND")])
+def test_empty_batch_reads_and_writes_nothing(batch, seq, layout):
+    """B*S == 0 (docs/SPEC.md G2): an empty batch succeeds like the kernels and plugins do
+    (TensorRT may hand a plugin an empty dynamic batch): output zeros, nothing written."""
+    rng = np.random.default_rng(batch * 10 + seq)
+    K, rows = 4, 3
+    lead = (batch, seq, 1) if layout == "BSND" else (batch * seq, 1)
+    sel = rng.standard_normal((4, 4, 8)).astype(np.float16)
+    status = np.full(lead + (K + 1,), 7, np.int32)
+    before = sel.copy()
+    out = gather_selection_kv_cache(
+        np.zeros(0, np.float16),
+        sel,
+        rng.integers(0, 4, (rows, 4)).astype(np.int32),
+        status,
+        rng.integers(0, 9, lead + (K,)).astype(np.int32),
+        np.zeros(0, np.float16),
+        rng.standard_normal((4, 4, 8)).astype(np.float16),
+        np.zeros((batch, 4), np.int32),
+        np.full(batch, 5, np.int32),
+        np.zeros(batch, np.int32),
+        selection_topk_block_size=1,
+    )
+    assert out.tolist() == [0] * rows
+    assert np.array_equal(sel.view(np.uint16), before.view(np.uint16))
+    assert (status == 7).all()
+
+
+def test_empty_tnd_batch_needs_no_token_rows():
+    with pytest.raises(ValueError, match=r"selection_topk_indices: expected TND \[T = 0"):
+        gather_selection_kv_cache(
+            np.zeros(0, np.float16),
+            np.zeros((4, 4, 8), np.float16),
+            np.zeros((2, 4), np.int32),
+            np.full((2, 1, 5), -1, np.int32),
+            np.zeros((2, 1, 4), np.int32),
+            np.zeros(0, np.float16),
+            np.ones((4, 4, 8), np.float16),
+            np.zeros((0, 4), np.int32),
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int32),
+            selection_topk_block_size=1,
+        )

@@ -184,8 +184,6 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const
     if (known(k))
     {
         check(k <= kMAX_TOPK, "selection_topk_indices: expected K <= ", kMAX_TOPK, ", got ", k);
-        check(k <= kMAX_TOPK_BLOCKED || tbs == 1, "selection_topk_indices: K=", k, " > ", kMAX_TOPK_BLOCKED,
-            " needs selection_topk_block_size == 1, got ", tbs);
     }
     if (known(table.d[0]) && known(batch) && known(seq))
     {

@@ -53,7 +53,6 @@ public:
     static constexpr int32_t kNB_OUTPUTS{contract::gatherSelectionKvCache::kNB_OUTPUTS};
     //! docs/SPEC.md G2: K <= kMAX_TOPK, for any TBS.
     static constexpr int64_t kMAX_TOPK{contract::kMAX_TOPK};
-    static constexpr int64_t kMAX_TOPK_BLOCKED{kMAX_TOPK}; // any TBS with K <= kMAX_TOPK (docs/SPEC.md G2)
 
     //! The plugin's fields: selection_topk_block_size, alias_io (ints).
     static std::vector<FieldSpec> const& fieldSpecs();

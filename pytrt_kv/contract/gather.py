@@ -38,7 +38,8 @@ Decisions where docs/SPEC.md is silent (the reference raises ``ValueError`` unle
 6. Dtype problems (an unknown or not-allowed dtype, the four caches not sharing one) and
    a non-integer ``selection_topk_block_size`` are ``TypeError``; shapes and values are
    ``ValueError``.
-7. ``B >= 1``, ``S >= 1``, ``1 <= K <= 2048``, ``SBS >= 1``, ``FBS >= 1``, ``KV >= 1``
+7. ``B >= 0``, ``S >= 0`` (``B*S == 0``: an empty batch, nothing read or written, the
+   output all zeros), ``1 <= K <= 2048``, ``SBS >= 1``, ``FBS >= 1``, ``KV >= 1``
    and ``TBS >= 1`` are required. ``S_BLOCK_NUM``, ``F_BLOCK_NUM`` and
    ``F_MAX_BLOCK_NUM`` may be 0 (then any row that needs them is refused by the value
    rules).
@@ -299,9 +300,9 @@ def _check_caches(shapes: dict[str, tuple[int, ...]], by_name: dict[str, Any]) -
 def _check_batch(shapes: dict[str, tuple[int, ...]], by_name: dict[str, Any]) -> tuple[int, int]:
     """B (from full_kv_actual_seq) and F_MAX_BLOCK_NUM."""
     kvs = shapes["full_kv_actual_seq"]
-    if len(kvs) != 1 or kvs[0] < 1:
+    if len(kvs) != 1:
         raise value_error(
-            "full_kv_actual_seq", "shape [B] with B >= 1", describe(by_name["full_kv_actual_seq"])
+            "full_kv_actual_seq", "shape [B] (B >= 0)", describe(by_name["full_kv_actual_seq"])
         )
     batch = kvs[0]
     if shapes["full_q_actual_seq"] != (batch,):
@@ -348,6 +349,12 @@ def _check_rows(
                 describe(topk_x),
             )
         seq = tk[1]
+    elif batch == 0:  # an empty batch (docs/SPEC.md G2): no token rows either
+        if tk[0] != 0:
+            raise value_error(
+                "selection_topk_indices", "TND [T = 0, H, K] for B = 0", describe(topk_x)
+            )
+        seq = 0
     else:
         if tk[0] % batch != 0:
             raise value_error(
@@ -356,12 +363,6 @@ def _check_rows(
                 describe(topk_x),
             )
         seq = tk[0] // batch
-    if seq < 1:
-        raise value_error(
-            "selection_topk_indices",
-            f"{layout} with S >= 1 query tokens per batch",
-            describe(topk_x),
-        )
     if heads != 1:
         raise value_error(
             "selection_topk_indices", "H == 1 (the only head count supported)", describe(topk_x)
