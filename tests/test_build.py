@@ -11,10 +11,12 @@ import subprocess
 
 import pytest
 
-from support.env import REPO
+from support.env import REPO, cmake_command
+
+CMAKE = cmake_command()
 
 
-@pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not on PATH")
+@pytest.mark.skipif(CMAKE is None, reason="cmake not installed (the test extra installs it)")
 def test_configure_without_cuda_records_the_reason(tmp_path):
     # Only system folders on PATH, and no CUDACXX/CUDA hints: CMake must not find nvcc.
     env = {
@@ -22,13 +24,14 @@ def test_configure_without_cuda_records_the_reason(tmp_path):
         for k, v in os.environ.items()
         if not k.startswith(("CUDA", "TensorRT")) and k != "CUDACXX"
     }
-    cmake_dir = os.path.dirname(shutil.which("cmake"))
+    assert CMAKE is not None
+    cmake_dir = os.path.dirname(CMAKE)
     env["PATH"] = os.pathsep.join(dict.fromkeys([cmake_dir, "/usr/bin", "/bin"]))
     if shutil.which("nvcc", path=env["PATH"]):
         pytest.skip("nvcc sits in a system folder here; cannot hide it from CMake")
     r = subprocess.run(
         [
-            "cmake",
+            CMAKE,
             "-S",
             str(REPO),
             "-B",

@@ -301,3 +301,49 @@ def test_shape_inference_fills_outputs():
         onnx.TensorProto.INT32,
         [feeds["selection_kv_block_table"].shape[0]],
     )
+
+
+@pytest.mark.parametrize(
+    "layout,cache",
+    [("hnd", (3, 16, 4, 8)), ("nz", (3, 8, 4, 16))],  # [NB, H, BS, D] / [NB, H*D/16, BS, 16]
+)
+def test_feeds_for_a_node_without_cache_layout_use_the_detected_block_size(layout, cache):
+    # A hand-written node may leave cache_layout empty (the runtime then detects it); the
+    # loader must read BS from the detected layout's dim, not from dim 1 (H or H*D/L here,
+    # larger than BS), else it draws slots past NB*BS.
+    T, H, D = 6, 16, 8
+    node = onnx.helper.make_node(
+        "ScatterPaKvCache",
+        ["key", "", "key_cache", "", "slot_mapping"],
+        ["key_cache_out"],
+        domain=specs.DOMAIN,
+        **specs.PLUGIN_NODE_ATTRIBUTES,
+    )
+    f16, i32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.INT32
+    graph = onnx.helper.make_graph(
+        [node],
+        "g",
+        [
+            onnx.helper.make_tensor_value_info("key", f16, [T, H, D]),
+            onnx.helper.make_tensor_value_info("key_cache", f16, list(cache)),
+            onnx.helper.make_tensor_value_info("slot_mapping", i32, [T]),
+        ],
+        [onnx.helper.make_tensor_value_info("key_cache_out", f16, list(cache))],
+    )
+    model = onnx.helper.make_model(
+        graph,
+        opset_imports=[
+            onnx.helper.make_opsetid("", 17),
+            onnx.helper.make_opsetid(specs.DOMAIN, specs.DOMAIN_VERSION),
+        ],
+    )
+    NB, BS = cache[0], cache[2]
+    for seed in range(4):
+        feeds = make_feeds(model, seed)
+        assert feeds["slot_mapping"].max() < NB * BS
+        out = runtime.run(model, feeds)["key_cache_out"]
+        expected = feeds["key_cache"].copy()
+        scatter_pa_kv_cache(
+            feeds["key"], None, expected, None, feeds["slot_mapping"], cache_layout=layout
+        )
+        assert_same_bits(out, expected, "key_cache_out")

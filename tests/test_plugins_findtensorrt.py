@@ -11,9 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from support.env import REPO
+from support.env import REPO, cmake_command
 
-pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake not installed")
+CMAKE = cmake_command()
+
+pytestmark = pytest.mark.skipif(
+    CMAKE is None, reason="cmake not installed (the test extra installs it)"
+)
 
 V10 = (
     "#define NV_TENSORRT_MAJOR {0}\n#define NV_TENSORRT_MINOR {1}\n#define NV_TENSORRT_PATCH {2}\n"
@@ -49,7 +53,7 @@ def _configure(tmp: Path, args=(), env=None) -> str:
         k: v for k, v in os.environ.items() if k not in ("TensorRT_ROOT", "TensorRT_INCLUDE_DIR")
     }
     r = subprocess.run(
-        ["cmake", "-S", str(proj), "-B", str(tmp / "b"), *args],
+        [str(CMAKE), "-S", str(proj), "-B", str(tmp / "b"), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -119,7 +123,7 @@ def test_project_refuses_a_given_path_without_headers(tmp_path, variable, how):
     env = {
         k: v for k, v in os.environ.items() if k not in ("TensorRT_ROOT", "TensorRT_INCLUDE_DIR")
     }
-    args = ["cmake", "-S", str(REPO), "-B", str(tmp_path / "b")]
+    args = [str(CMAKE), "-S", str(REPO), "-B", str(tmp_path / "b")]
     if how == "cmake":
         args.append(f"-D{variable}={wrong}")
     else:

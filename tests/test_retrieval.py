@@ -98,11 +98,29 @@ def test_from_env_names_the_bad_variable(env, fragment):
         (dict(local_tokens=1.5), TypeError, "local_tokens"),
         (dict(dense_boundary=10, offload_boundary=5), ValueError, "offload_boundary"),
         (dict(representation="max"), ValueError, "representation"),
+        (dict(local_tokens=0), ValueError, "local_tokens: expected >= 1"),
     ],
 )
 def test_config_refuses_bad_values(kwargs, exc, fragment):
     with pytest.raises(exc, match=fragment):
         RetrievalConfig(**kwargs)
+
+
+def test_planner_scores_only_blocks_already_cached(rng):
+    # The smallest window, local_tokens = 1: at the step whose new token follows a block
+    # boundary, the block that just became retrievable is complete in the full cache
+    # (with local_tokens = 0 it would hold the new token, not cached before the step).
+    cfg = RetrievalConfig(
+        init_tokens=32, local_tokens=1, block_size=32, dense_boundary=0, offload_boundary=1024
+    )
+    pl = RetrievalPlanner(cfg, RetrievalSizes(batch=1, max_len=512))
+    caches = pl.empty_caches()
+    keys = rng.standard_normal((64, 2, 16)).astype(np.float32)
+    pl.start(0, keys, keys, caches)
+    feeds = pl.step_feeds(caches["full_key_cache"])
+    assert feeds["retrievable_blocks"].tolist() == [1]
+    want = block_representations(keys, cfg.partition(65), cfg.representation)  # L: new token
+    np.testing.assert_array_equal(feeds["block_repr"][0, :1], want)
 
 
 def test_mode_for_boundaries():

@@ -440,6 +440,34 @@ def _scatter_node_ports(model) -> dict[str, str]:
     return {}
 
 
+def _scatter_layout(info, ports: Mapping[str, str], cache_name: str) -> str:
+    """cache_layout of a 3-D scatter node that leaves it empty: detected from the shapes as
+    the ops detect it (docs/SPEC.md S2), so that BS is read from the right cache dim."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from ..contract.scatter import check_scatter  # noqa: PLC0415
+
+    def stand(name: str):
+        shape, dtype = info[name]
+        return SimpleNamespace(shape=tuple(shape), dtype=np.dtype(dtype))
+
+    key_name = ports.get("key", "")
+    if key_name not in info:
+        key_name = "key"
+    _need(
+        info,
+        key_name,
+        "the data loader detects cache_layout from its shape when the node does not set it",
+    )
+    value = value_cache = None  # a computed value: detect from the key cache alone
+    if ports.get("value") in info and ports.get("value_cache") in info:
+        value, value_cache = stand(ports["value"]), stand(ports["value_cache"])
+    meta = check_scatter(
+        stand(key_name), value, stand(cache_name), value_cache, stand("slot_mapping")
+    )
+    return str(meta.layout)
+
+
 def _scatter_indices(model, info, rng, table, kv_len, B, S) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     sm_shape, sm_dt = info["slot_mapping"]
@@ -480,7 +508,9 @@ def _scatter_indices(model, info, rng, table, kv_len, B, S) -> dict[str, np.ndar
         return out
     nb = cshape[0]
     if len(sm_shape) == 1:
-        layout = _node_attr(model, "ScatterPaKvCache", "cache_layout", "nd") or "nd"
+        layout = _node_attr(model, "ScatterPaKvCache", "cache_layout", "") or _scatter_layout(
+            info, ports, cache_name
+        )
         bs = cshape[1] if layout == "nd" else cshape[2]
         T = sm_shape[0]
         if T > nb * bs:

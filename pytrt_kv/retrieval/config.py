@@ -8,6 +8,8 @@ Decisions where the specification is silent:
   (``VLLM_RETRIEVAL_BLOCK_SIZE``, ``VLLM_RETRIEVAL_REPRESENTATION``). Token counts accept a
   ``K`` suffix (``32K`` = 32768), as the seed writes its defaults.
 * ``topk_percent`` may be 0 (window only: init + local) up to 1 (every block: dense).
+* ``local_tokens >= 1``: the current token is always in local, so it is always attended
+  and every retrievable block is complete in the cache when the step scores it.
 * ``num_selected`` is ``ceil(topk_percent * nb)`` computed so that a product that is an
   integer in decimal (``0.1 * 30``) is not rounded up by binary floating point.
 """
@@ -99,6 +101,12 @@ class RetrievalConfig:
         for name in ("init_tokens", "local_tokens", "dense_boundary", "offload_boundary"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if self.local_tokens < 1:
+            raise ValueError(
+                "local_tokens: expected >= 1 (the current token is always local: with 0, "
+                "the block holding it would be retrievable, scored before its key is "
+                f"cached and attended only when recalled), got {self.local_tokens}"
+            )
         if self.init_tokens % self.block_size:
             raise ValueError(
                 f"init_tokens: expected a multiple of block_size = "

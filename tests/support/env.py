@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -66,3 +67,16 @@ def polygraphy_command() -> list[str]:
     if script.is_file():
         return [str(script)]
     return [sys.executable, "-c", "import sys; from polygraphy.tools import main; sys.exit(main())"]
+
+
+def cmake_command() -> str | None:
+    """The cmake the test extra installs (the ``cmake`` wheel's script beside
+    ``sys.executable``), else one on PATH, else None.
+
+    The test command does not put its virtual environment on PATH, so without this the
+    CMake tests would run or skip depending on whether the machine happens to have cmake.
+    """
+    script = Path(sys.executable).with_name("cmake")
+    if script.is_file() and os.access(script, os.X_OK):
+        return str(script)
+    return shutil.which("cmake")
