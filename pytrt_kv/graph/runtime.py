@@ -36,19 +36,14 @@ def _named(op: specs.OpSpec, args) -> dict[str, np.ndarray | None]:
 
 
 def _absent_placeholders(x: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
-    """Move the placeholders of absent optional inputs (``specs.ABSENT_INPUT_SHAPE``, the
+    """Move the placeholders of absent optional inputs (``specs.absent_placeholders``, the
     positional form of ``pytrt_kv.trt.prepare_for_tensorrt``) out of ``x``, so the CPU
     reference runs prepared models too; returns what was moved."""
-    key = x["key"]
-    # With B*H == 0 a real compress_seq_offsets [B*H] has the placeholder's shape: keep it.
-    no_runs = key is not None and key.ndim == 4 and key.shape[0] * key.shape[2] == 0
-    moved = {}
-    for name in ("value", "value_cache", "compress_seq_offsets"):
+    names = specs.absent_placeholders({k: None if v is None else v.shape for k, v in x.items()})
+    moved: dict[str, np.ndarray] = {}
+    for name in names:
         v = x[name]
-        if v is None or v.shape != specs.ABSENT_INPUT_SHAPE:
-            continue
-        if name == "compress_seq_offsets" and no_runs:
-            continue
+        assert v is not None  # absent_placeholders names only present tensors
         moved[name], x[name] = v, None
     return moved
 
