@@ -77,6 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def write_results(args: argparse.Namespace, text: str, raw: dict[str, Any]) -> None:
+    """Print the Markdown table and write it to ``--output`` and ``raw`` to ``--json``
+    (shared by the kernel and the datadist benchmarks)."""
+    print()
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1)
+
+
 class Timer:
     """Per-call GPU time of ``fn`` (enqueues one call) in eager and CUDA-graph modes."""
 
@@ -442,15 +455,7 @@ def run(args: argparse.Namespace) -> int:
         results["scatter"] = bench_scatter(torch, timer, args.quick)
     if args.op in ("gather", "all"):
         results["gather"] = bench_gather(torch, timer, args.quick)
-    text = markdown(info, results)
-    print()
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "results": results}, f, indent=1)
+    write_results(args, markdown(info, results), {"info": info, "results": results})
     missed = [r for rows in results.values() for r in rows if r.get("met") is False]
     if missed:
         print(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -30,6 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from ..bench import write_results
 
 BLOCK_SIZES = (4 << 10, 64 << 10, 1 << 20)
 TARGETS = {"wrapper_vs_raw": 0.90, "gpu_vs_memcpy": 0.80}
@@ -310,15 +311,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
             rows.append(r)
-    text = markdown(info, rows)
-    print()
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "results": rows}, f, indent=1)
+    write_results(args, markdown(info, rows), {"info": info, "results": rows})
     if not all(r["correct"] for r in rows):
         print("a pushed block differs from its source")
         return 1
