@@ -114,7 +114,7 @@ def _place(bufs: dict[str, Buffer | None], host_ok: tuple = ()) -> int:
 
 
 def _check_alias(bufs: dict[str, Buffer | None], written: tuple) -> None:
-    """The reference's aliasing rule (pytrt_kv._alias) on the addresses the kernel uses:
+    """The reference's aliasing rule (pytrt_kv.contract.alias) on the addresses the kernel uses:
     placed buffers are dense, so their byte ranges are exact."""
     check_no_alias(
         {k: (None if b is None else buffer_range(b.ptr, b.nbytes)) for k, b in bufs.items()},

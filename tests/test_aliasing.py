@@ -1,5 +1,5 @@
 """Arguments that share memory with a tensor the op writes are refused up front, naming
-both (pytrt_kv._alias; reference and eager GPU API), and nothing is written."""
+both (pytrt_kv.contract.alias; reference and eager GPU API), and nothing is written."""
 
 from __future__ import annotations
 

@@ -38,29 +38,15 @@ def test_import_needs_no_optional_runtime():
     assert r.stdout.strip() == "", f"imported eagerly: {r.stdout.strip()}"
 
 
-def test_old_import_paths_are_the_contract():
-    # Code written before the contract layer (pytrt_kv.retrieval among it) keeps importing
-    # the old paths: they must be the very same modules and objects, not copies.
+def test_public_import_paths_are_the_contract():
+    # pytrt_kv.specs and pytrt_kv.dtypes are public paths from before the contract layer:
+    # they must be the very same modules, not copies.
     import importlib
 
-    from pytrt_kv import contract, reference
-    from pytrt_kv.contract import gather, scatter
+    from pytrt_kv import contract
 
-    for old, new in (
-        ("specs", "specs"),
-        ("dtypes", "dtypes"),
-        ("_errors", "errors"),
-        ("_alias", "alias"),
-    ):
+    for old, new in (("specs", "specs"), ("dtypes", "dtypes")):
         assert importlib.import_module(f"pytrt_kv.{old}") is getattr(contract, new)
-    old_scatter = importlib.import_module("pytrt_kv._scatter")
-    old_gather = importlib.import_module("pytrt_kv._gather")
-    for name in scatter.__all__:
-        assert getattr(old_scatter, name) is getattr(scatter, name), name
-    for name in gather.__all__:
-        assert getattr(old_gather, name) is getattr(gather, name), name
-    assert old_scatter.scatter_pa_kv_cache is reference.scatter_pa_kv_cache
-    assert old_gather.gather_selection_kv_cache is reference.gather_selection_kv_cache
 
 
 def test_public_functions_are_the_reference():

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import type_error, value_error
+from ..contract.errors import type_error, value_error
 from ..dtypes import name_of
 from .buffers import HOST, PINNED, BufferView, _is_torch, buffer, locate
 from .memory import DeviceArray, PinnedHost

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from .. import specs
-from .._errors import describe, type_error
 from ..contract import limits
+from ..contract.errors import describe, type_error
 from ..dtypes import NUMPY, name_of
 from .abi import check_status, kernels
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import describe, type_error, value_error
+from ..contract.errors import describe, type_error, value_error
 from ..dtypes import name_of, numpy_dtype
 from . import abi
 from .abi import check_status, kernels

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import type_error
+from ..contract.errors import type_error
 from .buffers import _is_torch
 
 
