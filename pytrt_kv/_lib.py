@@ -1,5 +1,9 @@
 """Find the shared libraries that ship inside the package (pytrt_kv/lib).
 
+``PYTRT_KV_DEVICE=emu`` selects the emulated-device build of the kernel library
+(``libpytrt_kv_kernels_emu.so``, docs/EMULATION.md): the same kernel sources compiled for
+the CPU, so ``pytrt_kv.ops`` runs without a GPU. Unset (or ``cuda``), nothing changes.
+
 Search order: the folder named by ``PYTRT_KV_LIB_DIR``, then the package's own ``lib``
 folder (importlib.resources), then the ``lib`` folder of the installed ``pytrt-kv``
 distribution when that is elsewhere. The last one matters when Python imports pytrt_kv
@@ -29,6 +33,33 @@ PLUGINS_LIB = "libpytrt_kv_plugins.so"
 #: The same plugins, registering their creators when loaded: for ``polygraphy --plugins``,
 #: ``ctypes.CDLL`` and ``trtexec --staticPlugins``. Never load both into one process.
 PLUGINS_AUTOREG_LIB = "libpytrt_kv_plugins_autoreg.so"
+
+
+#: Environment variable selecting the device: ``emu`` (the emulated device) or unset/``cuda``.
+DEVICE_ENV = "PYTRT_KV_DEVICE"
+#: The kernels built for the emulated device (same C ABI, plus ``pytrt_kv_emu_*``).
+EMU_KERNELS_LIB = "libpytrt_kv_kernels_emu.so"
+
+
+def emulated() -> bool:
+    """True when ``PYTRT_KV_DEVICE=emu`` selects the emulated device.
+
+    Raises
+    ------
+    ValueError
+        ``PYTRT_KV_DEVICE`` holds anything but ``emu``, ``cuda`` or nothing.
+    """
+    value = os.environ.get(DEVICE_ENV, "").strip()
+    if value in ("", "cuda"):
+        return False
+    if value == "emu":
+        return True
+    raise ValueError(f"{DEVICE_ENV}: expected 'emu' or 'cuda' (or unset), got {value!r}")
+
+
+def kernels_lib() -> str:
+    """File name of the kernel library for the selected device (:func:`emulated`)."""
+    return EMU_KERNELS_LIB if emulated() else KERNELS_LIB
 
 
 def _package_lib_dir() -> Path:
@@ -95,7 +126,13 @@ def require(filename: str) -> Path:
     searched = ", ".join(str(d / filename) for d in search_dirs())
     info = build_info()
     why = ""
-    if info.get("cuda") in ("OFF", "", None) and info.get("no_cuda_reason"):
+    if filename == EMU_KERNELS_LIB:
+        why = (
+            f" The emulated device ({DEVICE_ENV}=emu) is built only with "
+            f"-DPYTRT_KV_EMU=ON (pip: --config-settings=cmake.define.PYTRT_KV_EMU=ON; "
+            f"scripts/test.sh does that)."
+        )
+    elif info.get("cuda") in ("OFF", "", None) and info.get("no_cuda_reason"):
         why = f" This installation was built without CUDA: {info['no_cuda_reason']}."
     elif filename != KERNELS_LIB and info.get("no_plugins_reason"):
         why = f" The plugins were not built: {info['no_plugins_reason']}."

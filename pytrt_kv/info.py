@@ -54,10 +54,16 @@ def package_versions() -> dict[str, str]:
 NO_GPU = "no CUDA driver / GPU"
 
 
+#: The name :func:`cuda_devices` gives the emulated device.
+EMU_NAME = "pytrt_kv emulated device (CPU)"
+
+
 def cuda_devices() -> tuple[list[str], str]:
     """Names of the CUDA GPUs, through the driver API alone (no toolkit needed), and a
     one-line detail: the driver version, or why there is no GPU (starting with
     :data:`NO_GPU`)."""
+    if _lib.emulated():
+        return [EMU_NAME], f"{EMU_NAME}: {_lib.DEVICE_ENV}=emu (docs/EMULATION.md)"
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -115,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  TensorRT plugins   {built}")
     else:
         print("  no build record (package not installed through its CMake build)")
-    for lib in (_lib.KERNELS_LIB, _lib.PLUGINS_LIB, _lib.PLUGINS_AUTOREG_LIB):
+    for lib in (_lib.KERNELS_LIB, _lib.EMU_KERNELS_LIB, _lib.PLUGINS_LIB, _lib.PLUGINS_AUTOREG_LIB):
         p = _lib.find(lib)
         print(f"  {lib:<34} {p if p else 'not found'}")
     own = _lib._package_lib_dir()
@@ -141,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {label:<18} {state}{extra}")
 
     print("\nGPU:")
+    if _lib.emulated():
+        from ._cuda import emu
+
+        print(f"  device in use      {emu.describe()} ({_lib.DEVICE_ENV}=emu)")
     names, detail = cuda_devices()
     print(f"  {detail}")
     for i, n in enumerate(names):

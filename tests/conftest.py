@@ -6,13 +6,39 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.env import gpu_unavailable_reason, trt_include_dir, trt_unavailable_reason
+from support.env import (
+    gpu_unavailable_reason,
+    real_gpu_unavailable_reason,
+    select_device,
+    trt_include_dir,
+    trt_unavailable_reason,
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        choices=("auto", "gpu", "emu"),
+        default="auto",
+        help="where `gpu` tests run: auto (a real GPU, else the emulated device when built), "
+        "gpu (a real GPU only), emu (the emulated device, docs/EMULATION.md)",
+    )
+
+
+def pytest_configure(config):
+    config._pytrt_kv_device = select_device(config.getoption("--device"))
+
+
+def pytest_report_header(config):
+    return config._pytrt_kv_device
 
 
 def pytest_collection_modifyitems(config, items):
     del config
     for item in items:
-        if "gpu" in item.keywords and gpu_unavailable_reason():
+        if "real_gpu" in item.keywords and real_gpu_unavailable_reason():
+            item.add_marker(pytest.mark.skip(reason=real_gpu_unavailable_reason()))
+        elif "gpu" in item.keywords and gpu_unavailable_reason():
             item.add_marker(pytest.mark.skip(reason=gpu_unavailable_reason()))
         if "trt" in item.keywords and trt_unavailable_reason():
             item.add_marker(pytest.mark.skip(reason=trt_unavailable_reason()))

@@ -22,7 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(PYTRT_KV_EMU)
 #include <cuda_runtime.h>
 #endif
 
@@ -194,7 +194,7 @@ struct PlanRow
 
 PYTRT_KV_HD int32_t planAtomicCas(int32_t* p, int32_t expected, int32_t desired)
 {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(PYTRT_KV_EMU)
     return atomicCAS(p, expected, desired);
 #else
     int32_t const old = *p;
@@ -208,7 +208,7 @@ PYTRT_KV_HD int32_t planAtomicCas(int32_t* p, int32_t expected, int32_t desired)
 
 PYTRT_KV_HD int32_t planAtomicAdd(int32_t* p, int32_t x)
 {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(PYTRT_KV_EMU)
     return atomicAdd(p, x);
 #else
     int32_t const old = *p;
@@ -219,7 +219,7 @@ PYTRT_KV_HD int32_t planAtomicAdd(int32_t* p, int32_t x)
 
 PYTRT_KV_HD void planAtomicAdd64(unsigned long long* p, unsigned long long x)
 {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(PYTRT_KV_EMU)
     atomicAdd(p, x);
 #else
     *p += x;
@@ -228,7 +228,7 @@ PYTRT_KV_HD void planAtomicAdd64(unsigned long long* p, unsigned long long x)
 
 PYTRT_KV_HD void planAtomicMin(int32_t* p, int32_t x)
 {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) || defined(PYTRT_KV_EMU)
     atomicMin(p, x);
 #else
     *p = x < *p ? x : *p;

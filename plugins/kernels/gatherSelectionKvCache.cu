@@ -20,6 +20,7 @@
 #include "gatherPlan.h"
 #include "kvDispatch.cuh"
 #include "kvError.h"
+#include "kvLaunch.h"
 
 #include <algorithm>
 #include <climits>
@@ -329,7 +330,8 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
         }
     }
     // Rows past B*S (and every row of an empty batch) get actual_seq = 0 from the plan.
-    gatherPlanKernel<<<static_cast<unsigned>(params.selectionRows), kPLAN_THREADS, 0, stream>>>(plan);
+    PYTRT_KV_LAUNCH(
+        "gatherPlanKernel", gatherPlanKernel, static_cast<unsigned>(params.selectionRows), kPLAN_THREADS, stream, plan);
     e = recordLaunch(cudaGetLastError(), "gatherPlanKernel");
     if (e != cudaSuccess || entries == 0)
     {
@@ -360,7 +362,7 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
     return dispatchVectorWidth(width, [&](auto w) {
         constexpr auto kernel = gatherCopyKernel<decltype(w)::value>;
         int64_t const grid = residentGridSize<kernel>(worstTasks, c.group);
-        kernel<<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(c);
+        PYTRT_KV_LAUNCH("gatherCopyKernel", kernel, static_cast<unsigned>(grid), kBLOCK_THREADS, stream, c);
         return recordLaunch(cudaGetLastError(), "gatherCopyKernel");
     });
 }

@@ -225,7 +225,7 @@ __device__ __forceinline__ void copyVectors(
             int32_t const idx = base + u * group;
             if (idx < nv)
             {
-                *reinterpret_cast<V*>(dst(idx)) = buf[u];
+                __stwb(reinterpret_cast<V*>(dst(idx)), buf[u]); // a plain store (write-back)
             }
         }
     }

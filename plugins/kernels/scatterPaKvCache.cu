@@ -7,6 +7,7 @@
 
 #include "kvDispatch.cuh"
 #include "kvError.h"
+#include "kvLaunch.h"
 #include "scatterRows.h"
 
 #include <algorithm>
@@ -327,7 +328,7 @@ cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
     return dispatchVectorWidth(width, [&](auto w) {
         constexpr auto kernel = scatterTokensKernel<IndexT, decltype(w)::value>;
         int64_t const grid = residentGridSize<kernel>(a.numTokens * a.numTensors, a.group);
-        kernel<<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
+        PYTRT_KV_LAUNCH("scatterTokensKernel", kernel, static_cast<unsigned>(grid), kBLOCK_THREADS, stream, a);
         return recordLaunch(cudaGetLastError(), "scatterTokensKernel");
     });
 }
@@ -367,7 +368,7 @@ cudaError_t launchRuns(ScatterParams const& p, cudaStream_t stream)
         using MeanT = typename decltype(meanTag)::Type;
         constexpr auto kernel = scatterRunsKernel<IndexT, decltype(w)::value, MeanT>;
         int64_t const grid = residentGridSize<kernel>(tasks, a.group);
-        kernel<<<static_cast<unsigned>(grid), kBLOCK_THREADS, 0, stream>>>(a);
+        PYTRT_KV_LAUNCH("scatterRunsKernel", kernel, static_cast<unsigned>(grid), kBLOCK_THREADS, stream, a);
         return recordLaunch(cudaGetLastError(), "scatterRunsKernel");
     };
     return dispatchVectorWidth(width, [&](auto w) {

@@ -127,7 +127,8 @@ def kernels() -> ctypes.CDLL:
     global _KERNELS
     with _LOCK:
         if _KERNELS is None:
-            lib = ctypes.CDLL(str(_lib.require(_lib.KERNELS_LIB)))
+            name = _lib.kernels_lib()
+            lib = ctypes.CDLL(str(_lib.require(name)))
             for name, (res, args) in _SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.restype = res
@@ -135,7 +136,7 @@ def kernels() -> ctypes.CDLL:
             abi = lib.pytrt_kv_abi_version()
             if abi != ABI_VERSION:
                 raise RuntimeError(
-                    f"{_lib.KERNELS_LIB}: ABI version {abi}, this pytrt_kv expects "
+                    f"{name}: ABI version {abi}, this pytrt_kv expects "
                     f"{ABI_VERSION}; reinstall the package so library and Python match"
                 )
             _KERNELS = lib

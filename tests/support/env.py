@@ -24,9 +24,44 @@ def gpu_unavailable_reason() -> str:
     names, detail = cuda_devices()
     if not names:
         return f"no CUDA GPU ({detail})"
-    if _lib.find(_lib.KERNELS_LIB) is None:
-        return f"{_lib.KERNELS_LIB} was not built (see `pytrt-kv info`)"
+    lib = _lib.kernels_lib()
+    if _lib.find(lib) is None:
+        return f"{lib} was not built (see `pytrt-kv info`)"
     return ""
+
+
+def real_gpu_unavailable_reason() -> str:
+    """'' when a real CUDA GPU (not the emulated device) runs the tests, else why not:
+    for tests that need torch.cuda, CuPy or the driver itself."""
+    from pytrt_kv import _lib
+
+    if _lib.emulated():
+        return "needs a real GPU (torch.cuda / CuPy / the driver): the emulated device runs only pytrt_kv's own buffers"
+    return gpu_unavailable_reason()
+
+
+def select_device(choice: str) -> str:
+    """Set PYTRT_KV_DEVICE for the test session from ``--device`` (auto, gpu, emu) before
+    any kernel library is loaded; returns what was chosen, as a report line.
+
+    auto: a real GPU when the driver reports one, else the emulated device when its
+    library was built (scripts/test.sh builds it), else nothing (GPU tests skip).
+    """
+    from pytrt_kv import _lib
+    from pytrt_kv.info import cuda_devices
+
+    if choice == "emu":
+        os.environ[_lib.DEVICE_ENV] = "emu"
+    elif choice == "gpu":
+        os.environ.pop(_lib.DEVICE_ENV, None)
+    elif choice == "auto" and os.environ.get(_lib.DEVICE_ENV) is None:
+        names, _ = cuda_devices()
+        if not names and _lib.find(_lib.EMU_KERNELS_LIB) is not None:
+            os.environ[_lib.DEVICE_ENV] = "emu"
+    if _lib.emulated():
+        return f"device: emulated ({_lib.DEVICE_ENV}=emu, docs/EMULATION.md)"
+    names, detail = cuda_devices()
+    return f"device: {', '.join(names) if names else 'none'} ({detail})"
 
 
 @functools.cache

@@ -1,0 +1,2 @@
+// See kernelsEmu.cpp.
+#include "../kernels/gatherSelectionKvCache.cu"
