@@ -89,6 +89,7 @@ class _NoDriver:
 
 
 def test_cuda_devices_without_driver(monkeypatch):
+    monkeypatch.delenv(_lib.DEVICE_ENV, raising=False)  # the real driver lookup
     def missing(name, *a, **k):
         raise OSError(f"{name}: cannot open shared object file")
 
@@ -98,6 +99,7 @@ def test_cuda_devices_without_driver(monkeypatch):
 
 
 def test_cuda_devices_with_driver_but_no_gpu(monkeypatch):
+    monkeypatch.delenv(_lib.DEVICE_ENV, raising=False)  # the real driver lookup
     monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: _NoDriver())
     names, detail = info.cuda_devices()
     assert names == [] and detail.startswith(info.NO_GPU) and "cuInit" in detail

@@ -2,8 +2,10 @@
 (docs/SPEC.md G): parameter grids over dtype, TBS, S, K, block sizes, BSND/TND, padding, the
 quantised (no k_rope) mode, host-resident full caches and multi-step reuse; CUDA-graph
 capture and replay; out-of-range table entries skipped. Caches start as a sentinel byte
-pattern so untouched rows are checked too. All tests need a GPU (marker ``gpu``) except
-the host-side checks at the end.
+pattern so untouched rows are checked too. All tests need a GPU (marker ``gpu``: a real
+one with torch CUDA tensors, or the emulated device with pytrt_kv's own buffers,
+tests/support/device.py; torch streams, CUDA graphs and CuPy: ``real_gpu``) except the
+host-side checks at the end.
 """
 
 from __future__ import annotations
@@ -14,17 +16,18 @@ import pytest
 from pytrt_kv.contract import dtypes
 from pytrt_kv.contract.gather import plan_row
 from pytrt_kv.reference import gather_selection_kv_cache as ref_gather
+from support import device as dv
 from support.arrays import (
     FakeCudaArray,
     assert_same_bits,
     random_data,
     sentinel,
-    to_numpy,
     to_torch,
     torch_mod,
 )
 
 gpu = pytest.mark.gpu
+real_gpu = pytest.mark.real_gpu
 
 
 class Case:
@@ -143,32 +146,34 @@ def to_device_args(case: Case, host_full: bool):
     a = case.args()
     out = []
     for i, x in enumerate(a):
-        if i in (5, 6) and host_full:
-            out.append(to_torch(x, device="cpu", pinned=True))
-        else:
-            out.append(to_torch(x))
+        out.append(dv.to_device(x, pinned=i in (5, 6) and host_full))
     return out
+
+
+def op_args(dev):
+    """The buffers of :func:`to_device_args` as ``pytrt_kv.ops`` takes them."""
+    return [dv.device_array(x) for x in dev]
 
 
 def run_step(case: Case, dev, host_full: bool):
     """Run the reference on the case's arrays and the GPU op on ``dev``; compare all."""
     from pytrt_kv import ops
 
-    torch = torch_mod()
+    del host_full  # where the full caches live is decided by the buffers in ``dev``
     # The inputs that change between steps are re-uploaded (status/caches stay on the GPU).
     for i in (4, 8):
-        dev[i].copy_(to_torch(case.args()[i]))
+        dv.copy_into(dev[i], case.args()[i])
     for i in (5, 6):
         if case.args()[i].size:
-            dev[i].copy_(to_torch(case.args()[i], device="cpu" if host_full else "cuda"))
+            dv.copy_into(dev[i], case.args()[i])
     want = ref_gather(*case.args(), selection_topk_block_size=case.tbs)
-    got = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=case.tbs)
-    torch.cuda.synchronize()
-    assert to_numpy(got).tolist() == want.tolist(), "selection_kv_actual_seq"
-    assert to_numpy(dev[3]).tolist() == case.status.tolist(), "selection_kv_block_status"
-    assert_same_bits(to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
+    got = ops.gather_selection_kv_cache(*op_args(dev), selection_topk_block_size=case.tbs)
+    dv.synchronize()
+    assert dv.to_numpy(got).tolist() == want.tolist(), "selection_kv_actual_seq"
+    assert dv.to_numpy(dev[3]).tolist() == case.status.tolist(), "selection_kv_block_status"
+    assert_same_bits(dv.to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
     if case.sel_rope.size:
-        assert_same_bits(to_numpy(dev[0]), case.sel_rope, "selection_k_rope")
+        assert_same_bits(dv.to_numpy(dev[0]), case.sel_rope, "selection_k_rope")
 
 
 GRID = [
@@ -242,7 +247,7 @@ def test_gather_from_pinned_host_memory(rng, grid, rope):
         fmax=fmax,
     )
     dev = to_device_args(case, host_full=True)
-    assert dev[6].is_pinned() and not dev[6].is_cuda
+    assert dv.is_pinned_host(dev[6])
     for step, reuse in enumerate((0.0, 0.9, 0.6)):
         if step:
             case.advance()
@@ -301,7 +306,6 @@ def expected_with_skips(case: Case, bad_full_cols, bad_sel_cols):
 def test_gather_out_of_range_table_entries_are_skipped(rng):
     from pytrt_kv import ops
 
-    torch = torch_mod()
     case = Case(rng, B=2, S=1, K=16, tbs=1, sbs=4, fbs=4, kv=32, rope=8, fmax=6, kv_lens=[24, 24])
     case.new_topk(0.0, pad=0.0, beyond=0.0)
     # Sanity of the oracle: with valid tables it is the reference.
@@ -320,11 +324,11 @@ def test_gather_out_of_range_table_entries_are_skipped(rng):
     sel_kv, sel_rope, status, actual = expected_with_skips(case, bad_full, bad_sel)
     dev = to_device_args(case, host_full=False)
     out = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
-    torch.cuda.synchronize()
-    assert_same_bits(to_numpy(dev[1]), sel_kv, "selection_kv_cache")
-    assert_same_bits(to_numpy(dev[0]), sel_rope, "selection_k_rope")
-    assert to_numpy(dev[3]).tolist() == status.tolist()
-    assert to_numpy(out).tolist() == actual.tolist()
+    dv.synchronize()
+    assert_same_bits(dv.to_numpy(dev[1]), sel_kv, "selection_kv_cache")
+    assert_same_bits(dv.to_numpy(dev[0]), sel_rope, "selection_k_rope")
+    assert dv.to_numpy(dev[3]).tolist() == status.tolist()
+    assert dv.to_numpy(out).tolist() == actual.tolist()
     with pytest.raises(ValueError):
         ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1, validate=True)
 
@@ -335,7 +339,6 @@ def test_gather_ids_past_the_full_table_are_skipped(rng):
     skipped (the reference raises)."""
     from pytrt_kv import ops
 
-    torch = torch_mod()
     case = Case(
         rng, B=1, S=1, K=8, tbs=1, sbs=8, fbs=2, kv=16, rope=0, dtype="int8", fmax=3, kv_lens=[40]
     )
@@ -344,33 +347,32 @@ def test_gather_ids_past_the_full_table_are_skipped(rng):
     sel_kv, _, status, actual = expected_with_skips(case, bad_full, set())
     dev = to_device_args(case, host_full=False)
     out = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
-    torch.cuda.synchronize()
-    assert_same_bits(to_numpy(dev[1]), sel_kv, "selection_kv_cache")
-    assert to_numpy(dev[3]).tolist() == status.tolist()
-    assert to_numpy(out).tolist() == actual.tolist()
+    dv.synchronize()
+    assert_same_bits(dv.to_numpy(dev[1]), sel_kv, "selection_kv_cache")
+    assert dv.to_numpy(dev[3]).tolist() == status.tolist()
+    assert dv.to_numpy(out).tolist() == actual.tolist()
 
 
 @gpu
 def test_gather_duplicates_stay_in_bounds(rng):
     from pytrt_kv import ops
 
-    torch = torch_mod()
     case = Case(rng, B=1, S=1, K=8, tbs=1, sbs=8, fbs=8, kv=16, rope=4, fmax=4, kv_lens=[20])
     case.topk[...] = np.array([3, 3, 5, 3, -1, 5, 7, 1], np.int32).reshape(case.topk.shape)
     sentinel_rows = case.sel_kv.copy()
     dev = to_device_args(case, host_full=False)
     out = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
-    torch.cuda.synchronize()
-    status = to_numpy(dev[3]).reshape(-1)
-    assert to_numpy(out).tolist()[0] == 7 and status[8] == 7
+    dv.synchronize()
+    status = dv.to_numpy(dev[3]).reshape(-1)
+    assert dv.to_numpy(out).tolist()[0] == 7 and status[8] == 7
     assert sorted(status[:7].tolist()) == [1, 3, 3, 3, 5, 5, 7] and status[7] == -1
     # Only the row's own selection blocks may change.
-    got = to_numpy(dev[1])
+    got = dv.to_numpy(dev[1])
     others = np.setdiff1d(np.arange(case.sbn), case.sel_table[0])
     assert_same_bits(got[others], sentinel_rows[others], "other selection blocks")
 
 
-@gpu
+@real_gpu
 def test_gather_cuda_graph_capture_and_replay(rng):
     """Warm-up on the capture stream, capture once, replay over decode steps."""
     from pytrt_kv import ops
@@ -400,13 +402,13 @@ def test_gather_cuda_graph_capture_and_replay(rng):
         graph.replay()
         torch.cuda.synchronize()
         want = ref_gather(*case.args(), selection_topk_block_size=1)
-        assert to_numpy(out).tolist() == want.tolist()
-        assert to_numpy(dev[3]).tolist() == case.status.tolist()
-        assert_same_bits(to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
-        assert_same_bits(to_numpy(dev[0]), case.sel_rope, "selection_k_rope")
+        assert dv.to_numpy(out).tolist() == want.tolist()
+        assert dv.to_numpy(dev[3]).tolist() == case.status.tolist()
+        assert_same_bits(dv.to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
+        assert_same_bits(dv.to_numpy(dev[0]), case.sel_rope, "selection_k_rope")
 
 
-@gpu
+@real_gpu
 def test_gather_cupy_inputs(rng):
     cupy = pytest.importorskip("cupy")
     from pytrt_kv import ops
@@ -428,7 +430,7 @@ def test_gather_rejects_pageable_full_cache(rng):
 
     case = Case(rng, B=1, S=1, K=4, tbs=1, sbs=4, fbs=4, kv=16, rope=0, dtype="int8", fmax=2)
     dev = to_device_args(case, host_full=False)
-    dev[6] = to_torch(case.full_kv, device="cpu")  # not pinned
+    dev[6] = to_torch(case.full_kv, device="cpu") if dv.use_torch() else case.full_kv.copy()
     with pytest.raises(ValueError, match="full_kv_cache: expected GPU memory or pinned host"):
         ops.gather_selection_kv_cache(*dev, selection_topk_block_size=1)
 
@@ -456,7 +458,6 @@ def test_gather_from_the_projects_pinned_memory(rng, kind):
     registered by it (PinnedHost over a NumPy array), passed as the NumPy arrays."""
     from pytrt_kv import _cuda, ops
 
-    torch = torch_mod()
     case = Case(rng, B=2, S=1, K=64, tbs=1, sbs=16, fbs=32, kv=256, rope=32, fmax=8)
     dev = to_device_args(case, host_full=False)
     keep = []
@@ -476,14 +477,14 @@ def test_gather_from_the_projects_pinned_memory(rng, kind):
                 h.array[...] = case.args()[i]
         case.new_topk(reuse)
         for i in (4, 8):
-            dev[i].copy_(to_torch(case.args()[i]))
+            dv.copy_into(dev[i], case.args()[i])
         want = ref_gather(*case.args(), selection_topk_block_size=case.tbs)
         got = ops.gather_selection_kv_cache(*dev, selection_topk_block_size=case.tbs)
-        torch.cuda.synchronize()
-        assert to_numpy(got).tolist() == want.tolist()
-        assert to_numpy(dev[3]).tolist() == case.status.tolist()
-        assert_same_bits(to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
-        assert_same_bits(to_numpy(dev[0]), case.sel_rope, "selection_k_rope")
+        dv.synchronize()
+        assert dv.to_numpy(got).tolist() == want.tolist()
+        assert dv.to_numpy(dev[3]).tolist() == case.status.tolist()
+        assert_same_bits(dv.to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
+        assert_same_bits(dv.to_numpy(dev[0]), case.sel_rope, "selection_k_rope")
     for h in keep:
         h.close()
 
@@ -493,16 +494,12 @@ def test_gather_from_the_projects_pinned_memory(rng, kind):
 def test_gather_zero_element_rope(rng, where):
     """C8 mode: the k_rope pair is zero-element, bound at a valid (non-null, aligned)
     device address or at 0; nothing is read or written through it."""
-    torch = torch_mod()
     case = Case(rng, B=2, S=1, K=16, tbs=2, sbs=8, fbs=8, kv=64, rope=0, dtype="int8", fmax=8)
     dev = to_device_args(case, host_full=False)
-    if where == "valid address":
-        backing = torch.empty(64, dtype=torch.int8, device="cuda")
-        dev[0], dev[5] = backing[:0], backing[16:16]
-        assert dev[5].data_ptr() != 0
-    else:
-        dev[0] = torch.empty(0, dtype=torch.int8, device="cuda")
-        dev[5] = torch.empty(0, dtype=torch.int8, device="cuda")
+    null = where == "address 0"
+    dev[0] = dv.zero_elements((0,), "int8", null=null)
+    dev[5] = dv.zero_elements((0,), "int8", null=null)
+    assert (dv.address(dev[5]) == 0) == null
     for step, reuse in enumerate((0.0, 0.8)):
         if step:
             case.advance()
@@ -510,14 +507,15 @@ def test_gather_zero_element_rope(rng, where):
         run_step(case, dev, host_full=False)
 
 
-def _raw_gather_params(case, dev, workspace, out):
+def _raw_gather_params(case, dev, workspace, out, workspace_bytes=1 << 16):
     from pytrt_kv import _cuda
 
     p = _cuda.GatherSelectionParams()
-    p.selectionKvCache, p.selectionKvBlockTable = dev[1].data_ptr(), dev[2].data_ptr()
-    p.selectionKvBlockStatus, p.selectionTopkIndices = dev[3].data_ptr(), dev[4].data_ptr()
-    p.fullKvCache, p.fullKvBlockTable = dev[6].data_ptr(), dev[7].data_ptr()
-    p.fullKvActualSeq, p.selectionKvActualSeq = dev[8].data_ptr(), out.data_ptr()
+    a = dv.address
+    p.selectionKvCache, p.selectionKvBlockTable = a(dev[1]), a(dev[2])
+    p.selectionKvBlockStatus, p.selectionTopkIndices = a(dev[3]), a(dev[4])
+    p.fullKvCache, p.fullKvBlockTable = a(dev[6]), a(dev[7])
+    p.fullKvActualSeq, p.selectionKvActualSeq = a(dev[8]), a(out)
     p.cacheType = _cuda.DTYPE_CODE[case.dtype]
     p.batch, p.seqPerBatch, p.topk, p.topkBlockSize = case.B, case.S, case.K, case.tbs
     p.selectionRows = case.R
@@ -525,7 +523,7 @@ def _raw_gather_params(case, dev, workspace, out):
     p.selectionMaxBlockNum = case.smax
     p.fullBlockNum, p.fullBlockSize, p.fullMaxBlockNum = case.fbn, case.fbs, case.fmax
     p.kvDim = case.sel_kv.shape[2]
-    p.workspace, p.workspaceBytes = workspace.data_ptr(), workspace.numel()
+    p.workspace, p.workspaceBytes = a(workspace), workspace_bytes
     return p
 
 
@@ -537,7 +535,6 @@ def test_kernel_empty_batch_writes_only_actual_seq(rng):
 
     from pytrt_kv import _cuda
 
-    torch = torch_mod()
     case = Case(
         rng,
         B=1,
@@ -554,19 +551,19 @@ def test_kernel_empty_batch_writes_only_actual_seq(rng):
     )
     case.new_topk(0.0)
     dev = to_device_args(case, host_full=False)
-    out = torch.full((case.R,), 77, dtype=torch.int32, device="cuda")
-    workspace = torch.empty(1 << 16, dtype=torch.uint8, device="cuda")
+    out = dv.full((case.R,), 77, "int32")
+    workspace = dv.empty((1 << 16,), "uint8")
     lib = _cuda.kernels()
     for batch, seq in ((0, 1), (0, 0)):
         p = _raw_gather_params(case, dev, workspace, out)
         p.batch, p.seqPerBatch = batch, seq
         rc = lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1)
-        torch.cuda.synchronize()
+        dv.synchronize()
         assert rc == 0, lib.pytrt_kv_get_last_error()
-        assert to_numpy(out).tolist() == [0] * case.R
-        assert to_numpy(dev[3]).tolist() == case.status.tolist()
-        assert_same_bits(to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
-        out.fill_(77)
+        assert dv.to_numpy(out).tolist() == [0] * case.R
+        assert dv.to_numpy(dev[3]).tolist() == case.status.tolist()
+        assert_same_bits(dv.to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
+        dv.copy_into(out, np.full(case.R, 77, np.int32))
 
 
 @gpu
@@ -577,22 +574,21 @@ def test_failed_helper_call_is_not_blamed_on_the_next_launch(rng):
 
     from pytrt_kv import _cuda
 
-    torch = torch_mod()
     lib = _cuda.kernels()
     ptr = ctypes.c_void_p()
     assert lib.pytrt_kv_device_malloc(1 << 60, 0, ctypes.byref(ptr)) != 0
     case = Case(rng, B=2, S=1, K=8, tbs=1, sbs=8, fbs=8, kv=16, rope=0, dtype="float16", fmax=4)
     case.new_topk(0.0)
     dev = to_device_args(case, host_full=False)
-    out = torch.empty(case.R, dtype=torch.int32, device="cuda")
-    workspace = torch.empty(1 << 16, dtype=torch.uint8, device="cuda")
+    out = dv.empty((case.R,), "int32")
+    workspace = dv.empty((1 << 16,), "uint8")
     p = _raw_gather_params(case, dev, workspace, out)
     rc = lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1)
-    torch.cuda.synchronize()
+    dv.synchronize()
     assert rc == 0, lib.pytrt_kv_get_last_error()
     want = ref_gather(*case.args(), selection_topk_block_size=1)
-    assert to_numpy(out).tolist() == want.tolist()
-    assert_same_bits(to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
+    assert dv.to_numpy(out).tolist() == want.tolist()
+    assert_same_bits(dv.to_numpy(dev[1]), case.sel_kv, "selection_kv_cache")
 
 
 # --- CPU ------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """pytrt_kv.ops.scatter_pa_kv_cache on the GPU, bit-exact against the reference
 (docs/SPEC.md S), plus the host-side behaviour of pytrt_kv.ops that needs no GPU.
 
-GPU tests (marker ``gpu``) use torch CUDA tensors (CuPy where installed). Caches are
+GPU tests (marker ``gpu``) run on a real GPU with torch CUDA tensors, and on the emulated
+device (docs/EMULATION.md) with pytrt_kv's own buffers (tests/support/device.py); the ones
+that need torch streams, CUDA graphs or CuPy are marked ``real_gpu``. Caches are
 pre-filled with a sentinel byte pattern so that every byte outside the addressed rows is
 checked to be untouched.
 """
@@ -18,17 +20,18 @@ from pytrt_kv import _cuda
 from pytrt_kv.contract import dtypes
 from pytrt_kv.contract.scatter import nz_last_dim
 from pytrt_kv.reference import scatter_pa_kv_cache as ref_scatter
+from support import device as dv
 from support.arrays import (
     FakeCudaArray,
     assert_same_bits,
     random_data,
     sentinel,
-    to_numpy,
     to_torch,
     torch_mod,
 )
 
 gpu = pytest.mark.gpu
+real_gpu = pytest.mark.real_gpu
 
 
 def distinct_slots(rng, n, num_slots, pad_frac=0.2, dtype=np.int32):
@@ -47,11 +50,11 @@ def cache_shape(layout, nb, bs, h, d, dtype):
 
 
 def run_both(kw_np: dict, device_kwargs=None, **ops_kw):
-    """Run the reference on NumPy copies and pytrt_kv.ops on torch copies; return both
+    """Run the reference on NumPy copies and pytrt_kv.ops on device copies; return both
     sets of caches as NumPy."""
     from pytrt_kv import ops
 
-    want = {k: (None if v is None else v.copy()) for k, v in kw_np.items()}
+    want = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kw_np.items()}
     ref_kw = {k: v for k, v in want.items() if k not in ("out_of_range",)}
     ref_scatter(
         ref_kw.pop("key"),
@@ -61,13 +64,7 @@ def run_both(kw_np: dict, device_kwargs=None, **ops_kw):
         ref_kw.pop("slot_mapping"),
         **ref_kw,
     )
-    dev = {
-        k: (None if v is None or not isinstance(v, np.ndarray) else to_torch(v))
-        for k, v in kw_np.items()
-    }
-    for k, v in kw_np.items():
-        if not isinstance(v, np.ndarray) and v is not None:
-            dev[k] = v
+    dev = {k: (dv.to_device(v) if isinstance(v, np.ndarray) else v) for k, v in kw_np.items()}
     if device_kwargs:
         dev.update(device_kwargs)
     d = dict(dev)
@@ -80,10 +77,8 @@ def run_both(kw_np: dict, device_kwargs=None, **ops_kw):
         **d,
         **ops_kw,
     )
-    torch_mod().cuda.synchronize()
-    return want, {
-        k: (None if v is None or not hasattr(v, "is_cuda") else to_numpy(v)) for k, v in dev.items()
-    }
+    dv.synchronize()
+    return want, {k: dv.to_numpy(dev[k]) for k, v in kw_np.items() if isinstance(v, np.ndarray)}
 
 
 # --- GPU: 3-D key --------------------------------------------------------------------------
@@ -134,11 +129,11 @@ def test_scatter_unaligned_buffers_fall_back(rng, layout, offset):
     slots = distinct_slots(rng, T, NB * BS)
     want = cache.copy()
     ref_scatter(key, None, want, None, slots, cache_layout=layout)
-    tk = to_torch(key, offset_elems=offset)
-    tc = to_torch(cache, offset_elems=offset)
-    assert tk.data_ptr() % 16 and tc.data_ptr() % 16
-    ops.scatter_pa_kv_cache(tk, None, tc, None, to_torch(slots), cache_layout=layout)
-    assert_same_bits(to_numpy(tc), want, "key_cache")
+    tk = dv.to_device(key, offset_elems=offset)
+    tc = dv.to_device(cache, offset_elems=offset)
+    assert dv.address(tk) % 16 and dv.address(tc) % 16
+    ops.scatter_pa_kv_cache(tk, None, tc, None, dv.to_device(slots), cache_layout=layout)
+    assert_same_bits(dv.to_numpy(tc), want, "key_cache")
 
 
 @gpu
@@ -172,12 +167,20 @@ def test_scatter_out_of_range_slots_are_skipped(rng, layout):
     as_padding = np.where(slots >= NB * BS, -1, slots).astype(np.int32)
     want = cache.copy()
     ref_scatter(key, None, want, None, as_padding, cache_layout=layout)
-    tc = to_torch(cache)
-    ops.scatter_pa_kv_cache(to_torch(key), None, tc, None, to_torch(slots), cache_layout=layout)
-    assert_same_bits(to_numpy(tc), want, "key_cache")
+    tc = dv.to_device(cache)
+    ops.scatter_pa_kv_cache(
+        dv.to_device(key), None, tc, None, dv.to_device(slots), cache_layout=layout
+    )
+    assert_same_bits(dv.to_numpy(tc), want, "key_cache")
     with pytest.raises(ValueError, match="slot"):
         ops.scatter_pa_kv_cache(
-            to_torch(key), None, tc, None, to_torch(slots), cache_layout=layout, validate=True
+            dv.to_device(key),
+            None,
+            tc,
+            None,
+            dv.to_device(slots),
+            cache_layout=layout,
+            validate=True,
         )
 
 
@@ -211,24 +214,23 @@ def test_scatter_zero_tokens_at_any_address(rng, where):
     device address or at 0; the caches are untouched and the call succeeds."""
     from pytrt_kv import ops
 
-    torch = torch_mod()
     H, D, NB, BS = 2, 16, 3, 4
-    cache = to_torch(sentinel((NB, BS, H, D), "bfloat16"))
-    vcache = cache.clone()
-    before = to_numpy(cache)
+    cache = dv.to_device(sentinel((NB, BS, H, D), "bfloat16"))
+    vcache = dv.to_device(sentinel((NB, BS, H, D), "bfloat16"))
+    before = dv.to_numpy(cache)
     if where == "valid address":
-        backing = torch.empty((8, H, D), dtype=torch.bfloat16, device="cuda")
-        key, value = backing[:0], backing[4:4]
-        slots = torch.empty(8, dtype=torch.int32, device="cuda")[3:3]
-        assert key.data_ptr() != 0 and slots.data_ptr() != 0
+        key = dv.zero_elements((0, H, D), "bfloat16")
+        value = dv.zero_elements((0, H, D), "bfloat16")
+        slots = dv.zero_elements((0,), "int32")
+        assert dv.address(key) != 0 and dv.address(slots) != 0
     else:
-        key = torch.empty((0, H, D), dtype=torch.bfloat16, device="cuda")
-        value = torch.empty((0, H, D), dtype=torch.bfloat16, device="cuda")
-        slots = torch.empty(0, dtype=torch.int32, device="cuda")
+        key = dv.zero_elements((0, H, D), "bfloat16", null=True)
+        value = dv.zero_elements((0, H, D), "bfloat16", null=True)
+        slots = dv.zero_elements((0,), "int32", null=True)
     ops.scatter_pa_kv_cache(key, value, cache, vcache, slots)
-    torch.cuda.synchronize()
-    assert_same_bits(to_numpy(cache), before, "key_cache")
-    assert_same_bits(to_numpy(vcache), before, "value_cache")
+    dv.synchronize()
+    assert_same_bits(dv.to_numpy(cache), before, "key_cache")
+    assert_same_bits(dv.to_numpy(vcache), before, "value_cache")
 
 
 # --- GPU: 4-D key (compressing write) ------------------------------------------------------
@@ -321,27 +323,27 @@ def test_scatter_compress_rows_past_cache_are_skipped(rng):
     key = random_data(rng, (B, Smax, H, D), "float16")
     cache = sentinel((NB, BS, 1, D), "float16")
     base, L = NB * BS - 3, 8
-    tc = to_torch(cache)
+    tc = dv.to_device(cache)
     ops.scatter_pa_kv_cache(
-        to_torch(key),
+        dv.to_device(key),
         None,
         tc,
         None,
-        to_torch(np.array([[base]], np.int32)),
-        compress_lens=to_torch(np.array([[0]], np.int32)),
-        compress_seq_offsets=to_torch(np.array([-1], np.int32)),
-        seq_lens=to_torch(np.array([L], np.int32)),
+        dv.to_device(np.array([[base]], np.int32)),
+        compress_lens=dv.to_device(np.array([[0]], np.int32)),
+        compress_seq_offsets=dv.to_device(np.array([-1], np.int32)),
+        seq_lens=dv.to_device(np.array([L], np.int32)),
         compress_mode="rope",
     )
     want = cache.reshape(-1, D).copy()
     want[base:] = key[0, :3, 0]
-    assert_same_bits(to_numpy(tc).reshape(-1, D), want, "key_cache")
+    assert_same_bits(dv.to_numpy(tc).reshape(-1, D), want, "key_cache")
 
 
 # --- GPU: frameworks, streams, graphs ------------------------------------------------------
 
 
-@gpu
+@real_gpu
 def test_scatter_on_explicit_stream_and_int_handle(rng):
     from pytrt_kv import ops
 
@@ -361,10 +363,10 @@ def test_scatter_on_explicit_stream_and_int_handle(rng):
                 tk, None, tc, None, ts, stream=s if stream_arg == "torch" else s.cuda_stream
             )
         s.synchronize()
-        assert_same_bits(to_numpy(tc), want, f"key_cache ({stream_arg} stream)")
+        assert_same_bits(dv.to_numpy(tc), want, f"key_cache ({stream_arg} stream)")
 
 
-@gpu
+@real_gpu
 def test_scatter_cuda_graph_capture_and_replay(rng):
     """Captured once, replayed with new keys and slots copied into the same buffers."""
     from pytrt_kv import ops
@@ -384,7 +386,7 @@ def test_scatter_cuda_graph_capture_and_replay(rng):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ops.scatter_pa_kv_cache(key, val, kc, vc, slots)
-    want_k, want_v = to_numpy(kc), to_numpy(vc)
+    want_k, want_v = dv.to_numpy(kc), dv.to_numpy(vc)
     for _ in range(3):
         nk = random_data(rng, (T, H, D), "bfloat16")
         nv = random_data(rng, (T, H, D), "bfloat16")
@@ -395,11 +397,11 @@ def test_scatter_cuda_graph_capture_and_replay(rng):
         graph.replay()
         torch.cuda.synchronize()
         ref_scatter(nk, nv, want_k, want_v, ns)
-        assert_same_bits(to_numpy(kc), want_k, "key_cache after replay")
-        assert_same_bits(to_numpy(vc), want_v, "value_cache after replay")
+        assert_same_bits(dv.to_numpy(kc), want_k, "key_cache after replay")
+        assert_same_bits(dv.to_numpy(vc), want_v, "value_cache after replay")
 
 
-@gpu
+@real_gpu
 def test_scatter_cupy_inputs(rng):
     cupy = pytest.importorskip("cupy")
     from pytrt_kv import ops
@@ -420,26 +422,26 @@ def test_scatter_cupy_inputs(rng):
 def test_scatter_validate_reports_duplicates(rng):
     from pytrt_kv import ops
 
-    key = to_torch(random_data(rng, (4, 1, 8), "float16"))
-    cache = to_torch(sentinel((2, 4, 1, 8), "float16"))
-    slots = to_torch(np.array([1, 5, 1, -1], np.int32))
+    key = dv.to_device(random_data(rng, (4, 1, 8), "float16"))
+    cache = dv.to_device(sentinel((2, 4, 1, 8), "float16"))
+    slots = dv.to_device(np.array([1, 5, 1, -1], np.int32))
     with pytest.raises(ValueError):
         ops.scatter_pa_kv_cache(key, None, cache, None, slots, validate=True)
     ops.scatter_pa_kv_cache(key, None, cache, None, slots)  # in bounds, any winner
-    torch_mod().cuda.synchronize()
+    dv.synchronize()
 
 
 @gpu
 def test_scatter_rejects_host_and_strided_buffers(rng):
     from pytrt_kv import ops
 
-    torch = torch_mod()
     key = random_data(rng, (4, 2, 8), "float16")
-    cache = to_torch(sentinel((2, 4, 2, 8), "float16"))
-    slots = to_torch(np.arange(4, dtype=np.int32))
+    cache = dv.to_device(sentinel((2, 4, 2, 8), "float16"))
+    slots = dv.to_device(np.arange(4, dtype=np.int32))
+    host = to_torch(key, device="cpu") if dv.use_torch() else key  # pageable host memory
     with pytest.raises(ValueError, match="key: expected GPU memory"):
-        ops.scatter_pa_kv_cache(to_torch(key, device="cpu"), None, cache, None, slots)
-    strided = torch.empty((4, 2, 16), dtype=torch.float16, device="cuda")[:, :, :8]
+        ops.scatter_pa_kv_cache(host, None, cache, None, slots)
+    strided = dv.strided_view(dv.to_device(random_data(rng, (4, 2, 16), "float16")), (4, 2, 8))
     with pytest.raises(ValueError, match="key: expected a C-contiguous"):
         ops.scatter_pa_kv_cache(strided, None, cache, None, slots)
 
