@@ -166,15 +166,17 @@ bool overlapsAny(uintptr_t a, size_t bytes)
 }
 
 // --- the queue ------------------------------------------------------------------------
+//! One kernel launch and what its load/store intrinsics moved. The counters are atomics
+//! only so that ThreadSanitizer, which sees each fiber as a thread, does not flag them.
 struct LaunchRecord
 {
     std::string name;
     dim3 grid;
     dim3 block;
-    uint64_t bytesRead{0};
-    uint64_t bytesWritten{0};
-    uint64_t loads{0};
-    uint64_t stores{0};
+    std::atomic<uint64_t> bytesRead{0};
+    std::atomic<uint64_t> bytesWritten{0};
+    std::atomic<uint64_t> loads{0};
+    std::atomic<uint64_t> stores{0};
 };
 
 struct Op
@@ -187,7 +189,7 @@ std::mutex gQueueMutex;
 std::deque<Op> gQueue;
 std::set<cudaStream_t> gStreams;
 std::mutex gRecordMutex;
-std::deque<LaunchRecord> gRecords;
+std::deque<std::unique_ptr<LaunchRecord>> gRecords;
 constexpr size_t kMAX_RECORDS = 4096;
 
 bool validStream(cudaStream_t s)
@@ -248,14 +250,16 @@ struct Fiber
     std::atomic<FiberState> status{FiberState::kDONE};
     void* asanFakeStack{nullptr};
     void* tsanFiber{nullptr};
+    uint64_t rng{0}; //!< this thread's draws of a random schedule (seeded per block)
 };
 
 struct Warp
 {
     std::atomic<int> arrived{0};
     std::atomic<unsigned int> mask{0};
+    std::atomic<unsigned int> generation{0};
     uint64_t values[32];
-    char tsanToken;
+    char tsanTokens[2];
 };
 
 //! Schedule of the threads of a block between switch points.
@@ -272,14 +276,15 @@ struct Scheduler
     int threads{0};                             //!< fibers of the block that runs
     Warp warps[kMAX_THREADS_PER_BLOCK / 32];
     std::atomic<int> blockArrived{0};
-    char tsanBlockToken;
-    char tsanStartToken;
-    char tsanEndToken;
+    // ThreadSanitizer sync objects of the block barrier, one per parity of its generation:
+    // a thread resuming from barrier g must not acquire what others released at g + 1.
+    std::atomic<unsigned int> blockGeneration{0};
+    char tsanBlockTokens[2];
     ucontext_t main;
     void const* mainStackBottom{nullptr};
     size_t mainStackBytes{0};
     void* mainTsan{nullptr};
-    Fiber* current{nullptr};
+    std::atomic<Fiber*> current{nullptr};
     std::function<void()> const* body{nullptr};
     LaunchRecord* record{nullptr};
     bool failed{false};
@@ -287,8 +292,12 @@ struct Scheduler
     uint64_t rng{0x9E3779B97F4A7C15ULL};
 };
 
-thread_local Scheduler* tScheduler = nullptr;
-thread_local ThreadState const* tThread = nullptr;
+// Set by the scheduler, read by the fibers of the same OS thread (atomics: see LaunchRecord).
+thread_local std::atomic<Scheduler*> tScheduler{nullptr};
+thread_local std::atomic<ThreadState const*> tThread{nullptr};
+// ThreadSanitizer sync objects: block start (scheduler -> fibers) and end (fibers -> scheduler).
+char gTsanStartToken;
+char gTsanEndToken;
 ThreadState const kHOST_THREAD{};
 
 size_t stackBytes()
@@ -331,8 +340,8 @@ uint64_t nextRandom(uint64_t& x)
 
 void switchToFiber(Scheduler& s, Fiber& f)
 {
-    s.current = &f;
-    tThread = &f.state;
+    s.current.store(&f, std::memory_order_relaxed);
+    tThread.store(&f.state, std::memory_order_relaxed);
 #if defined(PYTRT_KV_EMU_TSAN)
     __tsan_switch_to_fiber(f.tsanFiber, 1 /* no synchronization: barriers order fibers */);
 #endif
@@ -344,14 +353,14 @@ void switchToFiber(Scheduler& s, Fiber& f)
 #if defined(PYTRT_KV_EMU_ASAN)
     __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
-    tThread = &kHOST_THREAD;
-    s.current = nullptr;
+    tThread.store(&kHOST_THREAD, std::memory_order_relaxed);
+    s.current.store(nullptr, std::memory_order_relaxed);
 }
 
 //! Back to the scheduler from the running fiber (\p exiting: it never resumes).
 void switchToMain(Scheduler& s, bool exiting)
 {
-    Fiber& f = *s.current;
+    Fiber& f = *s.current.load(std::memory_order_relaxed);
 #if defined(PYTRT_KV_EMU_TSAN)
     __tsan_switch_to_fiber(s.mainTsan, 1);
 #endif
@@ -368,18 +377,18 @@ void switchToMain(Scheduler& s, bool exiting)
 
 void fiberEntry()
 {
-    Scheduler& s = *tScheduler;
+#if defined(PYTRT_KV_EMU_TSAN)
+    __tsan_acquire(&gTsanStartToken);
+#endif
+    Scheduler& s = *tScheduler.load(std::memory_order_relaxed);
 #if defined(PYTRT_KV_EMU_ASAN)
     __sanitizer_finish_switch_fiber(nullptr, &s.mainStackBottom, &s.mainStackBytes);
 #endif
-#if defined(PYTRT_KV_EMU_TSAN)
-    __tsan_acquire(&s.tsanStartToken);
-#endif
     (*s.body)();
 #if defined(PYTRT_KV_EMU_TSAN)
-    __tsan_release(&s.tsanEndToken);
+    __tsan_release(&gTsanEndToken);
 #endif
-    s.current->status.store(FiberState::kDONE, std::memory_order_relaxed);
+    s.current.load(std::memory_order_relaxed)->status.store(FiberState::kDONE, std::memory_order_relaxed);
     switchToMain(s, true);
 }
 
@@ -410,6 +419,7 @@ bool releaseBarriers(Scheduler& s)
             }
         }
         s.blockArrived.store(0, std::memory_order_relaxed);
+        s.blockGeneration.fetch_add(1, std::memory_order_relaxed);
     }
     int const threads = s.threads;
     for (int w = 0; w * 32 < threads; ++w)
@@ -445,6 +455,7 @@ bool releaseBarriers(Scheduler& s)
                 }
             }
             warp.arrived.store(0, std::memory_order_relaxed);
+            warp.generation.fetch_add(1, std::memory_order_relaxed);
         }
     }
     return true;
@@ -486,10 +497,11 @@ bool runBlock(Scheduler& s, uint3 blockIdx, dim3 block, dim3 grid)
         f.ctx.uc_link = nullptr;
         makecontext(&f.ctx, fiberEntry, 0);
         f.asanFakeStack = nullptr;
+        f.rng = nextRandom(s.rng) | 1U;
         f.status.store(FiberState::kRUNNABLE, std::memory_order_relaxed);
     }
 #if defined(PYTRT_KV_EMU_TSAN)
-    __tsan_release(&s.tsanStartToken);
+    __tsan_release(&gTsanStartToken);
 #endif
     std::vector<int> order(static_cast<size_t>(threads));
     for (int t = 0; t < threads; ++t)
@@ -540,7 +552,7 @@ bool runBlock(Scheduler& s, uint3 blockIdx, dim3 block, dim3 grid)
         }
     }
 #if defined(PYTRT_KV_EMU_TSAN)
-    __tsan_acquire(&s.tsanEndToken);
+    __tsan_acquire(&gTsanEndToken);
 #endif
     return true;
 }
@@ -582,8 +594,8 @@ Scheduler& schedulerFor(int threads)
 void runKernel(LaunchRecord& record, dim3 grid, dim3 block, std::function<void()> const& body)
 {
     Scheduler& s = schedulerFor(static_cast<int>(block.x * block.y * block.z));
-    Scheduler* previous = tScheduler;
-    tScheduler = &s;
+    Scheduler* previous = tScheduler.load(std::memory_order_relaxed);
+    tScheduler.store(&s, std::memory_order_relaxed);
     s.body = &body;
     s.record = &record;
     bool ok = true;
@@ -597,12 +609,13 @@ void runKernel(LaunchRecord& record, dim3 grid, dim3 block, std::function<void()
             }
         }
     }
-    tScheduler = previous;
+    tScheduler.store(previous, std::memory_order_relaxed);
 }
 
-thread_local LaunchRecord* tRecord = nullptr;
-thread_local uintptr_t tHitBase = 0;
-thread_local size_t tHitBytes = 0;
+thread_local std::atomic<LaunchRecord*> tRecord{nullptr};
+// The allocation the last kernel access fell in (a lookup cache; atomics: see LaunchRecord).
+thread_local std::atomic<uintptr_t> tHitBase{0};
+thread_local std::atomic<size_t> tHitBytes{0};
 
 } // namespace
 
@@ -610,7 +623,8 @@ thread_local size_t tHitBytes = 0;
 
 ThreadState const& currentThread() noexcept
 {
-    return tThread != nullptr ? *tThread : kHOST_THREAD;
+    ThreadState const* t = tThread.load(std::memory_order_relaxed);
+    return t != nullptr ? *t : kHOST_THREAD;
 }
 
 void enqueueLaunch(char const* name, dim3 grid, dim3 block, cudaStream_t stream, std::function<void()> body)
@@ -634,23 +648,23 @@ void enqueueLaunch(char const* name, dim3 grid, dim3 block, cudaStream_t stream,
     }
     std::string const kernelName = name;
     enqueue([kernelName, grid, block, body = std::move(body)]() {
-        LaunchRecord record;
-        record.name = kernelName;
-        record.grid = grid;
-        record.block = block;
-        LaunchRecord* previous = tRecord;
-        tRecord = &record;
-        tHitBase = 0;
-        tHitBytes = 0;
+        auto record = std::make_unique<LaunchRecord>();
+        record->name = kernelName;
+        record->grid = grid;
+        record->block = block;
+        LaunchRecord* previous = tRecord.load(std::memory_order_relaxed);
+        tRecord.store(record.get(), std::memory_order_relaxed);
+        tHitBase.store(0, std::memory_order_relaxed);
+        tHitBytes.store(0, std::memory_order_relaxed);
         try
         {
-            runKernel(record, grid, block, body);
+            runKernel(*record, grid, block, body);
         }
         catch (std::exception const& e)
         {
             fault(cudaErrorLaunchFailure, kernelName + ": " + e.what());
         }
-        tRecord = previous;
+        tRecord.store(previous, std::memory_order_relaxed);
         std::lock_guard<std::mutex> lock(gRecordMutex);
         gRecords.push_back(std::move(record));
         while (gRecords.size() > kMAX_RECORDS)
@@ -662,30 +676,32 @@ void enqueueLaunch(char const* name, dim3 grid, dim3 block, cudaStream_t stream,
 
 void syncthreads()
 {
-    Scheduler* s = tScheduler;
-    if (s == nullptr || s->current == nullptr)
+    Scheduler* s = tScheduler.load(std::memory_order_relaxed);
+    if (s == nullptr || s->current.load(std::memory_order_relaxed) == nullptr)
     {
         return; // host code (the host planning path): nothing to wait for
     }
 #if defined(PYTRT_KV_EMU_TSAN)
-    __tsan_release(&s->tsanBlockToken);
+    char* token = &s->tsanBlockTokens[s->blockGeneration.load(std::memory_order_relaxed) & 1U];
+    __tsan_release(token);
 #endif
-    s->current->status.store(FiberState::kBLOCK_BARRIER, std::memory_order_relaxed);
+    s->current.load(std::memory_order_relaxed)->status.store(FiberState::kBLOCK_BARRIER, std::memory_order_relaxed);
     s->blockArrived.fetch_add(1, std::memory_order_relaxed);
     switchToMain(*s, false);
 #if defined(PYTRT_KV_EMU_TSAN)
-    __tsan_acquire(&s->tsanBlockToken);
+    __tsan_acquire(token);
 #endif
 }
 
 uint64_t warpExchange(unsigned int mask, uint64_t value, int srcLane)
 {
-    Scheduler* s = tScheduler;
-    if (s == nullptr || s->current == nullptr)
+    Scheduler* s = tScheduler.load(std::memory_order_relaxed);
+    Fiber* self = s != nullptr ? s->current.load(std::memory_order_relaxed) : nullptr;
+    if (self == nullptr)
     {
         return value;
     }
-    int const t = s->current->index;
+    int const t = self->index;
     int const lane = t % 32;
     Warp& warp = s->warps[t / 32];
     if (((mask >> lane) & 1U) == 0)
@@ -695,14 +711,15 @@ uint64_t warpExchange(unsigned int mask, uint64_t value, int srcLane)
     }
     auto waitWarp = [&]() {
 #if defined(PYTRT_KV_EMU_TSAN)
-        __tsan_release(&warp.tsanToken);
+        char* token = &warp.tsanTokens[warp.generation.load(std::memory_order_relaxed) & 1U];
+        __tsan_release(token);
 #endif
         warp.mask.store(mask, std::memory_order_relaxed);
-        s->current->status.store(FiberState::kWARP_BARRIER, std::memory_order_relaxed);
+        self->status.store(FiberState::kWARP_BARRIER, std::memory_order_relaxed);
         warp.arrived.fetch_add(1, std::memory_order_relaxed);
         switchToMain(*s, false);
 #if defined(PYTRT_KV_EMU_TSAN)
-        __tsan_acquire(&warp.tsanToken);
+        __tsan_acquire(token);
 #endif
     };
     warp.values[lane] = value;
@@ -714,12 +731,13 @@ uint64_t warpExchange(unsigned int mask, uint64_t value, int srcLane)
 
 void maybeYield()
 {
-    Scheduler* s = tScheduler;
-    if (s == nullptr || s->current == nullptr || s->schedule != Schedule::kRANDOM)
+    Scheduler* s = tScheduler.load(std::memory_order_relaxed);
+    Fiber* self = s != nullptr ? s->current.load(std::memory_order_relaxed) : nullptr;
+    if (self == nullptr || s->schedule != Schedule::kRANDOM)
     {
         return;
     }
-    if (nextRandom(s->rng) % 4 == 0)
+    if (nextRandom(self->rng) % 4 == 0)
     {
         // Stay runnable: the scheduler resumes this fiber later in its pass (or the next).
         switchToMain(*s, false);
@@ -729,7 +747,9 @@ void maybeYield()
 bool deviceAccess(void const* p, size_t bytes, bool write) noexcept
 {
     auto const a = reinterpret_cast<uintptr_t>(p);
-    bool ok = a >= tHitBase && tHitBytes >= bytes && a - tHitBase <= tHitBytes - bytes;
+    uintptr_t const base = tHitBase.load(std::memory_order_relaxed);
+    size_t const size = tHitBytes.load(std::memory_order_relaxed);
+    bool ok = a >= base && size >= bytes && a - base <= size - bytes;
     if (!ok)
     {
         std::lock_guard<std::mutex> lock(gMemMutex);
@@ -737,11 +757,11 @@ bool deviceAccess(void const* p, size_t bytes, bool write) noexcept
         ok = it != gRanges.end();
         if (ok)
         {
-            tHitBase = it->first;
-            tHitBytes = it->second.bytes;
+            tHitBase.store(it->first, std::memory_order_relaxed);
+            tHitBytes.store(it->second.bytes, std::memory_order_relaxed);
         }
     }
-    LaunchRecord* r = tRecord;
+    LaunchRecord* r = tRecord.load(std::memory_order_relaxed);
     if (!ok)
     {
         ThreadState const& t = currentThread();
@@ -756,8 +776,8 @@ bool deviceAccess(void const* p, size_t bytes, bool write) noexcept
     }
     if (r != nullptr)
     {
-        (write ? r->bytesWritten : r->bytesRead) += bytes;
-        ++(write ? r->stores : r->loads);
+        (write ? r->bytesWritten : r->bytesRead).fetch_add(bytes, std::memory_order_relaxed);
+        (write ? r->stores : r->loads).fetch_add(1, std::memory_order_relaxed);
     }
     return true;
 }
@@ -1042,8 +1062,8 @@ cudaError_t release(void* ptr, Kind kind, cudaError_t notFound)
         return fail(notFound);
     }
     gRanges.erase(it);
-    tHitBase = 0;
-    tHitBytes = 0;
+    tHitBase.store(0, std::memory_order_relaxed);
+    tHitBytes.store(0, std::memory_order_relaxed);
     if (kind != Kind::kREGISTERED)
     {
         std::free(ptr);
@@ -1330,8 +1350,8 @@ void appendJson(std::string& out, pytrt_kv::emu::LaunchRecord const& r)
         "{\"name\": \"%s\", \"grid\": [%u, %u, %u], \"block\": [%u, %u, %u], \"bytes_read\": %llu, "
         "\"bytes_written\": %llu, \"loads\": %llu, \"stores\": %llu}\n",
         r.name.c_str(), r.grid.x, r.grid.y, r.grid.z, r.block.x, r.block.y, r.block.z,
-        static_cast<unsigned long long>(r.bytesRead), static_cast<unsigned long long>(r.bytesWritten),
-        static_cast<unsigned long long>(r.loads), static_cast<unsigned long long>(r.stores));
+        static_cast<unsigned long long>(r.bytesRead.load()), static_cast<unsigned long long>(r.bytesWritten.load()),
+        static_cast<unsigned long long>(r.loads.load()), static_cast<unsigned long long>(r.stores.load()));
     out += buf;
 }
 } // namespace
@@ -1346,9 +1366,9 @@ extern "C" __attribute__((visibility("default"))) size_t pytrt_kv_emu_take_launc
     drain();
     std::lock_guard<std::mutex> lock(gRecordMutex);
     std::string text;
-    for (LaunchRecord const& r : gRecords)
+    for (auto const& r : gRecords)
     {
-        appendJson(text, r);
+        appendJson(text, *r);
     }
     if (out != nullptr && text.size() < capacity)
     {

@@ -1,0 +1,168 @@
+/*
+ * Deliberately broken runs of the real gather kernels on the emulated device, one per check
+ * it claims (docs/EMULATION.md, "Known to catch"): each mode must be REPORTED, so a test
+ * that runs them proves the check works in that build.
+ *
+ *   pytrt_kv_emu_selftest ok        a valid gather: exit 0
+ *   pytrt_kv_emu_selftest illegal   the selection cache is smaller than its declared shape:
+ *                                   the copy kernel's stores leave the allocation, the
+ *                                   emulator reports cudaErrorIllegalAddress (any build)
+ *   pytrt_kv_emu_selftest overflow  the status rows are smaller than declared: the plan
+ *                                   kernel's plain stores overflow the heap (ASan reports)
+ *   pytrt_kv_emu_selftest race      the plan kernel with its barrier after planLoad removed:
+ *                                   threads read shared memory others write (TSan reports)
+ *   pytrt_kv_emu_selftest ub        a kernel shifting by 32 (UBSan reports)
+ *
+ * The kernel source is the unchanged gatherSelectionKvCache.cu, included here after a macro
+ * that lets one __syncthreads() call be skipped ("race" only).
+ */
+#include "pytrtKvEmu.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace
+{
+bool gSkipBarrier = false;
+int gBarrierCalls[1024];
+
+//! __syncthreads() of the included kernels: with gSkipBarrier, each thread skips its
+//! second barrier of every block (the one between planLoad and planPin).
+void injectedSyncthreads()
+{
+    int& n = gBarrierCalls[threadIdx.x];
+    int const call = n++;
+    if (gSkipBarrier && call % 5 == 1)
+    {
+        return;
+    }
+    ::pytrt_kv::emu::syncthreads();
+}
+} // namespace
+
+#define __syncthreads() injectedSyncthreads()
+#include "../kernels/gatherSelectionKvCache.cu"
+#undef __syncthreads
+
+namespace
+{
+using pytrt_kv::kernels::DataType;
+using pytrt_kv::kernels::GatherSelectionParams;
+
+__global__ void shiftKernel(int* out, int bits)
+{
+    out[threadIdx.x] = 1 << (bits + static_cast<int>(threadIdx.x)); // bits + tid >= 32 is UB
+}
+
+template <typename T>
+T* upload(std::vector<T> const& host, size_t allocElems)
+{
+    void* p = nullptr;
+    if (cudaMalloc(&p, allocElems * sizeof(T)) != cudaSuccess)
+    {
+        std::fprintf(stderr, "selftest: cudaMalloc failed\n");
+        std::exit(2);
+    }
+    cudaMemcpy(p, host.data(), std::min(host.size(), allocElems) * sizeof(T), cudaMemcpyDefault);
+    return static_cast<T*>(p);
+}
+
+int runGather(std::string const& mode)
+{
+    // B = 4 rows of K = 64 ids each, TBS 1, blocks of 16 tokens, 32-element int16 rows.
+    int32_t const B = 4, K = 64, SBS = 16, FBS = 16, KV = 32;
+    int32_t const sMax = K / SBS, fMax = 16;
+    int64_t const sBlocks = B * sMax, fBlocks = B * fMax;
+    std::mt19937 rng(7);
+    std::vector<uint16_t> full(static_cast<size_t>(fBlocks * FBS * KV));
+    for (auto& x : full)
+    {
+        x = static_cast<uint16_t>(rng());
+    }
+    std::vector<uint16_t> sel(static_cast<size_t>(sBlocks * SBS * KV), 0xA5A5);
+    std::vector<int32_t> selTable(static_cast<size_t>(B * sMax)), fullTable(static_cast<size_t>(B * fMax));
+    for (size_t i = 0; i < selTable.size(); ++i)
+    {
+        selTable[i] = static_cast<int32_t>(i);
+    }
+    for (size_t i = 0; i < fullTable.size(); ++i)
+    {
+        fullTable[i] = static_cast<int32_t>(i);
+    }
+    std::vector<int32_t> status(static_cast<size_t>(B * (K + 1)), -1), topk(static_cast<size_t>(B * K));
+    for (int32_t r = 0; r < B; ++r)
+    {
+        status[static_cast<size_t>(r * (K + 1) + K)] = 0;
+        for (int32_t k = 0; k < K; ++k)
+        {
+            topk[static_cast<size_t>(r * K + k)] = static_cast<int32_t>((k * 3 + r) % (fMax * FBS - 1));
+        }
+    }
+    std::vector<int32_t> kvLen(B, fMax * FBS), actual(B, 0);
+
+    GatherSelectionParams p{};
+    // "illegal": room for one selection block only; "overflow": status for one row only.
+    p.selectionKvCache = upload(sel, mode == "illegal" ? static_cast<size_t>(SBS * KV) : sel.size());
+    p.selectionKvBlockTable = upload(selTable, selTable.size());
+    p.selectionKvBlockStatus = upload(status, mode == "overflow" ? static_cast<size_t>(K + 1) : status.size());
+    p.selectionTopkIndices = upload(topk, topk.size());
+    p.fullKvCache = upload(full, full.size());
+    p.fullKvBlockTable = upload(fullTable, fullTable.size());
+    p.fullKvActualSeq = upload(kvLen, kvLen.size());
+    p.selectionKvActualSeq = upload(actual, actual.size());
+    p.cacheType = DataType::kFLOAT16;
+    p.batch = B;
+    p.seqPerBatch = 1;
+    p.topk = K;
+    p.topkBlockSize = 1;
+    p.selectionRows = B;
+    p.selectionBlockNum = sBlocks;
+    p.selectionBlockSize = SBS;
+    p.selectionMaxBlockNum = sMax;
+    p.fullBlockNum = fBlocks;
+    p.fullBlockSize = FBS;
+    p.fullMaxBlockNum = fMax;
+    p.kvDim = KV;
+    size_t const ws = pytrt_kv::kernels::getGatherSelectionWorkspaceSize(p);
+    cudaMalloc(&p.workspace, ws);
+    p.workspaceBytes = ws;
+    gSkipBarrier = mode == "race";
+    std::memset(gBarrierCalls, 0, sizeof(gBarrierCalls));
+    cudaError_t e = pytrt_kv::kernels::launchGatherSelectionKvCache(p, nullptr);
+    if (e == cudaSuccess)
+    {
+        e = cudaStreamSynchronize(nullptr);
+    }
+    std::printf("selftest %s: %s\n", mode.c_str(), cudaGetErrorName(e));
+    return e == cudaSuccess ? 0 : 1;
+}
+
+int runUb()
+{
+    int* out = nullptr;
+    cudaMalloc(reinterpret_cast<void**>(&out), 64 * sizeof(int));
+    PYTRT_KV_LAUNCH("shiftKernel", shiftKernel, 1, 64, nullptr, out, 0);
+    cudaError_t const e = cudaStreamSynchronize(nullptr);
+    std::printf("selftest ub: %s\n", cudaGetErrorName(e));
+    return e == cudaSuccess ? 0 : 1;
+}
+} // namespace
+
+int main(int argc, char** argv)
+{
+    std::string const mode = argc > 1 ? argv[1] : "";
+    if (mode == "ok" || mode == "illegal" || mode == "overflow" || mode == "race")
+    {
+        return runGather(mode);
+    }
+    if (mode == "ub")
+    {
+        return runUb();
+    }
+    std::fprintf(stderr, "usage: %s ok | illegal | overflow | race | ub\n", argc > 0 ? argv[0] : "selftest");
+    return 2;
+}
