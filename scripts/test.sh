@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh checkout: makes its own virtual environment
 # (.venv-test), installs the package with its test extras (building the CUDA kernels when
-# nvcc is on PATH, and the TensorRT plugins against TensorRT headers, see below) and the
+# nvcc is on PATH, the TensorRT plugins against TensorRT headers, see below, and always the
+# emulated device, on which the GPU tests run where there is no GPU) and the
 # pinned TensorRT-RTX wheel (real engine builds on a CPU), then runs pytest. GPU tests
 # skip themselves where there is no GPU.
 #
@@ -67,7 +68,9 @@ PY
   export TensorRT_INCLUDE_DIR="$hdr/include"
 fi
 
-cmake_args=()
+# The emulated device (docs/EMULATION.md) is built on every machine, nvcc or not: the GPU
+# tests run on it where there is no GPU.
+cmake_args=("--config-settings=cmake.define.PYTRT_KV_EMU=ON")
 for v in TensorRT_INCLUDE_DIR TensorRT_ROOT CMAKE_CUDA_ARCHITECTURES; do
   # --config-settings, not its short form -C, which pip < 23.1 (Debian 12's venv) lacks.
   if [ -n "${!v:-}" ]; then cmake_args+=("--config-settings=cmake.define.$v=${!v}"); fi
@@ -88,4 +91,4 @@ fi
 echo "== running the tests"
 # The venv's pytest script (not `python -m pytest`, which would put the source tree
 # first on sys.path): the tests import the installed package, native libraries included.
-exec "$venv/bin/pytest" -ra -p no:cacheprovider tests "$@"
+exec "$venv/bin/pytest" -ra -p no:cacheprovider --durations=25 tests "$@"

@@ -470,6 +470,28 @@ std::string describeBlock(Scheduler const& s, std::string const& why)
     return buf;
 }
 
+//! A fault ends the block with threads still suspended; they never run again. Tell
+//! ThreadSanitizer that what they did happened before the scheduler's next steps (it frees
+//! the kernel's arguments, which they read).
+void abandonBlock(Scheduler& s)
+{
+#if defined(PYTRT_KV_EMU_TSAN)
+    for (int t = 0; t < s.threads; ++t)
+    {
+        Fiber& f = *s.fibers[t];
+        if (f.status.load(std::memory_order_relaxed) != FiberState::kDONE)
+        {
+            __tsan_switch_to_fiber(f.tsanFiber, 1);
+            __tsan_release(&gTsanEndToken);
+            __tsan_switch_to_fiber(s.mainTsan, 1);
+        }
+    }
+    __tsan_acquire(&gTsanEndToken);
+#else
+    (void) s;
+#endif
+}
+
 //! Run one block of \p threads fibers to completion; false after a fault.
 bool runBlock(Scheduler& s, uint3 blockIdx, dim3 block, dim3 grid)
 {
@@ -531,11 +553,13 @@ bool runBlock(Scheduler& s, uint3 blockIdx, dim3 block, dim3 grid)
             {
                 fault(cudaErrorLaunchFailure,
                     describeBlock(s, "a warp shuffle names a lane that has exited (undefined behaviour)"));
+                abandonBlock(s);
                 return false;
             }
             if (sticky() != cudaSuccess)
             {
-                return false; // an illegal address in this block
+                abandonBlock(s); // an illegal address in this block
+                return false;
             }
         }
         if (liveThreads(s) == 0)
@@ -548,6 +572,7 @@ bool runBlock(Scheduler& s, uint3 blockIdx, dim3 block, dim3 grid)
                 describeBlock(s,
                     "deadlock: live threads wait at different barriers (a __syncthreads or warp exchange "
                     "not reached by every live thread of the block or warp)"));
+            abandonBlock(s);
             return false;
         }
     }
