@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from pytrt_kv import _lib
@@ -186,7 +185,8 @@ from test_ops_gather import Case, run_step, to_device_args
 
 rng = np.random.default_rng(11)
 for K, tbs, sbs, fbs, S in ((2048, 1, 128, 128, 1), (40, 4, 8, 8, 2), (5, 3, 9, 6, 4)):
-    case = Case(rng, B=2, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv=32, rope=8, fmax=max(-(-K * tbs * 2 // fbs), 4))
+    fmax = max(-(-K * tbs * 2 // fbs), 4)
+    case = Case(rng, B=2, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, kv=32, rope=8, fmax=fmax)
     dev = to_device_args(case, host_full=False)
     for step, reuse in enumerate((0.0, 0.7, 0.95)):
         if step:
@@ -201,7 +201,9 @@ print("ok")
 @pytest.mark.parametrize("schedule", ["reverse", "random:1", "random:2"])
 def test_plan_results_do_not_depend_on_the_thread_schedule(schedule):
     r = _in_emulator(_SCHEDULE, PYTRT_KV_EMU_SCHEDULE=schedule)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (
+        r.stdout[-3000:] + r.stderr[-3000:]
+    )
 
 
 _FAULT = r"""
@@ -300,7 +302,9 @@ def _build(out, sanitize: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module", params=["", "address", "thread"], ids=["plain", "asan+ubsan", "tsan"])
+@pytest.fixture(
+    scope="module", params=["", "address", "thread"], ids=["plain", "asan+ubsan", "tsan"]
+)
 def emu_build(request, tmp_path_factory):
     if CMAKE is None:
         pytest.skip("cmake not installed (the test extra installs it)")
@@ -404,7 +408,9 @@ def test_kernel_tests_under_the_sanitizer(emu_build):
     env.update(
         LD_PRELOAD=runtime.stdout.strip(),
         PYTRT_KV_LIB_DIR=str(out / "lib"),
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH", "")) if p),
+        PYTHONPATH=os.pathsep.join(
+            p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH", "")) if p
+        ),
     )
     r = subprocess.run(
         [

@@ -90,6 +90,7 @@ class _NoDriver:
 
 def test_cuda_devices_without_driver(monkeypatch):
     monkeypatch.delenv(_lib.DEVICE_ENV, raising=False)  # the real driver lookup
+
     def missing(name, *a, **k):
         raise OSError(f"{name}: cannot open shared object file")
 

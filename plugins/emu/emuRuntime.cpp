@@ -325,8 +325,10 @@ Schedule configuredSchedule(uint64_t& seed)
         seed = s[6] == ':' ? std::strtoull(s + 7, nullptr, 10) * 0x9E3779B97F4A7C15ULL + 1 : 0x2545F4914F6CDD1DULL;
         return Schedule::kRANDOM;
     }
-    std::fprintf(stderr, "pytrt_kv emulated device: PYTRT_KV_EMU_SCHEDULE=%s is not forward, reverse or random[:SEED]; "
-        "using forward\n", s);
+    std::fprintf(stderr,
+        "pytrt_kv emulated device: PYTRT_KV_EMU_SCHEDULE=%s is not forward, reverse or random[:SEED]; "
+        "using forward\n",
+        s);
     return Schedule::kFORWARD;
 }
 
@@ -794,8 +796,8 @@ bool deviceAccess(void const* p, size_t bytes, bool write) noexcept
         std::snprintf(buf, sizeof(buf),
             "illegal address: %s of %zu bytes at %p by thread (%u,%u,%u) of block (%u,%u,%u) in kernel %s: not "
             "inside live device or pinned host memory",
-            write ? "store" : "load", bytes, p, t.threadIdx.x, t.threadIdx.y, t.threadIdx.z, t.blockIdx.x,
-            t.blockIdx.y, t.blockIdx.z, r != nullptr ? r->name.c_str() : "?");
+            write ? "store" : "load", bytes, p, t.threadIdx.x, t.threadIdx.y, t.threadIdx.z, t.blockIdx.x, t.blockIdx.y,
+            t.blockIdx.z, r != nullptr ? r->name.c_str() : "?");
         fault(cudaErrorIllegalAddress, buf);
         return false;
     }
@@ -1130,8 +1132,8 @@ cudaError_t cudaHostRegister(void* ptr, size_t bytes, unsigned int flags)
 {
     if (ptr == nullptr || bytes == 0
         || (flags
-            & ~(cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterIoMemory
-                | cudaHostRegisterReadOnly))
+               & ~(cudaHostRegisterPortable | cudaHostRegisterMapped | cudaHostRegisterIoMemory
+                   | cudaHostRegisterReadOnly))
             != 0)
     {
         return fail(cudaErrorInvalidValue);
@@ -1415,8 +1417,9 @@ extern "C" __attribute__((visibility("default"))) char const* pytrt_kv_emu_descr
 #else
     static char const* const kSan = "none";
 #endif
-    static std::string const text = std::string("emulated device (pytrt_kv, CPU): H100-like description, 132 SMs, "
-                                                "2048 threads/SM, 48 KiB shared/block; sanitizer: ")
+    static std::string const text = std::string(
+                                        "emulated device (pytrt_kv, CPU): H100-like description, 132 SMs, "
+                                        "2048 threads/SM, 48 KiB shared/block; sanitizer: ")
         + kSan;
     return text.c_str();
 }

@@ -70,7 +70,9 @@ def to_device(a: np.ndarray, *, pinned: bool = False, offset_elems: int = 0) -> 
     if use_torch():
         from support.arrays import to_torch
 
-        return to_torch(a, device="cpu" if pinned else "cuda", pinned=pinned, offset_elems=offset_elems)
+        return to_torch(
+            a, device="cpu" if pinned else "cuda", pinned=pinned, offset_elems=offset_elems
+        )
     from pytrt_kv._cuda import DeviceArray, HostArray
 
     if pinned:
@@ -104,9 +106,11 @@ def zero_elements(shape: tuple[int, ...], dtype: str, *, null: bool = False) -> 
         tdt = getattr(torch, dtype)
         if null:
             return torch.empty(shape, dtype=tdt, device="cuda")
-        return torch.empty(8 * nd.itemsize, dtype=torch.uint8, device="cuda")[3 * nd.itemsize :][:0].view(
-            tdt
-        ).reshape(shape)
+        return (
+            torch.empty(8 * nd.itemsize, dtype=torch.uint8, device="cuda")[3 * nd.itemsize :][:0]
+            .view(tdt)
+            .reshape(shape)
+        )
     if null:
         return DeviceView(None, 0, tuple(shape), nd)
     from pytrt_kv._cuda import DeviceArray

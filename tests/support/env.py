@@ -36,7 +36,10 @@ def real_gpu_unavailable_reason() -> str:
     from pytrt_kv import _lib
 
     if _lib.emulated():
-        return "needs a real GPU (torch.cuda / CuPy / the driver): the emulated device runs only pytrt_kv's own buffers"
+        return (
+            "needs a real GPU (torch.cuda / CuPy / the driver): the emulated device runs "
+            "only pytrt_kv's own buffers"
+        )
     return gpu_unavailable_reason()
 
 

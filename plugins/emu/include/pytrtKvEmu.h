@@ -185,7 +185,8 @@ cudaError_t cudaHostUnregister(void* ptr);
 cudaError_t cudaHostGetDevicePointer(void** devicePtr, void* hostPtr, unsigned int flags);
 cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, void const* ptr);
 cudaError_t cudaMemcpy(void* dst, void const* src, size_t bytes, cudaMemcpyKind kind);
-cudaError_t cudaMemcpyAsync(void* dst, void const* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream = nullptr);
+cudaError_t cudaMemcpyAsync(
+    void* dst, void const* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream = nullptr);
 cudaError_t cudaMemset(void* dst, int value, size_t bytes);
 cudaError_t cudaMemsetAsync(void* dst, int value, size_t bytes, cudaStream_t stream = nullptr);
 cudaError_t cudaStreamCreate(cudaStream_t* stream);
