@@ -274,6 +274,7 @@ struct Scheduler
 {
     std::vector<std::unique_ptr<Fiber>> fibers; //!< grown on demand, stacks kept
     int threads{0};                             //!< fibers of the block that runs
+    std::atomic<int> live{0};                   //!< its threads that have not exited
     Warp warps[kMAX_THREADS_PER_BLOCK / 32];
     std::atomic<int> blockArrived{0};
     // ThreadSanitizer sync objects of the block barrier, one per parity of its generation:
@@ -391,17 +392,13 @@ void fiberEntry()
     __tsan_release(&gTsanEndToken);
 #endif
     s.current.load(std::memory_order_relaxed)->status.store(FiberState::kDONE, std::memory_order_relaxed);
+    s.live.fetch_sub(1, std::memory_order_relaxed);
     switchToMain(s, true);
 }
 
 int liveThreads(Scheduler const& s)
 {
-    int live = 0;
-    for (int t = 0; t < s.threads; ++t)
-    {
-        live += s.fibers[t]->status.load(std::memory_order_relaxed) != FiberState::kDONE ? 1 : 0;
-    }
-    return live;
+    return s.live.load(std::memory_order_relaxed);
 }
 
 //! Release the barriers every live participant has reached. False when a warp exchange
@@ -524,6 +521,7 @@ bool runBlock(Scheduler& s, uint3 blockIdx, dim3 block, dim3 grid)
         f.rng = nextRandom(s.rng) | 1U;
         f.status.store(FiberState::kRUNNABLE, std::memory_order_relaxed);
     }
+    s.live.store(threads, std::memory_order_relaxed);
 #if defined(PYTRT_KV_EMU_TSAN)
     __tsan_release(&gTsanStartToken);
 #endif
