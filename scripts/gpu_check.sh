@@ -94,14 +94,15 @@ export PYTRT_KV_LIB_DIR=$BUILD/lib
 par=()
 "$PY" -c "import xdist" 2>/dev/null && par=(-n "$(( $(nproc) < 8 ? $(nproc) : 8 ))")
 # GPU tests first (marker gpu): none of them may skip for lack of a GPU or library.
-step "GPU tests (pytest -m gpu)" 1500 gpu_tests.log \
-  "$PY" -m pytest tests -m gpu -q -ra -p no:cacheprovider "${par[@]}"
+# --device gpu: on the real GPU only (never the emulated device, docs/EMULATION.md).
+step "GPU tests (pytest -m 'gpu or real_gpu')" 1500 gpu_tests.log \
+  "$PY" -m pytest tests -m "gpu or real_gpu" --device gpu -q -ra -p no:cacheprovider "${par[@]}"
 if grep -E "SKIPPED.*(no CUDA GPU|was not built)" "$OUT/gpu_tests.log" >/dev/null; then
   note "| GPU tests ran | **FAILED: GPU tests were skipped** | | gpu_tests.log |"
   failed=1
 fi
-step "CPU tests (pytest -m 'not gpu')" 900 cpu_tests.log \
-  "$PY" -m pytest tests -m "not gpu" -q -ra -p no:cacheprovider "${par[@]}"
+step "CPU tests (pytest -m 'not gpu and not real_gpu')" 900 cpu_tests.log \
+  "$PY" -m pytest tests -m "not gpu and not real_gpu" --device gpu -q -ra -p no:cacheprovider "${par[@]}"
 
 # --- TensorRT plugins through the C++ harness (no libnvinfer needed) ---------------------
 if [ -x "$BUILD/bin/pytrt_kv_plugin_harness" ]; then
