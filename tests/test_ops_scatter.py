@@ -51,7 +51,8 @@ def run_both(kw_np: dict, device_kwargs=None, **ops_kw):
     sets of caches as NumPy."""
     from pytrt_kv import ops
 
-    want = {k: (None if v is None else v.copy()) for k, v in kw_np.items()}
+    # Copy only the arrays: cache_layout / compress_mode are strings (no .copy()).
+    want = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kw_np.items()}
     ref_kw = {k: v for k, v in want.items() if k not in ("out_of_range",)}
     ref_scatter(
         ref_kw.pop("key"),
