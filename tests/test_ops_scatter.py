@@ -122,6 +122,32 @@ def test_scatter_3d_bit_exact(rng, layout, dtype, case, index):
     assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
 
 
+def random_bytes(rng, shape, dtype: str) -> np.ndarray:
+    """Uniformly random bit patterns (NaN, inf, denormals included) in the storage dtype."""
+    nd = dtypes.numpy_dtype(dtype)
+    n = int(np.prod(shape)) * nd.itemsize
+    return rng.integers(0, 256, n, dtype=np.uint8).view(nd).reshape(shape)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["nd", "hnd", "nz"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
+def test_scatter_random_bytes_move_exactly(rng, layout, dtype):
+    """Issue 16 C2: any bit pattern (NaN payloads, inf, denormals) is copied unchanged."""
+    T, H, D, NB, BS = 24, 2, 32, 4, 8
+    kw = dict(
+        key=random_bytes(rng, (T, H, D), dtype),
+        value=random_bytes(rng, (T, H, D), dtype),
+        key_cache=sentinel(cache_shape(layout, NB, BS, H, D, dtype), dtype),
+        value_cache=sentinel(cache_shape(layout, NB, BS, H, D, dtype), dtype),
+        slot_mapping=distinct_slots(rng, T, NB * BS),
+        cache_layout=layout,
+    )
+    want, got = run_both(kw)
+    assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
+    assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
+
+
 @gpu
 @pytest.mark.parametrize("layout", ["nd", "hnd", "nz"])
 @pytest.mark.parametrize("offset", [1, 2, 3])
