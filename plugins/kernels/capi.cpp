@@ -379,7 +379,9 @@ int32_t pytrt_kv_copy(void* dst, void const* src, size_t bytes, void* stream, in
 int32_t pytrt_kv_host_register(void* ptr, size_t bytes, uint32_t extraFlags)
 {
     pytrt_kv::kernels::clearLastError();
-    cudaError_t const e = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | extraFlags);
+    // Portable: the pinning holds for every device's context, not only the current one
+    // (a multi-GPU process copies from the same pinned array on any device).
+    cudaError_t const e = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable | extraFlags);
     if (e != cudaSuccess)
     {
         cudaGetLastError();
