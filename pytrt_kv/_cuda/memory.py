@@ -122,9 +122,9 @@ def read_back(buf: Buffer, stream: int) -> np.ndarray:
 
 
 class PinnedHost:
-    """Pins (cudaHostRegister, mapped and portable) a C-contiguous NumPy array for its lifetime, so that
-    it can be passed as a host-resident full cache (to ``pytrt_kv.ops`` as the array, to
-    TensorRT bindings as this object: its device-side :attr:`address`)."""
+    """Pins (cudaHostRegister, mapped and portable) a C-contiguous NumPy array for its
+    lifetime, so that it can be passed as a host-resident full cache (to ``pytrt_kv.ops``
+    as the array, to TensorRT bindings as this object: its device-side :attr:`address`)."""
 
     def __init__(self, a: np.ndarray):
         if not a.flags.c_contiguous:
