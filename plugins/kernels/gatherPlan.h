@@ -165,7 +165,9 @@ struct PlanShared
     int32_t validN;
     int32_t reservedOwner;
     int32_t missBase;
-    unsigned long long total;
+    //! Token total of the row: <= K * TBS <= INT32_MAX (checked before any launch), so
+    //! a 32-bit shared add (one instruction, not the 64-bit CAS loop).
+    int32_t total;
 };
 
 //! One thread's registers that live across phases.
@@ -360,7 +362,7 @@ PYTRT_KV_HD void planLoad(PlanArgs const& a, PlanRow const& row, PlanShared& sh,
     }
     planAtomicAdd(&sh.oldN, localOld);
     planAtomicAdd(&sh.validN, localValid);
-    planAtomicAdd64(&sh.total, static_cast<unsigned long long>(localTotal));
+    planAtomicAdd(&sh.total, static_cast<int32_t>(localTotal));
 }
 
 //! Phase 3: which ids stay in place (G5.2). Thread tid owns topk positions and slots
@@ -547,7 +549,7 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
     }
     if (tid == 0)
     {
-        int32_t const total = static_cast<int32_t>(sh.total);
+        int32_t const total = sh.total;
         status[k] = total;
         a.actualSeq[row.r] = total;
     }
