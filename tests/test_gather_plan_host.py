@@ -224,7 +224,9 @@ def test_refuses_bad_sizes(lib):
     z = np.zeros(4, np.int32)
     p = _ptr(z, ctypes.c_int32)
     u = _ptr(np.zeros(4, np.uint8), ctypes.c_uint8)
-    for rows, K, S, tbs in [(1, 2049, 1, 1), (1, 2, 0, 1), (1, 2, 1, 0), (-1, 2, 1, 1)]:
+    # (1, 2, 1, 2**30): K * TBS > INT32_MAX, the bound of the plan's 32-bit token total.
+    cases = [(1, 2049, 1, 1), (1, 2, 0, 1), (1, 2, 1, 0), (-1, 2, 1, 1), (1, 2, 1, 1 << 30)]
+    for rows, K, S, tbs in cases:
         assert lib.pytrt_kv_gather_plan_rows_host(rows, K, S, tbs, p, p, p, p, p, u, p, u) == 1
         assert lib.pytrt_kv_get_last_error()
 

@@ -54,6 +54,7 @@ def run_both(kw_np: dict, device_kwargs=None, **ops_kw):
     sets of caches as NumPy."""
     from pytrt_kv import ops
 
+    # Copy only the arrays: cache_layout / compress_mode are strings (no .copy()).
     want = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kw_np.items()}
     ref_kw = {k: v for k, v in want.items() if k not in ("out_of_range",)}
     ref_scatter(
@@ -119,6 +120,32 @@ def test_scatter_3d_bit_exact(rng, layout, dtype, case, index):
         key_cache=sentinel(cache_shape(layout, NB, BS, H, Dk, dtype), dtype),
         value_cache=sentinel(cache_shape(layout, NB, BS, H, Dv, dtype), dtype),
         slot_mapping=distinct_slots(rng, T, NB * BS, dtype=np.dtype(index)),
+        cache_layout=layout,
+    )
+    want, got = run_both(kw)
+    assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
+    assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
+
+
+def random_bytes(rng, shape, dtype: str) -> np.ndarray:
+    """Uniformly random bit patterns (NaN, inf, denormals included) in the storage dtype."""
+    nd = dtypes.numpy_dtype(dtype)
+    n = int(np.prod(shape)) * nd.itemsize
+    return rng.integers(0, 256, n, dtype=np.uint8).view(nd).reshape(shape)
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["nd", "hnd", "nz"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float8_e4m3fn"])
+def test_scatter_random_bytes_move_exactly(rng, layout, dtype):
+    """Issue 16 C2: any bit pattern (NaN payloads, inf, denormals) is copied unchanged."""
+    T, H, D, NB, BS = 24, 2, 32, 4, 8
+    kw = dict(
+        key=random_bytes(rng, (T, H, D), dtype),
+        value=random_bytes(rng, (T, H, D), dtype),
+        key_cache=sentinel(cache_shape(layout, NB, BS, H, D, dtype), dtype),
+        value_cache=sentinel(cache_shape(layout, NB, BS, H, D, dtype), dtype),
+        slot_mapping=distinct_slots(rng, T, NB * BS),
         cache_layout=layout,
     )
     want, got = run_both(kw)
@@ -246,8 +273,10 @@ def test_scatter_zero_tokens_at_any_address(rng, where):
 # --- GPU: 4-D key (compressing write) ------------------------------------------------------
 
 
-def compress_case(rng, mode, dtype, index, B, Smax, H, D, NB, BS, with_value):
-    """Valid random S6 inputs: non-overlapping runs, some heads padded, every run kind."""
+def compress_case(rng, mode, dtype, index, B, Smax, H, D, NB, BS, with_value, data=None):
+    """Valid random S6 inputs: non-overlapping runs, some heads padded, every run kind.
+    ``data(rng, shape, dtype)`` makes key/value (default: finite random values)."""
+    data = random_data if data is None else data
     seq = rng.integers(0, Smax + 1, B)
     lens = np.zeros((B, H), np.int64)
     offs = np.full((B, H), -1, np.int64)
@@ -282,8 +311,8 @@ def compress_case(rng, mode, dtype, index, B, Smax, H, D, NB, BS, with_value):
     assert nxt <= NB * BS, "test case too large for the cache"
     idt = np.dtype(index)
     kw = dict(
-        key=random_data(rng, (B, Smax, H, D), dtype),
-        value=random_data(rng, (B, Smax, H, D + 8), dtype) if with_value else None,
+        key=data(rng, (B, Smax, H, D), dtype),
+        value=data(rng, (B, Smax, H, D + 8), dtype) if with_value else None,
         key_cache=sentinel((NB, BS, 1, D), dtype),
         value_cache=sentinel((NB, BS, 1, D + 8), dtype) if with_value else None,
         slot_mapping=base.astype(idt),
@@ -322,6 +351,51 @@ def test_scatter_compress_bit_exact(rng, mode, dtype, index, shape, with_value):
     assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
     if with_value:
         assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
+
+
+def rope_mean_slots(kw) -> set[int]:
+    """The cache slots that receive a "rope" mean row (S6)."""
+    base, lens = kw["slot_mapping"], kw["compress_lens"]
+    offs = kw["compress_seq_offsets"].reshape(base.shape)
+    out = set()
+    for (b, h), slot in np.ndenumerate(base):
+        L, w, o = int(kw["seq_lens"][b]), int(lens[b, h]), int(offs[b, h])
+        if slot >= 0 and not (o == -1 or w == 0 or o == L):
+            out.add(int(slot) + o)
+    return out
+
+
+def assert_same_bits_but_nan_means(got, want, mean_slots, name):
+    """Bit-exact, except that a mean row may hold any NaN where the reference has a NaN
+    (docs/SPEC.md S6)."""
+    g = got.reshape(-1, got.shape[-1])
+    w = want.reshape(-1, want.shape[-1])
+    differ = g.view(np.uint8).reshape(g.shape[0], -1) != w.view(np.uint8).reshape(w.shape[0], -1)
+    for slot in np.flatnonzero(differ.any(axis=1)):
+        assert int(slot) in mean_slots, f"{name}: copied row {slot} differs"
+        gf, wf = g[slot].astype(np.float32), w[slot].astype(np.float32)
+        bad = (g[slot].view(np.uint8) != w[slot].view(np.uint8)).reshape(len(gf), -1).any(axis=1)
+        assert np.isnan(gf[bad]).all() and np.isnan(wf[bad]).all(), (
+            f"{name}: mean row {slot} differs outside NaN"
+        )
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("with_value", [True, False])
+def test_scatter_rope_random_bytes(rng, dtype, with_value):
+    """Issue 16 C2: random bit patterns (NaN payloads, inf, denormals) through the rope
+    compressing write: copied rows bit-exact, a NaN mean any NaN."""
+    kw = compress_case(
+        rng, "rope", dtype, "int32", 3, 9, 2, 64, 40, 7, with_value, data=random_bytes
+    )
+    want, got = run_both(kw)
+    means = rope_mean_slots(kw)
+    assert_same_bits_but_nan_means(got["key_cache"], want["key_cache"], means, "key_cache")
+    if with_value:
+        assert_same_bits_but_nan_means(
+            got["value_cache"], want["value_cache"], means, "value_cache"
+        )
 
 
 @gpu

@@ -1376,3 +1376,45 @@ def test_compressing_decode_is_fast(rng):
         )
     )
     assert elapsed < 0.5, f"took {elapsed:.3f} s"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_rope_reference_on_random_bytes(dtype):
+    """Issue 16 C2 (docs/SPEC.md S6) on random bit patterns (NaN payloads, inf,
+    denormals): the prefix and suffix rows are the tokens' exact bits; the mean row is the
+    float32 mean rounded to the dtype, or any NaN where that mean is NaN."""
+    rng = np.random.default_rng(16)
+    nd = numpy_dtype(dtype)
+    L, H, D, o, w = 12, 2, 32, 3, 5
+    key = rng.integers(0, 256, L * H * D * nd.itemsize, dtype=np.uint8).view(nd)
+    key = key.reshape(1, L, H, D)
+    cache = np.zeros((4, 8, 1, D), nd)
+    base = np.array([[0, 12]])
+    with np.errstate(all="raise"):  # the reference raises no floating-point warning
+        scatter_pa_kv_cache(
+            key,
+            None,
+            cache,
+            None,
+            base.astype(np.int32),
+            compress_lens=np.full((1, H), w, np.int32),
+            compress_seq_offsets=np.full(H, o, np.int32),
+            seq_lens=np.array([L], np.int32),
+            compress_mode="rope",
+        )
+    rows = cache.reshape(-1, D)
+    for h in range(H):
+        b = int(base[0, h])
+        copied = [(b + t, t) for t in range(o)] + [
+            (b + o + 1 + i, o + w + i) for i in range(L - o - w)
+        ]
+        for slot, t in copied:
+            assert rows[slot].tobytes() == key[0, t, h].tobytes(), (h, slot)
+        acc = np.zeros(D, np.float32)
+        with np.errstate(all="ignore"):
+            for t in range(o, o + w):
+                acc = acc + key[0, t, h].astype(np.float32)
+            mean = (acc / np.float32(w)).astype(nd)
+        nan = np.isnan(mean.astype(np.float32))
+        assert np.isnan(rows[b + o][nan].astype(np.float32)).all()
+        assert rows[b + o][~nan].tobytes() == mean[~nan].tobytes()

@@ -348,8 +348,16 @@ cudaError_t copyIfDistinct(
     {
         return cudaErrorInvalidValue;
     }
-    cudaError_t const e = cudaMemcpyAsync(
-        dst, src, static_cast<size_t>(n) * static_cast<size_t>(kernels::dataTypeSize(t)), cudaMemcpyDefault, stream);
+    size_t const bytes = static_cast<size_t>(n) * static_cast<size_t>(kernels::dataTypeSize(t));
+    auto const d = reinterpret_cast<uintptr_t>(dst);
+    auto const s = reinterpret_cast<uintptr_t>(src);
+    if (d < s + bytes && s < d + bytes)
+    {
+        // Distinct but overlapping ranges: cudaMemcpyAsync's result is undefined there
+        // (issue 16), and no binding of the in-place contract produces them.
+        return cudaErrorInvalidValue;
+    }
+    cudaError_t const e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream);
     if (e != cudaSuccess)
     {
         // Ours (cudart is linked statically): left pending, it would make every later

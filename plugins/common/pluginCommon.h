@@ -176,6 +176,7 @@ inline int32_t aliasUnlessEmpty(int32_t aliased, uint32_t emptyInputs) noexcept
 //! Copies the tensor described by \p desc from \p src to \p dst on \p stream when the two
 //! addresses differ (the in-place contract: an output bound elsewhere than its input
 //! first receives the input). Unified addressing copies host or device memory alike.
+//! Distinct but overlapping ranges are refused with cudaErrorInvalidValue.
 cudaError_t copyIfDistinct(
     void* dst, void const* src, nvinfer1::PluginTensorDesc const& desc, cudaStream_t stream) noexcept;
 

@@ -229,10 +229,12 @@ int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPe
 {
     namespace k = pytrt_kv::kernels;
     k::clearLastError();
-    if (rows < 0 || topk < 0 || topk > k::kMAX_TOPK || seqPerBatch < 1 || topkBlockSize < 1)
+    if (rows < 0 || topk < 0 || topk > k::kMAX_TOPK || seqPerBatch < 1 || topkBlockSize < 1
+        || static_cast<int64_t>(topk) * topkBlockSize > INT32_MAX)
     {
         return k::invalidArgument(
-            "gather_plan_rows_host: need rows >= 0, 0 <= K <= " PYTRT_KV_MAX_TOPK_STR ", S >= 1, TBS >= 1");
+            "gather_plan_rows_host: need rows >= 0, 0 <= K <= " PYTRT_KV_MAX_TOPK_STR
+            ", S >= 1, TBS >= 1, K * TBS <= INT32_MAX");
     }
     if (rows > 0
         && (oldStatus == nullptr || (topk > 0 && topkIndices == nullptr) || kvLen == nullptr || s == nullptr
@@ -379,7 +381,9 @@ int32_t pytrt_kv_copy(void* dst, void const* src, size_t bytes, void* stream, in
 int32_t pytrt_kv_host_register(void* ptr, size_t bytes, uint32_t extraFlags)
 {
     pytrt_kv::kernels::clearLastError();
-    cudaError_t const e = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | extraFlags);
+    // Portable: the pinning holds for every device's context, not only the current one
+    // (a multi-GPU process copies from the same pinned array on any device).
+    cudaError_t const e = cudaHostRegister(ptr, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable | extraFlags);
     if (e != cudaSuccess)
     {
         cudaGetLastError();

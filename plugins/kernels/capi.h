@@ -60,7 +60,7 @@ PYTRT_KV_API int32_t pytrt_kv_device_free(void* ptr, int32_t device);
 //! validate=True reads index values back this way; tests upload with it.
 PYTRT_KV_API int32_t pytrt_kv_copy(void* dst, void const* src, size_t bytes, void* stream, int32_t device);
 
-//! cudaHostRegister(\p ptr, \p bytes, cudaHostRegisterMapped | \p extraFlags): pins host
+//! cudaHostRegister(\p ptr, \p bytes, Mapped | Portable | \p extraFlags): pins host
 //! memory (e.g. a NumPy full cache) so that the gather kernel can read it.
 PYTRT_KV_API int32_t pytrt_kv_host_register(void* ptr, size_t bytes, uint32_t extraFlags);
 

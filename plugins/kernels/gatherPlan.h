@@ -165,7 +165,9 @@ struct PlanShared
     int32_t validN;
     int32_t reservedOwner;
     int32_t missBase;
-    unsigned long long total;
+    //! Token total of the row: <= K * TBS <= INT32_MAX (checked before any launch), so
+    //! a 32-bit shared add (one instruction, not the 64-bit CAS loop).
+    int32_t total;
 };
 
 //! One thread's registers that live across phases.
@@ -360,7 +362,7 @@ PYTRT_KV_HD void planLoad(PlanArgs const& a, PlanRow const& row, PlanShared& sh,
     }
     planAtomicAdd(&sh.oldN, localOld);
     planAtomicAdd(&sh.validN, localValid);
-    planAtomicAdd64(&sh.total, static_cast<unsigned long long>(localTotal));
+    planAtomicAdd(&sh.total, static_cast<int32_t>(localTotal));
 }
 
 //! Phase 3: which ids stay in place (G5.2). Thread tid owns topk positions and slots
@@ -505,15 +507,20 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
 {
     int32_t const k = a.topkCount;
     int32_t* status = a.status + static_cast<int64_t>(row.r) * (k + 1);
-    for (int32_t j = t.n + tid; j < k; j += kPLAN_THREADS)
-    {
-        status[j] = -1;
-    }
     int32_t const first = tid * kPLAN_ITEMS;
+    // Loads first (the block tables, in planResolve), then every store: a table load
+    // issued after a status or miss-list store would wait behind it (the compiler cannot
+    // prove that they do not alias; the contract refuses such overlap). Per item, in
+    // order: statusSlot < 0 writes no status, missed says whether a miss entry follows.
+    MissEntry miss[kPLAN_ITEMS];
+    int32_t statusSlot[kPLAN_ITEMS];
+    bool missed[kPLAN_ITEMS];
     PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
         int32_t const e = first + i;
+        statusSlot[i] = -1;
+        missed[i] = false;
         if (e >= k)
         {
             continue;
@@ -525,7 +532,7 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
         }
         if (planIsKept(sh, t, i, e))
         {
-            status[t.pinnedAt[i]] = v;
+            statusSlot[i] = t.pinnedAt[i];
             continue;
         }
         int32_t slot = -1;
@@ -537,17 +544,33 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
         {
             slot = sh.freeSlot[t.needyRank++];
         }
-        MissEntry m{-1, -1, 0, row.r, slot, v};
+        miss[i] = MissEntry{-1, -1, 0, row.r, slot, v};
+        missed[i] = true;
         if (slot >= 0 && slot < k)
         {
-            status[slot] = v;
-            m = planResolve(a, row, slot, v);
+            statusSlot[i] = slot;
+            miss[i] = planResolve(a, row, slot, v);
         }
-        a.misses[sh.missBase + t.missRank++] = m;
+    }
+    for (int32_t j = t.n + tid; j < k; j += kPLAN_THREADS)
+    {
+        status[j] = -1;
+    }
+    PYTRT_KV_UNROLL
+    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
+    {
+        if (statusSlot[i] >= 0)
+        {
+            status[statusSlot[i]] = sh.topk[first + i];
+        }
+        if (missed[i])
+        {
+            a.misses[sh.missBase + t.missRank++] = miss[i];
+        }
     }
     if (tid == 0)
     {
-        int32_t const total = static_cast<int32_t>(sh.total);
+        int32_t const total = sh.total;
         status[k] = total;
         a.actualSeq[row.r] = total;
     }

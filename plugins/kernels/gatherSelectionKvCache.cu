@@ -196,6 +196,12 @@ cudaError_t checkGather(GatherSelectionParams const& p)
             "gather: selectionMaxBlockNum must be >= ceil(topk * topkBlockSize / "
             "selectionBlockSize)");
     }
+    // The status and selection_kv_actual_seq hold a row's token total (<= topk * TBS) in
+    // int32, and the plan sums it with a 32-bit add (gatherPlan.h PlanShared::total).
+    if (static_cast<int64_t>(p.topk) * p.topkBlockSize > INT_MAX)
+    {
+        return invalidArgument("gather: topk * topkBlockSize must fit in int32");
+    }
     if (p.selectionBlockNum < 0 || p.fullBlockNum < 0 || p.fullMaxBlockNum < 0 || p.kvDim < 1 || p.kRopeDim < 0)
     {
         return invalidArgument("gather: need block counts >= 0, kvDim >= 1, kRopeDim >= 0");

@@ -122,9 +122,9 @@ def read_back(buf: Buffer, stream: int) -> np.ndarray:
 
 
 class PinnedHost:
-    """Pins (cudaHostRegister, mapped) a C-contiguous NumPy array for its lifetime, so that
-    it can be passed as a host-resident full cache (to ``pytrt_kv.ops`` as the array, to
-    TensorRT bindings as this object: its device-side :attr:`address`)."""
+    """Pins (cudaHostRegister, mapped and portable) a C-contiguous NumPy array for its
+    lifetime, so that it can be passed as a host-resident full cache (to ``pytrt_kv.ops``
+    as the array, to TensorRT bindings as this object: its device-side :attr:`address`)."""
 
     def __init__(self, a: np.ndarray):
         if not a.flags.c_contiguous:
@@ -202,17 +202,36 @@ class WorkspaceCache:
     """Gather workspaces per (device, stream): grow-only, so steady-state calls allocate
     nothing. Outgrown buffers are kept (not freed) so that CUDA graphs captured with them
     stay valid; allocation is not allowed during capture, hence the warm-up call that
-    graph capture needs (see pytrt_kv.ops)."""
+    graph capture needs (see pytrt_kv.ops).
+
+    Keying: work queued on one stream runs in order, so calls on the same explicit stream
+    may share one workspace even from several threads. The per-thread default stream
+    (handle 2, and handle 0 where the library resolves it per thread) is a different
+    stream in each thread with the same handle, so those handles -- and the legacy
+    default stream 1, kept with them for simplicity -- are keyed per calling thread:
+    otherwise two threads' plan and copy kernels would run concurrently on one miss list
+    (out of bounds when shapes differ). A CUDA graph captured with a workspace owns it:
+    the buffer is never freed while this cache lives, but replaying that graph while an
+    eager call on the same key runs concurrently is the caller's to avoid."""
+
+    # Stream handles that name a default stream: 0 (default), 1 (legacy), 2 (per-thread).
+    DEFAULT_STREAM_HANDLES = (0, 1, 2)
+
+    @staticmethod
+    def key(device: int, stream: int) -> tuple[int, int, int]:
+        """The cache key of a (device, stream) pair in the calling thread."""
+        thread = threading.get_ident() if stream in WorkspaceCache.DEFAULT_STREAM_HANDLES else 0
+        return device, stream, thread
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._current: dict[tuple[int, int], DeviceArray] = {}
+        self._current: dict[tuple[int, int, int], DeviceArray] = {}
         self._retired: list = []
 
     def get(self, device: int, stream: int, nbytes: int) -> tuple[int, int]:
         if nbytes == 0:
             return 0, 0
-        key = (device, stream)
+        key = self.key(device, stream)
         with self._lock:
             buf = self._current.get(key)
             if buf is None or buf.nbytes < nbytes:
