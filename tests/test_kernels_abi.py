@@ -97,6 +97,39 @@ def test_scatter_refuses_on_the_host(lib, name):
     assert lib.pytrt_kv_get_last_error().startswith(b"scatter:")
 
 
+def _rope(p, key_at=0x10000):
+    p.compress, p.mode, p.batch, p.maxSeqLen = True, 0, 1, 4
+    p.compressLens = p.seqLens = p.compressSeqOffsets = _ptr()
+    p.key = _ptr(key_at)
+
+
+SCATTER_LIMITS = {
+    # A token row's vectors are counted in int32 by the kernels.
+    "key row over 2 GiB": (
+        lambda p: (setattr(p, "numHeads", 2), setattr(p, "headSizeK", 1 << 29)),
+        "numHeads * headSize * itemsize must fit in int32",
+    ),
+    "value row over 2 GiB": (
+        lambda p: setattr(p, "headSizeV", 1 << 30),
+        "numHeads * headSize * itemsize must fit in int32",
+    ),
+    # The rope mean reads elements one at a time: raw pointers must be itemsize-aligned.
+    "rope key misaligned": (
+        lambda p: _rope(p, key_at=0x10001),
+        "aligned to the itemsize",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SCATTER_LIMITS))
+def test_scatter_refuses_rows_it_cannot_address(lib, name):
+    p = good_scatter()
+    breaks, message = SCATTER_LIMITS[name]
+    breaks(p)
+    assert lib.pytrt_kv_scatter_pa_kv_cache(ctypes.byref(p), None, -1) == INVALID_VALUE
+    assert message in lib.pytrt_kv_get_last_error().decode()
+
+
 def test_scatter_empty_calls_launch_nothing(lib):
     # T == 0 and NB == 0 succeed without touching the GPU (there is none here).
     for field, value in (("numTokens", 0), ("numBlocks", 0)):
@@ -160,6 +193,16 @@ GATHER_BREAKS = {
     "misaligned workspace": lambda p: setattr(p, "workspace", _ptr(0x10004)),
     "negative S": lambda p: (setattr(p, "batch", 0), setattr(p, "seqPerBatch", -1)),
 }
+
+
+def test_gather_refuses_rows_over_2_gib(lib):
+    """A token row's vectors are counted in int32 by the copy kernel."""
+    p = good_gather()
+    p.kvDim, p.kRopeDim = (1 << 30) - 4, 8  # (kvDim + kRopeDim) * 2 bytes > INT32_MAX
+    assert lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1) == INVALID_VALUE
+    assert "(kvDim + kRopeDim) * itemsize must fit in int32" in (
+        lib.pytrt_kv_get_last_error().decode()
+    )
 
 
 @pytest.mark.parametrize("name", list(GATHER_BREAKS))

@@ -981,3 +981,25 @@ def test_empty_tnd_batch_needs_no_token_rows():
             np.zeros(0, np.int32),
             selection_topk_block_size=1,
         )
+
+
+def test_topk_times_tbs_over_int32_is_refused():
+    """K*TBS > 2^31-1 cannot be a row's int32 token count (docs/SPEC.md G2); K*TBS at the
+    limit's side passes this rule."""
+    from pytrt_kv.contract.gather import check_gather
+
+    def call(topk, tbs):
+        i32, f16 = np.int32, np.float16
+        sel = np.zeros((0, tbs, 8), f16)
+        return check_gather(
+            sel, np.zeros((0, tbs, 16), f16),
+            np.zeros((1, -(-topk * tbs // tbs)), i32),
+            np.zeros((1, 1, 1, topk + 1), i32), np.zeros((1, 1, 1, topk), i32),
+            sel, np.zeros((0, tbs, 16), f16),
+            np.zeros((1, 1), i32), np.zeros(1, i32), np.zeros(1, i32),
+            selection_topk_block_size=tbs,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"selection_topk_block_size: expected K\*TBS"):
+        call(2048, 1 << 20)
+    assert call(2047, 1 << 20).topk == 2047

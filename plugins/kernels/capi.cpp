@@ -232,9 +232,8 @@ int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPe
     if (rows < 0 || topk < 0 || topk > k::kMAX_TOPK || seqPerBatch < 1 || topkBlockSize < 1
         || static_cast<int64_t>(topk) * topkBlockSize > INT32_MAX)
     {
-        return k::invalidArgument(
-            "gather_plan_rows_host: need rows >= 0, 0 <= K <= " PYTRT_KV_MAX_TOPK_STR
-            ", S >= 1, TBS >= 1, K * TBS <= INT32_MAX");
+        return k::invalidArgument("gather_plan_rows_host: need rows >= 0, 0 <= K <= " PYTRT_KV_MAX_TOPK_STR
+                                  ", S >= 1, TBS >= 1, K * TBS <= INT32_MAX");
     }
     if (rows > 0
         && (oldStatus == nullptr || (topk > 0 && topkIndices == nullptr) || kvLen == nullptr || s == nullptr

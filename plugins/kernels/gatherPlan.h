@@ -219,15 +219,6 @@ PYTRT_KV_HD int32_t planAtomicAdd(int32_t* p, int32_t x)
 #endif
 }
 
-PYTRT_KV_HD void planAtomicAdd64(unsigned long long* p, unsigned long long x)
-{
-#if defined(__CUDA_ARCH__) || defined(PYTRT_KV_EMU)
-    atomicAdd(p, x);
-#else
-    *p += x;
-#endif
-}
-
 PYTRT_KV_HD void planAtomicMin(int32_t* p, int32_t x)
 {
 #if defined(__CUDA_ARCH__) || defined(PYTRT_KV_EMU)

@@ -206,6 +206,11 @@ cudaError_t checkGather(GatherSelectionParams const& p)
     {
         return invalidArgument("gather: need block counts >= 0, kvDim >= 1, kRopeDim >= 0");
     }
+    // The copy kernel counts a token row's vectors in int32 (W >= 1 byte each).
+    if ((static_cast<int64_t>(p.kvDim) + p.kRopeDim) * item > INT_MAX)
+    {
+        return invalidArgument("gather: (kvDim + kRopeDim) * itemsize must fit in int32");
+    }
     // A pointer is required only where its tensor has elements: TensorRT passes null for
     // zero-volume tensors, and an empty cache is never addressed (every table entry is then
     // out of range, so its copies are skipped).

@@ -234,6 +234,13 @@ cudaError_t checkScatter(ScatterParams const& p)
             "scatter: numHeads, headSizeK, headSizeV (with value) and blockSize must be > 0, "
             "numBlocks >= 0");
     }
+    // The kernels count a row's vectors in int32 (W >= 1 byte each): a token row of one
+    // tensor (H * D * itemsize bytes; D * itemsize for the compressing write) fits in int32.
+    if (static_cast<int64_t>(p.numHeads) * p.headSizeK * dataTypeSize(p.keyType) > INT32_MAX
+        || (hasValue && static_cast<int64_t>(p.numHeads) * p.headSizeV * dataTypeSize(p.valueType) > INT32_MAX))
+    {
+        return invalidArgument("scatter: numHeads * headSize * itemsize must fit in int32 for key and value");
+    }
     if (!p.compress)
     {
         if (p.numTokens < 0)
@@ -274,6 +281,18 @@ cudaError_t checkScatter(ScatterParams const& p)
         return invalidArgument(
             "scatter: rope compression needs float32, float16 or bfloat16 key and the same "
             "value dtype");
+    }
+    // The mean row is read and written one element at a time: every tensor must be aligned
+    // to its element size (always true for framework tensors; raw pointers may not be).
+    if (p.mode == CompressMode::kROPE && !empty)
+    {
+        auto const misaligned = [&](void const* ptr) {
+            return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(dataTypeSize(p.keyType)) != 0;
+        };
+        if (misaligned(p.key) || misaligned(p.keyCache) || misaligned(p.value) || misaligned(p.valueCache))
+        {
+            return invalidArgument("scatter: rope compression needs key, value and caches aligned to the itemsize");
+        }
     }
     return cudaSuccess;
 }

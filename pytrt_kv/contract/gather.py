@@ -95,6 +95,7 @@ __all__ = [
 
 #: docs/SPEC.md G2: largest K, for every TBS (one source for every language: limits.py).
 MAX_TOPK = limits.MAX_TOPK
+INT32_MAX = 2**31 - 1
 
 #: The ten tensors of the op, in its order.
 GATHER_ARG_NAMES = _ARG_NAMES = (
@@ -401,6 +402,12 @@ def _check_selection_table(
         raise value_error(
             "selection_topk_block_size",
             f"a divisor of FBS = {fbs} (block size of full_kv_cache)",
+            tbs,
+        )
+    if topk * tbs > INT32_MAX:
+        raise value_error(
+            "selection_topk_block_size",
+            f"K*TBS <= 2^31-1 with K = {topk} (a row's token count is an int32)",
             tbs,
         )
     stab = shapes["selection_kv_block_table"]
