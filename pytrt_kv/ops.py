@@ -51,7 +51,12 @@ from ._cuda import Buffer
 from .contract.alias import buffer_range, check_no_alias
 from .contract.errors import describe, value_error
 from .contract.gather import GATHER_WRITTEN, check_gather, check_gather_values
-from .contract.scatter import SCATTER_WRITTEN, check_scatter, check_scatter_values
+from .contract.scatter import (
+    SCATTER_WRITTEN,
+    check_scale_values,
+    check_scatter,
+    check_scatter_values,
+)
 
 __all__ = [
     "scatter_pa_kv_cache",
@@ -138,6 +143,8 @@ def scatter_pa_kv_cache(
     seq_lens: Any = None,
     cache_layout: str | None = None,
     compress_mode: str | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
     stream: Any = None,
     validate: bool = False,
 ) -> None:
@@ -155,10 +162,15 @@ def scatter_pa_kv_cache(
         ``[B]`` (4-D key only)
     cache_layout : {"nd", "nz", "hnd"} or None (auto-detected from the shapes)
     compress_mode : {"rope", "omni", "alibi"} or None
+    k_scale, v_scale : GPU buffers or None, float32 ``[]`` or ``[H]`` (3-D key only)
+        Quantise key (value) on write into a float8_e4m3fn or int8 cache (docs/SPEC.md S9).
+        The kernel trusts their values (finite, > 0) unless ``validate=True``.
     stream : stream object, int handle or None (the framework's current stream)
     validate : bool
-        Read the index values back and apply every value rule of the reference (raises
-        ValueError like the reference; synchronizes ``stream``).
+        Read the index values (and scales) back and apply every value rule of the
+        reference (raises ValueError like the reference; synchronizes ``stream``). The
+        data is not read: a NaN quantised into an int8 cache becomes 0 (the reference
+        refuses it).
 
     Raises
     ------
@@ -186,6 +198,8 @@ def scatter_pa_kv_cache(
         seq_lens=seq_lens,
         cache_layout=cache_layout,
         compress_mode=compress_mode,
+        k_scale=k_scale,
+        v_scale=v_scale,
         stream=stream,
         validate=validate,
     )
@@ -233,6 +247,8 @@ def prepare_scatter(
     seq_lens: Any = None,
     cache_layout: str | None = None,
     compress_mode: str | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
     stream: Any = None,
     validate: bool = False,
 ) -> Launch:
@@ -247,6 +263,8 @@ def prepare_scatter(
         "compress_lens": compress_lens,
         "compress_seq_offsets": compress_seq_offsets,
         "seq_lens": seq_lens,
+        "k_scale": k_scale,
+        "v_scale": v_scale,
     }
     bufs = _buffers(named)
     meta = check_scatter(
@@ -260,6 +278,8 @@ def prepare_scatter(
         bufs["seq_lens"],
         cache_layout,
         compress_mode,
+        bufs["k_scale"],
+        bufs["v_scale"],
     )
     device = _place(bufs)
     _check_alias(bufs, SCATTER_WRITTEN)
@@ -278,6 +298,11 @@ def prepare_scatter(
             compress_seq_offsets=idx["compress_seq_offsets"],
             seq_lens=idx["seq_lens"],
         )
+        scales = {
+            k: (None if (b := bufs[k]) is None else _cuda.read_back(b, handle))
+            for k in ("k_scale", "v_scale")
+        }
+        check_scale_values(meta, scales["k_scale"], scales["v_scale"])
     p = _cuda.ScatterParams()
     p.key, p.value = _ptr(bufs["key"]), _ptr(bufs["value"])
     p.keyCache, p.valueCache = _ptr(bufs["key_cache"]), _ptr(bufs["value_cache"])
@@ -293,6 +318,12 @@ def prepare_scatter(
     p.numTokens, p.batch, p.maxSeqLen = meta.num_tokens, meta.batch, meta.max_seq_len
     p.numHeads, p.headSizeK, p.headSizeV = meta.num_heads, meta.head_size_k, meta.head_size_v
     p.numBlocks, p.blockSize = meta.num_blocks, meta.block_size
+    p.kScale, p.vScale = _ptr(bufs["k_scale"]), _ptr(bufs["v_scale"])
+    p.keyCacheType = _cuda.DTYPE_CODE[meta.key_cache_dtype or meta.key_dtype]
+    p.valueCacheType = _cuda.DTYPE_CODE[
+        meta.value_cache_dtype or meta.value_dtype or meta.key_cache_dtype or meta.key_dtype
+    ]
+    p.kScaleCount, p.vScaleCount = meta.k_scale_count, meta.v_scale_count
     if (
         meta.num_slots == 0
         or (meta.num_tokens == 0 and not meta.compress)

@@ -17,10 +17,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from .contract import specs
+from .contract.dtypes import name_of, numpy_dtype
 from .contract.gather import RowPlan, check_gather, check_gather_numpy, check_gather_values, id_size
-from .contract.scatter import ScatterMeta, check_scatter, check_scatter_numpy, check_scatter_values
+from .contract.scatter import (
+    ScatterMeta,
+    check_scale_values,
+    check_scatter,
+    check_scatter_numpy,
+    check_scatter_values,
+)
 
-__all__ = ["scatter_pa_kv_cache", "gather_selection_kv_cache"]
+__all__ = ["scatter_pa_kv_cache", "gather_selection_kv_cache", "quantise"]
 
 #: Unsigned type of each element size: the byte-moving view of any data dtype.
 _BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
@@ -50,6 +58,20 @@ def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray, slots: 
         out[blk, :, off, :] = rows  # indexes [n, H, D]
     else:  # "nz": f = h*D + d -> [f // L, f % L]
         out[blk, :, off, :] = rows.reshape(len(s), out.shape[1], out.shape[3])
+
+
+def quantise(src: np.ndarray, scale: np.ndarray, cache_dtype: str) -> np.ndarray:
+    """docs/SPEC.md S9: ``convert(clamp(float32(x) / float32(scale[h]), -M, M))`` for
+    ``src [T, H, D]`` and a scale ``[]`` or ``[H]``; round to nearest even; NaN stays NaN
+    in float8_e4m3fn (int8 sources must hold no NaN: the caller checks)."""
+    s = np.asarray(scale, np.float32).reshape(-1)
+    per = s[None, :, None] if s.size > 1 else s[0]
+    m = np.float32(specs.SCATTER_QUANT_MAX[cache_dtype])
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        v = np.clip(src.astype(np.float32) / per, -m, m)  # NaN stays NaN
+        if cache_dtype == specs.INT8:
+            return np.rint(v).astype(np.int8)
+        return v.astype(numpy_dtype(cache_dtype))
 
 
 def _plan_run(
@@ -110,6 +132,8 @@ def scatter_pa_kv_cache(
     seq_lens: np.ndarray | None = None,
     cache_layout: str | None = None,
     compress_mode: str | None = None,
+    k_scale: np.ndarray | None = None,
+    v_scale: np.ndarray | None = None,
 ) -> None:
     """Write new key/value tokens into a paged KV cache, in place (docs/SPEC.md S).
 
@@ -143,6 +167,9 @@ def scatter_pa_kv_cache(
         3-D key only; detected from the shapes when None (an error if ambiguous).
     compress_mode : {"rope", "omni", "alibi"}, optional
         4-D key only; default "rope" when compress_seq_offsets is given, else "alibi".
+    k_scale, v_scale : numpy.ndarray, float32 ``[]`` or ``[H]``, optional
+        3-D key only: quantise key (value) on write into a float8_e4m3fn or int8 cache
+        (docs/SPEC.md S9); finite and > 0.
 
     Raises
     ------
@@ -180,6 +207,8 @@ def scatter_pa_kv_cache(
         "compress_lens": compress_lens,
         "compress_seq_offsets": compress_seq_offsets,
         "seq_lens": seq_lens,
+        "k_scale": k_scale,
+        "v_scale": v_scale,
     }
     meta = check_scatter(
         key,
@@ -192,8 +221,11 @@ def scatter_pa_kv_cache(
         seq_lens=seq_lens,
         cache_layout=cache_layout,
         compress_mode=compress_mode,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     check_scatter_numpy(args)
+    check_scale_values(meta, k_scale, v_scale, key, value)
     check_scatter_values(
         meta,
         slot_mapping,
@@ -206,7 +238,9 @@ def scatter_pa_kv_cache(
         pairs.append((value, value_cache))
     if not meta.compress:
         slots = slot_mapping.astype(np.int64)
-        for src, cache in pairs:
+        for (src, cache), scale in zip(pairs, (k_scale, v_scale)):
+            if scale is not None:  # S9: check_scatter required a quantised cache dtype
+                src = quantise(src, scale, str(name_of(cache.dtype)))
             _write_tokens(meta, src, cache, slots)
         return
     # check_scatter required these two for a 4-D key (and offsets for rope / omni).

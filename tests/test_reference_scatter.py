@@ -420,6 +420,8 @@ def test_check_scatter_on_descriptors():
         head_size_v=64,
         num_blocks=2,
         block_size=32,
+        key_cache_dtype="float16",
+        value_cache_dtype="float16",
     )
     meta = check_scatter(
         Desc((3, 9, 2, 8), "bfloat16"),
@@ -447,6 +449,7 @@ def test_check_scatter_on_descriptors():
         head_size_v=0,
         num_blocks=6,
         block_size=4,
+        key_cache_dtype="bfloat16",
     )
     assert meta.num_slots == 24
 

@@ -20,9 +20,10 @@ using pytrt_kv::kernels::ScatterParams;
 namespace
 {
 static_assert(sizeof(void*) == 8, "64-bit only");
-static_assert(sizeof(ScatterParams) == 136, "ScatterParams layout changed: update pytrt_kv/ops.py");
+static_assert(sizeof(ScatterParams) == 168, "ScatterParams layout changed: update pytrt_kv/ops.py");
 static_assert(offsetof(ScatterParams, keyType) == 64 && offsetof(ScatterParams, compress) == 76
-        && offsetof(ScatterParams, numTokens) == 88 && offsetof(ScatterParams, numBlocks) == 120,
+        && offsetof(ScatterParams, numTokens) == 88 && offsetof(ScatterParams, numBlocks) == 120
+        && offsetof(ScatterParams, kScale) == 136 && offsetof(ScatterParams, vScaleCount) == 164,
     "ScatterParams layout changed: update pytrt_kv/ops.py");
 static_assert(sizeof(GatherSelectionParams) == 160, "GatherSelectionParams layout changed: update pytrt_kv/ops.py");
 static_assert(offsetof(GatherSelectionParams, cacheType) == 80
@@ -144,7 +145,9 @@ int32_t pytrt_kv_params_layout(int32_t which, int64_t* out, int32_t capacity)
                 PYTRT_KV_OFF(T, valueType), PYTRT_KV_OFF(T, indexType), PYTRT_KV_OFF(T, compress),
                 PYTRT_KV_OFF(T, layout), PYTRT_KV_OFF(T, mode), PYTRT_KV_OFF(T, numTokens), PYTRT_KV_OFF(T, batch),
                 PYTRT_KV_OFF(T, maxSeqLen), PYTRT_KV_OFF(T, numHeads), PYTRT_KV_OFF(T, headSizeK),
-                PYTRT_KV_OFF(T, headSizeV), PYTRT_KV_OFF(T, numBlocks), PYTRT_KV_OFF(T, blockSize)});
+                PYTRT_KV_OFF(T, headSizeV), PYTRT_KV_OFF(T, numBlocks), PYTRT_KV_OFF(T, blockSize),
+                PYTRT_KV_OFF(T, kScale), PYTRT_KV_OFF(T, vScale), PYTRT_KV_OFF(T, keyCacheType),
+                PYTRT_KV_OFF(T, valueCacheType), PYTRT_KV_OFF(T, kScaleCount), PYTRT_KV_OFF(T, vScaleCount)});
     }
     if (which == 1)
     {

@@ -24,7 +24,7 @@ constexpr int32_t kVERSION_PATCH{0};
 //! pytrt_kv_version(): major * 10000 + minor * 100 + patch.
 constexpr int32_t kVERSION_NUMBER{100};
 //! pytrt_kv_abi_version(): layout version of ScatterParams / GatherSelectionParams.
-constexpr int32_t kABI_VERSION{1};
+constexpr int32_t kABI_VERSION{2};
 
 //! docs/SPEC.md G2: largest K of GatherSelectionKvCache (any TBS).
 constexpr int32_t kMAX_TOPK{2048};
@@ -83,8 +83,10 @@ constexpr int32_t kIN_SLOT_MAPPING{4};
 constexpr int32_t kIN_COMPRESS_LENS{5};
 constexpr int32_t kIN_COMPRESS_SEQ_OFFSETS{6};
 constexpr int32_t kIN_SEQ_LENS{7};
-constexpr int32_t kNB_INPUTS{8};
-constexpr char const* kINPUT_NAMES[kNB_INPUTS]{"key", "value", "key_cache", "value_cache", "slot_mapping", "compress_lens", "compress_seq_offsets", "seq_lens"};
+constexpr int32_t kIN_K_SCALE{8};
+constexpr int32_t kIN_V_SCALE{9};
+constexpr int32_t kNB_INPUTS{10};
+constexpr char const* kINPUT_NAMES[kNB_INPUTS]{"key", "value", "key_cache", "value_cache", "slot_mapping", "compress_lens", "compress_seq_offsets", "seq_lens", "k_scale", "v_scale"};
 //! Output positions and names.
 constexpr int32_t kOUT_KEY_CACHE_OUT{0};
 constexpr int32_t kOUT_VALUE_CACHE_OUT{1};

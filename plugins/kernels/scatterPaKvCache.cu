@@ -8,9 +8,11 @@
 #include "kvDispatch.cuh"
 #include "kvError.h"
 #include "kvLaunch.h"
+#include "kvQuant.h"
 #include "scatterRows.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace pytrt_kv
 {
@@ -125,6 +127,109 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterTokensKernel(TokenArgs<
     }
 }
 
+//! docs/SPEC.md S9 for one tensor: the geometry of TokenRows in cache bytes (1-byte
+//! elements), a float source read N elements (one chunk) at a time, and the scale.
+struct QuantRows
+{
+    char const* src{nullptr};
+    char* dst{nullptr};
+    int64_t segBytes{0}; //!< cache bytes (= elements) per segment: H*D (nd), D (hnd), 32 (nz)
+    int32_t nseg{0};
+    Divider chunksPerSegment{1, 0}; //!< segBytes / N
+    float const* scale{nullptr};
+    bool perHead{false};
+    Divider chunksPerHead{1, 0}; //!< D / N: chunk c of a token row belongs to head c / (D / N)
+};
+
+template <typename IndexT>
+struct QuantArgs
+{
+    IndexT const* slots;
+    QuantRows rows[2];
+    int32_t numTensors;
+    int64_t numTokens;
+    int64_t cacheRows;
+    Divider blockSize;
+    int32_t group;
+};
+
+//! docs/SPEC.md S9: as scatterTokensKernel, but each lane loads N source elements (one
+//! vector of N * sizeof(SrcT) bytes), converts them with Q and stores N cache bytes: the
+//! conversion rides the same vector path, no extra pass over the tokens.
+template <typename IndexT, typename SrcT, typename Q, int N>
+__global__ void __launch_bounds__(kBLOCK_THREADS) scatterQuantTokensKernel(QuantArgs<IndexT> const a)
+{
+    constexpr int kSRC_BYTES = N * static_cast<int>(sizeof(SrcT));
+    using SrcV = typename VecOf<kSRC_BYTES>::Type;
+    using DstV = typename VecOf<N>::Type;
+    int32_t const groupsPerBlock = kBLOCK_THREADS / a.group;
+    int32_t const lane = threadIdx.x % a.group;
+    int64_t const stride = static_cast<int64_t>(gridDim.x) * groupsPerBlock;
+    int32_t const tensorShift = a.numTensors - 1;
+    int64_t const tasks = a.numTokens << tensorShift;
+    for (int64_t task = static_cast<int64_t>(blockIdx.x) * groupsPerBlock + threadIdx.x / a.group; task < tasks;
+        task += stride)
+    {
+        int64_t const t = task >> tensorShift;
+        QuantRows const& r = (task & tensorShift) == 0 ? a.rows[0] : a.rows[1];
+        IndexT const rawSlot = a.slots[t];
+        Divider const cps = r.chunksPerSegment;
+        int32_t const nChunks = r.nseg * static_cast<int32_t>(cps.divisor);
+        char const* src = r.src + t * nChunks * static_cast<int64_t>(kSRC_BYTES);
+        float const tensorScale = r.perHead ? 1.0F : __ldg(r.scale);
+        int64_t const segStride = a.blockSize.divisor * r.segBytes;
+        char* dstBase = nullptr;
+        bool first = true;
+        for (int32_t base = lane; base < nChunks; base += a.group * kUNROLL)
+        {
+            SrcV buf[kUNROLL];
+#pragma unroll
+            for (int u = 0; u < kUNROLL; ++u)
+            {
+                int32_t const idx = base + u * a.group;
+                if (idx < nChunks)
+                {
+                    buf[u] = __ldg(reinterpret_cast<SrcV const*>(src + static_cast<int64_t>(idx) * kSRC_BYTES));
+                }
+            }
+            if (first)
+            {
+                first = false;
+                int64_t const slot = static_cast<int64_t>(rawSlot);
+                if (slot < 0 || slot >= a.cacheRows)
+                {
+                    break; // padding, or a row outside the cache: never written
+                }
+                int64_t const blk = a.blockSize.div(slot);
+                int64_t const off = slot - blk * a.blockSize.divisor;
+                dstBase = r.dst + (blk * r.nseg * a.blockSize.divisor + off) * r.segBytes;
+            }
+#pragma unroll
+            for (int u = 0; u < kUNROLL; ++u)
+            {
+                int32_t const idx = base + u * a.group;
+                if (idx < nChunks)
+                {
+                    float const scale = r.perHead ? __ldg(r.scale + r.chunksPerHead.div32(idx)) : tensorScale;
+                    SrcT e[N];
+                    memcpy(e, &buf[u], kSRC_BYTES);
+                    unsigned char q[N];
+#pragma unroll
+                    for (int j = 0; j < N; ++j)
+                    {
+                        q[j] = quantise<Q>(FloatIO<SrcT>::toFloat(e[j]), scale);
+                    }
+                    DstV out;
+                    memcpy(&out, q, N);
+                    int32_t const seg = r.nseg == 1 ? 0 : cps.div32(idx);
+                    int32_t const within = idx - seg * static_cast<int32_t>(cps.divisor);
+                    __stwb(reinterpret_cast<DstV*>(dstBase + seg * segStride + static_cast<int64_t>(within) * N), out);
+                }
+            }
+        }
+    }
+}
+
 //! Non-"rope" instantiations carry no float type.
 struct NoMean
 {
@@ -201,6 +306,74 @@ bool isFloatType(DataType t)
     return t == DataType::kFLOAT32 || t == DataType::kFLOAT16 || t == DataType::kBFLOAT16;
 }
 
+bool isQuantCacheType(DataType t)
+{
+    return t == DataType::kFP8_E4M3 || t == DataType::kINT8;
+}
+
+bool misalignedTo(void const* ptr, int32_t bytes)
+{
+    return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(bytes) != 0;
+}
+
+//! Element size of the key (\p key) or value cache: the source's, or the quantised type's.
+int32_t cacheItemSize(ScatterParams const& p, bool key)
+{
+    if (key)
+    {
+        return dataTypeSize(p.kScale != nullptr ? p.keyCacheType : p.keyType);
+    }
+    return dataTypeSize(p.vScale != nullptr ? p.valueCacheType : p.valueType);
+}
+
+//! docs/SPEC.md S9 rules the kernels can check (the scales' values are trusted).
+cudaError_t checkQuantise(ScatterParams const& p, bool empty)
+{
+    if (p.kScale == nullptr && p.vScale == nullptr)
+    {
+        return cudaSuccess;
+    }
+    if (p.compress)
+    {
+        return invalidArgument("scatter: kScale/vScale apply to a 3-D key only (docs/SPEC.md S9)");
+    }
+    if (p.vScale != nullptr && p.value == nullptr && !empty)
+    {
+        return invalidArgument("scatter: vScale needs value and valueCache");
+    }
+    struct One
+    {
+        void const* scale;
+        void const* src;
+        DataType srcType;
+        DataType cacheType;
+        int32_t count;
+    };
+    for (One const& t : {One{p.kScale, p.key, p.keyType, p.keyCacheType, p.kScaleCount},
+             One{p.vScale, p.value, p.valueType, p.valueCacheType, p.vScaleCount}})
+    {
+        if (t.scale == nullptr)
+        {
+            continue;
+        }
+        if (!isFloatType(t.srcType) || !isQuantCacheType(t.cacheType))
+        {
+            return invalidArgument(
+                "scatter: quantise on write needs a float32, float16 or bfloat16 source and a kFP8_E4M3 or "
+                "kINT8 cache");
+        }
+        if (t.count != 1 && t.count != p.numHeads)
+        {
+            return invalidArgument("scatter: kScaleCount/vScaleCount must be 1 (per tensor) or numHeads (per head)");
+        }
+        if (misalignedTo(t.scale, 4) || (!empty && t.src != nullptr && misalignedTo(t.src, dataTypeSize(t.srcType))))
+        {
+            return invalidArgument("scatter: quantise on write needs scales and sources aligned to their itemsize");
+        }
+    }
+    return cudaSuccess;
+}
+
 //! True when a call with these sizes writes nothing. Its tensors may then have no elements,
 //! and TensorRT passes null for zero-volume tensors, so no pointer is required.
 bool writesNothing(ScatterParams const& p)
@@ -252,17 +425,20 @@ cudaError_t checkScatter(ScatterParams const& p)
             return invalidArgument("scatter: layout must be kND, kNZ or kHND");
         }
         if (p.layout == CacheLayout::kNZ
-            && ((static_cast<int64_t>(p.numHeads) * p.headSizeK * dataTypeSize(p.keyType)) % 32 != 0
-                || (hasValue
-                    && (static_cast<int64_t>(p.numHeads) * p.headSizeV * dataTypeSize(p.valueType)) % 32 != 0)))
+            && ((static_cast<int64_t>(p.numHeads) * p.headSizeK * cacheItemSize(p, true)) % 32 != 0
+                || (hasValue && (static_cast<int64_t>(p.numHeads) * p.headSizeV * cacheItemSize(p, false)) % 32 != 0)))
         {
             return invalidArgument("scatter: nz layout needs H*D*itemsize % 32 == 0 for key and value");
         }
-        return cudaSuccess;
+        return checkQuantise(p, empty);
     }
     if (p.batch < 0 || p.maxSeqLen < 0)
     {
         return invalidArgument("scatter: batch and maxSeqLen must be >= 0");
+    }
+    if (p.kScale != nullptr || p.vScale != nullptr)
+    {
+        return checkQuantise(p, empty);
     }
     if (p.mode != CompressMode::kROPE && p.mode != CompressMode::kOMNI && p.mode != CompressMode::kALIBI)
     {
@@ -352,6 +528,116 @@ cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
     });
 }
 
+//! docs/SPEC.md S9: one launch converting key (and value, when \p numTensors is 2, with
+//! the same source and cache types) into its quantised cache.
+template <typename IndexT>
+cudaError_t launchQuantTokens(ScatterParams const& p, int32_t numTensors, cudaStream_t stream)
+{
+    QuantArgs<IndexT> a{};
+    a.slots = static_cast<IndexT const*>(p.slotMapping);
+    a.numTensors = numTensors;
+    a.numTokens = p.numTokens;
+    a.cacheRows = p.numBlocks * p.blockSize;
+    a.blockSize = Divider::make(p.blockSize);
+    int32_t const srcSize = dataTypeSize(p.keyType);
+    int32_t const chunkMax = 16 / srcSize; // 16-byte source vectors
+    uint64_t dstAlign = 16;
+    uint64_t srcAlign = 16;
+    for (int32_t k = 0; k < numTensors; ++k)
+    {
+        int64_t const headSize = k == 0 ? p.headSizeK : p.headSizeV;
+        int64_t const rowElems = p.numHeads * headSize;
+        QuantRows& r = a.rows[k];
+        r.src = static_cast<char const*>(k == 0 ? p.key : p.value);
+        r.dst = static_cast<char*>(k == 0 ? p.keyCache : p.valueCache);
+        r.scale = static_cast<float const*>(k == 0 ? p.kScale : p.vScale);
+        r.perHead = (k == 0 ? p.kScaleCount : p.vScaleCount) > 1;
+        switch (p.layout)
+        {
+        case CacheLayout::kND: r.segBytes = rowElems; break;
+        case CacheLayout::kHND: r.segBytes = headSize; break;
+        case CacheLayout::kNZ: r.segBytes = 32; break;
+        }
+        r.nseg = static_cast<int32_t>(rowElems / r.segBytes);
+        dstAlign
+            = static_cast<uint64_t>(vectorWidth({static_cast<uint64_t>(dstAlign), reinterpret_cast<uint64_t>(r.dst),
+                static_cast<uint64_t>(r.segBytes), static_cast<uint64_t>(r.perHead ? headSize : 16)}));
+        srcAlign = static_cast<uint64_t>(vectorWidth({srcAlign, reinterpret_cast<uint64_t>(r.src)}));
+    }
+    // N elements a chunk: the widest the addresses, segments (and heads, per-head scales)
+    // allow, else one element at a time.
+    int64_t const fit = std::min<int64_t>(static_cast<int64_t>(dstAlign), static_cast<int64_t>(srcAlign) / srcSize);
+    int32_t const chunk = fit >= chunkMax ? chunkMax : 1;
+    int64_t maxChunks = 0;
+    for (int32_t k = 0; k < numTensors; ++k)
+    {
+        QuantRows& r = a.rows[k];
+        int64_t const headSize = k == 0 ? p.headSizeK : p.headSizeV;
+        r.chunksPerSegment = Divider::make(r.segBytes / chunk);
+        r.chunksPerHead = Divider::make(r.perHead ? headSize / chunk : 1);
+        maxChunks = std::max<int64_t>(maxChunks, p.numHeads * headSize / chunk);
+    }
+    if (numTensors == 1)
+    {
+        a.rows[1] = a.rows[0];
+    }
+    a.group = groupSize(maxChunks);
+    auto launch = [&](auto srcTag, auto quantTag, auto n) {
+        using SrcT = typename decltype(srcTag)::Type;
+        using Q = typename decltype(quantTag)::Type;
+        constexpr auto kernel = scatterQuantTokensKernel<IndexT, SrcT, Q, decltype(n)::value>;
+        int64_t const grid = residentGridSize<kernel>(a.numTokens * a.numTensors, a.group);
+        PYTRT_KV_LAUNCH("scatterQuantTokensKernel", kernel, static_cast<unsigned>(grid), kBLOCK_THREADS, stream, a);
+        return recordLaunch(cudaGetLastError(), "scatterQuantTokensKernel");
+    };
+    return dispatchFloatType(p.keyType, [&](auto srcTag) {
+        using SrcT = typename decltype(srcTag)::Type;
+        constexpr int kCHUNK = 16 / static_cast<int>(sizeof(SrcT));
+        auto withQuant = [&](auto quantTag) {
+            return chunk == kCHUNK ? launch(srcTag, quantTag, std::integral_constant<int, kCHUNK>{})
+                                   : launch(srcTag, quantTag, std::integral_constant<int, 1>{});
+        };
+        return p.keyCacheType == DataType::kINT8 ? withQuant(TypeTag<QuantInt8>{}) : withQuant(TypeTag<QuantE4m3>{});
+    });
+}
+
+//! A 3-D key: one launch for both tensors when they are written alike (both copied, or
+//! both quantised from one source type into one cache type), else one launch per tensor.
+template <typename IndexT>
+cudaError_t launchTokenWrites(ScatterParams const& p, cudaStream_t stream)
+{
+    bool const hasValue = p.value != nullptr;
+    bool const quantKey = p.kScale != nullptr;
+    bool const quantValue = hasValue && p.vScale != nullptr;
+    if (!quantKey && !quantValue)
+    {
+        return launchTokens<IndexT>(p, stream);
+    }
+    if (hasValue && quantKey && quantValue && p.keyType == p.valueType && p.keyCacheType == p.valueCacheType)
+    {
+        return launchQuantTokens<IndexT>(p, 2, stream);
+    }
+    ScatterParams keyOnly = p;
+    keyOnly.value = nullptr;
+    keyOnly.valueCache = nullptr;
+    keyOnly.vScale = nullptr;
+    cudaError_t const st
+        = quantKey ? launchQuantTokens<IndexT>(keyOnly, 1, stream) : launchTokens<IndexT>(keyOnly, stream);
+    if (st != cudaSuccess || !hasValue)
+    {
+        return st;
+    }
+    ScatterParams valueOnly = keyOnly;
+    valueOnly.key = p.value;
+    valueOnly.keyCache = p.valueCache;
+    valueOnly.keyType = p.valueType;
+    valueOnly.keyCacheType = p.valueCacheType;
+    valueOnly.headSizeK = p.headSizeV;
+    valueOnly.kScale = p.vScale;
+    valueOnly.kScaleCount = p.vScaleCount;
+    return quantValue ? launchQuantTokens<IndexT>(valueOnly, 1, stream) : launchTokens<IndexT>(valueOnly, stream);
+}
+
 template <typename IndexT>
 cudaError_t launchRuns(ScatterParams const& p, cudaStream_t stream)
 {
@@ -420,7 +706,7 @@ cudaError_t launchScatterPaKvCache(ScatterParams const& params, cudaStream_t str
     }
     return dispatchIndexType(params.indexType, [&](auto indexTag) {
         using IndexT = typename decltype(indexTag)::Type;
-        return params.compress ? launchRuns<IndexT>(params, stream) : launchTokens<IndexT>(params, stream);
+        return params.compress ? launchRuns<IndexT>(params, stream) : launchTokenWrites<IndexT>(params, stream);
     });
 }
 

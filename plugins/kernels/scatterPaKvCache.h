@@ -42,8 +42,8 @@ struct ScatterParams
     void const* compressSeqOffsets{nullptr}; //!< [B*H] (4-D only); nullptr allowed for alibi
     void const* seqLens{nullptr};            //!< [B] (4-D only)
 
-    DataType keyType{DataType::kFLOAT16};   //!< dtype of key and keyCache
-    DataType valueType{DataType::kFLOAT16}; //!< dtype of value and valueCache
+    DataType keyType{DataType::kFLOAT16};   //!< dtype of key (and of keyCache without kScale)
+    DataType valueType{DataType::kFLOAT16}; //!< dtype of value (and of valueCache without vScale)
     DataType indexType{DataType::kINT32};   //!< kINT32 or kINT64, shared by all index tensors
 
     bool compress{false};                    //!< true: 4-D key, docs/SPEC.md S6
@@ -58,6 +58,15 @@ struct ScatterParams
     int32_t headSizeV{0}; //!< Dv
     int64_t numBlocks{0}; //!< NB (same for both caches)
     int32_t blockSize{0}; //!< BS (same for both caches)
+    // docs/SPEC.md S9, quantise on write (3-D key only): with kScale set, key (float32,
+    // float16 or bfloat16) is written into keyCache as keyCacheType (kFP8_E4M3 or kINT8),
+    // q = convert(clamp(float(x) / scale[h], -M, M)); likewise value with vScale.
+    void const* kScale{nullptr};                  //!< float32 [kScaleCount]; nullptr: bytes copied
+    void const* vScale{nullptr};                  //!< float32 [vScaleCount]; nullptr: bytes copied
+    DataType keyCacheType{DataType::kFP8_E4M3};   //!< with kScale: dtype of keyCache
+    DataType valueCacheType{DataType::kFP8_E4M3}; //!< with vScale: dtype of valueCache
+    int32_t kScaleCount{0};                       //!< with kScale: 1 (per tensor) or numHeads (per head)
+    int32_t vScaleCount{0};                       //!< with vScale: 1 or numHeads
 };
 
 //! Enqueue one scatter call on \p stream: a single launch, no host synchronization, no

@@ -52,6 +52,12 @@ class ScatterParams(ctypes.Structure):
         ("headSizeV", ctypes.c_int32),
         ("numBlocks", ctypes.c_int64),
         ("blockSize", ctypes.c_int32),
+        ("kScale", ctypes.c_void_p),
+        ("vScale", ctypes.c_void_p),
+        ("keyCacheType", ctypes.c_int32),
+        ("valueCacheType", ctypes.c_int32),
+        ("kScaleCount", ctypes.c_int32),
+        ("vScaleCount", ctypes.c_int32),
     ]
 
 

@@ -49,7 +49,7 @@ class DeviceArray:
     @classmethod
     def from_numpy(cls, a: np.ndarray, device: int = -1) -> DeviceArray:
         """A device copy of the NumPy array ``a`` (synchronous)."""
-        a = np.ascontiguousarray(a)
+        a = np.array(a, order="C", copy=None)  # keeps a 0-d array 0-d
         return cls(a.shape, a.dtype, device).copy_from(a)
 
     @property
@@ -72,7 +72,7 @@ class DeviceArray:
     def copy_from(self, host: np.ndarray, stream: Any = 0) -> DeviceArray:
         """Host -> device copy of ``host`` (same shape and dtype), ordered on ``stream``;
         returns when it is done."""
-        host = np.ascontiguousarray(host)
+        host = np.array(host, order="C", copy=None)  # keeps a 0-d array 0-d
         if tuple(host.shape) != self.shape or numpy_dtype(host.dtype) != self.dtype:
             raise value_error(
                 "host",

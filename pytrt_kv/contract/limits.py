@@ -30,7 +30,7 @@ VERSION_NUMBER = _version_number(VERSION)
 
 #: ``pytrt_kv_abi_version()``: bumped whenever ScatterParams or GatherSelectionParams
 #: (plugins/kernels/*.h, mirrored by ``pytrt_kv._cuda``) change layout.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 #: docs/SPEC.md G2: largest K of GatherSelectionKvCache, for any TBS.
 MAX_TOPK = 2048

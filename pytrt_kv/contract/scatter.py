@@ -5,6 +5,8 @@
   (anything with ``.shape`` and ``.dtype``), and returns a :class:`ScatterMeta`.
 - :func:`check_scatter_values` validates the index values (docs/SPEC.md S6 constraints, S7
   out-of-range and duplicate slots).
+- :func:`check_scale_values` validates the S9 scales (finite, > 0) and, for an int8
+  cache, that the quantised source holds no NaN.
 - :func:`check_scatter_numpy` adds what the NumPy reference needs (NumPy arrays, writeable
   C-contiguous caches, no argument sharing memory with a cache).
 
@@ -30,6 +32,7 @@ __all__ = [
     "SCATTER_WRITTEN",
     "check_scatter",
     "check_scatter_values",
+    "check_scale_values",
     "check_scatter_numpy",
     "nz_last_dim",
 ]
@@ -56,6 +59,11 @@ class ScatterMeta:
         False for a key-only write (value and value_cache both None).
     key_dtype, value_dtype : str or None
         dtype names (``pytrt_kv.specs`` spelling); value_dtype is None without value.
+    key_cache_dtype, value_cache_dtype : str or None
+        The caches' dtypes: the key's / value's, or a quantised dtype (docs/SPEC.md S9).
+    k_scale_count, v_scale_count : int
+        docs/SPEC.md S9: 0 without a scale (bytes are copied), 1 for a per-tensor scale
+        ``[]``, H for a per-head scale ``[H]``.
     index_dtype : {"int32", "int64"}
         The one dtype shared by slot_mapping and the compress tensors.
     num_tokens : int
@@ -83,6 +91,10 @@ class ScatterMeta:
     head_size_v: int
     num_blocks: int
     block_size: int
+    key_cache_dtype: str | None = None
+    value_cache_dtype: str | None = None
+    k_scale_count: int = 0
+    v_scale_count: int = 0
 
     @property
     def num_slots(self) -> int:
@@ -226,6 +238,8 @@ class _Data(NamedTuple):
     v_shape: tuple[int, ...]
     v_dt: str | None
     vc_shape: tuple[int, ...]
+    kc_dt: str
+    vc_dt: str | None
 
     @property
     def has_value(self) -> bool:
@@ -235,8 +249,60 @@ class _Data(NamedTuple):
 _DATA = "a 1-, 2- or 4-byte data"
 
 
-def _check_data(key: Any, value: Any, key_cache: Any, value_cache: Any) -> _Data:
-    """docs/SPEC.md S2/S8: ranks and dtypes of key, value and the two caches."""
+def _check_cache_dtype(
+    arg: str, cache: Any, cache_dt: str | None, src: str, src_dt: str | None, scale: Any
+) -> None:
+    """docs/SPEC.md S8/S9: a cache has its source's dtype, or, with a scale, a quantised
+    dtype fed from a float source."""
+    scale_arg = "k_scale" if src == "key" else "v_scale"
+    if scale is None:
+        if cache_dt != src_dt:
+            hint = ""
+            if cache_dt in specs.SCATTER_QUANT_CACHE_DTYPES:
+                hint = f", or give {scale_arg} to quantise {src} on write (docs/SPEC.md S9)"
+            raise value_error(
+                arg, f"dtype {src_dt} (same as {src}){hint}", f"{cache_dt} ({describe(cache)})"
+            )
+        return
+    if src_dt not in specs.SCATTER_QUANT_SOURCE_DTYPES:
+        raise type_error(
+            src,
+            f"a float dtype ({', '.join(specs.SCATTER_QUANT_SOURCE_DTYPES)}) to quantise with "
+            f"{scale_arg}",
+            f"{src_dt}",
+        )
+    if cache_dt not in specs.SCATTER_QUANT_CACHE_DTYPES:
+        raise type_error(
+            arg,
+            f"a quantised dtype ({', '.join(specs.SCATTER_QUANT_CACHE_DTYPES)}) because "
+            f"{scale_arg} is given",
+            f"{cache_dt} ({describe(cache)})",
+        )
+
+
+def _check_scale(arg: str, scale: Any, heads: int) -> int:
+    """docs/SPEC.md S9: a float32 scale of shape [] (per tensor) or [H] (per head); returns
+    its number of values (0 when absent)."""
+    if scale is None:
+        return 0
+    shape = _shape(arg, scale)
+    _dtype(arg, scale, specs.SCATTER_SCALE_DTYPES, "a float32")
+    if shape == ():
+        return 1
+    if shape == (heads,):
+        return heads
+    raise value_error(arg, f"shape [] (per tensor) or [H={heads}] (per head)", describe(scale))
+
+
+def _check_data(
+    key: Any,
+    value: Any,
+    key_cache: Any,
+    value_cache: Any,
+    k_scale: Any = None,
+    v_scale: Any = None,
+) -> _Data:
+    """docs/SPEC.md S2/S8/S9: ranks and dtypes of key, value and the two caches."""
     data = specs.SCATTER_DATA_DTYPES
     k_shape = _shape("key", key)
     k_dt = _dtype("key", key, data, _DATA)
@@ -259,10 +325,12 @@ def _check_data(key: Any, value: Any, key_cache: Any, value_cache: Any) -> _Data
         vc_dt = _dtype("value_cache", value_cache, data, _DATA)
         if len(vc_shape) != 4:
             raise value_error("value_cache", "a 4-D cache", describe(value_cache))
-    _require_same("key_cache", key_cache, kc_dt, k_dt, "key")
+    elif v_scale is not None:
+        raise value_error("v_scale", "None for a key-only write (no value)", describe(v_scale))
+    _check_cache_dtype("key_cache", key_cache, kc_dt, "key", k_dt, k_scale)
     if value is not None:
-        _require_same("value_cache", value_cache, vc_dt, v_dt, "value")
-    return _Data(k_shape, k_dt, kc_shape, v_shape, v_dt, vc_shape)
+        _check_cache_dtype("value_cache", value_cache, vc_dt, "value", v_dt, v_scale)
+    return _Data(k_shape, k_dt, kc_shape, v_shape, v_dt, vc_shape, kc_dt, vc_dt)
 
 
 def _check_indices(indices: dict[str, Any]) -> tuple[dict[str, tuple[int, ...]], str]:
@@ -345,9 +413,9 @@ def _check_token_write(
         raise value_error(
             "slot_mapping", f"shape [T={tokens}] for a 3-D key", describe(slot_mapping)
         )
-    caches = [("key_cache", key_cache, d.kc_shape, dk, nz_last_dim(d.k_dt))]
+    caches = [("key_cache", key_cache, d.kc_shape, dk, nz_last_dim(d.kc_dt))]
     if d.has_value:
-        caches.append(("value_cache", value_cache, d.vc_shape, dv, nz_last_dim(d.v_dt)))
+        caches.append(("value_cache", value_cache, d.vc_shape, dv, nz_last_dim(d.vc_dt)))
     layout = _pick_layout(layout, caches, heads)
     if layout != "nz" and d.has_value:
         _require_same(
@@ -356,6 +424,14 @@ def _check_token_write(
             d.v_dt,
             d.k_dt,
             f"key; only cache_layout='nz' allows different key and value "
+            f"dtypes, layout is {layout!r}",
+        )
+        _require_same(
+            "value_cache",
+            value_cache,
+            d.vc_dt,
+            d.kc_dt,
+            f"key_cache; only cache_layout='nz' allows different key and value "
             f"dtypes, layout is {layout!r}",
         )
     blocks = []
@@ -493,8 +569,10 @@ def check_scatter(
     seq_lens: Any = None,
     cache_layout: str | None = None,
     compress_mode: str | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> ScatterMeta:
-    """Validate shapes, dtypes and attributes of one ScatterPaKvCache call (docs/SPEC.md S2-S8).
+    """Validate shapes, dtypes and attributes of one ScatterPaKvCache call (docs/SPEC.md S2-S9).
 
     Never reads a value, so the arguments may be NumPy arrays, torch or cupy tensors on any
     device, or any object with ``.shape`` and ``.dtype``.
@@ -520,6 +598,9 @@ def check_scatter(
     compress_mode : {"rope", "omni", "alibi"} or None
         4-D key only; None (or "") means "rope" when compress_seq_offsets is given,
         else "alibi".
+    k_scale, v_scale : array or None, float32 ``[]`` or ``[H]``
+        3-D key only (docs/SPEC.md S9): quantise key (value) into a float8_e4m3fn or int8
+        cache; a quantised cache needs its scale.
 
     Returns
     -------
@@ -548,7 +629,7 @@ def check_scatter(
         "compress_seq_offsets": compress_seq_offsets,
         "seq_lens": seq_lens,
     }
-    d = _check_data(key, value, key_cache, value_cache)
+    d = _check_data(key, value, key_cache, value_cache, k_scale, v_scale)
     idx_shapes, idx_dt = _check_indices(indices)
     layout = _string_option("cache_layout", cache_layout, specs.CACHE_LAYOUTS)
     mode = _string_option("compress_mode", compress_mode, specs.COMPRESS_MODES)
@@ -557,6 +638,14 @@ def check_scatter(
         d, key, value, key_cache, value_cache, slot_mapping, indices, idx_shapes, layout, mode
     )
     nb, bs = _check_blocks(z.blocks)
+    if len(d.k_shape) == 4:
+        for arg, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale is not None:
+                raise value_error(
+                    arg,
+                    "None with a 4-D key (quantise on write applies to a 3-D key, docs/SPEC.md S9)",
+                    describe(scale),
+                )
     return ScatterMeta(
         compress=len(d.k_shape) == 4,
         layout=z.layout,
@@ -573,6 +662,10 @@ def check_scatter(
         head_size_v=z.dv,
         num_blocks=nb,
         block_size=bs,
+        key_cache_dtype=d.kc_dt,
+        value_cache_dtype=d.vc_dt,
+        k_scale_count=_check_scale("k_scale", k_scale, z.heads),
+        v_scale_count=_check_scale("v_scale", v_scale, z.heads),
     )
 
 
@@ -762,6 +855,45 @@ def check_scatter_values(
                 f"and (b, h) = ({b1}, {h1}) writing rows [{starts[i + 1]}, "
                 f"{ends[i + 1]})",
             )
+
+
+def check_scale_values(
+    meta: ScatterMeta,
+    k_scale: np.ndarray | None,
+    v_scale: np.ndarray | None,
+    key: np.ndarray | None = None,
+    value: np.ndarray | None = None,
+) -> None:
+    """docs/SPEC.md S9 value rules: every scale finite and > 0; a source quantised into an
+    int8 cache holds no NaN (checked when ``key`` / ``value`` are given).
+
+    Raises
+    ------
+    ValueError
+        Naming the scale (and head) or the source and the first NaN's index.
+    """
+    for arg, scale, src_arg, src, cache_dt in (
+        ("k_scale", k_scale, "key", key, meta.key_cache_dtype),
+        ("v_scale", v_scale, "value", value, meta.value_cache_dtype),
+    ):
+        if scale is None:
+            continue
+        if not isinstance(scale, np.ndarray):
+            raise type_error(arg, "a NumPy array", describe(scale))
+        flat = scale.reshape(-1).astype(np.float32)
+        bad = np.flatnonzero(~(np.isfinite(flat) & (flat > 0)))
+        if bad.size:
+            i = int(bad[0])
+            where = f"{arg}[{i}]" if scale.ndim else arg
+            raise value_error(arg, "finite scales > 0", f"{where} = {float(flat[i])!r}")
+        if src is not None and cache_dt == specs.INT8:
+            nan = np.argwhere(np.isnan(src.astype(np.float32)))
+            if nan.size:
+                raise value_error(
+                    src_arg,
+                    "no NaN when quantising into an int8 cache (int8 has no NaN)",
+                    f"NaN at {src_arg}[{', '.join(str(int(i)) for i in nan[0])}]",
+                )
 
 
 def check_scatter_numpy(args: dict[str, Any]) -> None:

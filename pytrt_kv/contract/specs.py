@@ -53,6 +53,13 @@ SCATTER_DATA_DTYPES: tuple[str, ...] = (
 SCATTER_ROPE_DTYPES: tuple[str, ...] = (FLOAT16, BFLOAT16, FLOAT32)
 #: docs/SPEC.md S8: slot_mapping and the compress tensors.
 SCATTER_INDEX_DTYPES: tuple[str, ...] = (INT32, INT64)
+#: docs/SPEC.md S9: quantise on write, float key/value into one of these caches.
+SCATTER_QUANT_SOURCE_DTYPES: tuple[str, ...] = (FLOAT16, BFLOAT16, FLOAT32)
+SCATTER_QUANT_CACHE_DTYPES: tuple[str, ...] = (FLOAT8_E4M3, INT8)
+#: docs/SPEC.md S9: largest magnitude each quantised cache dtype takes (the clamp bound).
+SCATTER_QUANT_MAX: Mapping[str, float] = {FLOAT8_E4M3: 448.0, INT8: 127.0}
+#: docs/SPEC.md S9: k_scale / v_scale dtype.
+SCATTER_SCALE_DTYPES: tuple[str, ...] = (FLOAT32,)
 #: docs/SPEC.md G2: the four cache tensors of the gather share one of these.
 GATHER_CACHE_DTYPES: tuple[str, ...] = (
     FLOAT16,
@@ -174,8 +181,9 @@ def absent_placeholders(shapes) -> tuple[str, ...]:
     """Names of the ScatterPaKvCache inputs that are placeholders for absent optional
     inputs (:data:`ABSENT_INPUT_SHAPE`) in ``shapes`` (input name -> shape or None).
 
-    ``value``, ``value_cache`` and ``compress_seq_offsets`` qualify; with ``B*H == 0`` a
-    real ``compress_seq_offsets [B*H]`` has the placeholder's shape and stays.
+    ``value``, ``value_cache``, ``compress_seq_offsets``, ``k_scale`` and ``v_scale``
+    qualify (a real scale is ``[]`` or ``[H >= 1]``); with ``B*H == 0`` a real
+    ``compress_seq_offsets [B*H]`` has the placeholder's shape and stays.
     """
     key = shapes.get("key")
     no_runs = (
@@ -186,7 +194,7 @@ def absent_placeholders(shapes) -> tuple[str, ...]:
         and key[0] * key[2] == 0
     )
     out = []
-    for name in ("value", "value_cache", "compress_seq_offsets"):
+    for name in ("value", "value_cache", "compress_seq_offsets", "k_scale", "v_scale"):
         if shapes.get(name) is not None and tuple(shapes[name]) == ABSENT_INPUT_SHAPE:
             if name == "compress_seq_offsets" and no_runs:
                 continue
@@ -223,7 +231,7 @@ SCATTER_PA_KV_CACHE = OpSpec(
         TensorSpec(
             "key_cache",
             SCATTER_DATA_DTYPES,
-            dtype_group="key",
+            dtype_group="key_cache",
             doc="nd [NB, BS, H, Dk] | nz [NB, H*Dk/L, BS, L] | hnd [NB, H, BS, Dk] "
             "| compress [NB, BS, 1, Dk]",
         ),
@@ -231,7 +239,7 @@ SCATTER_PA_KV_CACHE = OpSpec(
             "value_cache",
             SCATTER_DATA_DTYPES,
             optional=True,
-            dtype_group="value",
+            dtype_group="value_cache",
             doc="as key_cache with Dv; present exactly when value is",
         ),
         TensorSpec(
@@ -261,19 +269,34 @@ SCATTER_PA_KV_CACHE = OpSpec(
             dtype_group="index",
             doc="[B] (4-D key only)",
         ),
+        TensorSpec(
+            "k_scale",
+            SCATTER_SCALE_DTYPES,
+            optional=True,
+            dtype_group="k_scale",
+            doc="[] or [H] float32 (3-D key only): quantise key into a float8_e4m3fn or "
+            "int8 key_cache (docs/SPEC.md S9)",
+        ),
+        TensorSpec(
+            "v_scale",
+            SCATTER_SCALE_DTYPES,
+            optional=True,
+            dtype_group="v_scale",
+            doc="[] or [H] float32: quantise value into value_cache (docs/SPEC.md S9)",
+        ),
     ),
     outputs=(
         TensorSpec(
             "key_cache_out",
             SCATTER_DATA_DTYPES,
-            dtype_group="key",
+            dtype_group="key_cache",
             doc="key_cache updated in place",
         ),
         TensorSpec(
             "value_cache_out",
             SCATTER_DATA_DTYPES,
             optional=True,
-            dtype_group="value",
+            dtype_group="value_cache",
             doc="value_cache updated in place",
         ),
     ),

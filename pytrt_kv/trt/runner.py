@@ -324,7 +324,7 @@ def run_steps(engine, feeds_list, *, stream=None):
                         f"every engine input {runner.input_names}",
                         f"missing {name!r}",
                     )
-                host = np.ascontiguousarray(feeds[name])
+                host = np.array(feeds[name], order="C", copy=None)  # a 0-d input stays 0-d
                 device[name] = DeviceArray(host.shape, host.dtype).copy_from(host, handle)
             runner.bind(device)
             runner.execute(handle)

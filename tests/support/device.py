@@ -66,7 +66,7 @@ class DeviceView:
 def to_device(a: np.ndarray, *, pinned: bool = False, offset_elems: int = 0) -> Any:
     """A copy of ``a`` in device memory (or pinned, mapped host memory with ``pinned``),
     starting ``offset_elems`` elements into a larger buffer when > 0 (an unaligned address)."""
-    a = np.ascontiguousarray(a)
+    a = np.array(a, order="C", copy=None)  # keeps 0-d (ascontiguousarray makes it 1-d)
     if use_torch():
         from support.arrays import to_torch
 
@@ -163,7 +163,7 @@ def copy_into(dst: Any, a: np.ndarray) -> None:
     """Overwrite the buffer ``dst`` with ``a`` (same shape and dtype), in place."""
     from pytrt_kv._cuda import DeviceArray, HostArray
 
-    a = np.ascontiguousarray(a)
+    a = np.array(a, order="C", copy=None)  # keeps 0-d (ascontiguousarray makes it 1-d)
     if isinstance(dst, HostArray):
         synchronize()
         dst.array[...] = a
