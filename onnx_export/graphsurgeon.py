@@ -157,6 +157,8 @@ def add_scatter_pa_kv_cache(
     seq_lens: gs.Tensor | None = None,
     cache_layout: str | None = None,
     compress_mode: str | None = None,
+    k_scale: gs.Tensor | None = None,
+    v_scale: gs.Tensor | None = None,
     alias_io: int = 1,
     name: str | None = None,
     output_names: Sequence[str] | None = None,
@@ -176,6 +178,8 @@ def add_scatter_pa_kv_cache(
         slot_mapping dim 0) and NB (cache dim 0) are dynamic; required when another dim
         is dynamic or the shapes fit several layouts (the error says so).
     compress_mode : "rope" | "omni" | "alibi", optional
+    k_scale, v_scale : float32 [] or [H], optional
+        Quantise key / value on write into a float8_e4m3fn or int8 cache (docs/SPEC.md S9).
     alias_io : 0 or 1
 
     Returns
@@ -199,6 +203,8 @@ def add_scatter_pa_kv_cache(
             "compress_lens": compress_lens,
             "compress_seq_offsets": compress_seq_offsets,
             "seq_lens": seq_lens,
+            "k_scale": k_scale,
+            "v_scale": v_scale,
         },
         attrs,
         name=name,

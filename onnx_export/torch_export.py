@@ -120,6 +120,8 @@ def _eager(op, tensors, attrs, outs) -> tuple:
             seq_lens=x["seq_lens"],
             cache_layout=attrs.get("cache_layout"),
             compress_mode=attrs.get("compress_mode"),
+            k_scale=x["k_scale"],
+            v_scale=x["v_scale"],
         )
         res = [x["key_cache"]] + ([x["value_cache"]] if x["value_cache"] is not None else [])
         like = [tensors["key_cache"], tensors["value_cache"]]
@@ -150,12 +152,15 @@ def scatter_pa_kv_cache(
     seq_lens=None,
     cache_layout: str | None = None,
     compress_mode: str | None = None,
+    k_scale=None,
+    v_scale=None,
     alias_io: int = 1,
 ) -> tuple:
     """ScatterPaKvCache (docs/SPEC.md S) as a functional torch op.
 
-    Tensors as in the reference (``value``/``value_cache`` may be None). ``cache_layout``
-    is resolved from the shapes when omitted (it must be given when dims are dynamic).
+    Tensors as in the reference (``value``/``value_cache`` may be None; ``k_scale`` /
+    ``v_scale`` quantise on write, docs/SPEC.md S9). ``cache_layout`` is resolved from the
+    shapes when omitted (it must be given when dims are dynamic).
 
     Returns
     -------
@@ -178,6 +183,8 @@ def scatter_pa_kv_cache(
             "compress_lens": compress_lens,
             "compress_seq_offsets": compress_seq_offsets,
             "seq_lens": seq_lens,
+            "k_scale": k_scale,
+            "v_scale": v_scale,
         },
         attrs,
     )

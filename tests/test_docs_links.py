@@ -252,7 +252,7 @@ def test_spec_has_every_section_id():
         "O",
         "D",
         "R",
-        *(f"S{i}" for i in range(1, 9)),
+        *(f"S{i}" for i in range(1, 10)),
         *(f"G{i}" for i in range(1, 8)),
         *(f"D{i}" for i in range(1, 7)),
         *(f"R{i}" for i in range(1, 7)),

@@ -20,7 +20,13 @@ import pytest
 
 from onnx_export import single_op_model
 from pytrt_kv import _lib
-from support.models import compress_model, engine_test_models, gather_model, scatter_model
+from support.models import (
+    compress_model,
+    engine_test_models,
+    gather_model,
+    quant_model,
+    scatter_model,
+)
 
 TARGETS = ["sm80", "sm89", "sm120"]
 
@@ -207,6 +213,20 @@ BROKEN = {
     "gather-shape-mismatch": (
         lambda: _set_input(gather_model("float16", False, 4), "full_kv_cache", dims=(24, 16, 16)),
         r"full_kv_cache: expected",
+    ),
+    "quant-scale-shape": (
+        lambda: _set_input(
+            quant_model("nd", "float16", "float8_e4m3fn", True), "k_scale", dims=(3,)
+        ),
+        r"k_scale: expected \[\] \(per tensor\) or \[H=2\] \(per head\)",
+    ),
+    "quant-scale-dtype": (
+        lambda: _set_input(
+            quant_model("nd", "float16", "int8", False),
+            "v_scale",
+            elem_type=onnx.TensorProto.FLOAT16,
+        ),
+        r"v_scale: expected kFLOAT",
     ),
     "compress-mode-dtype": (
         lambda: _set_attr(compress_model("int8", "int32", "omni"), "compress_mode", "rope"),

@@ -145,8 +145,8 @@ def test_extra_inputs_are_refused(rng):
     feeds = _compress_feeds(rng)
     model = single_op_model("ScatterPaKvCache", feeds)
     node = model.graph.node[0]
-    node.input.append("seq_lens")  # a 9th input
-    with pytest.raises(ValueError, match=r"inputs: expected at most 8 .* got 9"):
+    node.input.extend(["", "", "seq_lens"])  # an 11th input (after k_scale, v_scale)
+    with pytest.raises(ValueError, match=r"inputs: expected at most 10 .* got 11"):
         runtime.run(model, feeds)
 
 

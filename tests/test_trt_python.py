@@ -766,10 +766,10 @@ def test_build_refuses_a_timing_cache_tensorrt_rejects(tmp_path, monkeypatch, ac
 # --- prepare_for_tensorrt refusals (issue: bad inputs found by fuzzing) -------------------
 
 
-def test_prepare_refuses_a_ninth_scatter_input():
+def test_prepare_refuses_an_eleventh_scatter_input():
     m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
-    m.graph.node[0].input.extend(["", "", "", "extra"])
-    with pytest.raises(ValueError, match=r"inputs: expected at most 8 .*got 9"):
+    m.graph.node[0].input.extend(["", "", "", "", "", "extra"])
+    with pytest.raises(ValueError, match=r"inputs: expected at most 10 .*got 11"):
         trt_model.prepare_for_tensorrt(m)
 
 

@@ -9,9 +9,10 @@ runtime (pytrt_kv.runtime, i.e. pytrt_kv.reference). Inputs are written in the p
 positional form (pytrt_kv.trt.prepare_for_tensorrt: zero-element placeholders for absent
 optional inputs), in the format plugins/harness/harnessIo.h describes. Caches start as
 random data (the "untouched" check: every byte the op must not write is compared too).
-The grid covers dtypes, layouts, int32/int64 indices, key-only writes, every compress
-mode, BSND/TND, TBS 1 and > 1, the quantised (no k_rope) mode, host-resident full caches
-and a second gather step that reuses the first step's status.
+The grid covers dtypes, layouts, int32/int64 indices, key-only writes, quantise on write
+(docs/SPEC.md S9), every compress mode, BSND/TND, TBS 1 and > 1, the quantised (no
+k_rope) mode, host-resident full caches and a second gather step that reuses the first
+step's status.
 """
 
 from __future__ import annotations
@@ -147,6 +148,34 @@ def cases() -> list[dict]:
             attrs={"cache_layout": "nd", "alias_io": 0},
         )
     )
+    # docs/SPEC.md S9, quantise on write: per-head and per-tensor (0-d) scales, a key-only
+    # write, and a quantised key beside a byte-copied value (nz).
+    for layout, src, cache, per_head, value, plain_value in (
+        ("nd", "float16", "float8_e4m3fn", True, True, False),
+        ("hnd", "bfloat16", "int8", False, True, False),
+        ("nz", "float32", "float8_e4m3fn", False, False, False),
+        ("nz", "float16", "float8_e4m3fn", True, True, True),
+    ):
+        shapes = scatter_shapes(layout, cache, cache if value else None, "int32", Dk=32, Dv=32)
+        shapes["key"] = shapes["key"].astype(_np(src))
+        scale = np.zeros((2,) if per_head else (), np.float32)
+        shapes["k_scale"] = scale
+        if value and plain_value:
+            shapes["value"] = shapes["value"].astype(_np("float16"))
+            shapes["value_cache"] = np.zeros((5, 4, 8, 16), _np("float16"))  # nz: H*D/L = 4
+        elif value:
+            shapes["value"] = shapes["value"].astype(_np(src))
+            shapes["v_scale"] = scale
+        cs.append(
+            dict(
+                op=SCATTER,
+                name=f"scatter_quant_{layout}_{src}_{cache}_{'head' if per_head else 'tensor'}"
+                + ("" if value else "_key_only")
+                + ("_plain_value" if plain_value else ""),
+                shapes=shapes,
+                attrs={"cache_layout": layout},
+            )
+        )
     for dt in ("float16", "bfloat16", "float32"):
         cs.append(
             dict(

@@ -5,6 +5,7 @@
 
 #include "pluginCommon.h"
 
+#include <algorithm>
 #include <array>
 #include <iterator>
 #include <limits>
@@ -39,6 +40,12 @@ bool isRopeType(DataType t) noexcept
 bool isIndexType(DataType t) noexcept
 {
     return t == DataType::kINT32 || t == DataType::kINT64;
+}
+
+// docs/SPEC.md S9: a float source may be written into an e4m3 or int8 cache with a scale.
+bool isQuantPair(DataType source, DataType cache) noexcept
+{
+    return isRopeType(source) && (cache == DataType::kFP8 || cache == DataType::kINT8);
 }
 
 constexpr auto const& kINPUT_NAMES = op::kINPUT_NAMES;
@@ -125,13 +132,22 @@ ScatterPaKvCachePlugin::ScatterPaKvCachePlugin(PluginFields fields)
 void ScatterPaKvCachePlugin::checkTypes(DataType const* types, int32_t nbInputs) const
 {
     (void) kernelTypeOf(types[kIN_KEY], "key");
-    check(types[kIN_KEY_CACHE] == types[kIN_KEY], "key_cache: expected the dtype of key (",
-        dataTypeName(types[kIN_KEY]), "), got ", dataTypeName(types[kIN_KEY_CACHE]));
-    check(types[kIN_VALUE_CACHE] == types[kIN_VALUE], "value_cache: expected the dtype of value (",
-        dataTypeName(types[kIN_VALUE]), "), got ", dataTypeName(types[kIN_VALUE_CACHE]));
+    bool const scales = nbInputs == kNB_INPUTS_QUANT;
+    check(types[kIN_KEY_CACHE] == types[kIN_KEY] || (scales && isQuantPair(types[kIN_KEY], types[kIN_KEY_CACHE])),
+        "key_cache: expected the dtype of key (", dataTypeName(types[kIN_KEY]), ")",
+        scales ? ", or kFP8/kINT8 with a float key and k_scale" : "", ", got ", dataTypeName(types[kIN_KEY_CACHE]));
+    check(
+        types[kIN_VALUE_CACHE] == types[kIN_VALUE] || (scales && isQuantPair(types[kIN_VALUE], types[kIN_VALUE_CACHE])),
+        "value_cache: expected the dtype of value (", dataTypeName(types[kIN_VALUE]), ")",
+        scales ? ", or kFP8/kINT8 with a float value and v_scale" : "", ", got ", dataTypeName(types[kIN_VALUE_CACHE]));
     check(isIndexType(types[kIN_SLOT_MAPPING]), "slot_mapping: expected kINT32 or kINT64, got ",
         dataTypeName(types[kIN_SLOT_MAPPING]));
-    for (int32_t i = kIN_COMPRESS_LENS; i < nbInputs; ++i)
+    for (int32_t i = kIN_K_SCALE; i < nbInputs; ++i)
+    {
+        check(types[i] == DataType::kFLOAT, kINPUT_NAMES[i], ": expected kFLOAT (docs/SPEC.md S9), got ",
+            dataTypeName(types[i]));
+    }
+    for (int32_t i = kIN_COMPRESS_LENS; i < std::min(nbInputs, kNB_INPUTS_COMPRESS); ++i)
     {
         check(types[i] == types[kIN_SLOT_MAPPING], kINPUT_NAMES[i], ": expected the dtype of slot_mapping (",
             dataTypeName(types[kIN_SLOT_MAPPING]), "), got ", dataTypeName(types[i]));
@@ -143,9 +159,9 @@ void ScatterPaKvCachePlugin::checkTypes(DataType const* types, int32_t nbInputs)
 ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
     Dims const* dims, DataType const* types, int32_t nbInputs) const
 {
-    check(nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS,
-        "inputs: expected 5 (key, value, key_cache, value_cache, slot_mapping) or 8 (plus compress_lens, "
-        "compress_seq_offsets, seq_lens), got ",
+    check(validInputCount(nbInputs),
+        "inputs: expected 5 (key, value, key_cache, value_cache, slot_mapping), 8 (plus compress_lens, "
+        "compress_seq_offsets, seq_lens) or 10 (plus k_scale, v_scale), got ",
         nbInputs);
     Shape shape{};
     kernels::ScatterParams& p = shape.params;
@@ -164,8 +180,35 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
     shape.hasValue = !(isEmpty(value) && isEmpty(valueCache));
     bool const hasValue = shape.hasValue;
     p.valueType = hasValue ? kernelTypeOf(types[kIN_VALUE], "value") : p.keyType;
-    int32_t const keySize = kernels::dataTypeSize(p.keyType);
-    int32_t const valueSize = kernels::dataTypeSize(p.valueType);
+    // docs/SPEC.md S9: scales present (not zero-element placeholders) quantise on write.
+    bool const scales = nbInputs == kNB_INPUTS_QUANT;
+    shape.hasKScale = scales && !isEmpty(dims[kIN_K_SCALE]);
+    shape.hasVScale = scales && hasValue && !isEmpty(dims[kIN_V_SCALE]);
+    check(!scales || hasValue || isEmpty(dims[kIN_V_SCALE]),
+        "v_scale: a key-only write has no value to quantise; expected a zero-element placeholder, got ",
+        dimsText(dims[kIN_V_SCALE]));
+    check(shape.hasKScale || types[kIN_KEY_CACHE] == types[kIN_KEY], "key_cache: a ",
+        dataTypeName(types[kIN_KEY_CACHE]), " cache for a ", dataTypeName(types[kIN_KEY]),
+        " key needs k_scale (docs/SPEC.md S9), got none");
+    check(!hasValue || shape.hasVScale || types[kIN_VALUE_CACHE] == types[kIN_VALUE], "value_cache: a ",
+        dataTypeName(types[kIN_VALUE_CACHE]), " cache for a ", dataTypeName(types[kIN_VALUE]),
+        " value needs v_scale (docs/SPEC.md S9), got none");
+    check(!shape.hasKScale || isQuantPair(types[kIN_KEY], types[kIN_KEY_CACHE]),
+        "k_scale: quantises a float key into a kFP8 or kINT8 key_cache, got key ", dataTypeName(types[kIN_KEY]),
+        " and key_cache ", dataTypeName(types[kIN_KEY_CACHE]));
+    check(!shape.hasVScale || isQuantPair(types[kIN_VALUE], types[kIN_VALUE_CACHE]),
+        "v_scale: quantises a float value into a kFP8 or kINT8 value_cache, got value ", dataTypeName(types[kIN_VALUE]),
+        " and value_cache ", dataTypeName(types[kIN_VALUE_CACHE]));
+    if (shape.hasKScale)
+    {
+        p.keyCacheType = kernelTypeOf(types[kIN_KEY_CACHE], "key_cache");
+    }
+    if (shape.hasVScale)
+    {
+        p.valueCacheType = kernelTypeOf(types[kIN_VALUE_CACHE], "value_cache");
+    }
+    int32_t const keySize = kernels::dataTypeSize(shape.hasKScale ? p.keyCacheType : p.keyType);
+    int32_t const valueSize = kernels::dataTypeSize(shape.hasVScale ? p.valueCacheType : p.valueType);
 
     if (key.nbDims == 3)
     {
@@ -178,13 +221,26 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
         int64_t const headK = key.d[2];
         checkRank(slots, 1, "slot_mapping");
         checkDim(slots, 0, tokens, "slot_mapping", "T of key [T, H, Dk]");
-        for (int32_t i = kIN_COMPRESS_LENS; i < nbInputs; ++i)
+        for (int32_t i = kIN_COMPRESS_LENS; i < std::min(nbInputs, kNB_INPUTS_COMPRESS); ++i)
         {
             check(isEmpty(dims[i]), kINPUT_NAMES[i],
                 ": compress tensors apply to a 4-D key; with a 3-D key they may only be zero-element "
                 "placeholders, got ",
                 dimsText(dims[i]));
         }
+        // docs/SPEC.md S9: a scale is [] (per tensor) or [H] (per head).
+        auto scaleCount = [&](int32_t i, bool present) -> int32_t {
+            if (!present)
+            {
+                return 0;
+            }
+            Dims const& d = dims[i];
+            check(d.nbDims == 0 || (d.nbDims == 1 && sameOrUnknown(d.d[0], heads)), kINPUT_NAMES[i],
+                ": expected [] (per tensor) or [H=", heads, "] (per head), got ", dimsText(d));
+            return d.nbDims == 0 ? 1 : (known(heads) ? toInt32(heads, "key dim 1 (H)") : -1);
+        };
+        p.kScaleCount = scaleCount(kIN_K_SCALE, shape.hasKScale);
+        p.vScaleCount = scaleCount(kIN_V_SCALE, shape.hasVScale);
         CacheGeometry const kg = checkLayoutCache(keyCache, p.layout, heads, headK, keySize, "key_cache");
         int64_t headV = 0;
         if (hasValue)
@@ -192,6 +248,9 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
             check(p.layout == kernels::CacheLayout::kNZ || types[kIN_VALUE] == types[kIN_KEY],
                 "value: expected the dtype of key (", dataTypeName(types[kIN_KEY]), ") outside layout nz, got ",
                 dataTypeName(types[kIN_VALUE]));
+            check(p.layout == kernels::CacheLayout::kNZ || types[kIN_VALUE_CACHE] == types[kIN_KEY_CACHE],
+                "value_cache: expected the dtype of key_cache (", dataTypeName(types[kIN_KEY_CACHE]),
+                ") outside layout nz, got ", dataTypeName(types[kIN_VALUE_CACHE]));
             checkRank(value, 3, "value");
             checkDim(value, 0, tokens, "value", "T of key");
             checkDim(value, 1, heads, "value", "H of key");
@@ -212,8 +271,11 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
     // 4-D key: the compressing write, docs/SPEC.md S6.
     check(mCacheLayout.empty(), "cache_layout: applies to a 3-D key only, got \"", mCacheLayout, "\" with key ",
         dimsText(key));
-    check(nbInputs == kNB_INPUTS_COMPRESS,
+    check(nbInputs >= kNB_INPUTS_COMPRESS,
         "inputs: a 4-D key needs 8 inputs (compress_lens, compress_seq_offsets, seq_lens), got ", nbInputs);
+    check(!shape.hasKScale && !shape.hasVScale,
+        "k_scale/v_scale: quantise on write applies to a 3-D key only (docs/SPEC.md S9), got scales with key ",
+        dimsText(key));
     p.compress = true;
     int64_t const batch = key.d[0];
     int64_t const maxSeq = key.d[1];
@@ -293,10 +355,9 @@ int32_t ScatterPaKvCachePlugin::configurePlugin(
     {
         check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2 (key_cache_out, value_cache_out), got ", nbOutputs);
-        check(
-            nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ", nbInputs);
-        std::array<Dims, kNB_INPUTS_COMPRESS> dims{};
-        std::array<DataType, kNB_INPUTS_COMPRESS> types{};
+        check(validInputCount(nbInputs), "inputs: expected 5, 8 or 10, got ", nbInputs);
+        std::array<Dims, kNB_INPUTS_QUANT> dims{};
+        std::array<DataType, kNB_INPUTS_QUANT> types{};
         for (int32_t i = 0; i < nbInputs; ++i)
         {
             dims[i] = in[i].desc.dims;
@@ -317,8 +378,8 @@ int32_t ScatterPaKvCachePlugin::configurePlugin(
 bool ScatterPaKvCachePlugin::supportsFormatCombination(
     int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (inOut == nullptr || (nbInputs != kNB_INPUTS_BASIC && nbInputs != kNB_INPUTS_COMPRESS)
-        || nbOutputs != kNB_OUTPUTS || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (inOut == nullptr || !validInputCount(nbInputs) || nbOutputs != kNB_OUTPUTS || pos < 0
+        || pos >= nbInputs + nbOutputs)
     {
         return false;
     }
@@ -333,14 +394,21 @@ bool ScatterPaKvCachePlugin::supportsFormatCombination(
     {
     case kIN_KEY: return isDataType(t) && (mCompressMode != "rope" || isRopeType(t));
     case kIN_VALUE: return isDataType(t) && (mCacheLayout == "nz" || t == inOut[kIN_KEY].desc.type);
-    case kIN_KEY_CACHE: return t == inOut[kIN_KEY].desc.type;
-    case kIN_VALUE_CACHE: return t == inOut[kIN_VALUE].desc.type;
+    // With the scales (10 inputs), a float source may have a kFP8/kINT8 cache (docs/SPEC.md
+    // S9); describe() then requires the scale to be present.
+    case kIN_KEY_CACHE:
+        return t == inOut[kIN_KEY].desc.type
+            || (nbInputs == kNB_INPUTS_QUANT && isQuantPair(inOut[kIN_KEY].desc.type, t));
+    case kIN_VALUE_CACHE:
+        return t == inOut[kIN_VALUE].desc.type
+            || (nbInputs == kNB_INPUTS_QUANT && isQuantPair(inOut[kIN_VALUE].desc.type, t));
     case kIN_SLOT_MAPPING: return isIndexType(t);
     default: break;
     }
     if (pos < nbInputs)
     {
-        return t == inOut[kIN_SLOT_MAPPING].desc.type;
+        // Inputs 5-7 are index tensors; 8 and 9 (k_scale, v_scale) float32.
+        return pos >= kIN_K_SCALE ? t == DataType::kFLOAT : t == inOut[kIN_SLOT_MAPPING].desc.type;
     }
     return t == inOut[pos == nbInputs + kOUT_KEY_CACHE ? kIN_KEY_CACHE : kIN_VALUE_CACHE].desc.type;
 }
@@ -352,8 +420,7 @@ int32_t ScatterPaKvCachePlugin::getOutputDataTypes(
     {
         check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
-        check(
-            nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ", nbInputs);
+        check(validInputCount(nbInputs), "inputs: expected 5, 8 or 10, got ", nbInputs);
         // Checked here, where TensorRT first shows all input types: supportsFormatCombination
         // can only say no, and a builder then reports "no supported formats", not why.
         checkTypes(inputTypes, nbInputs);
@@ -376,8 +443,7 @@ int32_t ScatterPaKvCachePlugin::getOutputShapes(DimsExprs const* inputs, int32_t
     {
         check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
-        check(
-            nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ", nbInputs);
+        check(validInputCount(nbInputs), "inputs: expected 5, 8 or 10, got ", nbInputs);
         // In place: each output is its cache, shape included.
         outputs[kOUT_KEY_CACHE] = inputs[kIN_KEY_CACHE];
         outputs[kOUT_VALUE_CACHE] = inputs[kIN_VALUE_CACHE];
@@ -420,10 +486,9 @@ int32_t ScatterPaKvCachePlugin::onShapeChange(
     {
         check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
         check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
-        check(
-            nbInputs == kNB_INPUTS_BASIC || nbInputs == kNB_INPUTS_COMPRESS, "inputs: expected 5 or 8, got ", nbInputs);
-        std::array<Dims, kNB_INPUTS_COMPRESS> dims{};
-        std::array<DataType, kNB_INPUTS_COMPRESS> types{};
+        check(validInputCount(nbInputs), "inputs: expected 5, 8 or 10, got ", nbInputs);
+        std::array<Dims, kNB_INPUTS_QUANT> dims{};
+        std::array<DataType, kNB_INPUTS_QUANT> types{};
         for (int32_t i = 0; i < nbInputs; ++i)
         {
             dims[i] = in[i].dims;
@@ -484,6 +549,8 @@ int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         p.keyCache = outputs[kOUT_KEY_CACHE];
         p.valueCache = hasValue ? outputs[kOUT_VALUE_CACHE] : nullptr;
         p.slotMapping = inputs[kIN_SLOT_MAPPING];
+        p.kScale = mShape.hasKScale ? inputs[kIN_K_SCALE] : nullptr;
+        p.vScale = mShape.hasVScale ? inputs[kIN_V_SCALE] : nullptr;
         if (p.compress)
         {
             p.compressLens = inputs[kIN_COMPRESS_LENS];

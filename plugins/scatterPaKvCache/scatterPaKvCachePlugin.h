@@ -43,9 +43,19 @@ public:
     static constexpr int32_t kIN_COMPRESS_LENS{contract::scatterPaKvCache::kIN_COMPRESS_LENS};
     static constexpr int32_t kIN_COMPRESS_SEQ_OFFSETS{contract::scatterPaKvCache::kIN_COMPRESS_SEQ_OFFSETS};
     static constexpr int32_t kIN_SEQ_LENS{contract::scatterPaKvCache::kIN_SEQ_LENS};
-    //! Accepted input counts: without / with the compress tensors.
+    static constexpr int32_t kIN_K_SCALE{contract::scatterPaKvCache::kIN_K_SCALE};
+    static constexpr int32_t kIN_V_SCALE{contract::scatterPaKvCache::kIN_V_SCALE};
+    //! Accepted input counts: without the compress tensors, with them, with the scales
+    //! (docs/SPEC.md S9; the compress tensors are then zero-element placeholders).
     static constexpr int32_t kNB_INPUTS_BASIC{5};
-    static constexpr int32_t kNB_INPUTS_COMPRESS{contract::scatterPaKvCache::kNB_INPUTS};
+    static constexpr int32_t kNB_INPUTS_COMPRESS{8};
+    static constexpr int32_t kNB_INPUTS_QUANT{contract::scatterPaKvCache::kNB_INPUTS};
+    static_assert(kIN_SEQ_LENS + 1 == kNB_INPUTS_COMPRESS && kIN_V_SCALE + 1 == kNB_INPUTS_QUANT,
+        "ScatterPaKvCache input order changed: update the accepted input counts");
+    static constexpr bool validInputCount(int32_t n)
+    {
+        return n == kNB_INPUTS_BASIC || n == kNB_INPUTS_COMPRESS || n == kNB_INPUTS_QUANT;
+    }
     //! Output indices (specs.py SCATTER_PA_KV_CACHE.outputs).
     static constexpr int32_t kOUT_KEY_CACHE{contract::scatterPaKvCache::kOUT_KEY_CACHE_OUT};
     static constexpr int32_t kOUT_VALUE_CACHE{contract::scatterPaKvCache::kOUT_VALUE_CACHE_OUT};
@@ -65,6 +75,8 @@ public:
         kernels::ScatterParams params{};
         bool hasValue{false};   //!< value/value_cache present (else a key-only write)
         bool hasOffsets{false}; //!< compress_seq_offsets present
+        bool hasKScale{false};  //!< k_scale present (key quantised on write)
+        bool hasVScale{false};  //!< v_scale present
     };
 
     //! The kernel parameters for these input dims and dtypes. Throws PluginError for any
@@ -105,8 +117,8 @@ private:
     //! made of them; enqueue only fills in the pointers.
     bool mShapeReady{false};
     Shape mShape{};
-    std::array<nvinfer1::Dims, kNB_INPUTS_COMPRESS> mDims{};
-    std::array<nvinfer1::DataType, kNB_INPUTS_COMPRESS> mTypes{};
+    std::array<nvinfer1::Dims, kNB_INPUTS_QUANT> mDims{};
+    std::array<nvinfer1::DataType, kNB_INPUTS_QUANT> mTypes{};
     //! emptyInputMask() of the inputs (getOutputShapes, then configurePlugin): a
     //! key-only write's zero-element value_cache is not declared as an alias.
     uint32_t mEmptyInputs{0};

@@ -193,10 +193,23 @@ def absent_placeholders(shapes) -> tuple[str, ...]:
         and key[2] is not None
         and key[0] * key[2] == 0
     )
+    # A 3-D key has no compress tensors: with the scales, prepare_for_tensorrt fills
+    # positions 5-7 with placeholders too.
+    token_write = key is not None and len(key) == 3
     out = []
-    for name in ("value", "value_cache", "compress_seq_offsets", "k_scale", "v_scale"):
+    for name in (
+        "value",
+        "value_cache",
+        "compress_lens",
+        "compress_seq_offsets",
+        "seq_lens",
+        "k_scale",
+        "v_scale",
+    ):
         if shapes.get(name) is not None and tuple(shapes[name]) == ABSENT_INPUT_SHAPE:
             if name == "compress_seq_offsets" and no_runs:
+                continue
+            if name in ("compress_lens", "seq_lens") and not token_write:
                 continue
             out.append(name)
     return tuple(out)

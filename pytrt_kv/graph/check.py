@@ -208,6 +208,8 @@ def _scatter(
             seq_lens=stand.get("seq_lens"),
             cache_layout=attrs["cache_layout"] or None,
             compress_mode=attrs["compress_mode"] or None,
+            k_scale=stand.get("k_scale"),
+            v_scale=stand.get("v_scale"),
         )
         attrs["cache_layout"] = meta.layout or ""
         attrs["compress_mode"] = meta.mode or ""
@@ -287,6 +289,8 @@ def _layout_with_dynamic_tokens(
         seq_lens=stand.get("seq_lens"),
         cache_layout=None,
         compress_mode=attrs["compress_mode"] or None,
+        k_scale=stand.get("k_scale"),
+        v_scale=stand.get("v_scale"),
     )
     assert meta.layout is not None  # a 3-D key always has a layout
     return meta.layout

@@ -427,6 +427,14 @@ def make_feeds(
             feeds.update(_gather_indices(model, info, rng, B, S, K, kv_len))
             break
 
+    # docs/SPEC.md S9: quantisation scales are finite and > 0.
+    ports = _scatter_node_ports(model)
+    for arg in ("k_scale", "v_scale"):
+        name = ports.get(arg, arg)
+        if name in info and name not in feeds:
+            sh, d = info[name]
+            feeds[name] = rng.uniform(0.05, 2.0, size=tuple(sh)).astype(d)
+
     for n, (sh, d) in info.items():
         if n not in feeds:
             feeds[n] = _random(rng, sh, d)
@@ -462,8 +470,19 @@ def _scatter_layout(info, ports: Mapping[str, str], cache_name: str) -> str:
     value = value_cache = None  # a computed value: detect from the key cache alone
     if ports.get("value") in info and ports.get("value_cache") in info:
         value, value_cache = stand(ports["value"]), stand(ports["value_cache"])
+    scales = {
+        arg: stand(ports[arg]) if ports.get(arg) in info else None for arg in ("k_scale", "v_scale")
+    }
+    if value is None:
+        scales["v_scale"] = None
     meta = check_scatter(
-        stand(key_name), value, stand(cache_name), value_cache, stand("slot_mapping")
+        stand(key_name),
+        value,
+        stand(cache_name),
+        value_cache,
+        stand("slot_mapping"),
+        k_scale=scales["k_scale"],
+        v_scale=scales["v_scale"],
     )
     return str(meta.layout)
 

@@ -164,6 +164,8 @@ class ScatterPaKvCache(OpRun):
                 seq_lens=x["seq_lens"],
                 cache_layout=a["cache_layout"] or None,
                 compress_mode=a["compress_mode"] or None,
+                k_scale=x["k_scale"],
+                v_scale=x["v_scale"],
             )
         except (ValueError, TypeError) as exc:
             raise _named_error(self.onnx_node, op, exc) from None

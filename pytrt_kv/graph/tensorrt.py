@@ -208,14 +208,14 @@ def prepare_for_tensorrt(model):
                 io = SCATTER.input_index("compress_seq_offsets")
                 if not ins[io]:
                     ins[io] = empty_initializer(f"{tag}__absent_compress_seq_offsets", idx_type)
-                ins = ins[:8]
-            else:
-                ins = ins[:5] if not any(ins[5:8]) else ins[:8]
-                for k in range(5, len(ins)):
-                    if not ins[k]:
-                        ins[k] = empty_initializer(
-                            f"{tag}__absent_{SCATTER.inputs[k].name}", idx_type
-                        )
+            # Positional inputs: 5 (token write), 8 (compress tensors), 10 (the S9 scales);
+            # absent ones in between become zero-element placeholders.
+            scales = any(ins[8:10])
+            ins = ins[:10] if scales else ins[:8] if (compress or any(ins[5:8])) else ins[:5]
+            for k in range(5, len(ins)):
+                if not ins[k]:
+                    elem = idx_type if k < 8 else onnx.TensorProto.FLOAT
+                    ins[k] = empty_initializer(f"{tag}__absent_{SCATTER.inputs[k].name}", elem)
         for k, name in enumerate(outs):
             if not name:
                 outs[k] = fresh(f"{tag}__unused_{op.outputs[k].name}")

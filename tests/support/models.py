@@ -33,6 +33,41 @@ def scatter_model(layout, dt, idx, value=True, alias_io=1, T=9, H=2, Dk=16, NB=6
     return single_op_model("ScatterPaKvCache", shapes, cache_layout=layout, alias_io=alias_io)
 
 
+def quant_model(
+    layout, src, cache, per_head, value=True, value_cache=None, T=9, H=2, D=32, NB=6, BS=8
+):
+    """A 3-D scatter that quantises on write (docs/SPEC.md S9): ``src`` key/value into
+    ``cache`` caches (``value_cache``: another value cache dtype, copied unscaled, nz only)."""
+
+    def shape(t):
+        L = 32 // _np(t).itemsize
+        return {"nd": (NB, BS, H, D), "hnd": (NB, H, BS, D), "nz": (NB, H * D // L, BS, L)}[layout]
+
+    scale = (H,) if per_head else ()
+    shapes = {
+        "key": np.zeros((T, H, D), _np(src)),
+        "key_cache": np.zeros(shape(cache), _np(cache)),
+        "slot_mapping": np.zeros((T,), np.int32),
+        "k_scale": np.zeros(scale, np.float32),
+    }
+    if value:
+        vc = value_cache or cache
+        shapes["value"] = np.zeros((T, H, D), _np(vc if value_cache else src))
+        shapes["value_cache"] = np.zeros(shape(vc), _np(vc))
+        if value_cache is None:
+            shapes["v_scale"] = np.zeros(scale, np.float32)
+    return single_op_model("ScatterPaKvCache", shapes, cache_layout=layout)
+
+
+QUANT_MODELS = {
+    "quant-float16-e4m3-nd-head": ("nd", "float16", "float8_e4m3fn", True, True, None),
+    "quant-bfloat16-int8-hnd-tensor": ("hnd", "bfloat16", "int8", False, True, None),
+    "quant-float32-e4m3-nz-tensor": ("nz", "float32", "float8_e4m3fn", False, True, None),
+    "quant-bfloat16-e4m3-nd-key-only": ("nd", "bfloat16", "float8_e4m3fn", True, False, None),
+    "quant-float16-e4m3-nz-plain-value": ("nz", "float16", "float8_e4m3fn", False, True, "float16"),
+}
+
+
 def compress_model(dt, idx, mode, offsets=True, B=2, Smax=9, H=3, D=16, NB=12, BS=8):
     shapes = {
         "key": np.zeros((B, Smax, H, D), _np(dt)),
@@ -80,6 +115,8 @@ def engine_test_models():
         for layout in ["nd", "hnd", "nz"]:
             for idx in ["int32", "int64"]:
                 out.append((f"scatter-{dt}-{layout}-{idx}", scatter_model(layout, dt, idx)))
+    for name, (layout, src, cache, per_head, value, vc) in QUANT_MODELS.items():
+        out.append((name, quant_model(layout, src, cache, per_head, value, vc)))
     for alias_io in [1, 0]:
         out.append(
             (
