@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
@@ -149,3 +150,71 @@ def test_eager_bfloat16_and_validation():
         pk.scatter_pa_kv_cache(key, None, cache.float(), None, torch.tensor([0, 9]))
     with pytest.raises(TypeError, match="key"):
         pk.scatter_pa_kv_cache(np.zeros((2, 1, 8)), None, cache, None, torch.tensor([0, 9]))
+
+
+class QuantWrite(torch.nn.Module):
+    """docs/SPEC.md S9 from torch: float16 key/value into float8 e4m3 caches, per-head
+    key scales, one value scale."""
+
+    def forward(self, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+        return pk.scatter_pa_kv_cache(
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            cache_layout="nd",
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+
+def _quant_inputs():
+    rng = np.random.default_rng(5)
+    T, H, D, NB, BS = 5, 2, 16, 3, 4
+    return {
+        "key": (rng.standard_normal((T, H, D)) * 100).astype(np.float16),
+        "value": (rng.standard_normal((T, H, D)) * 100).astype(np.float16),
+        "key_cache": np.zeros((NB, BS, H, D), np.uint8).view(ml_dtypes.float8_e4m3fn),
+        "value_cache": np.zeros((NB, BS, H, D), np.uint8).view(ml_dtypes.float8_e4m3fn),
+        "slot_mapping": np.array([7, -1, 0, 11, 3], np.int32),
+        "k_scale": np.array([0.5, 2.0], np.float32),
+        "v_scale": np.array(0.25, np.float32),
+    }
+
+
+def _quant_reference(x):
+    kc, vc = x["key_cache"].copy(), x["value_cache"].copy()
+    scatter_pa_kv_cache(x["key"], x["value"], kc, vc, x["slot_mapping"], k_scale=x["k_scale"],
+                        v_scale=x["v_scale"])  # fmt: skip
+    return kc, vc
+
+
+def _torch_of(a):
+    if a.dtype == ml_dtypes.float8_e4m3fn:
+        return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+    return torch.from_numpy(a)
+
+
+def test_quantise_on_write_exports_and_runs(tmp_path):
+    x = _quant_inputs()
+    args = tuple(_torch_of(a) for a in x.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(QuantWrite().eval(), args, dynamo=True)
+    model = program.model_proto
+    (node,) = [n for n in model.graph.node if n.domain == "pytrt_kv"]
+    assert len(node.input) == 10 and list(node.input[5:8]) == ["", "", ""]
+    path = tmp_path / "quant.onnx"
+    onnx.save(model, str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    feeds = dict(zip([i.name for i in model.graph.input], x.values()))
+    got = list(runtime.run(path, feeds).values())
+    want = _quant_reference(x)
+    assert np.any(want[0].view(np.uint8)) and np.any(want[1].view(np.uint8))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a, b, f"output {i}")
+    # Eager torch mode runs the same reference.
+    eager = QuantWrite()(*args)
+    for i, (a, b) in enumerate(zip(eager, want)):
+        assert_same_bits(a.view(torch.uint8).numpy(), b.view(np.uint8), f"eager output {i}")
