@@ -340,3 +340,19 @@ def test_ops_refuses_bad_scales_before_launch():
         ops.scatter_pa_kv_cache(key, None, cache, None, slots, k_scale=scale)
     with pytest.raises(ValueError, match="or give k_scale"):
         ops.scatter_pa_kv_cache(key, None, cache, None, slots)
+
+
+def test_data_loader_feeds_valid_scales():
+    """The Polygraphy data loader (make_feeds) gives scales the reference accepts (finite,
+    > 0) and the CPU runtime quantises with them."""
+    from pytrt_kv import runtime
+    from pytrt_kv.graph.feeds import make_feeds
+    from support.models import QUANT_MODELS, quant_model
+
+    for name, args in QUANT_MODELS.items():
+        model = quant_model(*args)
+        feeds = make_feeds(model, seed=1)
+        scales = [feeds[n] for n in ("k_scale", "v_scale") if n in feeds]
+        assert scales and all(np.isfinite(s).all() and (s > 0).all() for s in scales), name
+        out = runtime.run(model, feeds)
+        assert np.any(out["key_cache_out"].view(np.uint8)), name

@@ -385,3 +385,30 @@ def test_retrieval_decode_step_builds_unchanged(tmp_path, representation):
     # (UNORDERED_IO above).
     first, again = _build(model, tmp_path, "a.onnx"), _build(model, tmp_path, "b.onnx")
     _assert_same_plan(first, again, unordered=True)
+
+
+# --- one range per symbolic dimension (--dim) ----------------------------------------------
+
+
+def test_dims_build_the_same_plan_as_per_input_shapes(tmp_path):
+    dyn, shapes = _dynamic(scatter_model("nd", "float16", "int32"), _SCATTER_T)
+    assert len(shapes) == 3  # key, value, slot_mapping share T
+    by_input = _build(dyn, tmp_path, "a.onnx", shapes=shapes, targets=["sm89"])
+    by_dim = _build(dyn, tmp_path, "b.onnx", dims={"T": (1, 9, 9)}, targets=["sm89"])
+    assert by_dim == by_input
+
+
+def test_dim_option_of_the_build_command(tmp_path, capsys):
+    from pytrt_kv.__main__ import main
+
+    dyn, _ = _dynamic(compress_model("float16", "int32", ""), _COMPRESS_B)
+    path = tmp_path / "dyn.onnx"
+    onnx.save(dyn, path)
+    cmd = ["build", str(path), "--flavour", "rtx", "--target", "sm89", "--quiet", "--dim"]
+    # Without a range for BH the build names the input that still needs one.
+    assert main([*cmd, "B=1:2:2"]) == 1
+    assert "compress_seq_offsets" in capsys.readouterr().err
+    assert main([*cmd, "B=1:2:2", "Q=1"]) == 1
+    assert "dims: expected names of dynamic dims" in capsys.readouterr().err
+    assert main([*cmd, "B=1:2:2", "BH=3:6:6"]) == 0
+    assert (tmp_path / "dyn.plan").stat().st_size > 1000

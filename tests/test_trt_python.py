@@ -886,3 +886,24 @@ def test_flavour_choice_is_checked(monkeypatch):
     monkeypatch.setenv("PYTRT_KV_TENSORRT", "full")
     with pytest.raises(ValueError, match=r"^PYTRT_KV_TENSORRT: expected one of"):
         _tensorrt.import_tensorrt()
+
+
+def test_shapes_from_dims_applies_one_range_per_symbolic_dim():
+    """pytrt_kv.trt.shapes_from_dims (build --dim): every input using a named dim gets its
+    range; static dims keep their size; unknown names and bad ranges are refused."""
+    from pytrt_kv.trt import shapes_from_dims
+
+    m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
+    for inp in m.graph.input:
+        if inp.name in ("key", "value", "slot_mapping"):
+            inp.type.tensor_type.shape.dim[0].dim_param = "T"
+    got = shapes_from_dims(m, {"T": (1, 4, 16)})
+    assert sorted(got) == ["key", "slot_mapping", "value"]
+    key = [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]
+    assert got["key"] == ((1, *key[1:]), (4, *key[1:]), (16, *key[1:]))
+    with pytest.raises(
+        ValueError, match=r"dims: expected names of dynamic dims .*\['T'\].*\['B'\]"
+    ):
+        shapes_from_dims(m, {"T": (1, 4, 16), "B": (1, 1, 1)})
+    with pytest.raises(ValueError, match=r"dims\['T'\]: expected 1 <= min <= opt <= max"):
+        shapes_from_dims(m, {"T": (4, 2, 16)})

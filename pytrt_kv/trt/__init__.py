@@ -30,6 +30,7 @@ __all__ = [
     "run_model_steps",
     "load_plugins",
     "build_plan",
+    "shapes_from_dims",
     "build_engine",
     "load_engine",
     "Engine",
@@ -49,6 +50,7 @@ __all__ = [
 _LAZY = {
     "load_plugins": ".plugins",
     "build_plan": ".build",
+    "shapes_from_dims": ".build",
     "build_engine": ".build",
     "load_engine": ".build",
     "Engine": ".build",

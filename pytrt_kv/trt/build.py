@@ -222,6 +222,7 @@ def build_plan(
     targets: Sequence[Any] | None = None,
     flavour: str | None = None,
     progress: bool = False,
+    dims: Mapping[str, Any] | None = None,
 ) -> bytes:
     """Parse an ONNX model with pytrt_kv nodes and build a serialized TensorRT engine.
 
@@ -240,6 +241,9 @@ def build_plan(
         raises ValueError before the build, so the file is never silently replaced.
     shapes : mapping input name -> shape or (min, opt, max), optional
         Needed for every dynamic input (one optimization profile).
+    dims : mapping dim name -> (min, opt, max), optional
+        Ranges of symbolic dimensions, applied to every input that uses them
+        (:func:`shapes_from_dims`); ``shapes`` entries override them per input.
     workspace : int, optional
         Workspace pool limit in bytes.
     aliased_plugin_io : bool, optional
@@ -280,6 +284,8 @@ def build_plan(
     >>> plan = build_plan("scatter.onnx", flavour="rtx", targets=["sm89"])  # doctest: +SKIP
     """
     trt = import_tensorrt(flavour)
+    if dims:
+        shapes = {**shapes_from_dims(onnx_path, dims), **(shapes or {})}
     kwargs = dict(
         timing_cache=timing_cache,
         shapes=shapes,
@@ -311,6 +317,52 @@ def build_plan(
     if engine_path is not None:
         Path(engine_path).write_bytes(plan)
     return plan
+
+
+def shapes_from_dims(model, dims: Mapping[str, Any]) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """The (min, opt, max) shapes of every graph input whose dynamic dims are all named in
+    ``dims`` (dim name -> ``(min, opt, max)``), for :func:`build_plan`'s ``shapes``: one
+    range per symbolic dimension instead of one profile per input.
+
+    Static dims keep their size. An input with a dynamic dim not in ``dims`` is left out
+    (the build then asks for it by name); a name in ``dims`` that no input uses is a
+    ValueError, as is a range that is not ``1 <= min <= opt <= max``.
+    """
+    import onnx  # noqa: PLC0415
+
+    if not isinstance(model, onnx.ModelProto):
+        model = _load_onnx(model)
+    ranges: dict[str, tuple[int, int, int]] = {}
+    for name, r in dims.items():
+        try:
+            lo, opt, hi = (int(v) for v in r)
+        except (TypeError, ValueError):
+            raise value_error("dims", f"(min, opt, max) integers for {name!r}", repr(r)) from None
+        if not 1 <= lo <= opt <= hi:
+            raise value_error(f"dims[{name!r}]", "1 <= min <= opt <= max", f"{lo}:{opt}:{hi}")
+        ranges[name] = (lo, opt, hi)
+    initializers = {i.name for i in model.graph.initializer}
+    used: set[str] = set()
+    out: dict[str, tuple[Shape, Shape, Shape]] = {}
+    for inp in model.graph.input:
+        if inp.name in initializers:
+            continue
+        shape = [(d.dim_param, d.dim_value) for d in inp.type.tensor_type.shape.dim]
+        params = {p for p, v in shape if p or v <= 0}
+        if not params or not params <= set(ranges):
+            used |= params & set(ranges)
+            continue
+        used |= params
+        out[inp.name] = tuple(  # type: ignore[assignment]
+            tuple(ranges[p][k] if p else v for p, v in shape) for k in range(3)
+        )
+    unused = sorted(set(ranges) - used)
+    if unused:
+        names = sorted({p for i in model.graph.input for d in i.type.tensor_type.shape.dim
+                        if (p := d.dim_param)})  # fmt: skip
+        raise value_error("dims", f"names of dynamic dims of the model's inputs {names}",
+                          f"{unused}")  # fmt: skip
+    return out
 
 
 def _load_onnx(onnx_path):
@@ -411,6 +463,7 @@ def build_engine(
     engine_path=None,
     timing_cache=None,
     shapes: Mapping[str, Any] | None = None,
+    dims: Mapping[str, Any] | None = None,
     workspace: int | None = None,
     aliased_plugin_io: bool | None = None,
     detailed_profile: bool = True,
@@ -452,6 +505,7 @@ def build_engine(
         engine_path=engine_path,
         timing_cache=timing_cache,
         shapes=shapes,
+        dims=dims,
         workspace=workspace,
         aliased_plugin_io=aliased_plugin_io,
         detailed_profile=detailed_profile,

@@ -35,6 +35,23 @@ def parse_shapes(specs) -> dict[str, tuple]:
     return out
 
 
+def parse_dims(specs) -> dict[str, tuple[int, int, int]]:
+    """``B=1:8:64`` (min:opt:max) or ``B=8`` (fixed) -> build.shapes_from_dims' ``dims``."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for spec in specs or ():
+        name, sep, text = spec.partition("=")
+        try:
+            vals = [int(v) for v in text.split(":")]
+        except ValueError:
+            vals = []
+        if not sep or not name or len(vals) not in (1, 3):
+            raise ValueError(
+                f"--dim: expected NAME=MIN:OPT:MAX or NAME=SIZE (e.g. B=1:8:64), got {spec!r}"
+            )
+        out[name] = (vals[0], vals[0], vals[0]) if len(vals) == 1 else (vals[0], vals[1], vals[2])
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -63,6 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="optimization profile of each dynamic input, dims joined by x "
         "(key:1x8x128,16x8x128,64x8x128)",
     )
+    parser.add_argument(
+        "--dim",
+        nargs="+",
+        default=None,
+        metavar="NAME=MIN:OPT:MAX",
+        help="range of a symbolic dimension, applied to every input that uses it "
+        "(B=1:8:64 T=1:256:4096); --shapes entries override it for their input",
+    )
     parser.add_argument("--workspace", type=int, default=None, help="workspace limit in bytes")
     parser.add_argument(
         "--timing-cache", default=None, help="timing cache file (full TensorRT only)"
@@ -74,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from . import build_plan
     from ._tensorrt import flavour_of, import_tensorrt
+
+    dims = parse_dims(args.dim)
+    shapes = parse_shapes(args.shapes)
 
     out = Path(args.output) if args.output else Path(args.model).with_suffix(".plan")
     trt = import_tensorrt(args.flavour)
@@ -90,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         args.model,
         engine_path=out,
         timing_cache=args.timing_cache,
-        shapes=parse_shapes(args.shapes),
+        shapes=shapes,
+        dims=dims,
         workspace=args.workspace,
         verbose=args.verbose,
         targets=args.target,
