@@ -10,9 +10,9 @@ aliased plugin I/O, and writes the engine file when asked. ``EngineRunner`` bind
 Where this machine cannot build and run an engine (no TensorRT Python package of any
 flavour, no cuda-python, no GPU, or the plugin library was not built), the script says
 why and exits 0; ``pytrt-kv info`` tells what the installation has. Install TensorRT
-with ``pip install 'pytrt-kv[trt]'``.
+with ``python3 -m pip install '/path/to/pytrt_kv[trt]'``.
 
-    python examples/build_engine.py [OUT.plan]      # default example.plan
+    python3 examples/build_engine.py [OUT.plan]      # default example.plan
 """
 
 import sys

@@ -14,7 +14,7 @@ Runners, fed the same valid inputs by the project's data loader
 Cache updates are data movement and must match exactly; attention is float math in a
 different order, so ``attn_out`` gets a small tolerance.
 
-    python examples/compare_polygraphy.py [OUT.onnx]      # default example.onnx
+    python3 examples/compare_polygraphy.py [OUT.onnx]      # default example.onnx
 """
 
 import sys

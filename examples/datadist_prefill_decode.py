@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Disaggregated prefill/decode with pytrt_kv.datadist: two processes, KV blocks over NIXL.
 
-    python examples/datadist_prefill_decode.py [--steps 3] [--prompt-len 37]
+    python3 examples/datadist_prefill_decode.py [--steps 3] [--prompt-len 37]
 
 This process is the **prefill** node (role "prompt", cluster 1). It starts the **decode**
 node (role "decoder", cluster 2) as a second process (this file with ``--decode``), then:

@@ -9,7 +9,7 @@ The top-k indices are a graph input here; a real model computes them (see
 Then it checks the model, runs it on the CPU runtime with valid random feeds
 (``make_feeds``) and compares every output with the NumPy reference called directly.
 
-    python examples/export_graphsurgeon.py [OUT.onnx]      # default decode_step.onnx
+    python3 examples/export_graphsurgeon.py [OUT.onnx]      # default decode_step.onnx
 """
 
 import sys

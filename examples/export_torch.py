@@ -6,9 +6,9 @@ becomes one ``pytrt_kv`` node; in eager mode it runs the NumPy reference, so the
 also runs without TensorRT. The example exports the module, runs the ONNX model on the
 CPU runtime and checks it against the eager module, bit for bit.
 
-Needs the torch extra: ``pip install 'pytrt-kv[torch]'``.
+Needs the torch extra: ``python3 -m pip install '/path/to/pytrt_kv[torch]'``.
 
-    python examples/export_torch.py [OUT.onnx]      # default torch_step.onnx
+    python3 examples/export_torch.py [OUT.onnx]      # default torch_step.onnx
 """
 
 import sys
@@ -20,7 +20,9 @@ import onnx
 try:
     import torch
 except ImportError:
-    sys.exit("this example needs torch and onnxscript: pip install 'pytrt-kv[torch]'")
+    sys.exit(
+        "this example needs torch and onnxscript: python3 -m pip install '/path/to/pytrt_kv[torch]'"
+    )
 
 from onnx_export import torch_export as pk
 from pytrt_kv import runtime

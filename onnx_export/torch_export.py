@@ -37,7 +37,7 @@ def _torch():
     except ImportError as exc:  # pragma: no cover - exercised only without torch
         raise ImportError(
             "onnx_export.torch_export needs torch (>= 2.13) and onnxscript: "
-            "pip install 'pytrt-kv[torch]'"
+            "python3 -m pip install '/path/to/pytrt_kv[torch]'"
         ) from exc
     return torch
 

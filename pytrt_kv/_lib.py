@@ -8,7 +8,7 @@ Search order: the folder named by ``PYTRT_KV_LIB_DIR``, then the package's own `
 folder (importlib.resources), then the ``lib`` folder of the installed ``pytrt-kv``
 distribution when that is elsewhere. The last one matters when Python imports pytrt_kv
 from a source checkout (the current directory comes first on ``sys.path``, e.g.
-``python -m pytrt_kv info`` in the repository root): the source tree holds no built
+``python3 -m pytrt_kv info`` in the repository root): the source tree holds no built
 libraries, but the installed ones are still found and used. A miss raises
 FileNotFoundError that lists every path searched, says when the imported package is a
 source tree without libraries, and, when the package was built without CUDA or

@@ -86,6 +86,8 @@ def test_op_identity_matches_ops_md():
         "compress_lens",
         "compress_seq_offsets",
         "seq_lens",
+        "k_scale",
+        "v_scale",
     )
     assert s.output_names == ("key_cache_out", "value_cache_out")
     assert s.attribute_names == ("cache_layout", "compress_mode", "alias_io")

@@ -33,7 +33,7 @@ TARGETS = ["sm80", "sm89", "sm120"]
 
 def _unavailable() -> str:
     if importlib.util.find_spec("tensorrt_rtx") is None:
-        return "the tensorrt-rtx wheel is not installed (pip install 'pytrt-kv[rtx]')"
+        return "the tensorrt-rtx wheel is not installed (python3 -m pip install '.[rtx]')"
     if _lib.find(_lib.PLUGINS_LIB) is None:
         info = _lib.build_info()
         if info.get("plugins") == "ON":

@@ -127,11 +127,13 @@ def load_model(path: str | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise StudyUnavailable(
-            f"{exc.name} is not installed: pip install 'pytrt-kv[study]'"
+            f"{exc.name} is not installed: python3 -m pip install '/path/to/pytrt_kv[study]'"
         ) from None
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
-            raise StudyUnavailable(f"{mod} is not installed: pip install 'pytrt-kv[study]'")
+            raise StudyUnavailable(
+                f"{mod} is not installed: python3 -m pip install '/path/to/pytrt_kv[study]'"
+            )
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -644,7 +646,10 @@ def run_study(
     try:
         plot(passkey, loss, out_dir / "study.png")
     except ImportError:
-        log("matplotlib is not installed: no plot (pip install 'pytrt-kv[study]')")
+        log(
+            "matplotlib is not installed: no plot "
+            "(python3 -m pip install '/path/to/pytrt_kv[study]')"
+        )
     log(md)
     return result
 

@@ -63,7 +63,8 @@ def _versioned_library() -> Path:
             return candidate
     raise ImportError(
         f"TensorRT-RTX: no {UNVERSIONED}.* in the tensorrt_rtx_libs package "
-        f"({folders or 'not installed'}); reinstall `pip install 'pytrt-kv[rtx]'`"
+        f"({folders or 'not installed'}); reinstall it: "
+        "`python3 -m pip install '/path/to/pytrt_kv[rtx]'`"
     )
 
 

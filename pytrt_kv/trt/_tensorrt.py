@@ -24,9 +24,9 @@ FLAVOURS = {"tensorrt": ("tensorrt", MIN_TENSORRT), "rtx": ("tensorrt_rtx", MIN_
 FLAVOUR_ENV = "PYTRT_KV_TENSORRT"
 
 _INSTALL_HINT = (
-    "install it with `pip install 'pytrt-kv[trt]'` (TensorRT 10.3+ or 11.x "
+    "install it with `python3 -m pip install '/path/to/pytrt_kv[trt]'` (TensorRT 10.3+ or 11.x "
     "wheels, or a TensorRT tar/deb install) on a machine with an NVIDIA driver, "
-    "or `pip install 'pytrt-kv[rtx]'` (TensorRT-RTX, which also builds engines "
+    "or `python3 -m pip install '/path/to/pytrt_kv[rtx]'` (TensorRT-RTX, which also builds engines "
     "without a GPU)"
 )
 
@@ -147,7 +147,7 @@ def import_cudart() -> Any:
     except ImportError as exc:
         raise ImportError(
             "pytrt_kv.trt needs cuda-python for streams and device memory; "
-            "install it with `pip install 'pytrt-kv[trt]'` (or 'pytrt-kv[gpu]')"
+            "install it with `python3 -m pip install '/path/to/pytrt_kv[trt]'` (or '[gpu]')"
         ) from exc
 
 
