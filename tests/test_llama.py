@@ -50,6 +50,16 @@ def llama():
     return model, tok, runner
 
 
+@pytest.fixture(scope="module")
+def fp8_llama(llama):
+    """The fp8-cache runner, with per-head scales calibrated on PROMPTS."""
+    from onnx_export.llama import LlamaRunner
+
+    model, tok, runner = llama
+    scales = runner.calibrate([tok(p)["input_ids"] for p in PROMPTS])
+    return LlamaRunner(model, block_size=4, num_blocks=48, kv_cache_dtype="fp8", scales=scales)
+
+
 def test_graphs_write_every_layer_in_place(llama):
     from pytrt_kv.graph.tensorrt import alias_pairs
 
@@ -130,12 +140,16 @@ def _rtx_unavailable() -> str:
 
 
 @pytest.mark.skipif(bool(_rtx_unavailable()), reason=_rtx_unavailable() or "-")
-def test_both_graphs_build_with_tensorrt_rtx(llama, tmp_path):
-    """docs/LLAMA.md records the time and plan size of these builds."""
+def test_both_graphs_build_with_tensorrt_rtx(llama, fp8_llama, tmp_path):
+    """docs/LLAMA.md records the time and plan size of these builds; the fp8-cache decode
+    graph (FP8 plugin outputs read by DequantizeLinear) builds too."""
     from onnx_export.llama import save_graphs
     from pytrt_kv.trt import build_plan
 
     _, _, runner = llama
+    _, decode8 = save_graphs(fp8_llama, tmp_path / "fp8")
+    dims8 = {"B": (1, 4, 8), "W": (1, 8, 32), "NB": (48, 48, 48)}
+    assert len(build_plan(decode8, flavour="rtx", targets=["sm89"], dims=dims8)) > 500_000_000
     prefill, decode = save_graphs(runner, tmp_path)
     dims = {"B": (1, 4, 8), "W": (1, 8, 32), "NB": (48, 48, 48)}
     for path, extra in ((prefill, {"T": (1, 16, 64)}), (decode, {})):
@@ -143,3 +157,29 @@ def test_both_graphs_build_with_tensorrt_rtx(llama, tmp_path):
         plan = build_plan(path, flavour="rtx", targets=["sm89", "sm120"], dims={**dims, **extra})
         print(f"{path}: {len(plan) / 1e6:.0f} MB plan in {time.perf_counter() - t0:.1f} s")
         assert len(plan) > 500_000_000  # the weights are in the plan
+
+
+def test_fp8_cache_quantises_on_write_and_mostly_agrees(llama, fp8_llama):
+    """--kv-cache-dtype fp8 (docs/SPEC.md S9 in a real model): e4m3 caches written by the
+    scatter with calibrated per-head scales; the text follows the float32 cache's for
+    its first tokens (exact equality is not expected; docs/LLAMA.md reports it)."""
+    import ml_dtypes
+
+    model, tok, runner = llama
+    fp8 = fp8_llama
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    scales = fp8.scales
+    assert len(scales) == 2 * model.config.num_hidden_layers
+    assert all(s.shape == (model.config.num_key_value_heads,) and (s > 0).all()
+               for s in scales.values())  # fmt: skip
+    assert all(c.dtype == ml_dtypes.float8_e4m3fn for c in fp8._caches().values())
+    scatter = next(n for n in fp8.decode_graph.graph.node if n.op_type == "ScatterPaKvCache")
+    assert list(scatter.input)[8:] == ["k_scale_0", "v_scale_0"]
+    want, _, _ = runner.generate(prompts, 8)
+    got, _, _ = fp8.generate(prompts, 8)
+    # The first token of each prompt (the prefill's, read through fp8 pages of the whole
+    # prompt) agrees; later ones may part (measured: docs/LLAMA.md).
+    assert [a[0] for a in got] == [b[0] for b in want]
+    same = sum(x == y for a, b in zip(got, want) for x, y in zip(a, b))
+    print(f"fp8 vs float32 cache: {same} of {8 * len(PROMPTS)} tokens equal")
+    assert same >= 0.5 * 8 * len(PROMPTS)
