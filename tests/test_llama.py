@@ -183,3 +183,31 @@ def test_fp8_cache_quantises_on_write_and_mostly_agrees(llama, fp8_llama):
     same = sum(x == y for a, b in zip(got, want) for x, y in zip(a, b))
     print(f"fp8 vs float32 cache: {same} of {8 * len(PROMPTS)} tokens equal")
     assert same >= 0.5 * 8 * len(PROMPTS)
+
+
+@pytest.mark.parametrize("graph", ["decode", "prefill"])
+def test_data_loader_feeds_a_model_step(llama, graph):
+    """make_feeds (the Polygraphy data loader) gives the real-model graphs valid steps:
+    private pages per sequence, each token at its position and slot, token ids inside the
+    embedding table; the CPU runtime runs them."""
+    from pytrt_kv import runtime
+    from pytrt_kv.graph.feeds import make_feeds
+
+    _, _, runner = llama
+    model = runner.decode_graph if graph == "decode" else runner.prefill_graph
+    shapes = {"block_tables": (3, 4), "key_cache_0": (48, 4, 3, 64)}
+    if graph == "prefill":
+        shapes["input_ids"] = (20,)
+    f = make_feeds(model, seed=5, shapes=shapes)
+    tables, slots, pos = f["block_tables"], f["slot_mapping"], f["positions"]
+    assert len(set(tables.reshape(-1).tolist())) == tables.size  # private pages
+    batch = np.arange(3) if graph == "decode" else f["token_batch"]
+    assert (slots == tables[batch, pos // 4] * 4 + pos % 4).all()
+    if graph == "decode":
+        assert (pos == f["seq_lens"] - 1).all()
+    else:
+        assert np.bincount(batch, minlength=3).sum() == 20 and (f["last_token"] < 20).all()
+        assert (pos[f["last_token"]] == np.bincount(batch, minlength=3) - 1).all()
+    assert 0 <= f["input_ids"].min() and f["input_ids"].max() < 49152
+    out = runtime.run(model, f)
+    assert out["logits"].shape == (3, 49152) and np.isfinite(out["logits"]).all()

@@ -208,6 +208,7 @@ def test_parser_subcommands_have_runners():
             "export-example": ["x.onnx"],
             "build": ["x.onnx"],
             "prepare": ["x.onnx", "y.onnx"],
+            "generate": ["--prompt", "x"],
         }
         args = parser.parse_args([name] + positional.get(name, []))
         assert callable(args._run)

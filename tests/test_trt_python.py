@@ -82,7 +82,7 @@ def test_import_does_not_load_tensorrt():
 )
 def test_clear_import_error_without_tensorrt(no_tensorrt, call):
     with pytest.raises(
-        ImportError, match=r"TensorRT Python package.*pip install 'pytrt-kv\[trt\]'"
+        ImportError, match=r"TensorRT Python package.*pip install '/path/to/pytrt_kv\[trt\]'"
     ):
         call()
 

@@ -21,6 +21,12 @@ What the feeds satisfy (docs/SPEC.md S6, S7, G2-G5):
 - ``selection_topk_indices``: distinct valid ids per row (some reused from the old status,
   padding -1 anywhere); ``selection_kv_block_status``: fresh (-1) or a valid previous state;
 - ``full_q_actual_seq``: cumulative query counts; every other input random, never zeros.
+- A model step over a paged cache (docs/LLAMA.md: graph inputs ``block_tables [B, W]``,
+  ``slot_mapping``, ``positions``, and ``seq_lens [B]`` (decode, one token per sequence)
+  or ``token_batch`` / ``last_token`` (a prefill of flattened prompts)): private pages per
+  sequence, a random length per sequence within its W pages, each token at its position
+  of its sequence and its slot in its page; ``input_ids`` index the embedding table they
+  gather from (``[0, V)``).
 
 A model the loader cannot serve is refused with a ValueError naming the input: an index
 input of a pytrt_kv node whose graph input has another name than the op input it feeds
@@ -405,7 +411,9 @@ def make_feeds(
         )
 
     # --- ScatterPaKvCache ------------------------------------------------------------
-    if "slot_mapping" in info:
+    if "block_tables" in info and "slot_mapping" in info:
+        feeds.update(_paged_step(model, info, rng))
+    elif "slot_mapping" in info:
         feeds.update(_scatter_indices(model, info, rng, table, kv_len, B, S))
     for name in ("compress_lens", "compress_seq_offsets", "seq_lens"):
         if name in info and name not in feeds:
@@ -427,18 +435,93 @@ def make_feeds(
             feeds.update(_gather_indices(model, info, rng, B, S, K, kv_len))
             break
 
-    # docs/SPEC.md S9: quantisation scales are finite and > 0.
-    ports = _scatter_node_ports(model)
-    for arg in ("k_scale", "v_scale"):
-        name = ports.get(arg, arg)
-        if name in info and name not in feeds:
-            sh, d = info[name]
-            feeds[name] = rng.uniform(0.05, 2.0, size=tuple(sh)).astype(d)
+    # docs/SPEC.md S9: quantisation scales (of every scatter node) are finite and > 0.
+    for _, op, ports in _our_nodes(model):
+        for arg in ("k_scale", "v_scale") if op is specs.SCATTER_PA_KV_CACHE else ():
+            name = ports.get(arg)
+            if name in info and name not in feeds:
+                sh, d = info[name]
+                feeds[name] = rng.uniform(0.05, 2.0, size=tuple(sh)).astype(d)
 
     for n, (sh, d) in info.items():
         if n not in feeds:
             feeds[n] = _random(rng, sh, d)
     return {n: feeds[n] for n in info}
+
+
+def _gathered_rows(model, name: str) -> int | None:
+    """Rows of the initializer that graph input ``name`` indexes with ``Gather(axis=0)``
+    (an embedding table for token ids), or None."""
+    from onnx import helper  # noqa: PLC0415
+
+    inits = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and len(node.input) == 2 and node.input[1] == name:
+            axis = next((helper.get_attribute_value(a) for a in node.attribute
+                         if a.name == "axis"), 0)  # fmt: skip
+            if axis == 0 and node.input[0] in inits:
+                return int(inits[node.input[0]].dims[0])
+    return None
+
+
+def _paged_step(model, info, rng) -> dict[str, np.ndarray]:
+    """Feeds of one model step over a paged cache (module docstring; docs/LLAMA.md)."""
+    ports = _scatter_node_ports(model)
+    cache_name = ports.get("key_cache", "")
+    cshape, _ = _need(info, cache_name, "its dims 0 and 1 (NB, BS) size the block tables")
+    if len(cshape) != 4:
+        raise value_error(cache_name, "a 4-D cache [NB, BS, H, D]", list(cshape))
+    layout = _node_attr(model, specs.SCATTER_PA_KV_CACHE.name, "cache_layout", "") or "nd"
+    nb, bs = (cshape[0], cshape[1]) if layout == "nd" else (cshape[0], cshape[2])
+    tshape, tdt = info["block_tables"]
+    if len(tshape) != 2:
+        raise value_error("block_tables", "[B, W]", list(tshape))
+    B = _at_least("block_tables", "B", tshape[0], 1, tshape)
+    W = _at_least("block_tables", "W", tshape[1], 1, tshape)
+    if B * W > nb:
+        raise value_error(
+            cache_name, f"at least B*W = {B * W} pages so every sequence gets its own", f"{nb}"
+        )
+    tables = rng.permutation(nb)[: B * W].reshape(B, W)
+    T = info["slot_mapping"][0][0]
+    decode = "token_batch" not in info
+    if decode:
+        if T != B:
+            raise value_error("slot_mapping", f"T = B = {B} (one token per sequence)", f"T = {T}")
+        lens = rng.integers(1, W * bs + 1, size=B)
+        batch = np.arange(B)
+        positions = lens - 1
+    else:
+        if not B <= T <= B * W * bs:
+            raise value_error(
+                "token_batch", f"B <= T <= B*W*BS = {B * W * bs} prompt tokens", f"T = {T}"
+            )
+        # T tokens split into B prompts of 1..W*BS tokens each.
+        lens = np.ones(B, np.int64)
+        for _ in range(T - B):
+            room = np.flatnonzero(lens < W * bs)
+            lens[rng.choice(room)] += 1
+        batch = np.repeat(np.arange(B), lens)
+        positions = np.concatenate([np.arange(n) for n in lens])
+    slots = tables[batch, positions // bs] * bs + positions % bs
+    out = {
+        "block_tables": tables.astype(tdt),
+        "slot_mapping": slots.astype(info["slot_mapping"][1]),
+    }
+    for name, value in (
+        ("positions", positions),
+        ("seq_lens", lens),
+        ("token_batch", batch),
+        ("last_token", np.cumsum(lens) - 1),
+    ):
+        if name in info:
+            out[name] = np.asarray(value).astype(info[name][1])
+    if "input_ids" in info:
+        rows = _gathered_rows(model, "input_ids") or 1000
+        out["input_ids"] = rng.integers(0, rows, size=info["input_ids"][0]).astype(
+            info["input_ids"][1]
+        )
+    return out
 
 
 def _scatter_node_ports(model) -> dict[str, str]:
