@@ -43,6 +43,7 @@ __all__ = [
     "BlockAllocator",
     "LlamaRunner",
     "reference_greedy",
+    "reference_decode_step",
     "save_graphs",
 ]
 
@@ -511,6 +512,57 @@ def reference_greedy(model: Any, prompt: list[int], tokens: int) -> list[int]:
             logits = model(torch.tensor([seq]), use_cache=False).logits
             seq.append(int(logits[0, -1].argmax()))
     return seq[len(prompt) :]
+
+
+def reference_decode_step(model: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The decode graph's outputs for ``feeds`` (any valid paged state, e.g. from
+    ``pytrt_kv.graph.feeds.make_feeds``), computed by transformers and NumPy indexing, not
+    by the graph: each sequence's past keys/values (positions ``< seq_lens[b] - 1``) are
+    read from its pages into a ``DynamicCache``, the model runs its token at its position,
+    and the new key/value rows transformers computes are written at ``slot_mapping[b]``
+    of copies of the caches. float32 caches only. Returns ``logits`` and every
+    ``*_cache_<i>_out``."""
+    import inspect  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    from transformers import DynamicCache  # noqa: PLC0415
+
+    s = llama_shape(model.config)
+    tables, lens = feeds["block_tables"], feeds["seq_lens"]
+    bs = feeds["key_cache_0"].shape[1]
+    out = {f"{n}_out": feeds[n].copy() for n in feeds if "_cache_" in n}
+    flat = {n: v.reshape(-1, s.kv_heads, s.head_dim) for n, v in out.items()}
+    logits = []
+    for b in range(len(lens)):
+        past = np.arange(int(lens[b]) - 1)
+        rows = tables[b, past // bs].astype(np.int64) * bs + past % bs
+        cache = DynamicCache(config=model.config)
+        for i in range(s.layers):
+            # [rows, H, D] -> [1, H, rows, D], as transformers keeps them (keys after RoPE).
+            kv = [
+                torch.from_numpy(np.ascontiguousarray(feeds[f"{k}_cache_{i}"].reshape(
+                    -1, s.kv_heads, s.head_dim)[rows].transpose(1, 0, 2)[None]))
+                for k in ("key", "value")
+            ]  # fmt: skip
+            cache.update(kv[0], kv[1], i)
+        # transformers 5.x renames past_key_values to cache (the old name warns).
+        arg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
+        with torch.no_grad():
+            res = model(
+                input_ids=torch.tensor([[int(feeds["input_ids"][b])]]),
+                position_ids=torch.tensor([[int(feeds["positions"][b])]]),
+                use_cache=True,
+                **{arg: cache},
+            )
+        logits.append(res.logits[0, -1].numpy())
+        slot = int(feeds["slot_mapping"][b])
+        for i in range(s.layers):
+            layer = cache.layers[i]  # updated in place with the token's key and value
+            flat[f"key_cache_{i}_out"][slot] = layer.keys[0, :, -1].numpy()
+            flat[f"value_cache_{i}_out"][slot] = layer.values[0, :, -1].numpy()
+    return {"logits": np.stack(logits).astype(np.float32), **out}
 
 
 def save_graphs(runner: LlamaRunner, folder: str | os.PathLike) -> tuple[str, str]:

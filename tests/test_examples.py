@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import onnx
 import pytest
+
+from support.env import llama_unavailable_reason, polygraphy_command, polygraphy_env
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -38,6 +41,7 @@ def test_every_example_has_a_test():
         "export_graphsurgeon.py",
         "export_torch.py",
         "compare_polygraphy.py",
+        "compare_llama_polygraphy.py",
         "build_engine.py",
         "datadist_prefill_decode.py",  # run by tests/test_datadist_processes.py
     }
@@ -80,6 +84,37 @@ def test_compare_polygraphy(tmp_path):
     else:
         assert "pytrt-kv-ref vs numpy-step vs tensorrt: PASSED" in out, out
     assert (tmp_path / "e.onnx").is_file()
+
+
+@pytest.mark.skipif(bool(llama_unavailable_reason()), reason=llama_unavailable_reason() or "-")
+def test_compare_llama_polygraphy(tmp_path):
+    """SmolLM2's decode graph: --pytrt-kv-ref agrees with transformers, in-process and with
+    the printed `polygraphy run` command; the same command fails on a graph whose layer-5
+    write stores the key in the value cache (the comparison can see a broken write)."""
+    r = run_example("compare_llama_polygraphy.py", tmp_path, "llama", "--iterations", "1")
+    out = _ok(r)
+    assert "pytrt-kv-ref vs transformers: PASSED" in out, out
+    cli = shlex.split(out.strip().splitlines()[-1])
+    assert cli[:2] == ["polygraphy", "run"], out
+    env = polygraphy_env(tmp_path)
+    res = subprocess.run(polygraphy_command() + cli[1:], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert "Passed: 1/1 iterations" in log, log[-4000:]
+
+    decode = tmp_path / "llama" / "decode.onnx"
+    graph = onnx.load(str(decode), load_external_data=False)
+    (node,) = [n for n in graph.graph.node if n.op_type == "ScatterPaKvCache" and
+               n.input[2] == "key_cache_5"]  # fmt: skip
+    node.input[1] = node.input[0]  # the value cache gets the key
+    broken = decode.with_name("broken.onnx")  # beside llama_weights.bin, which it names
+    onnx.save(graph, str(broken))
+    res = subprocess.run(polygraphy_command() + cli[1:2] + [str(broken)] + cli[3:], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    log = res.stdout + res.stderr
+    assert res.returncode != 0, log[-4000:]
+    assert "FAILED | Output: 'value_cache_5_out'" in log, log[-4000:]
 
 
 def test_build_engine(tmp_path):

@@ -16,22 +16,11 @@ import numpy as np
 import pytest
 
 from pytrt_kv.contract import specs
+from support.env import llama_unavailable_reason
 
-
-def _unavailable() -> str:
-    for mod in ("torch", "transformers", "gguf"):
-        if importlib.util.find_spec(mod) is None:
-            return f"{mod} is not installed (the 'study' extra)"
-    try:
-        from pytrt_kv.retrieval.study import find_model
-
-        find_model(None)
-    except Exception as exc:  # StudyUnavailable: the wheel is missing
-        return str(exc)
-    return ""
-
-
-pytestmark = pytest.mark.skipif(bool(_unavailable()), reason=_unavailable() or "-")
+pytestmark = pytest.mark.skipif(
+    bool(llama_unavailable_reason()), reason=llama_unavailable_reason() or "-"
+)
 
 PROMPTS = [
     "The capital of France is",

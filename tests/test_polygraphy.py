@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from onnx_export import single_op_model
 from onnx_export.example import ExampleSizes, build_example_model
 from pytrt_kv import runtime
 from pytrt_kv.polygraphy import data_loader
-from support.env import polygraphy_command
+from support.env import polygraphy_command, polygraphy_env
 from support.gather_cases import gather_skeleton
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,32 +30,11 @@ def example_path(tmp_path_factory):
     return path
 
 
-def _env(tmp_path: Path) -> dict:
-    """Environment in which Polygraphy finds our entry point even without `pip install`.
-
-    pyproject.toml declares the entry point; an uninstalled checkout has no metadata, so
-    the test writes an equivalent *.dist-info next to the test data.
-    """
-    dist = tmp_path / "ep" / "pytrt_kv_polygraphy_test-0.0.dist-info"
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: pytrt-kv-polygraphy-test\nVersion: 0.0\n"
-    )
-    (dist / "entry_points.txt").write_text(
-        "[polygraphy.run.plugins]\npytrt-kv = pytrt_kv.polygraphy:export_argument_groups\n"
-    )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), str(tmp_path / "ep"), env.get("PYTHONPATH", "")]
-    )
-    return env
-
-
 def _polygraphy(args, tmp_path):
     return subprocess.run(
         polygraphy_command() + [str(a) for a in args],
         cwd=tmp_path,
-        env=_env(tmp_path),
+        env=polygraphy_env(tmp_path),
         capture_output=True,
         text=True,
         timeout=120,

@@ -93,7 +93,7 @@ def _model(model: Any):
     path = os.fspath(model)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model: expected an .onnx file, got {path!r} (no such file)")
-    return onnx.load(path)
+    return onnx.load(path, load_external_data=False)  # the graph is enough: no weights
 
 
 def _parse_shape_args(values: Sequence[str] | None) -> dict[str, Shape]:
@@ -438,10 +438,10 @@ def make_feeds(
     # docs/SPEC.md S9: quantisation scales (of every scatter node) are finite and > 0.
     for _, op, ports in _our_nodes(model):
         for arg in ("k_scale", "v_scale") if op is specs.SCATTER_PA_KV_CACHE else ():
-            name = ports.get(arg)
-            if name in info and name not in feeds:
-                sh, d = info[name]
-                feeds[name] = rng.uniform(0.05, 2.0, size=tuple(sh)).astype(d)
+            scale = ports.get(arg, "")
+            if scale in info and scale not in feeds:
+                sh, d = info[scale]
+                feeds[scale] = rng.uniform(0.05, 2.0, size=tuple(sh)).astype(d)
 
     for n, (sh, d) in info.items():
         if n not in feeds:

