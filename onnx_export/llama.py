@@ -44,6 +44,8 @@ __all__ = [
     "LlamaRunner",
     "reference_greedy",
     "reference_decode_step",
+    "reference_sparse_greedy",
+    "selection_width",
     "save_graphs",
 ]
 
@@ -175,12 +177,194 @@ class _Graph:
         return self.op("Add", [self.op("Mul", [x, cos]), self.op("Mul", [rot, sin])])
 
 
+def _attend(g: _Graph, q: str, pages: list[str], bias: str, scale: str, kvh: int, group: int,
+            d: int) -> str:  # fmt: skip
+    """Grouped-query attention of q ``[T, Hq, D]`` over key/value pages ``[T, P, BS, ...]``
+    (P pages of BS tokens per row, flattened to L tokens) with an additive ``bias``
+    ``[T, 1, 1, L]``; returns ``[T, Hkv, G, D]``."""
+    kk, vv = (
+        g.op("Transpose", [g.op("Reshape", [pg, g.const([0, -1, kvh, d])])], perm=[0, 2, 1, 3])
+        for pg in pages
+    )
+    qg = g.op("Reshape", [q, g.const([0, kvh, group, d])])  # [T, Hkv, G, D]
+    scores = g.op("MatMul", [qg, g.op("Transpose", [kk], perm=[0, 1, 3, 2])])
+    scores = g.op("Add", [g.op("Mul", [scores, scale]), bias])
+    return g.op("MatMul", [g.op("Softmax", [scores], axis=-1), vv])
+
+
+def selection_width(retrieval: Any, max_pages: int) -> int:
+    """K, the selection width of the sparse decode graph: the most pages one step can
+    select with block tables of ``max_pages`` columns (init + the largest top-k + the
+    pages of the local window), at most ``max_pages``."""
+    bs, init, local = retrieval.block_size, retrieval.init_tokens, retrieval.local_tokens
+    nb = max(0, (max_pages * bs - local - init) // bs)
+    n = init // bs + retrieval.num_selected(nb) + -(-(local + bs - 1) // bs)
+    return min(max_pages, n)
+
+
+def _check_retrieval(retrieval: Any, block_size: int, decode: bool, max_pages: Any,
+                     fp8: bool) -> None:  # fmt: skip
+    from pytrt_kv.retrieval.config import MINMAX, RetrievalConfig  # noqa: PLC0415
+
+    if not isinstance(retrieval, RetrievalConfig):
+        raise TypeError(f"retrieval: expected a RetrievalConfig, got {type(retrieval).__name__}")
+    if retrieval.representation != MINMAX:
+        raise ValueError(
+            "retrieval.representation: expected 'minmax' (the graphs keep per-page max/min "
+            f"keys), got {retrieval.representation!r}"
+        )
+    if retrieval.block_size != block_size:
+        raise ValueError(
+            f"retrieval.block_size: expected the page size {block_size} (a page is a "
+            f"retrieval block), got {retrieval.block_size}"
+        )
+    if fp8:
+        raise ValueError("kv_cache_dtype: expected 'float32' with retrieval, got 'fp8'")
+    if decode and (isinstance(max_pages, bool) or not isinstance(max_pages, int)
+                   or max_pages < 1):  # fmt: skip
+        raise ValueError(
+            f"max_pages: expected the static block-table width (an int >= 1) for the "
+            f"sparse decode graph, got {max_pages!r}"
+        )
+
+
+def _retrieval_plan(g: _Graph, cfg: Any, bs: int, decode: bool, max_pages: Any) -> dict:
+    """Layer-independent tensors of the RetrievalKV step (docs/SPEC.md R3, R4)."""
+    i64 = TensorProto.INT64
+    unsq1 = g.const([1])
+    if not decode:
+        # Prompt lengths from the flattened batch: positions[last_token[b]] + 1.
+        lens = g.op("Add", [g.op("Gather", ["positions", "last_token"], axis=0), g.const(1)])
+        j = g.op("Range", [g.const(0), g.op("Squeeze", [g.op("Mul", [
+            g.op("Shape", ["block_tables"], start=1, end=2), g.const([bs])]),
+            g.const([0])]), g.const(1)])  # fmt: skip
+        valid = g.op("Less", [j, g.op("Unsqueeze", [lens, unsq1])])  # [B, W*BS]
+        valid = g.op("Reshape", [valid, g.const([0, -1, bs, 1])])  # [B, W, BS, 1]
+        return {"valid": valid}
+    L = g.op("Cast", ["seq_lens"], to=i64)  # [B], this step's token included
+    pos = g.op("Sub", [L, g.const(1)])
+    page = g.op("GatherElements", ["block_tables", g.op("Cast", [g.op("Unsqueeze", [
+        g.op("Div", [pos, g.const(bs)]), unsq1])], to=TensorProto.INT32)], axis=1)  # fmt: skip
+    page = g.op("Reshape", [g.op("Cast", [page], to=i64), g.const([-1])])  # [B]
+    fresh = g.op("Equal", [g.op("Mod", [pos, g.const(bs)]), g.const(0)])  # first token of a page
+    first = cfg.init_tokens // bs
+    over = g.op("Max", [g.op("Sub", [L, g.const(cfg.local_tokens + cfg.init_tokens)]),
+                        g.const(0)])  # fmt: skip
+    nb = g.op("Div", [over, g.const(bs)])  # [B] retrievable pages (R3), >= 0
+    w = g.op("Range", [g.const(0), g.const(max_pages), g.const(1)])  # [W]
+    end = g.op("Unsqueeze", [g.op("Add", [nb, g.const(first)]), unsq1])  # [B, 1]
+    candidate = g.op("And", [g.op("GreaterOrEqual", [w, g.const(first)]),
+                             g.op("Less", [w, end])])  # fmt: skip
+    stored = g.op("Less", [g.op("Mul", [w, g.const(bs)]), g.op("Unsqueeze", [L, unsq1])])
+    always = g.op("And", [stored, g.op("Not", [candidate])])  # init and local pages
+    ksel_table = [cfg.num_selected(n) for n in range(max_pages + 1)]
+    ksel = g.op("Gather", [g.const(ksel_table), nb], axis=0)  # [B] (R4, exact)
+    ones = g.op("Add", [g.op("Range", [g.const(0), g.op("Squeeze", [g.op(
+        "Shape", ["seq_lens"]), g.const([0])]), g.const(1)]), g.const(1)])  # fmt: skip
+    return {
+        "page": page, "fresh": fresh, "w": w, "candidate": candidate, "always": always,
+        "ksel": ksel, "kmax": max(ksel_table), "max_pages": max_pages, "block_size": bs,
+        "q_cum": g.op("Cast", [ones], to=TensorProto.INT32),
+        "sel_k": selection_width(cfg, max_pages),
+    }  # fmt: skip
+
+
+def _update_reps(g: _Graph, plan: dict, k: str, kc_out: str, reps_in: str, reps_out: str,
+                 kd: int) -> None:  # fmt: skip
+    """Per-page max/min of the keys (R5 "minmax"), kept up to date as pages fill:
+    ``reps[page] = [max over its keys, min over its keys]`` ``[2*H_kv*D]``."""
+    neg = g.const(np.float32(-np.inf), np.float32)
+    pos_inf = g.const(np.float32(np.inf), np.float32)
+    if "valid" in plan:  # prefill: every page of every prompt, from the written cache
+        pages = g.op("Gather", [kc_out, "block_tables"], axis=0)  # [B, W, BS, Hkv, D]
+        pages = g.op("Reshape", [pages, g.const([0, 0, 0, kd])])
+        hi = g.op("ReduceMax", [g.op("Where", [plan["valid"], pages, neg])], axes=[2], keepdims=0)
+        lo = g.op("ReduceMin", [g.op("Where", [plan["valid"], pages, pos_inf])], axes=[2],
+                  keepdims=0)  # fmt: skip
+        new = g.op("Concat", [hi, lo], axis=-1)  # [B, W, 2*kd]
+        # A padding column (no valid token: +-inf) stores 0, so no score is ever NaN.
+        new = g.op("Where", [g.op("IsInf", [new]), g.const(np.float32(0), np.float32), new])
+        # Padding columns name page 0 (never handed out): its row is unspecified.
+        idx = g.op("Unsqueeze", [g.op("Cast", ["block_tables"], to=TensorProto.INT64),
+                                 g.const([2])])  # fmt: skip
+        g.nodes.append(helper.make_node("ScatterND", [reps_in, idx, new], [reps_out]))
+        return
+    row = g.op("Reshape", [k, g.const([0, kd])])  # [B, kd]: this step's key
+    cur = g.op("Gather", [reps_in, plan["page"]], axis=0)  # [B, 2*kd]
+    fresh = g.op("Unsqueeze", [plan["fresh"], g.const([1])])
+    hi = g.op("Slice", [cur, g.const([0]), g.const([kd]), g.const([1])])
+    lo = g.op("Slice", [cur, g.const([kd]), g.const([2 * kd]), g.const([1])])
+    hi = g.op("Max", [g.op("Where", [fresh, neg, hi]), row])
+    lo = g.op("Min", [g.op("Where", [fresh, pos_inf, lo]), row])
+    new = g.op("Concat", [hi, lo], axis=1)
+    idx = g.op("Unsqueeze", [plan["page"], g.const([1])])  # private pages: no duplicates
+    g.nodes.append(helper.make_node("ScatterND", [reps_in, idx, new], [reps_out]))
+
+
+def _select_and_gather(g: _Graph, plan: dict, q: str, kc_out: str, vc_out: str,
+                       reps_out: str, i: int, kd: int, kvh: int, group: int,
+                       d: int) -> tuple[list[str], str]:  # fmt: skip
+    """R4/R5 selection of layer i and its GatherSelectionKvCache; returns the selection
+    caches (keys, values) after the gather and the rows' token counts."""
+    f32 = TensorProto.FLOAT
+    W = plan["max_pages"]
+    neg = g.const(np.float32(-np.inf), np.float32)
+    # Score every page of the row's table: [relu(q), -relu(-q)] . [max, min] (R5), with q
+    # summed over each GQA group.
+    reps = g.op("Gather", [reps_out, "block_tables"], axis=0)  # [B, W, 2*kd]
+    qsum = g.op("ReduceSum", [g.op("Reshape", [q, g.const([0, kvh, group, d])]),
+                              g.const([2])], keepdims=0)  # fmt: skip
+    qsum = g.op("Reshape", [qsum, g.const([0, kd])])
+    qq = g.op("Concat", [g.op("Relu", [qsum]), g.op("Neg", [g.op("Relu", [g.op("Neg", [qsum])])])],
+              axis=1)  # fmt: skip
+    scores = g.op("MatMul", [reps, g.op("Unsqueeze", [qq, g.const([2])])])
+    scores = g.op("Where", [plan["candidate"], g.op("Squeeze", [scores, g.const([2])]), neg])
+    include = plan["always"]
+    if plan["kmax"]:
+        # Top ksel[b] candidates, descending, ties to the lower page (ONNX TopK, R4).
+        _, idx = g.op("TopK", [scores, g.const([plan["kmax"]])], n_out=2, axis=1, largest=1,
+                      sorted=1)  # fmt: skip
+        rank = g.op("Range", [g.const(0), g.const(plan["kmax"]), g.const(1)])
+        keep = g.op("Less", [rank, g.op("Unsqueeze", [plan["ksel"], g.const([1])])])
+        ids = g.op("Where", [keep, idx, g.const(-1)])  # [B, kmax]
+        hit = g.op("Equal", [g.op("Unsqueeze", [ids, g.const([2])]), plan["w"]])  # [B, kmax, W]
+        chosen = g.op("ReduceMax", [g.op("Cast", [hit], to=TensorProto.INT32)], axes=[1],
+                      keepdims=0)  # fmt: skip
+        include = g.op("Or", [include, g.op("Cast", [chosen], to=TensorProto.BOOL)])
+    # The included pages in ascending order, padded with -1: top-K of (W - w) where included.
+    sel_k = plan["sel_k"]
+    key = g.op("Cast", [g.op("Where", [include, g.op("Sub", [g.const(W), plan["w"]]),
+                                       g.const(0)])], to=f32)  # fmt: skip
+    vals, cols = g.op("TopK", [key, g.const([sel_k])], n_out=2, axis=1, largest=1, sorted=1)
+    ids = g.op("Where", [g.op("Greater", [vals, g.const(np.float32(0), np.float32)]), cols,
+                         g.const(-1)])  # fmt: skip
+    ids = g.op("Unsqueeze", [g.op("Cast", [ids], to=TensorProto.INT32), g.const([1])])
+    full = [g.op("Reshape", [c, g.const([0, 0, kd])]) for c in (vc_out, kc_out)]
+    outs = [f"sel_value_{i}_out", f"sel_key_{i}_out", f"sel_status_{i}_out", f"sel_len_{i}"]
+    g.nodes.append(
+        helper.make_node(
+            specs.GATHER_SELECTION_KV_CACHE.name,
+            [f"sel_value_{i}", f"sel_key_{i}", "sel_block_tables", f"sel_status_{i}", ids,
+             full[0], full[1], "block_tables", "seq_lens", plan["q_cum"]],
+            outs,
+            name=f"gather_{i}",
+            domain=specs.DOMAIN,
+            selection_topk_block_size=plan["block_size"],
+            alias_io=1,
+            **specs.PLUGIN_NODE_ATTRIBUTES,
+        )
+    )  # fmt: skip
+    return [outs[1], outs[0]], outs[3]
+
+
 def export_llama(
     model: Any,
     *,
     block_size: int = 16,
     decode: bool = False,
     kv_cache_dtype: str = "float32",
+    retrieval: Any = None,
+    max_pages: int | None = None,
 ) -> onnx.ModelProto:
     """The prefill (``decode=False``) or decode graph of ``model`` (a transformers
     ``LlamaForCausalLM``); see the module docstring for the inputs and outputs. Both
@@ -189,10 +373,23 @@ def export_llama(
     ``kv_cache_dtype="fp8"``: float8 e4m3 caches, quantised on write by the scatter
     (docs/SPEC.md S9) with per-head scales given as inputs ``k_scale_<i>``,
     ``v_scale_<i>`` ``[H_kv]`` float32 (one engine serves recalibrated scales); the
-    attention multiplies the gathered pages back by them."""
+    attention multiplies the gathered pages back by them.
+
+    ``retrieval`` (a ``pytrt_kv.retrieval.RetrievalConfig``): the RetrievalKV variant
+    (docs/LLAMA.md "Sparse decode"). Both graphs keep a per-page key representation
+    ``key_reps_<i>`` ``[NB, 2*H_kv*D]`` (in -> ``_out``); the decode graph selects, per
+    layer, init + the top-k scored pages + local (docs/SPEC.md R), gathers them with
+    ``GatherSelectionKvCache`` into the selection caches ``sel_key_<i>`` /
+    ``sel_value_<i>`` ``[SNB, BS, H_kv*D]`` through ``sel_block_tables [B, K]`` (status
+    ``sel_status_<i>`` ``[B, 1, K+1]``) and attends over them. Needs ``block_size ==
+    retrieval.block_size`` (a page is a retrieval block) and a static block-table width
+    ``max_pages`` (W) for the decode graph."""
     if kv_cache_dtype not in ("float32", "fp8"):
         raise ValueError(f"kv_cache_dtype: expected 'float32' or 'fp8', got {kv_cache_dtype!r}")
     fp8 = kv_cache_dtype == "fp8"
+    sparse = retrieval is not None
+    if sparse:
+        _check_retrieval(retrieval, block_size, decode, max_pages, fp8)
     s = llama_shape(model.config)
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     g = _Graph()
@@ -211,9 +408,10 @@ def export_llama(
     ]
     if not decode:
         inputs.append(helper.make_tensor_value_info("token_batch", i64, ["T"]))
+    width: Any = max_pages if (sparse and decode) else "W"
     inputs += [
         helper.make_tensor_value_info("slot_mapping", i32, [tokens]),
-        helper.make_tensor_value_info("block_tables", i32, ["B", "W"]),
+        helper.make_tensor_value_info("block_tables", i32, ["B", width]),
     ]
     if decode:
         inputs.append(helper.make_tensor_value_info("seq_lens", i32, ["B"]))
@@ -231,6 +429,22 @@ def export_llama(
         for i in range(s.layers):
             for kind in ("k", "v"):
                 inputs.append(helper.make_tensor_value_info(f"{kind}_scale_{i}", f32, [kvh]))
+    kd = kvh * d
+    reps_shape = ["NB", 2 * kd]
+    if sparse:
+        inputs += [
+            helper.make_tensor_value_info(f"key_reps_{i}", f32, reps_shape) for i in range(s.layers)
+        ]
+    if sparse and decode:
+        sel_k = selection_width(retrieval, max_pages)
+        sel_shape = ["SNB", block_size, kd]
+        inputs.append(helper.make_tensor_value_info("sel_block_tables", i32, ["B", sel_k]))
+        for i in range(s.layers):
+            inputs += [
+                helper.make_tensor_value_info(f"sel_key_{i}", f32, sel_shape),
+                helper.make_tensor_value_info(f"sel_value_{i}", f32, sel_shape),
+                helper.make_tensor_value_info(f"sel_status_{i}", i32, ["B", 1, sel_k + 1]),
+            ]
 
     cos_t, sin_t = _rope_tables(s)
     unsq1 = g.const([1])
@@ -254,6 +468,9 @@ def export_llama(
     zero = g.const(np.float32(0.0), np.float32)
     bias = g.op("Where", [visible, zero, neg])
     scale = g.const(np.float32(1.0 / np.sqrt(d)), np.float32)
+
+    if sparse:
+        plan = _retrieval_plan(g, retrieval, block_size, decode, max_pages)
 
     embed = g.weight("embed_tokens", sd["model.embed_tokens.weight"])
     h = g.op("Gather", [embed, "input_ids"], axis=0)  # [T, hidden]
@@ -284,24 +501,37 @@ def export_llama(
             helper.make_tensor_value_info(kc_out, cache_type, cache_shape),
             helper.make_tensor_value_info(vc_out, cache_type, cache_shape),
         ]
-        # The token's pages: [T, W, BS, Hkv, D] -> [T, Hkv, L, D].
-        caches = [kc_out, vc_out]
-        if fp8:
-            # float(q) * scale[h] with DequantizeLinear, the one consumer TensorRT allows
-            # an FP8 tensor besides plugins and copies (so the whole cache, then gather).
-            caches = [
-                g.op("DequantizeLinear", [c, sc], axis=2)
-                for c, sc in zip(caches, (f"k_scale_{i}", f"v_scale_{i}"))
-            ]
-        pages = [g.op("Gather", [c, table], axis=0) for c in caches]
-        kk, vv = (
-            g.op("Transpose", [g.op("Reshape", [pg, g.const([0, -1, kvh, d])])], perm=[0, 2, 1, 3])
-            for pg in pages
-        )
-        qg = g.op("Reshape", [q, g.const([0, kvh, group, d])])  # [T, Hkv, G, D]
-        scores = g.op("MatMul", [qg, g.op("Transpose", [kk], perm=[0, 1, 3, 2])])
-        scores = g.op("Add", [g.op("Mul", [scores, scale]), bias])
-        attn = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), vv])  # [T, Hkv, G, D]
+        if sparse:
+            reps_out = f"key_reps_{i}_out"
+            _update_reps(g, plan, k, kc_out, f"key_reps_{i}", reps_out, kd)
+            outputs.append(helper.make_tensor_value_info(reps_out, f32, reps_shape))
+        if sparse and decode:
+            sel_out, sel_len = _select_and_gather(g, plan, q, kc_out, vc_out, reps_out, i, kd,
+                                                  kvh, group, d)  # fmt: skip
+            outputs += [
+                helper.make_tensor_value_info(f"sel_{n}_{i}_out", t, sh)
+                for n, t, sh in (("value", f32, sel_shape), ("key", f32, sel_shape),
+                                 ("status", i32, ["B", 1, sel_k + 1]))
+            ]  # fmt: skip
+            # Attention over the selection: row b's valid tokens are [0, sel_len[b]).
+            sel_pages = [g.op("Gather", [c, "sel_block_tables"], axis=0) for c in sel_out]
+            sj = g.op("Range", [g.const(0), g.const(sel_k * block_size), g.const(1)])
+            sel_vis = g.op("Less", [sj, g.op("Unsqueeze", [g.op("Cast", [sel_len], to=i64),
+                                                           unsq1])])  # fmt: skip
+            sel_bias = g.op("Where", [g.op("Unsqueeze", [sel_vis, g.const([1, 2])]), zero, neg])
+            attn = _attend(g, q, sel_pages, sel_bias, scale, kvh, group, d)
+        else:
+            # The token's pages: [T, W, BS, Hkv, D] -> [T, Hkv, L, D].
+            caches = [kc_out, vc_out]
+            if fp8:
+                # float(q) * scale[h] with DequantizeLinear, the one consumer TensorRT
+                # allows an FP8 tensor besides plugins and copies (so the whole cache).
+                caches = [
+                    g.op("DequantizeLinear", [c, sc], axis=2)
+                    for c, sc in zip(caches, (f"k_scale_{i}", f"v_scale_{i}"))
+                ]
+            pages = [g.op("Gather", [c, table], axis=0) for c in caches]
+            attn = _attend(g, q, pages, bias, scale, kvh, group, d)
         attn = g.op("Reshape", [attn, g.const([0, hq * d])])
         h = g.op("Add", [h, g.linear(attn, w(p + "self_attn.o_proj.weight"))])
         x = g.rms_norm(h, w(p + "post_attention_layernorm.weight", False), s.eps)
@@ -319,7 +549,11 @@ def export_llama(
     g.nodes.append(helper.make_node("Identity", [logits], ["logits"]))
     outputs.insert(0, helper.make_tensor_value_info("logits", f32, ["B", s.vocab]))
     graph = helper.make_graph(
-        g.nodes, "llama_decode" if decode else "llama_prefill", inputs, outputs, g.inits
+        g.nodes,
+        ("llama_sparse_" if sparse else "llama_") + ("decode" if decode else "prefill"),
+        inputs,
+        outputs,
+        g.inits,
     )
     model_proto = helper.make_model(
         graph,
@@ -364,8 +598,16 @@ class BlockAllocator:
             table.append(self.free.pop())
         return table[page] * self.block_size + position % self.block_size
 
-    def block_tables(self) -> np.ndarray:
-        width = max(1, max(len(t) for t in self.tables))
+    def block_tables(self, width: int | None = None) -> np.ndarray:
+        """``[sequences, width]`` (default: the longest table), padded with page 0."""
+        need = max(1, max(len(t) for t in self.tables))
+        if width is None:
+            width = need
+        elif width < need:
+            raise ValueError(
+                f"max_pages: a sequence needs {need} pages, more than the block-table "
+                f"width {width}; export with a larger max_pages"
+            )
         out = np.zeros((len(self.tables), width), np.int32)
         for b, t in enumerate(self.tables):
             out[b, : len(t)] = t
@@ -398,30 +640,47 @@ class LlamaRunner:
         num_blocks: int = 64,
         kv_cache_dtype: str = "float32",
         scales: dict[str, np.ndarray] | None = None,
+        retrieval: Any = None,
+        max_pages: int | None = None,
     ):
         from pytrt_kv import runtime  # noqa: PLC0415
 
         self.shape = llama_shape(model.config)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_cache_dtype = kv_cache_dtype
-        kw = dict(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+        self.retrieval, self.max_pages = retrieval, max_pages
+        self.last_logits: list[np.ndarray] = []  # [B, V] per step of the last generate()
+        kw = dict(block_size=block_size, kv_cache_dtype=kv_cache_dtype, retrieval=retrieval)
         self.prefill_graph = export_llama(model, **kw)
-        self.decode_graph = export_llama(model, decode=True, **kw)
+        self.decode_graph = export_llama(model, decode=True, max_pages=max_pages, **kw)
         self._prefill = runtime.make_evaluator(self.prefill_graph)
         self._decode = runtime.make_evaluator(self.decode_graph)
         if kv_cache_dtype == "fp8" and scales is None:
             raise ValueError("scales: expected k_scale_<i>/v_scale_<i> arrays for fp8 caches")
         self.scales = dict(scales or {})
 
-    def _caches(self) -> dict[str, np.ndarray]:
+    def _caches(self, batch: int = 0) -> dict[str, np.ndarray]:
+        """The state the graphs update: paged caches; with retrieval, the page
+        representations and, for ``batch`` sequences, their selection caches (K pages
+        each, fresh status)."""
         import ml_dtypes  # noqa: PLC0415
 
         s = self.shape
         shape = (self.num_blocks, self.block_size, s.kv_heads, s.head_dim)
         dt = ml_dtypes.float8_e4m3fn if self.kv_cache_dtype == "fp8" else np.float32
-        return {
+        out = {
             f"{k}_cache_{i}": np.zeros(shape, dt) for i in range(s.layers) for k in ("key", "value")
         }
+        if self.retrieval is None:
+            return out
+        kd = s.kv_heads * s.head_dim
+        sel_k = selection_width(self.retrieval, self.max_pages)
+        for i in range(s.layers):
+            out[f"key_reps_{i}"] = np.zeros((self.num_blocks, 2 * kd), np.float32)
+            for k in ("key", "value"):
+                out[f"sel_{k}_{i}"] = np.zeros((batch * sel_k, self.block_size, kd), np.float32)
+            out[f"sel_status_{i}"] = np.full((batch, 1, sel_k + 1), -1, np.int32)
+        return out
 
     @staticmethod
     def _prefill_feeds(alloc: BlockAllocator, prompts: list[list[int]]):
@@ -443,9 +702,12 @@ class LlamaRunner:
 
     def _step(self, evaluator, graph, feeds, caches) -> np.ndarray:
         names = [o.name for o in graph.graph.output]
-        out = dict(zip(names, evaluator.run(None, {**feeds, **caches, **self.scales})))
-        for name in caches:
-            caches[name] = out[f"{name}_out"]
+        wanted = {i.name for i in graph.graph.input}
+        state = {n: v for n, v in caches.items() if n in wanted}
+        out = dict(zip(names, evaluator.run(None, {**feeds, **state, **self.scales})))
+        for name in state:
+            if f"{name}_out" in out:  # sel_block_tables is only read
+                caches[name] = out[f"{name}_out"]
         return out["logits"]
 
     def generate(
@@ -458,11 +720,18 @@ class LlamaRunner:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: expected at least one non-empty prompt")
         alloc = BlockAllocator(self.num_blocks, self.block_size)
-        caches = self._caches()
+        caches = self._caches(len(prompts))
         seqs, feeds = self._prefill_feeds(alloc, prompts)
+        if self.retrieval is not None:
+            sel_k = selection_width(self.retrieval, self.max_pages)
+            # Row b owns selection pages [b*K, (b+1)*K).
+            caches["sel_block_tables"] = np.arange(len(prompts) * sel_k, dtype=np.int32).reshape(
+                len(prompts), sel_k
+            )
         t0 = time.perf_counter()
         logits = self._step(self._prefill, self.prefill_graph, feeds, caches)
         t1 = time.perf_counter()
+        self.last_logits = [logits]
         out = [[int(x)] for x in logits.argmax(-1)]
         lens = [len(p) for p in prompts]
         for _ in range(tokens - 1):
@@ -471,10 +740,11 @@ class LlamaRunner:
                 "input_ids": np.array([o[-1] for o in out], np.int64),
                 "positions": np.array(pos, np.int64),
                 "slot_mapping": np.array([alloc.slot(b, p) for b, p in zip(seqs, pos)], np.int32),
-                "block_tables": alloc.block_tables(),
+                "block_tables": alloc.block_tables(self.max_pages),
                 "seq_lens": np.array([p + 1 for p in pos], np.int32),
             }
             logits = self._step(self._decode, self.decode_graph, feeds, caches)
+            self.last_logits.append(logits)
             for o, x in zip(out, logits.argmax(-1)):
                 o.append(int(x))
             lens = [n + 1 for n in lens]
@@ -563,6 +833,31 @@ def reference_decode_step(model: Any, feeds: dict[str, np.ndarray]) -> dict[str,
             flat[f"key_cache_{i}_out"][slot] = layer.keys[0, :, -1].numpy()
             flat[f"value_cache_{i}_out"][slot] = layer.values[0, :, -1].numpy()
     return {"logits": np.stack(logits).astype(np.float32), **out}
+
+
+def reference_sparse_greedy(
+    prompt: list[int], tokens: int, retrieval: Any, path: str | None = None
+) -> tuple[list[int], np.ndarray]:
+    """The RetrievalKV study's own implementation (``pytrt_kv.retrieval.study``:
+    transformers with its retrieval attention, method "minmax") generating ``tokens``
+    greedy tokens after ``prompt``: dense prompt rows, sparse rows after it, the whole
+    sequence recomputed each step (no cache). Returns the tokens and the logits
+    ``[tokens, V]`` that chose them."""
+    import torch  # noqa: PLC0415
+
+    from pytrt_kv.retrieval import study  # noqa: PLC0415
+
+    model, _ = study.load_model(path)
+    study.STATE.method = retrieval.representation
+    study.STATE.cfg = retrieval
+    study.STATE.sparse_from = len(prompt)
+    seq, logits = list(prompt), []
+    with torch.no_grad():
+        for _ in range(tokens):
+            row = model(torch.tensor([seq]), use_cache=False).logits[0, -1].numpy()
+            logits.append(row)
+            seq.append(int(row.argmax()))
+    return seq[len(prompt) :], np.stack(logits)
 
 
 def save_graphs(runner: LlamaRunner, folder: str | os.PathLike) -> tuple[str, str]:
