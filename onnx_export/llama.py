@@ -771,17 +771,19 @@ class LlamaRunner:
         return out
 
 
-def reference_greedy(model: Any, prompt: list[int], tokens: int) -> list[int]:
+def reference_greedy(model: Any, prompt: list[int], tokens: int) -> tuple[list[int], np.ndarray]:
     """transformers' greedy decoding of ``tokens`` tokens (no early stop at EOS): the
-    whole sequence is run again at each step (no cache), so nothing of ours is shared."""
+    whole sequence is run again at each step (no cache), so nothing of ours is shared.
+    Returns the tokens and the logits ``[tokens, V]`` that chose them."""
     import torch  # noqa: PLC0415
 
-    seq = list(prompt)
+    seq, logits = list(prompt), []
     with torch.no_grad():
         for _ in range(tokens):
-            logits = model(torch.tensor([seq]), use_cache=False).logits
-            seq.append(int(logits[0, -1].argmax()))
-    return seq[len(prompt) :]
+            row = model(torch.tensor([seq]), use_cache=False).logits[0, -1].numpy()
+            logits.append(row)
+            seq.append(int(row.argmax()))
+    return seq[len(prompt) :], np.stack(logits)
 
 
 def reference_decode_step(model: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

