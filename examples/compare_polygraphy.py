@@ -23,13 +23,12 @@ from collections import OrderedDict
 
 import onnx
 from polygraphy.backend.base import BaseRunner
-from polygraphy.common import TensorMetadata
 from polygraphy.comparator import Comparator, CompareFunc
 
 from onnx_export.example import ExampleSizes, build_example_model
 from pytrt_kv.demo import expected_step
 from pytrt_kv.graph.feeds import make_feeds
-from pytrt_kv.polygraphy import PytrtKvRefRunner
+from pytrt_kv.polygraphy import PytrtKvRefRunner, input_metadata
 
 SIZES = ExampleSizes()
 
@@ -46,15 +45,7 @@ class NumpyStepRunner(BaseRunner):
 
     def get_input_metadata_impl(self):
         # Polygraphy passes a runner only the inputs its metadata names.
-        meta = TensorMetadata()
-        for vi in self.model.graph.input:
-            tt = vi.type.tensor_type
-            meta.add(
-                vi.name,
-                dtype=onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type),
-                shape=[d.dim_value for d in tt.shape.dim],
-            )
-        return meta
+        return input_metadata(self.model)
 
     def infer_impl(self, feed_dict):
         start = time.time()

@@ -845,21 +845,13 @@ def reference_sparse_greedy(
     greedy tokens after ``prompt``: dense prompt rows, sparse rows after it, the whole
     sequence recomputed each step (no cache). Returns the tokens and the logits
     ``[tokens, V]`` that chose them."""
-    import torch  # noqa: PLC0415
-
     from pytrt_kv.retrieval import study  # noqa: PLC0415
 
     model, _ = study.load_model(path)
     study.STATE.method = retrieval.representation
     study.STATE.cfg = retrieval
     study.STATE.sparse_from = len(prompt)
-    seq, logits = list(prompt), []
-    with torch.no_grad():
-        for _ in range(tokens):
-            row = model(torch.tensor([seq]), use_cache=False).logits[0, -1].numpy()
-            logits.append(row)
-            seq.append(int(row.argmax()))
-    return seq[len(prompt) :], np.stack(logits)
+    return reference_greedy(model, prompt, tokens)
 
 
 def save_graphs(runner: LlamaRunner, folder: str | os.PathLike) -> tuple[str, str]:

@@ -35,11 +35,10 @@ from pathlib import Path
 
 import onnx
 from polygraphy.backend.base import BaseRunner
-from polygraphy.common import TensorMetadata
 from polygraphy.comparator import Comparator, CompareFunc, RunResults
 
 from pytrt_kv.graph.feeds import make_feeds
-from pytrt_kv.polygraphy import PytrtKvRefRunner
+from pytrt_kv.polygraphy import PytrtKvRefRunner, input_metadata
 
 from .llama import LlamaRunner, load_llama, reference_decode_step, save_graphs
 
@@ -63,16 +62,7 @@ class TransformersDecodeRunner(BaseRunner):
         pass
 
     def get_input_metadata_impl(self):
-        meta = TensorMetadata()
-        for vi in self.graph.graph.input:
-            tt = vi.type.tensor_type
-            meta.add(
-                vi.name,
-                dtype=onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type),
-                shape=[d.dim_value if d.HasField("dim_value") else d.dim_param
-                       for d in tt.shape.dim],
-            )  # fmt: skip
-        return meta
+        return input_metadata(self.graph)
 
     def infer_impl(self, feed_dict):
         start = time.time()

@@ -23,12 +23,12 @@ def export_argument_groups():
 
 
 def __getattr__(name):
-    # PytrtKvRefRunner for Polygraphy's Python API, imported lazily.
-    if name == "PytrtKvRefRunner":
-        from ._runner import PytrtKvRefRunner
+    # PytrtKvRefRunner and input_metadata for Polygraphy's Python API, imported lazily.
+    if name in ("PytrtKvRefRunner", "input_metadata"):
+        from . import _runner
 
-        return PytrtKvRefRunner
+        return getattr(_runner, name)
     raise AttributeError(name)
 
 
-__all__ = ["export_argument_groups", "PytrtKvRefRunner"]
+__all__ = ["export_argument_groups", "PytrtKvRefRunner", "input_metadata"]

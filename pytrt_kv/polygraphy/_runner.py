@@ -60,27 +60,7 @@ class PytrtKvRefRunner(BaseRunner):
 
     @util.check_called_by("get_input_metadata")
     def get_input_metadata_impl(self):
-        from polygraphy.datatype import DataType
-
-        from pytrt_kv.contract import dtypes
-
-        inits = {i.name for i in self.model.graph.initializer}
-        meta = TensorMetadata()
-        for vi in self.model.graph.input:
-            if vi.name in inits:
-                continue
-            tt = vi.type.tensor_type
-            shape = [
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                for d in tt.shape.dim
-            ]
-            # Polygraphy's own DataType (NumPy dtypes are deprecated there); it knows the
-            # ONNX types, bfloat16 and float8 included.
-            dtype = DataType.from_dtype(tt.elem_type, "onnx")
-            if dtype is None or not isinstance(dtype, DataType):
-                dtype = dtypes.numpy_of_onnx(tt.elem_type, vi.name)
-            meta.add(vi.name, dtype=dtype, shape=shape)
-        return meta
+        return input_metadata(self.model)
 
     @util.check_called_by("infer")
     def infer_impl(self, feed_dict):
@@ -95,3 +75,29 @@ class PytrtKvRefRunner(BaseRunner):
     def deactivate_impl(self):
         del self.evaluator
         del self.model
+
+
+def input_metadata(model) -> TensorMetadata:
+    """Polygraphy metadata of the graph inputs of ``model`` (an ``onnx.ModelProto``) that
+    are not initializers: name, dtype and shape (symbolic dims by name, unknown as None).
+    Polygraphy feeds a runner only the inputs its metadata names."""
+    from polygraphy.datatype import DataType
+
+    from pytrt_kv.contract import dtypes
+
+    inits = {i.name for i in model.graph.initializer}
+    meta = TensorMetadata()
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        shape = [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+        ]
+        # Polygraphy's own DataType (NumPy dtypes are deprecated there); it knows the
+        # ONNX types, bfloat16 and float8 included.
+        dtype = DataType.from_dtype(tt.elem_type, "onnx")
+        if dtype is None or not isinstance(dtype, DataType):
+            dtype = dtypes.numpy_of_onnx(tt.elem_type, vi.name)
+        meta.add(vi.name, dtype=dtype, shape=shape)
+    return meta
