@@ -412,3 +412,21 @@ def test_dim_option_of_the_build_command(tmp_path, capsys):
     assert "dims: expected names of dynamic dims" in capsys.readouterr().err
     assert main([*cmd, "B=1:2:2", "BH=3:6:6"]) == 0
     assert (tmp_path / "dyn.plan").stat().st_size > 1000
+
+
+def test_load_engine_without_a_gpu_names_the_cause(monkeypatch, tmp_path):
+    """Deserializing needs a CUDA device: without one, load_engine says that (with the
+    driver's detail), not that the plan came from another TensorRT or lacks plugins."""
+    from pytrt_kv import info
+    from pytrt_kv.trt import load_engine
+
+    detail = f"{info.NO_GPU}: libcuda.so.1 (the NVIDIA driver) not found"
+    monkeypatch.setattr(info, "cuda_devices", lambda: ([], detail))
+    plan = tmp_path / "m.plan"
+    plan.write_bytes(b"x" * 100)
+    with pytest.raises(RuntimeError) as err:
+        load_engine(plan, flavour="rtx")
+    msg = str(err.value)
+    assert "cannot deserialize a TensorRT engine on this machine" in msg
+    assert detail in msg and "(100 bytes) is not the problem" in msg
+    assert "another TensorRT" not in msg

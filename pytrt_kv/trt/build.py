@@ -535,6 +535,17 @@ def load_engine(
     load_plugins(flavour=flavour_of(trt))
     if isinstance(plan, (str, Path)):
         plan = Path(plan).read_bytes()
+    from ..info import cuda_devices  # noqa: PLC0415
+
+    names, detail = cuda_devices()
+    if not names:
+        # Deserializing needs a GPU; say so instead of blaming the plan (issue 17).
+        raise RuntimeError(
+            f"cannot deserialize a TensorRT engine on this machine: {detail}. The plan "
+            f"({len(plan)} bytes) is not the problem: copy it to a machine with an NVIDIA "
+            "GPU and driver and load it there (pytrt_kv.trt.load_engine, or trtexec "
+            "--loadEngine with the plugin library)"
+        )
     runtime = trt.Runtime(_logger(trt, verbose))
     engine = runtime.deserialize_cuda_engine(plan)
     if engine is None:
