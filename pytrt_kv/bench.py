@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from ._bench_report import write_results
 
 #: Targets of issue 4 (H100/H200).
 TARGETS = {
@@ -78,19 +79,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def write_results(args: argparse.Namespace, text: str, raw: dict[str, Any]) -> None:
-    """Print the Markdown table and write it to ``--output`` and ``raw`` to ``--json``
-    (shared by the kernel and the datadist benchmarks)."""
-    print()
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(raw, f, indent=1)
-
-
 class Timer:
     """Per-call GPU time of ``fn`` (enqueues one call) in eager and CUDA-graph modes."""
 
@@ -143,7 +131,7 @@ class Timer:
 
 
 def _device_info(torch: Any, device: int) -> dict[str, str]:
-    from .info import cuda_devices
+    from ._driver import cuda_devices
 
     props = torch.cuda.get_device_properties(device)
     _, driver = cuda_devices()

@@ -98,6 +98,167 @@ def violations(found: list[tuple[str, str, int, str]]) -> list[str]:
     return bad
 
 
+#: Command modules (parse, call the library, print): nothing else of pytrt_kv imports them.
+COMMANDS = {
+    "pytrt_kv.__main__",
+    "pytrt_kv.trt.__main__",  # `python -m pytrt_kv.trt`: the same commands
+    "pytrt_kv.info",
+    "pytrt_kv.demo",
+    "pytrt_kv.retrieval.demo",
+}
+
+#: Old import paths kept for users (each IS the new module): our own code uses the new one.
+COMPAT = {
+    "pytrt_kv.specs": "pytrt_kv.contract.specs",
+    "pytrt_kv.dtypes": "pytrt_kv.contract.dtypes",
+    "pytrt_kv.runtime._evaluator": "pytrt_kv.runtime",
+    "pytrt_kv.trt.model": "pytrt_kv.graph.tensorrt",
+    "onnx_export.schemas": "pytrt_kv.graph.schemas",
+    "onnx_export._check": "pytrt_kv.graph.check",
+}
+
+
+def direction_violations(found: list[tuple[str, str, int, str]]) -> list[str]:
+    """Upward imports (a library module importing a command module) and imports of the
+    compatibility paths by our own code."""
+    bad = []
+    for mod, rel, line, target in found:
+        where = f"{rel}:{line}: imports {target}"
+        if mod not in COMMANDS and target in COMMANDS:
+            bad.append(f"{where} (a command module: library code must not import it)")
+        if mod not in COMPAT and target in COMPAT:
+            bad.append(f"{where} (an old import path: use {COMPAT[target]})")
+    return bad
+
+
+def module_files() -> dict[str, Path]:
+    return {
+        module_name(p): p for top in ("pytrt_kv", "onnx_export") for p in (REPO / top).rglob("*.py")
+    }
+
+
+def import_edges(files: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (anywhere, lazy imports included), from
+    ``files`` (module name -> source; a name ending in ``.__init__`` is a package).
+    ``from pkg import sub`` is an edge to ``pkg.sub`` when that is a module, else to
+    ``pkg``; a package's submodule reaching its package this way is no cycle."""
+    names = {m.removesuffix(".__init__") for m in files}
+    edges: dict[str, set[str]] = {}
+    for key, source in files.items():
+        mod = key.removesuffix(".__init__")
+        package = mod if key.endswith(".__init__") else mod.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(
+                        parts[: len(parts) - (node.level - 1)] + ([base] if base else [])
+                    )
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base
+                           for a in node.names]  # fmt: skip
+            else:
+                continue
+            for t in targets:
+                while t and t not in names:
+                    t = t.rpartition(".")[0]
+                if t and t != mod:
+                    out.add(t)
+        edges[mod] = out
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _sources() -> dict[str, str]:
+    out = {}
+    for path in sorted(
+        p for top in ("pytrt_kv", "onnx_export") for p in (REPO / top).rglob("*.py")
+    ):
+        parts = list(path.relative_to(REPO).with_suffix("").parts)
+        out[".".join(parts)] = path.read_text(encoding="utf-8")
+    return out
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or around a circle, even lazily: each
+    layer builds on the ones below (issue 21)."""
+    edges = import_edges(_sources())
+    assert len(edges) > 50 and sum(map(len, edges.values())) > 100  # the walk saw them
+    assert cycles(edges) == [], "import cycles:\n" + "\n".join(map(str, cycles(edges)))
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({"p.a": "from . import b\n", "p.b": "def f():\n    from .a import x\n"}, [["p.a", "p.b"]]),
+        ({"p.__init__": "from .a import x\n", "p.a": "from . import b\n", "p.b": "y = 1\n"}, []),
+        ({"p.__init__": "from .a import x\n", "p.a": "from . import y\n"}, [["p", "p.a"]]),
+        ({"a": "import b\n", "b": "import c\n", "c": "from a import z\n"}, [["a", "b", "c"]]),
+    ],
+)
+def test_cycle_check_finds_a_circle(files, expected):
+    assert cycles(import_edges(files)) == expected
+
+
+def test_imports_point_down_and_at_new_paths():
+    bad = direction_violations(all_imports())
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "mod, source, broken",
+    [
+        ("pytrt_kv._cuda.abi", "def f():\n    from ..info import cuda_devices\n", "command"),
+        ("pytrt_kv.trt.build", "from .. import demo\n", "command"),
+        ("pytrt_kv.__main__", "from . import info\n", None),
+        ("pytrt_kv.ops", "from .specs import OPS\n", "old import path"),
+        ("pytrt_kv.ops", "from .contract.specs import OPS\n", None),
+        ("onnx_export.x", "from onnx_export.schemas import register\n", "old import path"),
+    ],
+)
+def test_direction_rules_catch_a_broken_import(mod, source, broken):
+    found = [(mod, "f.py", line, target) for line, target in imports(source, mod, is_package=False)]
+    bad = direction_violations(found)
+    if broken is None:
+        assert bad == []
+    else:
+        assert bad and broken in bad[0], bad
+
+
 def test_imports_follow_the_layers():
     found = all_imports()
     assert len(found) > 100  # the walk saw the packages

@@ -4,7 +4,7 @@
   ``pytrt_kv`` imported from a source checkout (no ``lib`` folder) still finds the
   installed libraries, and says so when there are none.
 - Without a driver, the CUDA runtime reports "driver version is insufficient"; pytrt_kv
-  says "no CUDA driver / GPU" instead (``pytrt_kv.info.cuda_devices``,
+  says "no CUDA driver / GPU" instead (``pytrt_kv._driver.cuda_devices``,
   ``pytrt_kv._cuda.check_status`` used by ``pytrt_kv.ops``).
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pytrt_kv import _cuda, _lib, info
+from pytrt_kv import _cuda, _driver, _lib, info
 from pytrt_kv.contract import limits
 
 
@@ -111,7 +111,7 @@ def test_cuda_devices_with_driver_but_no_gpu(monkeypatch):
 @pytest.mark.parametrize("code", limits.STATUS_NO_GPU)
 def test_check_status_says_no_driver_instead_of_insufficient(monkeypatch, code):
     monkeypatch.setattr(
-        info,
+        _driver,
         "cuda_devices",
         lambda: ([], f"{info.NO_GPU}: libcuda.so.1 (the NVIDIA driver) not found"),
     )
@@ -129,7 +129,7 @@ def test_check_status_says_no_driver_instead_of_insufficient(monkeypatch, code):
 
 def test_check_status_keeps_driver_errors_when_a_gpu_exists(monkeypatch):
     """With a GPU present, error 35 really means an old driver: the runtime's text stays."""
-    monkeypatch.setattr(info, "cuda_devices", lambda: (["Some GPU"], "driver API 12.0"))
+    monkeypatch.setattr(_driver, "cuda_devices", lambda: (["Some GPU"], "driver API 12.0"))
 
     class Lib:
         @staticmethod

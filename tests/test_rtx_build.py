@@ -417,11 +417,11 @@ def test_dim_option_of_the_build_command(tmp_path, capsys):
 def test_load_engine_without_a_gpu_names_the_cause(monkeypatch, tmp_path):
     """Deserializing needs a CUDA device: without one, load_engine says that (with the
     driver's detail), not that the plan came from another TensorRT or lacks plugins."""
-    from pytrt_kv import info
+    from pytrt_kv import _driver
     from pytrt_kv.trt import load_engine
 
-    detail = f"{info.NO_GPU}: libcuda.so.1 (the NVIDIA driver) not found"
-    monkeypatch.setattr(info, "cuda_devices", lambda: ([], detail))
+    detail = f"{_driver.NO_GPU}: libcuda.so.1 (the NVIDIA driver) not found"
+    monkeypatch.setattr(_driver, "cuda_devices", lambda: ([], detail))
     plan = tmp_path / "m.plan"
     plan.write_bytes(b"x" * 100)
     with pytest.raises(RuntimeError) as err:

@@ -171,7 +171,7 @@ def check_status(code: int, what: str) -> None:
     if code in _NO_GPU_CODES:
         # Without a driver the runtime says "driver version is insufficient", which sends
         # users looking for a driver update; say what is missing instead.
-        from ..info import cuda_devices
+        from .._driver import cuda_devices
 
         names, detail = cuda_devices()
         if not names:

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.dtypes import name_of
 from ..contract.errors import type_error, value_error
-from ..dtypes import name_of
 from .buffers import HOST, PINNED, BufferView, _is_torch, buffer, locate
 from .memory import DeviceArray, PinnedHost
 

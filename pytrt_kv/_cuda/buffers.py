@@ -15,10 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import specs
-from ..contract import limits
+from ..contract import limits, specs
+from ..contract.dtypes import NUMPY, name_of
 from ..contract.errors import describe, type_error
-from ..dtypes import NUMPY, name_of
 from .abi import check_status, kernels
 
 #: Where a buffer lives (pytrt_kv_pointer_info kinds).

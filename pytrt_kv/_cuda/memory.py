@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.dtypes import name_of, numpy_dtype
 from ..contract.errors import describe, type_error, value_error
-from ..dtypes import name_of, numpy_dtype
 from . import abi
 from .abi import check_status, kernels
 from .buffers import HOST, Buffer, BufferView, locate

@@ -12,9 +12,9 @@ PushKvBlocks/PullKvBlocks API over NIXL).
 See docs/DATADIST.md.
 """
 
+from .backends import nixl_unavailable_reason
 from .contract import TransferPlan, check_transfer, push_kv_blocks_reference
 from .llm_datadist import DEFAULT_OPTIONS, LlmDataDist, TransferHandle
-from .transport import nixl_unavailable_reason
 from .types import (
     Cache,
     CacheDesc,

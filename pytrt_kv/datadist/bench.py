@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..bench import write_results
+from .._bench_report import write_results
 
 BLOCK_SIZES = (4 << 10, 64 << 10, 1 << 20)
 TARGETS = {"wrapper_vs_raw": 0.90, "gpu_vs_memcpy": 0.80}
@@ -285,7 +285,7 @@ def chart(rows: list[dict[str, Any]], base: str, width: int = 40) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .transport import nixl_unavailable_reason
+    from .backends import nixl_unavailable_reason
 
     reason = nixl_unavailable_reason()
     if reason:

@@ -30,8 +30,9 @@ from typing import Any
 
 from ..contract.errors import describe
 from . import control, memory
+from .backends import make_transport
 from .contract import check_transfer
-from .transport import READ, WRITE, CacheInfo, Transport, Xfer, make_transport
+from .transport import READ, WRITE, CacheInfo, Transport, Xfer
 from .types import (
     Cache,
     CacheDesc,

@@ -225,24 +225,3 @@ class LocalTransport(Transport):
             if _LOCAL.get(self.name) is self:
                 del _LOCAL[self.name]
         self._peers.clear()
-
-
-def make_transport(backend: str, name: str, options: dict[str, Any]) -> Transport:
-    if backend == "local":
-        return LocalTransport(name, options)
-    if backend == "nixl":
-        from .nixl_transport import NixlTransport
-
-        return NixlTransport(name, options)
-    raise ValueError(f"backend: expected 'nixl' or 'local', got {backend!r}")
-
-
-def nixl_unavailable_reason() -> str | None:
-    """None when NIXL imports here, else why not."""
-    from .nixl_transport import nixl_modules
-
-    try:
-        nixl_modules()
-    except LLMException as exc:
-        return str(exc)
-    return None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import dtypes
+from ..contract import dtypes
 from .config import DENSE, RetrievalConfig
 from .planner import RetrievalPlanner, RetrievalSizes, StepRecord
 from .reference import dense_attention, sparse_decode_attention

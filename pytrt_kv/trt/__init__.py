@@ -75,7 +75,7 @@ def availability() -> str:
     """'' when TensorRT, a CUDA GPU, cuda-python and the plugin library are all usable,
     else the first reason why not (never raises)."""
     from .. import _lib
-    from ..info import cuda_devices
+    from .._driver import cuda_devices
     from ._tensorrt import import_cudart, import_tensorrt
 
     try:

@@ -89,7 +89,8 @@ class _Worker:
             [
                 sys.executable,
                 "-c",
-                "import sys; from pytrt_kv.trt._rtx import serve; serve(int(sys.argv[1]))",
+                "import sys; from pytrt_kv.trt._rtx import serve; "
+                "from pytrt_kv.trt.build import build_plan; serve(int(sys.argv[1]), build_plan)",
                 str(write_fd),
             ],
             stdin=subprocess.PIPE,
@@ -203,9 +204,10 @@ def build_in_worker(onnx_path: str, kwargs: dict[str, Any]) -> bytes:
             Path(out).unlink(missing_ok=True)
 
 
-def serve(answer_fd: int) -> None:
-    """The child's loop (see the module docstring)."""
-    from .build import build_plan  # noqa: PLC0415
+def serve(answer_fd: int, build_plan: Any) -> None:
+    """The child's loop (see the module docstring); ``build_plan`` is
+    :func:`pytrt_kv.trt.build.build_plan`, passed in by the child's command line so that
+    this module does not import the one that imports it."""
 
     with os.fdopen(answer_fd, "w") as answers:
         for line in sys.stdin:

@@ -156,7 +156,7 @@ def _set_targets(trt, config, targets: Sequence[Any] | None) -> None:
             )
         return
     if targets is None:
-        from ..info import cuda_devices  # noqa: PLC0415
+        from .._driver import cuda_devices  # noqa: PLC0415
 
         if cuda_devices()[0]:
             return  # TensorRT-RTX's default: the GPU of this machine (CURRENT)
@@ -535,7 +535,7 @@ def load_engine(
     load_plugins(flavour=flavour_of(trt))
     if isinstance(plan, (str, Path)):
         plan = Path(plan).read_bytes()
-    from ..info import cuda_devices  # noqa: PLC0415
+    from .._driver import cuda_devices  # noqa: PLC0415
 
     names, detail = cuda_devices()
     if not names:

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 def gpu_unavailable_reason() -> str:
     """'' when CUDA tests can run here, else why not."""
     from pytrt_kv import _lib
-    from pytrt_kv.info import cuda_devices
+    from pytrt_kv._driver import cuda_devices
 
     names, detail = cuda_devices()
     if not names:
@@ -51,7 +51,7 @@ def select_device(choice: str) -> str:
     library was built (scripts/test.sh builds it), else nothing (GPU tests skip).
     """
     from pytrt_kv import _lib
-    from pytrt_kv.info import cuda_devices
+    from pytrt_kv._driver import cuda_devices
 
     if choice == "emu":
         os.environ[_lib.DEVICE_ENV] = "emu"
