@@ -3,6 +3,7 @@ pytrt_kv/contract/limits.py and pytrt_kv.specs, and nothing else holds another c
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import re
 import sys
@@ -118,3 +119,82 @@ def test_no_hand_copies_left(path, pattern):
     file = ROOT / path
     assert file.exists(), path
     assert not re.search(pattern, file.read_text()), f"{path}: a hand copy of a contract value"
+
+
+# --- the ctypes mirrors of the kernels' parameter structs, field by field -------------------
+
+#: C++ field types of the params structs -> the ctypes type that mirrors them.
+_CTYPE_OF = {
+    "pointer": ctypes.c_void_p,
+    "int32_t": ctypes.c_int32,
+    "DataType": ctypes.c_int32,  # enum class ... : int32_t (kvCommon.h)
+    "CacheLayout": ctypes.c_int32,
+    "CompressMode": ctypes.c_int32,
+    "int64_t": ctypes.c_int64,
+    "bool": ctypes.c_bool,
+    "size_t": ctypes.c_size_t,
+}
+
+
+def header_fields(header: str, struct: str) -> list[tuple[str, str]]:
+    """(name, C++ type, pointers as "pointer") of ``struct``'s fields in ``header``'s text,
+    in declaration order."""
+    m = re.search(rf"struct {struct}\s*\{{(.*?)\n\}};", header, re.S)
+    assert m, f"struct {struct} not found"
+    body = re.sub(r"//[^\n]*", "", m.group(1))
+    out = []
+    for decl in body.split(";"):
+        decl = re.sub(r"\{[^}]*\}", "", decl).strip()  # default member initializers
+        if not decl:
+            continue
+        kind, name = decl.rsplit(None, 1)
+        kind = "pointer" if "*" in kind + name else kind.replace("const", "").strip()
+        out.append((name.lstrip("*"), kind))
+    return out
+
+
+def mirror_mismatches(fields: list[tuple[str, str]], ctypes_fields: list[tuple]) -> list[str]:
+    """Where a ctypes ``_fields_`` list differs from the C++ fields: name, order or type."""
+    bad = []
+    if len(fields) != len(ctypes_fields):
+        bad.append(f"{len(fields)} C++ fields, {len(ctypes_fields)} in the mirror")
+    for i, ((name, kind), (cname, ctype)) in enumerate(zip(fields, ctypes_fields)):
+        if name != cname:
+            bad.append(f"field {i}: C++ {name}, mirror {cname}")
+        if _CTYPE_OF.get(kind) is not ctype:
+            bad.append(f"field {i} ({name}): C++ {kind}, mirror {ctype.__name__}")
+    return bad
+
+
+@pytest.mark.parametrize(
+    "header, struct, mirror",
+    [
+        ("scatterPaKvCache.h", "ScatterParams", "ScatterParams"),
+        ("gatherSelectionKvCache.h", "GatherSelectionParams", "GatherSelectionParams"),
+    ],
+)
+def test_ctypes_params_mirror_the_header_field_by_field(header, struct, mirror):
+    """pytrt_kv._cuda.abi's structs name every field of the C++ struct, in order, with
+    the matching type: a swap of two same-sized fields (which the offsets of
+    pytrt_kv_params_layout cannot see) fails here, and so does a renamed field."""
+    fields = header_fields((ROOT / "plugins" / "kernels" / header).read_text(), struct)
+    assert len(fields) >= 20
+    assert mirror_mismatches(fields, getattr(_cuda.abi, mirror)._fields_) == []
+
+
+def test_mirror_check_sees_a_swap_of_same_sized_fields():
+    fields = header_fields((ROOT / "plugins" / "kernels" / "scatterPaKvCache.h").read_text(),
+                           "ScatterParams")  # fmt: skip
+    mirror = list(_cuda.abi.ScatterParams._fields_)
+    i, j = [n for n, _ in mirror].index("headSizeK"), [n for n, _ in mirror].index("headSizeV")
+    mirror[i], mirror[j] = mirror[j], mirror[i]  # both int32: same offsets, other meaning
+    assert mirror_mismatches(fields, mirror) == [
+        f"field {i}: C++ headSizeK, mirror headSizeV",
+        f"field {j}: C++ headSizeV, mirror headSizeK",
+    ]
+    retyped = list(_cuda.abi.ScatterParams._fields_)
+    k = [n for n, _ in retyped].index("numBlocks")
+    retyped[k] = ("numBlocks", __import__("ctypes").c_int32)
+    assert mirror_mismatches(fields, retyped) == [
+        f"field {k} (numBlocks): C++ int64_t, mirror c_int"
+    ]
