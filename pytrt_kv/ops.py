@@ -7,10 +7,10 @@ the gather may also be pinned host memory (a pinned torch CPU tensor, CuPy pinne
 or host memory registered with ``cudaHostRegister``), read by the kernel through unified
 addressing.
 
-- Shapes, dtypes and attributes are checked on the host by the reference's own checks
-  (``check_scatter`` / ``check_gather``), without reading values or synchronizing.
-- Index values are read back and checked (``check_scatter_values`` /
-  ``check_gather_values``) only with ``validate=True``; that synchronizes ``stream``.
+- Every call is checked by the reference's own ``validate_scatter`` / ``validate_gather``
+  (:mod:`pytrt_kv.contract`): shapes, dtypes and attributes on the host, without reading
+  values or synchronizing; index values are read back and checked too only with
+  ``validate=True``, which synchronizes ``stream``.
   Without it, invalid index values never make the kernels write outside the caches
   (docs/SPEC.md S7, G4), but the result is unspecified.
 - ``stream``: a torch or CuPy stream, a cuda-python stream, an int ``cudaStream_t``, or
@@ -41,6 +41,7 @@ Examples
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 from typing import Any
 
@@ -50,13 +51,9 @@ from . import _cuda
 from ._cuda import Buffer
 from .contract.alias import buffer_range, check_no_alias
 from .contract.errors import describe, value_error
-from .contract.gather import GATHER_WRITTEN, check_gather, check_gather_values
-from .contract.scatter import (
-    SCATTER_WRITTEN,
-    check_scale_values,
-    check_scatter,
-    check_scatter_values,
-)
+from .contract.gather import GATHER_WRITTEN, validate_gather
+from .contract.scatter import SCATTER_WRITTEN, validate_scatter
+from .reference import plan_row
 
 __all__ = [
     "scatter_pa_kv_cache",
@@ -267,42 +264,31 @@ def prepare_scatter(
         "v_scale": v_scale,
     }
     bufs = _buffers(named)
-    meta = check_scatter(
+
+    @functools.cache
+    def site() -> tuple[int, int]:
+        """Placement, aliasing and the stream: after the shape checks (no GPU work on a
+        malformed call), before the first value is read back."""
+        device = _place(bufs)
+        _check_alias(bufs, SCATTER_WRITTEN)
+        return device, _cuda.resolve_stream(stream, list(named.values()), device)
+
+    meta = validate_scatter(
         bufs["key"],
         bufs["value"],
         bufs["key_cache"],
         bufs["value_cache"],
         bufs["slot_mapping"],
-        bufs["compress_lens"],
-        bufs["compress_seq_offsets"],
-        bufs["seq_lens"],
-        cache_layout,
-        compress_mode,
-        bufs["k_scale"],
-        bufs["v_scale"],
+        compress_lens=bufs["compress_lens"],
+        compress_seq_offsets=bufs["compress_seq_offsets"],
+        seq_lens=bufs["seq_lens"],
+        cache_layout=cache_layout,
+        compress_mode=compress_mode,
+        k_scale=bufs["k_scale"],
+        v_scale=bufs["v_scale"],
+        read=(lambda b: _cuda.read_back(b, site()[1])) if validate else None,
     )
-    device = _place(bufs)
-    _check_alias(bufs, SCATTER_WRITTEN)
-    handle = _cuda.resolve_stream(stream, list(named.values()), device)
-    if validate:
-        idx = {
-            k: (None if (b := bufs[k]) is None else _cuda.read_back(b, handle))
-            for k in ("slot_mapping", "compress_lens", "compress_seq_offsets", "seq_lens")
-        }
-        slots = idx["slot_mapping"]
-        assert slots is not None  # check_scatter refused a missing slot_mapping
-        check_scatter_values(
-            meta,
-            slots,
-            compress_lens=idx["compress_lens"],
-            compress_seq_offsets=idx["compress_seq_offsets"],
-            seq_lens=idx["seq_lens"],
-        )
-        scales = {
-            k: (None if (b := bufs[k]) is None else _cuda.read_back(b, handle))
-            for k in ("k_scale", "v_scale")
-        }
-        check_scale_values(meta, scales["k_scale"], scales["v_scale"])
+    device, handle = site()
     p = _cuda.ScatterParams()
     p.key, p.value = _ptr(bufs["key"]), _ptr(bufs["value"])
     p.keyCache, p.valueCache = _ptr(bufs["key_cache"]), _ptr(bufs["value_cache"])
@@ -483,36 +469,35 @@ def prepare_gather(
         "full_q_actual_seq": full_q_actual_seq,
     }
     bufs = _buffers(named)
-    meta = check_gather(
-        **{k: bufs[k] for k in named}, selection_topk_block_size=selection_topk_block_size
+
+    @functools.cache
+    def site() -> tuple[int, int, Buffer | None]:
+        """The out check, placement, aliasing and the stream: after the shape checks (no
+        GPU work on a malformed call), before the first value is read back."""
+        # full_q_actual_seq is never read: it may live anywhere.
+        placed = {k: v for k, v in bufs.items() if k != "full_q_actual_seq"}
+        out_buf = None
+        if out is not None:  # placed with the others: same device, GPU memory
+            out_buf = placed["out"] = _cuda.buffer("out", out)
+            rows = bufs["selection_kv_block_table"].shape[0]  # type: ignore[union-attr]  # R
+            if out_buf.shape != (rows,) or out_buf.dtype != np.dtype(np.int32):
+                raise value_error("out", f"int32[{rows}]", describe(out_buf))
+        device = _place(placed, host_ok=("full_k_rope", "full_kv_cache"))
+        _check_alias(placed, GATHER_WRITTEN + ("out",))
+        return device, _cuda.resolve_stream(stream, list(named.values()), device), out_buf
+
+    meta, _ = validate_gather(
+        *(bufs[k] for k in named),
+        selection_topk_block_size=selection_topk_block_size,
+        place=plan_row,
+        read=(lambda b: _cuda.read_back(b, site()[1])) if validate else None,
     )
-    # check_gather refused a missing tensor: every gather buffer exists from here on.
-    present = {k: b for k, b in bufs.items() if b is not None}
-    # full_q_actual_seq is never read: it may live anywhere.
-    placed = {k: v for k, v in bufs.items() if k != "full_q_actual_seq"}
-    out_buf = None
-    if out is not None:  # placed with the others: same device, GPU memory
-        out_buf = placed["out"] = _cuda.buffer("out", out)
-        if out_buf.shape != (meta.rows,) or out_buf.dtype != np.dtype(np.int32):
-            raise value_error("out", f"int32[{meta.rows}]", describe(out_buf))
-    device = _place(placed, host_ok=("full_k_rope", "full_kv_cache"))
-    _check_alias(placed, GATHER_WRITTEN + ("out",))
-    handle = _cuda.resolve_stream(stream, list(named.values()), device)
+    device, handle, out_buf = site()
     if out_buf is None:
-        out = _new_output(present["selection_kv_cache"], meta.rows, device)
+        sel_kv = bufs["selection_kv_cache"]
+        assert sel_kv is not None  # validate_gather refused a missing tensor
+        out = _new_output(sel_kv, meta.rows, device)
         out_buf = _cuda.buffer("out", out)
-    if validate:
-        idx = {
-            k: _cuda.read_back(present[k], handle)
-            for k in (
-                "selection_kv_block_table",
-                "selection_kv_block_status",
-                "selection_topk_indices",
-                "full_kv_block_table",
-                "full_kv_actual_seq",
-            )
-        }
-        check_gather_values(meta, **idx)
     p = _gather_params(meta, bufs)
     p.selectionKvActualSeq = _ptr(out_buf)
     lib = _cuda.kernels()

@@ -1,10 +1,10 @@
 """NumPy reference of both operators: obviously correct data movement (docs/SPEC.md S, G).
 
-Every argument is validated before the first write by the contract layer
-(:mod:`pytrt_kv.contract.scatter`, :mod:`pytrt_kv.contract.gather`); a broken rule raises
+Each op reads top to bottom: validate (``validate_scatter`` / ``validate_gather`` of
+:mod:`pytrt_kv.contract`), the placement rules, the write. A broken rule raises
 ValueError (TypeError for a wrong type) naming the argument, what was expected and what
-came, and leaves every argument untouched. An argument that shares memory with a cache
-the op writes is refused the same way, naming both. What is left here only moves bytes.
+came, and leaves every argument untouched (an argument sharing memory with one the op
+writes is refused the same way, naming both).
 
 Data movement works on unsigned-integer views of the arrays: every layout is a pure byte
 copy, so NaN payloads, float8 and integer types all move bit-exactly through one code path.
@@ -15,20 +15,24 @@ serialized by the caller.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 
 from .contract import specs
 from .contract.dtypes import name_of, numpy_dtype
-from .contract.gather import RowPlan, check_gather, check_gather_numpy, check_gather_values, id_size
-from .contract.scatter import (
-    ScatterMeta,
-    check_scale_values,
-    check_scatter,
-    check_scatter_numpy,
-    check_scatter_values,
-)
+from .contract.gather import check_row, validate_gather
+from .contract.scatter import ScatterMeta, run_segments, validate_scatter
 
-__all__ = ["scatter_pa_kv_cache", "gather_selection_kv_cache", "quantise"]
+__all__ = [
+    "scatter_pa_kv_cache",
+    "gather_selection_kv_cache",
+    "quantise",
+    "plan_row",
+    "RowPlan",
+    "id_size",
+]
 
 #: Unsigned type of each element size: the byte-moving view of any data dtype.
 _BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
@@ -74,21 +78,6 @@ def quantise(src: np.ndarray, scale: np.ndarray, cache_dtype: str) -> np.ndarray
         return v.astype(numpy_dtype(cache_dtype))
 
 
-def _plan_run(
-    mode: str, seq_len: int, width: int, offset: int
-) -> tuple[list[tuple[int, int, int]], tuple[int, int] | None]:
-    """docs/SPEC.md S6 for one (b, h): copies [(first row, first token, count)] and the mean
-    row (row, first token) or None; rows are relative to the run's base slot."""
-    if mode == "alibi":
-        return [(0, seq_len - width, width)], None
-    if offset == -1 or width == 0 or offset == seq_len:
-        return [(0, 0, seq_len)], None
-    rest = seq_len - offset - width
-    if mode == "rope":
-        return [(0, 0, offset), (offset + 1, offset + width, rest)], (offset, offset)
-    return [(0, 0, offset), (offset, offset + width, rest)], None
-
-
 def _mean_row(tokens: np.ndarray) -> np.ndarray:
     """float32 sum in token order, / float32(w), rounded to nearest-even to the dtype."""
     # NaN, inf and overflow are valid data (S6: a NaN mean is any NaN): no warnings.
@@ -112,7 +101,7 @@ def _write_runs(
     for b, h in np.argwhere(base >= 0):
         start = int(base[b, h])
         offset = -1 if offsets is None else int(offsets[b, h])
-        copies, mean = _plan_run(str(meta.mode), int(seq[b]), int(lens[b, h]), offset)
+        copies, mean = run_segments(str(meta.mode), int(seq[b]), int(lens[b, h]), offset)
         for row, token, count in copies:
             rows[start + row : start + row + count] = bits[b, token : token + count, h]
         if mean is not None:
@@ -198,19 +187,7 @@ def scatter_pa_kv_cache(
     >>> int((key_cache == -1).sum())          # everything else untouched
     20
     """
-    args = {
-        "key": key,
-        "value": value,
-        "key_cache": key_cache,
-        "value_cache": value_cache,
-        "slot_mapping": slot_mapping,
-        "compress_lens": compress_lens,
-        "compress_seq_offsets": compress_seq_offsets,
-        "seq_lens": seq_lens,
-        "k_scale": k_scale,
-        "v_scale": v_scale,
-    }
-    meta = check_scatter(
+    meta = validate_scatter(
         key,
         value,
         key_cache,
@@ -224,26 +201,17 @@ def scatter_pa_kv_cache(
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    check_scatter_numpy(args)
-    check_scale_values(meta, k_scale, v_scale, key, value)
-    check_scatter_values(
-        meta,
-        slot_mapping,
-        compress_lens=compress_lens,
-        compress_seq_offsets=compress_seq_offsets,
-        seq_lens=seq_lens,
-    )
     pairs = [(key, key_cache)]
-    if value is not None and value_cache is not None:  # check_scatter: both or neither
+    if value is not None and value_cache is not None:  # validate_scatter: both or neither
         pairs.append((value, value_cache))
     if not meta.compress:
         slots = slot_mapping.astype(np.int64)
         for (src, cache), scale in zip(pairs, (k_scale, v_scale)):
-            if scale is not None:  # S9: check_scatter required a quantised cache dtype
+            if scale is not None:  # S9: validate_scatter required a quantised cache dtype
                 src = quantise(src, scale, str(name_of(cache.dtype)))
             _write_tokens(meta, src, cache, slots)
         return
-    # check_scatter required these two for a 4-D key (and offsets for rope / omni).
+    # validate_scatter required these two for a 4-D key (and offsets for rope / omni).
     assert compress_lens is not None and seq_lens is not None
     shape_bh = (meta.batch, meta.num_heads)
     base = slot_mapping.astype(np.int64)
@@ -259,6 +227,92 @@ def scatter_pa_kv_cache(
 
 
 # --- GatherSelectionKvCache (docs/SPEC.md G) -----------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class RowPlan:
+    """G5 placement of one row (:func:`plan_row`): ``status`` int32 ``[K+1]`` (the new status
+    row; a skipped row's old one), ``actual_seq`` (0 when skipped), ``copy`` bool ``[K]``
+    (slot j receives ``size(status[j])`` tokens from the full cache) and ``skipped`` (G3:
+    nothing of the row is read or written)."""
+
+    status: np.ndarray
+    actual_seq: int
+    copy: np.ndarray
+    skipped: bool
+
+
+def id_size(v: int, eff: int, tbs: int) -> int:
+    """G4 ``size(v)``: tokens of id v visible to a query that sees ``eff`` tokens."""
+    max_id = -(-eff // tbs) - 1
+    return eff - max_id * tbs if v == max_id else tbs
+
+
+def plan_row(
+    old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S: int, s: int, tbs: int
+) -> RowPlan:
+    """docs/SPEC.md G3-G5: which id goes to which slot of one row, and which slots are copied.
+
+    ``old_status`` ``[K+1]`` and ``topk_row`` ``[K]`` are the row's; ``kv_len`` is
+    ``full_kv_actual_seq[b]``; ``s < S`` the row's query token. The row's value rules
+    (:func:`pytrt_kv.contract.gather.check_row`) raise ValueError first. This is the meaning
+    the CUDA planner is tested against (tests/test_gather_plan_host.py).
+
+    >>> p = plan_row([0, 1, 2, 10], [2, 0, -1], kv_len=11, S=1, s=0, tbs=4)  # G6, TBS = 4
+    >>> p.status.tolist(), p.actual_seq, p.copy.tolist()
+    ([0, 2, -1, 7], 7, [False, True, False])
+    """
+    old = [int(x) for x in np.asarray(old_status).reshape(-1)]
+    topk = [int(x) for x in np.asarray(topk_row).reshape(-1)]
+    K = len(topk)
+    check_row(old, topk, kv_len, S, s, tbs)
+
+    # G3: the query token s sees eff tokens; a row with nothing visible is skipped.
+    eff = kv_len - (S - 1 - s)
+    if kv_len <= 0 or eff <= 0:
+        return RowPlan(np.array(old, np.int32), 0, np.zeros(K, bool), skipped=True)
+
+    # G4: the valid ids in top-k order (negatives are padding, ids past max_id dropped).
+    max_id = -(-eff // tbs) - 1
+    valid = [v for v in topk if 0 <= v <= max_id]
+    n = len(valid)
+
+    # G5.1: the old ids fill slots 0..old_n-1; with TBS > 1 and an old actual_seq that is
+    # not a multiple of TBS, slot old_n-1 holds a partial tail.
+    old_ids = [v for v in old[:K] if v >= 0]
+    old_slot = {v: j for j, v in enumerate(old_ids)}
+    old_tail = len(old_ids) - 1 if tbs > 1 and old[K] % tbs != 0 else None
+
+    # G5.3: with TBS > 1, slot n-1 is reserved for max_id when it is selected, so that the
+    # valid tokens form the dense range [0, actual_seq).
+    reserve = tbs > 1 and max_id in valid
+
+    # G5.2: an id stays in place when its old slot survives, is complete, and none of its
+    # tokens is among this step's newest S positions.
+    slot_id: list[int | None] = [None] * n
+    for v in valid:
+        j = old_slot.get(v)
+        if j is None or j >= n or j == old_tail or (v + 1) * tbs > kv_len - S:
+            continue
+        if reserve and (j == n - 1 or v == max_id):
+            continue
+        slot_id[j] = v
+    kept = {v for v in slot_id if v is not None}
+    if reserve:
+        slot_id[n - 1] = max_id
+
+    # G5.4: every other valid id, in top-k order, takes the next free slot.
+    free = [j for j in range(n) if slot_id[j] is None]
+    movers = [v for v in valid if v not in kept and not (reserve and v == max_id)]
+    for j, v in zip(free, movers):  # equally many by construction
+        slot_id[j] = v
+
+    # G5.5, G5.6: slots not kept are copied; the status lists the slots' ids, then the count.
+    ids = [int(v) for v in slot_id if v is not None]  # step 4 filled every slot
+    actual_seq = sum(id_size(v, eff, tbs) for v in ids)
+    status = np.array(ids + [-1] * (K - n) + [actual_seq], np.int32)
+    copy = np.array([v not in kept for v in ids] + [False] * (K - n), bool)
+    return RowPlan(status, actual_seq, copy, skipped=False)
 
 
 def _row_tokens(plan: RowPlan, eff: int, tbs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -334,8 +388,8 @@ def gather_selection_kv_cache(
     Raises
     ------
     TypeError, ValueError
-        See :func:`check_gather` and :func:`check_gather_values`; also ValueError for
-        an argument sharing memory with one the op writes (naming both).
+        See :func:`pytrt_kv.contract.gather.validate_gather`; also ValueError for an
+        argument sharing memory with one the op writes (naming both).
 
     Notes
     -----
@@ -362,7 +416,7 @@ def gather_selection_kv_cache(
     >>> sel[0, :3, 0].tolist()   # tokens 5, 9, 2 (element 0 of token p is 2*p)
     [10.0, 18.0, 4.0]
     """
-    args = (
+    meta, plans = validate_gather(
         selection_k_rope,
         selection_kv_cache,
         selection_kv_block_table,
@@ -373,16 +427,8 @@ def gather_selection_kv_cache(
         full_kv_block_table,
         full_kv_actual_seq,
         full_q_actual_seq,
-    )
-    meta = check_gather(*args, selection_topk_block_size=selection_topk_block_size)
-    check_gather_numpy(meta, args)
-    plans = check_gather_values(
-        meta,
-        selection_kv_block_table=selection_kv_block_table,
-        selection_kv_block_status=selection_kv_block_status,
-        selection_topk_indices=selection_topk_indices,
-        full_kv_block_table=full_kv_block_table,
-        full_kv_actual_seq=full_kv_actual_seq,
+        selection_topk_block_size=selection_topk_block_size,
+        place=plan_row,  # every row planned from its old status (G5) and checked
     )
 
     # Everything is valid: from here on, only writes.

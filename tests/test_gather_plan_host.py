@@ -1,5 +1,5 @@
 """The gather planning code of the kernels (plugins/kernels/gatherPlan.h), compiled for
-the host, against the reference (pytrt_kv/contract/gather.py, docs/SPEC.md G3-G5).
+the host, against the reference (pytrt_kv/reference.py plan_row, docs/SPEC.md G3-G5).
 
 gatherPlan.h holds the planning kernel's phases once, for the GPU and the host: the host
 entry points run the very same code (hash, scan, miss-list compaction) for every virtual
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from pytrt_kv import _cuda, reference
 from pytrt_kv.contract import gather as _gather
-from pytrt_kv.contract.gather import plan_row
+from pytrt_kv.reference import id_size, plan_row
 
 
 def _ptr(a: np.ndarray, ctype):
@@ -304,7 +304,7 @@ def expected_misses(plans, kv_len, S, tbs, sel_table, full_table, sbs, fbs):
             p, q = v * tbs, int(j) * tbs
             src = int(full_table[b, p // fbs]) * fbs + p % fbs
             dst = int(sel_table[r, q // sbs]) * sbs + q % sbs
-            out.append((src, dst, _gather.id_size(v, eff, tbs), r, int(j), v))
+            out.append((src, dst, id_size(v, eff, tbs), r, int(j), v))
     return np.array(out, MISS_DTYPE)
 
 
@@ -396,6 +396,7 @@ def run_call_steps(
             selection_topk_indices=topk.reshape(shape + (K,)),
             full_kv_block_table=full_table,
             full_kv_actual_seq=kv_len,
+            place=plan_row,
         )
         want = expected_misses(plans, kv_len, S, tbs, sel_table, full_table, sbs, fbs)
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from pytrt_kv.contract import dtypes
-from pytrt_kv.contract.gather import plan_row
 from pytrt_kv.reference import gather_selection_kv_cache as ref_gather
+from pytrt_kv.reference import plan_row
 from support import device as dv
 from support.arrays import (
     FakeCudaArray,

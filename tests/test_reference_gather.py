@@ -15,8 +15,13 @@ import pytest
 
 from pytrt_kv.contract import specs
 from pytrt_kv.contract.dtypes import numpy_dtype
-from pytrt_kv.contract.gather import GatherMeta, check_gather, check_gather_values, plan_row
-from pytrt_kv.reference import gather_selection_kv_cache
+from pytrt_kv.contract.gather import (
+    GatherMeta,
+    check_gather,
+    check_gather_values,
+    validate_gather,
+)
+from pytrt_kv.reference import gather_selection_kv_cache, plan_row
 from support.gather_cases import I32, Case, base_case, make_case
 
 
@@ -484,6 +489,36 @@ def test_check_gather_never_reads_values():
     assert meta.cache_dtype == "bfloat16"
 
 
+def test_validate_gather_read_modes(rng):
+    """Issue 21: one validate_gather for the reference ("numpy"), pytrt_kv.ops (a read-back
+    function, called on the five index tensors only) and shape-only callers (None)."""
+    case = make_case(rng, B=2, K=3, kv_lens=[4, 0], topk=[[3, 3, -1], [0, 1, 2]])
+    a = case.args
+    meta, plans = validate_gather(**a, selection_topk_block_size=1, read=None)
+    assert (meta.batch, meta.topk, plans) == (2, 3, [])  # values never read
+    with pytest.raises(TypeError, match="^place: expected the G5 placement"):
+        validate_gather(**a, selection_topk_block_size=1)
+    with pytest.raises(ValueError, match="^row 0 .*selection_topk_indices: expected distinct"):
+        validate_gather(**a, selection_topk_block_size=1, place=plan_row)
+    seen = []
+
+    def read(x):
+        seen.append(id(x))
+        return np.array(x)
+
+    good = dict(a, selection_topk_indices=np.array([3, 1, -1, 0, 1, 2], I32).reshape(2, 1, 1, 3))
+    _, plans = validate_gather(**good, selection_topk_block_size=1, place=plan_row, read=read)
+    assert [p.status.tolist() for p in plans] == [[3, 1, -1, 2], [-1, -1, -1, -1]]
+    index = (
+        "selection_kv_block_table",
+        "selection_kv_block_status",
+        "selection_topk_indices",
+        "full_kv_block_table",
+        "full_kv_actual_seq",
+    )
+    assert sorted(seen) == sorted(id(good[k]) for k in index)
+
+
 def test_check_gather_values_returns_plans(rng):
     case = make_case(rng, B=2, K=3, kv_lens=[4, 0], topk=[[3, 1, -1], [0, 1, 2]])
     meta = check_gather(**case.args, selection_topk_block_size=1)
@@ -495,6 +530,7 @@ def test_check_gather_values_returns_plans(rng):
         selection_topk_indices=a["selection_topk_indices"],
         full_kv_block_table=a["full_kv_block_table"],
         full_kv_actual_seq=a["full_kv_actual_seq"],
+        place=plan_row,
     )
     assert [p.status.tolist() for p in plans] == [[3, 1, -1, 2], [-1, -1, -1, -1]]
     assert [p.skipped for p in plans] == [False, True]

@@ -18,7 +18,12 @@ import pytest
 
 from pytrt_kv.contract import specs
 from pytrt_kv.contract.dtypes import numpy_dtype
-from pytrt_kv.contract.scatter import ScatterMeta, check_scatter, check_scatter_values
+from pytrt_kv.contract.scatter import (
+    ScatterMeta,
+    check_scatter,
+    check_scatter_values,
+    validate_scatter,
+)
 from pytrt_kv.reference import scatter_pa_kv_cache
 from pytrt_kv.reference import scatter_pa_kv_cache as reexported
 
@@ -1322,6 +1327,30 @@ def test_check_scatter_values_direct(rng):
     check_scatter_values(meta, **index)
     with pytest.raises(ValueError, match="^compress_seq_offsets: expected a tensor"):
         check_scatter_values(meta, **_with(index, compress_seq_offsets=None))
+
+
+def test_validate_scatter_read_modes(rng):
+    """Issue 21: one validate_scatter for the reference ("numpy"), pytrt_kv.ops (a read-back
+    function, called on the index tensors only) and shape-only callers (None)."""
+    kwargs = _with(base_3d(rng), slot_mapping=np.array([0, 99, -1, 7, 3, 9], np.int32))
+    assert validate_scatter(**kwargs, read=None).layout == "nd"  # values never read
+    with pytest.raises(ValueError, match="^slot_mapping: .* got slot 99 for token 1$"):
+        validate_scatter(**kwargs)
+    seen = []
+
+    def read(x):
+        seen.append(id(x))
+        return np.array(x)
+
+    with pytest.raises(ValueError, match="^slot_mapping: .* got slot 99 for token 1$"):
+        validate_scatter(**kwargs, read=read)
+    assert seen == [id(kwargs["slot_mapping"])]
+    # The NumPy-only rules apply to "numpy" alone: a read-only cache is fine on a GPU path.
+    ok = base_3d(rng)
+    ok["key_cache"].flags.writeable = False
+    assert validate_scatter(**ok, read=np.array).layout == "nd"
+    with pytest.raises(ValueError, match="^key_cache: expected a writeable"):
+        validate_scatter(**ok)
 
 
 def test_reference_module_reexports():

@@ -1,76 +1,19 @@
 """Contract of GatherSelectionKvCache (docs/SPEC.md section G): every argument check.
 
-Three layers, each usable on its own:
-
-* :func:`check_gather` validates shapes, dtypes and the attribute (never reads values;
-  works on anything with ``.shape`` and ``.dtype``: NumPy, torch, CuPy) and returns a
-  :class:`GatherMeta`.
-* :func:`plan_row` is the G5 placement of one row in plain Python: the specification the
-  CUDA planner is tested against.
-* :func:`check_gather_values` applies every value rule to NumPy index arrays and returns
-  the plan of every row; :func:`pytrt_kv.reference.gather_selection_kv_cache` then moves
-  the bytes.
-* :func:`check_gather_numpy` adds what the NumPy reference needs (NumPy arrays, writeable
-  outputs, no argument sharing memory with an output).
-
-Decisions where docs/SPEC.md is silent (the reference raises ``ValueError`` unless noted):
-
-1. Only rows that are processed are value-checked. A skipped row (``kv_len <= 0`` or
-   ``eff <= 0``) is never read beyond ``kv_len``: its status, top-k and table rows may
-   hold anything. Rows ``r >= B*S`` of ``selection_kv_block_table`` are never read.
-2. A corrupted old status is either non-negative entries that are not a prefix of
-   ``old[0..K-1]`` (G5.1) or the same id twice in that prefix (its "old slot" would be
-   ambiguous). ``old[K]`` is never checked: only ``old[K] % TBS != 0`` matters, and that
-   test gives the same answer in Python and C for negative values (a fresh row is all -1).
-3. ``full_kv_actual_seq[b] > F_MAX_BLOCK_NUM * FBS`` for a batch with ``kv_len > 0`` is
-   refused: the full table cannot address the tokens the row claims to have. Because of
-   it, the G4 rule "an id needs a column >= F_MAX_BLOCK_NUM" can never be reached
-   separately (it is still checked, as a guard).
-4. Table entries are range-checked only where they are dereferenced: a
-   ``full_kv_block_table[b, c]`` entry only for the columns of ids that are copied (kept
-   ids are not read), a ``selection_kv_block_table[r, c]`` entry only for the columns of
-   slots that are written. Unused columns may hold padding such as -1.
-5. Two written selection tokens at one address (within a row or across rows, through
-   repeated ``selection_kv_block_table`` entries) are refused, like duplicate slots in
-   ScatterPaKvCache (S7): the winner would depend on the order of the writes. A write
-   onto a slot that another row keeps is allowed (deterministic; the other row's status
-   then describes overwritten data, which is the caller's business).
-6. Dtype problems (an unknown or not-allowed dtype, the four caches not sharing one) and
-   a non-integer ``selection_topk_block_size`` are ``TypeError``; shapes and values are
-   ``ValueError``.
-7. ``B >= 0``, ``S >= 0`` (``B*S == 0``: an empty batch, nothing read or written, the
-   output all zeros), ``1 <= K <= 2048``, ``SBS >= 1``, ``FBS >= 1``, ``KV >= 1``
-   and ``TBS >= 1`` are required. ``S_BLOCK_NUM``, ``F_BLOCK_NUM`` and
-   ``F_MAX_BLOCK_NUM`` may be 0 (then any row that needs them is refused by the value
-   rules).
-8. The k_rope pair is "absent" when both tensors are zero-element and not both
-   ``[*, *, K_ROPE >= 1]`` shaped like their caches; otherwise both must be
-   ``[S_BLOCK_NUM, SBS, K_ROPE]`` / ``[F_BLOCK_NUM, FBS, K_ROPE]`` with one K_ROPE >= 1.
-   Zero-element k_rope tensors must still have the cache dtype (one type for the four
-   caches, as in the ONNX schema).
-9. The reference needs ``numpy.ndarray`` arguments; the three updated in place
-   (``selection_kv_cache``, ``selection_kv_block_status``, and ``selection_k_rope``
-   when present) must be writeable, so that a refused call never writes half its output.
-10. The returned ``selection_kv_actual_seq`` is a new array; the status row is the only
-    record of it inside the arguments (``status[K]``).
-11. Reading of G5: "max_id is valid" means max_id is among the row's valid ids (it was
-    selected); only then is slot n-1 reserved. A processed row with no valid id ends
-    with status all -1 and ``status[K] = 0`` (and returns 0).
-12. Rows are planned from the old status of every row before anything is written.
-13. An argument that shares memory with a tensor the op writes (``selection_k_rope``,
-    ``selection_kv_cache``, ``selection_kv_block_status``; the eager GPU API's ``out``
-    too), e.g. a status overlapping the top-k table or a full cache overlapping the
-    selection cache, is refused up front naming both (:mod:`pytrt_kv.contract.alias`).
-    ``full_q_actual_seq`` is never read and is exempt.
-14. Every range rule is checked per id and per slot before any array of per-token
-    indices is built, so a refused call allocates nothing in proportion to TBS.
+:func:`validate_gather` is the one check of a call, used identically by the NumPy
+reference, :mod:`pytrt_kv.ops` and (through the reference) the CPU runtime; its parts are
+:func:`check_gather` (shapes, dtypes, the attribute: never reads a value, so graph export
+calls it alone), :func:`check_gather_values` (with :func:`check_row`) and
+:func:`check_gather_numpy`. The value rules need the G5 placement, which is the
+reference's ``plan_row``, passed in as ``place`` (the contract imports nothing above it).
+The readings taken where docs/SPEC.md is silent: docs/DECISIONS.md G1-G14.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -78,10 +21,11 @@ from . import limits, specs
 from .alias import array_range, check_no_alias
 from .dtypes import name_of
 from .errors import describe, type_error, value_error
+from .scatter import Read
 
 __all__ = [
     "GatherMeta",
-    "RowPlan",
+    "validate_gather",
     "MAX_TOPK",
     "GATHER_WRITTEN",
     "GATHER_READ_OR_WRITTEN",
@@ -89,8 +33,7 @@ __all__ = [
     "check_gather",
     "check_gather_values",
     "check_gather_numpy",
-    "plan_row",
-    "id_size",
+    "check_row",
 ]
 
 #: docs/SPEC.md G2: largest K, for every TBS (one source for every language: limits.py).
@@ -118,6 +61,20 @@ GATHER_WRITTEN = ("selection_k_rope", "selection_kv_cache", "selection_kv_block_
 GATHER_READ_OR_WRITTEN = tuple(n for n in _ARG_NAMES if n != "full_q_actual_seq")
 
 
+class Placement(Protocol):
+    """What the value rules read of a row's G5 plan (``pytrt_kv.reference.RowPlan``)."""
+
+    @property
+    def status(self) -> np.ndarray: ...  # int32 [K+1]: the new ids, then actual_seq
+    @property
+    def copy(self) -> np.ndarray: ...  # bool [K]: slot j is copied from the full cache
+    @property
+    def skipped(self) -> bool: ...  # G3: nothing of the row is read or written
+
+
+P = TypeVar("P", bound=Placement)
+
+
 @dataclass(frozen=True)
 class GatherMeta:
     """Sizes of one gather call, as found by :func:`check_gather` (docs/SPEC.md G2 names)."""
@@ -138,29 +95,6 @@ class GatherMeta:
     full_max_block_num: int  #: F_MAX_BLOCK_NUM
     k_rope_dim: int  #: K_ROPE, 0 when the k_rope pair is zero-element
     kv_dim: int  #: KV
-
-
-@dataclass(frozen=True, eq=False)
-class RowPlan:
-    """G5 placement of one row (see :func:`plan_row`).
-
-    Attributes
-    ----------
-    status : numpy.ndarray
-        int32 ``[K+1]``: the new status row; for a skipped row, the old one unchanged.
-    actual_seq : int
-        ``selection_kv_actual_seq[r]``; 0 for a skipped row.
-    copy : numpy.ndarray
-        bool ``[K]``: ``copy[j]`` is True when slot j receives ``size(status[j])`` tokens
-        from the full cache; False for kept and unused slots.
-    skipped : bool
-        True when the row is skipped (G3): nothing of it is read or written.
-    """
-
-    status: np.ndarray
-    actual_seq: int
-    copy: np.ndarray
-    skipped: bool
 
 
 # --- shape / dtype validation --------------------------------------------------------
@@ -243,7 +177,7 @@ def _check_k_rope(
     full_block_num: int,
     fbs: int,
 ) -> int:
-    """K_ROPE of the k_rope pair, 0 when both are zero-element (decision 8 above)."""
+    """K_ROPE of the k_rope pair, 0 when both are zero-element (docs/DECISIONS.md G8)."""
     srope, frope = shapes["selection_k_rope"], shapes["full_k_rope"]
     both_shaped = len(srope) == 3 and len(frope) == 3 and srope[2] >= 1 and srope[2] == frope[2]
     if _numel(srope) == 0 and _numel(frope) == 0 and not both_shaped:
@@ -514,86 +448,31 @@ def check_gather(
 # --- G3-G5: placement of one row -----------------------------------------------------
 
 
-def id_size(v: int, eff: int, tbs: int) -> int:
-    """G4 ``size(v)``: tokens of id v visible to a query that sees ``eff`` tokens."""
-    max_id = _ceil_div(eff, tbs) - 1
-    return eff - max_id * tbs if v == max_id else tbs
-
-
-def plan_row(
-    old_status: Sequence[int], topk_row: Sequence[int], kv_len: int, S: int, s: int, tbs: int
-) -> RowPlan:
-    """G5 placement of one row: which id goes to which slot and which slots are copied.
-
-    Parameters
-    ----------
-    old_status : sequence of int, ``[K+1]``
-        The row's status before the call.
-    topk_row : sequence of int, ``[K]``
-        The row's top-k indices (block ids in units of ``tbs`` tokens; negative = padding).
-    kv_len : int
-        ``full_kv_actual_seq[b]`` of the row's batch.
-    S, s : int
-        Query tokens per batch and this row's query token (``0 <= s < S``).
-    tbs : int
-        ``selection_topk_block_size``.
-
-    Returns
-    -------
-    RowPlan
-
-    Raises
-    ------
-    ValueError
-        Corrupted old status (non-negative entries not a prefix, or an id twice), or the
-        same valid id twice in ``topk_row``. Never for a skipped row.
-
-    Examples
-    --------
-    The second TBS = 4 step of docs/SPEC.md G6: id 0 stays in slot 0, id 2 is re-copied.
-
-    >>> p = plan_row([0, 1, 2, 10], [2, 0, -1], kv_len=11, S=1, s=0, tbs=4)
-    >>> p.status.tolist(), p.actual_seq, p.copy.tolist()
-    ([0, 2, -1, 7], 7, [False, True, False])
-    """
-    old = [int(x) for x in np.asarray(old_status).reshape(-1)]
-    topk = [int(x) for x in np.asarray(topk_row).reshape(-1)]
+def check_row(
+    old: Sequence[int], topk: Sequence[int], kv_len: int, S: int, s: int, tbs: int
+) -> None:
+    """The value rules of one row (docs/SPEC.md G5, docs/DECISIONS.md G1, G2): an old
+    status of K+1 entries whose non-negative ids are a distinct prefix, and distinct valid
+    ids in the top-k row. A skipped row (G3) is not checked."""
     K = len(topk)
     if len(old) != K + 1:
         raise value_error("selection_kv_block_status", f"a row of K+1 = {K + 1} entries", len(old))
     if tbs < 1 or S < 1 or not 0 <= s < S:
         raise value_error("plan_row", "tbs >= 1, S >= 1 and 0 <= s < S", f"tbs={tbs}, S={S}, s={s}")
-
-    # G3: the query token s sees eff tokens; rows with nothing visible are skipped.
     eff = kv_len - (S - 1 - s)
     if kv_len <= 0 or eff <= 0:
-        return RowPlan(
-            status=np.array(old, dtype=np.int32),
-            actual_seq=0,
-            copy=np.zeros(K, dtype=bool),
-            skipped=True,
-        )
-
-    # G4: valid ids in topk order; negatives are padding wherever they stand, ids past
-    # max_id are dropped silently.
+        return
     max_id = _ceil_div(eff, tbs) - 1
-    valid: list[int] = []
-    position: dict[int, int] = {}  # valid id -> its position in topk_row
+    position: dict[int, int] = {}  # valid id -> its position in topk
     for i, v in enumerate(topk):
-        if v < 0 or v > max_id:
-            continue
-        if v in position:
-            raise value_error(
-                "selection_topk_indices",
-                "distinct valid ids in a row",
-                f"id {v} at positions {position[v]} and {i}",
-            )
-        position[v] = i
-        valid.append(v)
-    n = len(valid)
-
-    # G5 step 1: the old ids occupy slots 0..old_n-1; the old partial tail (TBS > 1 and
-    # an actual_seq that is not a multiple of TBS) is slot old_n-1.
+        if 0 <= v <= max_id:
+            if v in position:
+                raise value_error(
+                    "selection_topk_indices",
+                    "distinct valid ids in a row",
+                    f"id {v} at positions {position[v]} and {i}",
+                )
+            position[v] = i
     old_ids = old[:K]
     old_n = sum(1 for x in old_ids if x >= 0)
     if any(x < 0 for x in old_ids[:old_n]):
@@ -613,46 +492,6 @@ def plan_row(
                 f"id {v} in slots {old_slot[v]} and {j}",
             )
         old_slot[v] = j
-    old_tail = old_n - 1 if tbs > 1 and old[K] % tbs != 0 else None
-
-    # G5 step 3 (needed by step 2): with TBS > 1, slot n-1 is reserved for max_id when it
-    # is selected, so that the valid tokens form the dense range [0, actual_seq).
-    reserve = tbs > 1 and max_id in position
-
-    # G5 step 2: keep an id in place when its old slot survives, is complete, and none of
-    # its tokens is among this step's newest S positions.
-    slot_id: list[int | None] = [None] * n
-    pinned = set()
-    for v in valid:
-        old_j = old_slot.get(v)
-        if old_j is None or old_j >= n or old_j == old_tail:
-            continue
-        if (v + 1) * tbs > kv_len - S:
-            continue
-        if reserve and (old_j == n - 1 or v == max_id):
-            continue
-        slot_id[old_j] = v
-        pinned.add(v)
-    if reserve:
-        slot_id[n - 1] = max_id
-
-    # G5 step 4: every other valid id, in topk order, takes the next free slot.
-    free = [j for j in range(n) if slot_id[j] is None]
-    movers = [v for v in valid if v not in pinned and not (reserve and v == max_id)]
-    for j, v in zip(free, movers):  # equally many by construction
-        slot_id[j] = v
-
-    # G5 steps 5 and 6: unpinned slots are copied; the status lists the slots' ids.
-    status = np.full(K + 1, -1, dtype=np.int32)
-    copy = np.zeros(K, dtype=bool)
-    actual_seq = 0
-    for j, sid in enumerate(slot_id):
-        assert sid is not None  # step 4 filled every free slot
-        status[j] = sid
-        copy[j] = sid not in pinned
-        actual_seq += id_size(sid, eff, tbs)
-    status[K] = actual_seq
-    return RowPlan(status=status, actual_seq=actual_seq, copy=copy, skipped=False)
 
 
 # --- value rules ---------------------------------------------------------------------
@@ -670,8 +509,9 @@ def check_gather_values(
     selection_topk_indices: np.ndarray,
     full_kv_block_table: np.ndarray,
     full_kv_actual_seq: np.ndarray,
-) -> list[RowPlan]:
-    """Apply every value rule of docs/SPEC.md G4/G5 (and the decisions of this module).
+    place: Callable[[Sequence[int], Sequence[int], int, int, int, int], P],
+) -> list[P]:
+    """Apply every value rule of docs/SPEC.md G4/G5 (docs/DECISIONS.md G1-G14).
 
     Parameters
     ----------
@@ -683,11 +523,14 @@ def check_gather_values(
     selection_topk_indices : numpy.ndarray, int32, status's shape with last dim K
     full_kv_block_table : numpy.ndarray, int32 ``[B, F_MAX_BLOCK_NUM]``
     full_kv_actual_seq : numpy.ndarray, int32 ``[B]``
+    place : callable
+        The G5 placement of one row, ``pytrt_kv.reference.plan_row``: the table entries
+        checked are those its plan dereferences (DECISIONS G4, G5).
 
     Returns
     -------
-    list of RowPlan
-        The plan of every row ``r < B*S`` (``r = b*S + s``), computed from the old status.
+    list
+        ``place``'s plan of every row ``r < B*S`` (``r = b*S + s``), from the old status.
 
     Raises
     ------
@@ -715,12 +558,12 @@ def check_gather_values(
                 kv_len,
             )
 
-    plans: list[RowPlan] = []
+    plans: list[P] = []
     written = []  # per row: flat selection addresses (block * SBS + offset) written
     for r in range(n_rows):
         b, s = _row_batch(meta, r)
         try:
-            plan = plan_row(status[r], topk[r], kv_lens[b], meta.seq, s, tbs)
+            plan = place(status[r], topk[r], kv_lens[b], meta.seq, s, tbs)
         except ValueError as exc:
             raise ValueError(f"row {r} (b={b}, s={s}): {exc}") from None
         plans.append(plan)
@@ -792,7 +635,7 @@ def _check_no_write_collision(written: list[tuple[int, np.ndarray, np.ndarray]])
 
 
 def check_gather_numpy(meta: GatherMeta, args: Sequence[Any]) -> None:
-    """The NumPy reference's extra rules (decisions 9 and 13 above).
+    """The NumPy reference's extra rules (docs/DECISIONS.md G12, G13).
 
     ``args`` are the ten tensors of the op in its order: each a ``numpy.ndarray``, the
     outputs writeable, no argument sharing memory with an output.
@@ -812,3 +655,58 @@ def check_gather_numpy(meta: GatherMeta, args: Sequence[Any]) -> None:
     check_no_alias(
         {name: array_range(named[name]) for name in GATHER_READ_OR_WRITTEN}, GATHER_WRITTEN, named
     )
+
+
+def validate_gather(
+    selection_k_rope: Any,
+    selection_kv_cache: Any,
+    selection_kv_block_table: Any,
+    selection_kv_block_status: Any,
+    selection_topk_indices: Any,
+    full_k_rope: Any,
+    full_kv_cache: Any,
+    full_kv_block_table: Any,
+    full_kv_actual_seq: Any,
+    full_q_actual_seq: Any,
+    *,
+    selection_topk_block_size: Any = 64,
+    place: Callable[[Sequence[int], Sequence[int], int, int, int, int], P] | None = None,
+    read: Read = "numpy",
+) -> tuple[GatherMeta, list[P]]:
+    """Every rule of docs/SPEC.md G on one call, before anything is written.
+
+    Tensors and TBS as :func:`pytrt_kv.reference.gather_selection_kv_cache`; ``read`` as
+    :data:`pytrt_kv.contract.scatter.Read` ("numpy" adds :func:`check_gather_numpy`);
+    ``place`` as in :func:`check_gather_values`, required unless ``read`` is None.
+    Returns the meta and every row's plan (none when ``read`` is None).
+    """
+    tensors = (
+        selection_k_rope,
+        selection_kv_cache,
+        selection_kv_block_table,
+        selection_kv_block_status,
+        selection_topk_indices,
+        full_k_rope,
+        full_kv_cache,
+        full_kv_block_table,
+        full_kv_actual_seq,
+        full_q_actual_seq,
+    )
+    meta = check_gather(*tensors, selection_topk_block_size=selection_topk_block_size)
+    if read is None:
+        return meta, []
+    if place is None:
+        raise type_error("place", "the G5 placement (pytrt_kv.reference.plan_row)", "None")
+    if read == "numpy":
+        check_gather_numpy(meta, tensors)
+    fetch = (lambda x: x) if read == "numpy" else read
+    plans = check_gather_values(
+        meta,
+        selection_kv_block_table=fetch(selection_kv_block_table),
+        selection_kv_block_status=fetch(selection_kv_block_status),
+        selection_topk_indices=fetch(selection_topk_indices),
+        full_kv_block_table=fetch(full_kv_block_table),
+        full_kv_actual_seq=fetch(full_kv_actual_seq),
+        place=place,
+    )
+    return meta, plans

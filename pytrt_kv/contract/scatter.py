@@ -1,24 +1,18 @@
 """Contract of ScatterPaKvCache (docs/SPEC.md section S): every argument check.
 
-- :func:`check_scatter` validates shapes, dtypes and attributes of one call without
-  reading any value, so it works on NumPy arrays, torch/cupy tensors and plain descriptors
-  (anything with ``.shape`` and ``.dtype``), and returns a :class:`ScatterMeta`.
-- :func:`check_scatter_values` validates the index values (docs/SPEC.md S6 constraints, S7
-  out-of-range and duplicate slots).
-- :func:`check_scale_values` validates the S9 scales (finite, > 0) and, for an int8
-  cache, that the quantised source holds no NaN.
-- :func:`check_scatter_numpy` adds what the NumPy reference needs (NumPy arrays, writeable
-  C-contiguous caches, no argument sharing memory with a cache).
-
-The data movement is :func:`pytrt_kv.reference.scatter_pa_kv_cache`; the GPU layers call
-the same checks.
+:func:`validate_scatter` is the one check of a call, used identically by the NumPy
+reference, :mod:`pytrt_kv.ops` and (through the reference) the CPU runtime; its parts are
+:func:`check_scatter` (shapes, dtypes, attributes: never reads a value, so graph export
+calls it alone), :func:`check_scatter_values`, :func:`check_scale_values` and
+:func:`check_scatter_numpy`. Which part runs where: docs/DECISIONS.md "Validation".
+:func:`run_segments` is the S6 run geometry, shared by the value checks and the write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -29,6 +23,8 @@ from .errors import describe, type_error, value_error
 
 __all__ = [
     "ScatterMeta",
+    "validate_scatter",
+    "run_segments",
     "SCATTER_WRITTEN",
     "check_scatter",
     "check_scatter_values",
@@ -38,6 +34,9 @@ __all__ = [
 ]
 
 _COMPRESS_ARGS = ("compress_lens", "compress_seq_offsets", "seq_lens")
+
+#: The data tensors: a GPU call never copies them back to check values.
+_DATA_ARGS = ("key", "value", "key_cache", "value_cache")
 
 #: The arguments a scatter writes: no other argument may share their memory.
 SCATTER_WRITTEN = ("key_cache", "value_cache")
@@ -680,6 +679,22 @@ def _as_index(arg: str, x: Any, shape: tuple[int, ...]) -> np.ndarray:
     return x.astype(np.int64)  # a copy: the caller's array is never touched
 
 
+def run_segments(
+    mode: str, seq_len: int, width: int, offset: int
+) -> tuple[list[tuple[int, int, int]], tuple[int, int] | None]:
+    """docs/SPEC.md S6 geometry of one (b, h) run: the copies [(first row, first token,
+    count)] and the mean row (row, first token of the w averaged ones) or None; rows are
+    relative to the run's base slot. ``offset`` is -1 for "alibi" (values ignored)."""
+    if mode == "alibi":  # keep the last w tokens
+        return [(0, seq_len - width, width)], None
+    if offset == -1 or width == 0 or offset == seq_len:  # an uncompressed head
+        return [(0, 0, seq_len)], None
+    rest = seq_len - offset - width  # tokens after the w compressed ones
+    if mode == "rope":  # the w tokens become their mean, in row o
+        return [(0, 0, offset), (offset + 1, offset + width, rest)], (offset, offset)
+    return [(0, 0, offset), (offset, offset + width, rest)], None  # "omni": dropped
+
+
 def _run_rows(
     meta: ScatterMeta,
     base: np.ndarray,
@@ -712,7 +727,6 @@ def _run_rows(
                 "0 <= w <= seq_lens[b] for compress_mode='alibi'",
                 f"compress_lens[{b}, {h}] = {lens[b, h]} with seq_lens[{b}] = {seq[b]}",
             )
-        rows = lens
     else:
         assert offsets is not None  # rope and omni: check_scatter_values required them
         uncompressed = (offsets == -1) | (lens == 0) | (offsets == seq_bh)
@@ -736,9 +750,12 @@ def _run_rows(
                 f"compress_lens[{b}, {h}] = {lens[b, h]} with compress_seq_offsets"
                 f"[{b * meta.num_heads + h}] = {offsets[b, h]}, seq_lens[{b}] = {seq[b]}",
             )
-        extra = 1 if meta.mode == "rope" else 0
-        rows = np.where(comp, seq_bh - lens + extra, seq_bh)
-    return np.where(active, rows, 0)
+    rows = np.zeros(base.shape, np.int64)
+    for b, h in np.argwhere(active):
+        offset = -1 if offsets is None else int(offsets[b, h])
+        copies, mean = run_segments(str(meta.mode), int(seq[b]), int(lens[b, h]), offset)
+        rows[b, h] = sum(count for _, _, count in copies) + (mean is not None)
+    return rows
 
 
 def check_scatter_values(
@@ -923,3 +940,86 @@ def check_scatter_numpy(args: dict[str, Any]) -> None:
                 f"a read-only {describe(x)}",
             )
     check_no_alias({arg: array_range(x) for arg, x in args.items()}, SCATTER_WRITTEN, args)
+
+
+#: How :func:`validate_scatter` / ``validate_gather`` reach the index values: "numpy"
+#: (the arguments are the NumPy reference's arrays), a function returning a host copy of
+#: one tensor (:mod:`pytrt_kv.ops` with ``validate=True``), or None (shapes only).
+Read = Literal["numpy"] | Callable[[Any], np.ndarray] | None
+
+
+def validate_scatter(
+    key: Any,
+    value: Any,
+    key_cache: Any,
+    value_cache: Any,
+    slot_mapping: Any,
+    *,
+    compress_lens: Any = None,
+    compress_seq_offsets: Any = None,
+    seq_lens: Any = None,
+    cache_layout: str | None = None,
+    compress_mode: str | None = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
+    read: Read = "numpy",
+) -> ScatterMeta:
+    """Every rule of docs/SPEC.md S on one call, before anything is written.
+
+    Arguments as :func:`pytrt_kv.reference.scatter_pa_kv_cache`; ``read`` as :data:`Read`.
+    With "numpy" the arguments must also be NumPy arrays, the caches writeable and
+    C-contiguous, and no argument may share memory with a cache (:func:`check_scatter_numpy`),
+    and a source quantised into an int8 cache must hold no NaN.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument, what was expected and what came.
+    """
+    named = {
+        "key": key,
+        "value": value,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "slot_mapping": slot_mapping,
+        "compress_lens": compress_lens,
+        "compress_seq_offsets": compress_seq_offsets,
+        "seq_lens": seq_lens,
+        "k_scale": k_scale,
+        "v_scale": v_scale,
+    }
+    meta = check_scatter(
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        compress_lens=compress_lens,
+        compress_seq_offsets=compress_seq_offsets,
+        seq_lens=seq_lens,
+        cache_layout=cache_layout,
+        compress_mode=compress_mode,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    if read is None:
+        return meta
+    if read == "numpy":
+        check_scatter_numpy(named)
+        host = named
+        sources = (key, value)
+    else:
+        fetch = read  # a GPU call: only the index tensors and scales are copied back
+        host = {
+            k: (None if x is None else fetch(x)) for k, x in named.items() if k not in _DATA_ARGS
+        }
+        sources = (None, None)
+    check_scale_values(meta, host["k_scale"], host["v_scale"], *sources)
+    check_scatter_values(
+        meta,
+        host["slot_mapping"],
+        compress_lens=host["compress_lens"],
+        compress_seq_offsets=host["compress_seq_offsets"],
+        seq_lens=host["seq_lens"],
+    )
+    return meta

@@ -662,7 +662,7 @@ def _scatter_indices(model, info, rng, table, kv_len, B, S) -> dict[str, np.ndar
 
 
 def _gather_indices(model, info, rng, B, S, K, kv_len) -> dict[str, np.ndarray]:
-    from ..contract.gather import plan_row
+    from ..reference import plan_row
 
     if K is None:
         _need(info, "selection_kv_block_status", "the data loader reads K from it")

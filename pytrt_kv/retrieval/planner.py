@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ..contract import dtypes, specs
-from ..contract.gather import plan_row
+from ..reference import plan_row
 from .config import DENSE, SPARSE_OFFLOAD, Partition, RetrievalConfig
 from .reference import block_representations, representation_width
 
