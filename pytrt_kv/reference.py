@@ -101,6 +101,7 @@ def _write_runs(
     for b, h in np.argwhere(base >= 0):
         start = int(base[b, h])
         offset = -1 if offsets is None else int(offsets[b, h])
+        # The S6 geometry: one copy, in the contract, which checks the rows it writes.
         copies, mean = run_segments(str(meta.mode), int(seq[b]), int(lens[b, h]), offset)
         for row, token, count in copies:
             rows[start + row : start + row + count] = bits[b, token : token + count, h]

@@ -4,7 +4,9 @@ the onnx-graphsurgeon helpers, :func:`onnx_export.single_op_model` and the CPU r
 The rules themselves live in ``pytrt_kv.contract.scatter.check_scatter`` and
 ``pytrt_kv.contract.gather.check_gather`` (docs/SPEC.md S and G); this module only turns
 graph tensors into the ``.shape``/``.dtype`` stand-ins those functions take, checks the node's
-attributes against ``pytrt_kv.contract.specs`` and computes the output types.
+attributes against ``pytrt_kv.contract.specs`` and computes the output types. Values are
+unknown at export time, so these are the shape parts of ``validate_scatter`` /
+``validate_gather`` (docs/DECISIONS.md, Validation).
 """
 
 from __future__ import annotations
