@@ -4,7 +4,7 @@
     build/bin/pytrt_kv_plugin_harness run OUT_DIR/*/
 
 Each case is a single-op model (onnx_export.single_op_model) with valid random feeds
-(pytrt_kv.polygraphy.data_loader.make_feeds) whose expected outputs come from the CPU
+(pytrt_kv.graph.feeds.make_feeds, the one valid-input generator) whose expected outputs come from the CPU
 runtime (pytrt_kv.runtime, i.e. pytrt_kv.reference). Inputs are written in the plugins'
 positional form (pytrt_kv.trt.prepare_for_tensorrt: zero-element placeholders for absent
 optional inputs), in the format plugins/harness/harnessIo.h describes. Caches start as
@@ -30,7 +30,7 @@ from onnx import numpy_helper  # noqa: E402
 
 from onnx_export import single_op_model  # noqa: E402
 from pytrt_kv import dtypes, runtime, specs  # noqa: E402
-from pytrt_kv.polygraphy.data_loader import make_feeds  # noqa: E402
+from pytrt_kv.graph.feeds import make_feeds  # noqa: E402
 from pytrt_kv.trt.model import prepare_for_tensorrt  # noqa: E402
 
 SCATTER = specs.SCATTER_PA_KV_CACHE.name
