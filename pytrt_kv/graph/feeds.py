@@ -1,7 +1,10 @@
 """Valid random feeds for models whose inputs follow the docs/SPEC.md O names.
 
-The valid-input generator of the graph layer: tests, examples, the benchmark and
-Polygraphy's data loader (:mod:`pytrt_kv.polygraphy.data_loader`) all draw from it.
+The one valid-input generator for a model: tests, examples, ``pytrt-kv demo``, the
+harness case maker (plugins/harness/makeCases.py) and Polygraphy's data loader
+(:mod:`pytrt_kv.polygraphy.data_loader`) all draw from it. Kernel-level generators
+without a model (the benchmark, scripts/gpu_workload.py) keep their own; why:
+docs/GRAPH_MODE.md (Valid feeds).
 
 Random index inputs are invalid for our ops (duplicate slots, out-of-range block ids,
 corrupted status rows), so generic random feeds cannot drive them.
