@@ -17,6 +17,7 @@ Exit status 0 only when every check passed.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import tempfile
 import time
@@ -62,63 +63,81 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(_bits(a), _bits(b)))
 
 
-def initial_state(sizes, prompt_len: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Caches and tables before the first decode step (prompt already in the full cache)."""
-    from pytrt_kv.contract import dtypes
+@functools.lru_cache(maxsize=4)
+def _example_model(sizes):
+    from onnx_export.example import build_example_model
 
+    return build_example_model(sizes)
+
+
+def _draw(sizes, rng: np.random.Generator, model=None) -> dict[str, np.ndarray]:
+    """One valid feed dict of the example model from :func:`pytrt_kv.graph.feeds.make_feeds`,
+    the one valid-input generator (docs/GRAPH_MODE.md, Valid feeds), seeded from ``rng``."""
+    from pytrt_kv.graph.feeds import make_feeds
+
+    return make_feeds(
+        _example_model(sizes) if model is None else model, seed=int(rng.integers(2**31))
+    )
+
+
+def initial_state(
+    sizes, prompt_len: int, rng: np.random.Generator, model=None
+) -> dict[str, np.ndarray]:
+    """Caches and tables before the first decode step (prompt already in the full cache).
+
+    The full caches and both block tables come from ``make_feeds`` (``model``: the example
+    model of ``sizes``, built when not given); what a decode loop starts from is set here:
+    ``kv_len = prompt_len + b``, a fresh status and :data:`SENTINEL` selection caches.
+    """
     z = sizes
-    cdt = dtypes.numpy_dtype(z.dtype)
-    B, FMAX, SMAX = z.batch, z.max_blocks_per_seq, z.selection_max_blocks
+    f = _draw(z, rng, model)
+    B = z.batch
+    state = {
+        n: f[n]
+        for n in ("full_kv_cache", "full_k_rope", "full_kv_block_table", "selection_kv_block_table")
+    }
     return {
-        "full_kv_cache": rng.standard_normal((z.num_blocks, z.block_size, 1, z.kv_dim)).astype(cdt),
-        "full_k_rope": rng.standard_normal((z.num_blocks, z.block_size, 1, z.rope_dim)).astype(cdt),
-        "full_kv_block_table": rng.permutation(z.num_blocks)[: B * FMAX]
-        .reshape(B, FMAX)
-        .astype(np.int32),
+        **state,
         "kv_len": np.array([prompt_len + b for b in range(B)], np.int32),
-        "selection_k_rope": np.full(
-            (z.selection_num_blocks, z.selection_block_size, z.rope_dim), SENTINEL, cdt
-        ),
-        "selection_kv_cache": np.full(
-            (z.selection_num_blocks, z.selection_block_size, z.kv_dim), SENTINEL, cdt
-        ),
-        "selection_kv_block_table": rng.permutation(z.selection_num_blocks)
-        .reshape(B, SMAX)
-        .astype(np.int32),
-        "selection_kv_block_status": np.full((B, 1, 1, z.topk + 1), -1, np.int32),
+        "selection_k_rope": np.full_like(f["selection_k_rope"], SENTINEL),
+        "selection_kv_cache": np.full_like(f["selection_kv_cache"], SENTINEL),
+        "selection_kv_block_status": np.full_like(f["selection_kv_block_status"], -1),
     }
 
 
 def step_feeds(
-    sizes, state: dict[str, np.ndarray], rng: np.random.Generator
+    sizes, state: dict[str, np.ndarray], rng: np.random.Generator, model=None
 ) -> dict[str, np.ndarray]:
-    """Feeds of the next decode step: one new token per sequence at position kv_len."""
-    from pytrt_kv.contract import dtypes
+    """Feeds of the next decode step: one new token per sequence at position kv_len.
 
+    The new tokens and queries come from ``make_feeds`` (see :func:`initial_state`); the
+    caches, tables and status are the state, the slots and lengths those of the step.
+    """
     z = sizes
-    cdt = dtypes.numpy_dtype(z.dtype)
     B = z.batch
     kv_len = state["kv_len"] + 1
     pos = kv_len - 1
     table = state["full_kv_block_table"]
     slots = table[np.arange(B), pos // z.block_size] * z.block_size + pos % z.block_size
-    return {
-        "kv": rng.standard_normal((B, 1, z.kv_dim)).astype(cdt),
-        "k_rope": rng.standard_normal((B, 1, z.rope_dim)).astype(cdt),
-        "slot_mapping": slots.astype(np.int32),
-        "full_kv_cache": state["full_kv_cache"],
-        "full_k_rope": state["full_k_rope"],
-        "full_kv_block_table": table,
-        "full_kv_actual_seq": kv_len.astype(np.int32),
-        "full_q_actual_seq": np.arange(1, B + 1, dtype=np.int32),
-        "selection_k_rope": state["selection_k_rope"],
-        "selection_kv_cache": state["selection_kv_cache"],
-        "selection_kv_block_table": state["selection_kv_block_table"],
-        "selection_kv_block_status": state["selection_kv_block_status"],
-        "q_nope": rng.standard_normal((B, z.heads, z.kv_dim)).astype(cdt),
-        "q_rope": rng.standard_normal((B, z.heads, z.rope_dim)).astype(cdt),
-        "index_q": rng.standard_normal((B, z.kv_dim)).astype(cdt),
-    }
+    feeds = _draw(z, rng, model)
+    feeds.update(
+        {
+            "slot_mapping": slots.astype(feeds["slot_mapping"].dtype),
+            "full_kv_actual_seq": kv_len.astype(feeds["full_kv_actual_seq"].dtype),
+            "full_q_actual_seq": np.arange(1, B + 1, dtype=feeds["full_q_actual_seq"].dtype),
+        }
+    )
+    for name in (
+        "full_kv_cache",
+        "full_k_rope",
+        "full_kv_block_table",
+        "selection_k_rope",
+        "selection_kv_cache",
+        "selection_kv_block_table",
+        "selection_kv_block_status",
+    ):
+        feeds[name] = state[name]
+    return feeds
 
 
 def expected_step(sizes, feeds: dict[str, np.ndarray]) -> dict[str, object]:
@@ -288,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
             f"SBS={z.selection_block_size} dtype={z.dtype}"
         )
         rng = np.random.default_rng(args.seed)
-        state = initial_state(z, args.prompt_len, rng)
+        state = initial_state(z, args.prompt_len, rng, model)
         evaluator = runtime.make_evaluator(model)
         print(
             f"{'step':>4} | {'kv_len':>12} | {'selected':>8} | {'kept in place':>13} | "
@@ -297,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         all_fails: list[str] = []
         feeds_list, cpu_outputs = [], []
         for step in range(1, args.steps + 1):
-            feeds = step_feeds(z, state, rng)
+            feeds = step_feeds(z, state, rng, model)
             try:
                 out = runtime.run(evaluator, feeds)
             except (ValueError, TypeError) as exc:

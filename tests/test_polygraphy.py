@@ -311,32 +311,167 @@ def test_loader_dynamic_dims_from_shapes_argv_and_default(dynamic_model, monkeyp
         assert f["full_kv_block_table"].shape == (b, 4)  # every "batch" dim bound
         out = runtime.run(m, f)
         assert out["attn_out"].shape == (b, 4, 64)
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        ["polygraphy", "run", "m.onnx", "--input-shapes", "slot_mapping:[2]", "index_q:[2,64]"],
-    )
-    assert data_loader.make_feeds(m, 0)["q_nope"].shape == (2, 4, 64)
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        [
-            "polygraphy",
-            "run",
-            "m.onnx",
-            "--trt-min-shapes",
-            "kv:[1,1,64]",
-            "--trt-opt-shapes",
-            "kv:[3,1,64]",
-            "--trt-max-shapes",
-            "kv:[3,1,64]",
-        ],
-    )
-    assert data_loader.make_feeds(m, 0)["kv"].shape == (3, 1, 64)  # the opt profile
-    monkeypatch.setattr(sys, "argv", ["pytest"])
-    f = data_loader.make_feeds(m, 0)  # Polygraphy's default 1
+
+    def first(argv):  # the loader reads the command line; make_feeds does not
+        monkeypatch.setattr(sys, "argv", argv)
+        return next(data_loader.load_data(m, iterations=1, seed=0))
+
+    argv = ["polygraphy", "run", "m.onnx", "--input-shapes", "slot_mapping:[2]", "index_q:[2,64]"]
+    assert first(argv)["q_nope"].shape == (2, 4, 64)
+    opt = ["--trt-min-shapes", "kv:[1,1,64]", "--trt-opt-shapes", "kv:[3,1,64]"]
+    argv = ["polygraphy", "run", "m.onnx", *opt, "--trt-max-shapes", "kv:[3,1,64]"]
+    assert first(argv)["kv"].shape == (3, 1, 64)  # the opt profile
+    f = first(["pytest"])  # Polygraphy's default 1
     assert f["kv"].shape == (1, 1, 64)
     runtime.run(m, f)
+
+
+# --- make_feeds is pure; the loader reads argv and the environment (issue 21 item 4) ----
+
+
+def test_make_feeds_reads_neither_argv_nor_the_environment(dynamic_model, monkeypatch):
+    """Junk on the command line and in the environment changes nothing: the same
+    arguments give the same feeds, another seed other feeds."""
+    from pytrt_kv.graph.feeds import make_feeds
+
+    m = dynamic_model
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    for var in ("PYTRT_KV_MODEL", "PYTRT_KV_SEED", "PYTRT_KV_ITERATIONS", "PYTRT_KV_MAX_BYTES"):
+        monkeypatch.delenv(var, raising=False)
+    clean = {s: make_feeds(m, s) for s in (0, 1)}
+    junk_argv = ["polygraphy", "run", "other.onnx", "--seed", "9", "--input-shapes", "kv:[2,1,64]"]
+    monkeypatch.setattr(sys, "argv", junk_argv)
+    monkeypatch.setenv("PYTRT_KV_MODEL", "/nonexistent.onnx")
+    monkeypatch.setenv("PYTRT_KV_SEED", "junk")
+    monkeypatch.setenv("PYTRT_KV_ITERATIONS", "abc")
+    monkeypatch.setenv("PYTRT_KV_MAX_BYTES", "1")
+    for seed, want in clean.items():
+        for _ in range(2):
+            got = make_feeds(m, seed)
+            assert list(got) == list(want)
+            assert all(np.array_equal(got[n], want[n]) for n in want), seed
+        runtime.run(m, got)
+    assert not np.array_equal(clean[0]["kv"], clean[1]["kv"])
+
+
+def test_feeds_module_never_touches_argv_or_the_environment():
+    """No os/sys import and no environ/argv/getenv attribute in pytrt_kv/graph/feeds.py."""
+    import ast
+
+    tree = ast.parse((REPO / "pytrt_kv" / "graph" / "feeds.py").read_text())
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            bad += [f"import {x}" for x in mods if x in ("os", "sys")]
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "argv", "getenv"):
+            bad.append(f".{node.attr} at line {node.lineno}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize(
+    "var,value,match",
+    [
+        (
+            "PYTRT_KV_ITERATIONS",
+            "abc",
+            "PYTRT_KV_ITERATIONS: expected a positive integer, got 'abc'",
+        ),
+        ("PYTRT_KV_ITERATIONS", "0", "PYTRT_KV_ITERATIONS: expected a positive integer, got '0'"),
+        ("PYTRT_KV_SEED", "1.5", r"PYTRT_KV_SEED: expected an integer >= 0, got '1\.5'"),
+        ("PYTRT_KV_MAX_BYTES", "lots", "PYTRT_KV_MAX_BYTES: expected a positive integer"),
+    ],
+)
+def test_loader_names_a_bad_environment_variable(example_path, monkeypatch, var, value, match):
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
+        next(data_loader.load_data(example_path))
+
+
+def test_loader_names_a_bad_command_line_option(example_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["polygraphy", "run", str(example_path), "--seed", "x"])
+    with pytest.raises(ValueError, match="--seed: expected an integer >= 0, got 'x'"):
+        next(data_loader.load_data())
+
+
+def test_a_terabyte_cache_is_refused_naming_the_input_and_size(monkeypatch):
+    """A model may declare a cache larger than the host: a ValueError naming the input and
+    its size before anything is allocated, never a MemoryError."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    monkeypatch.delenv("PYTRT_KV_MAX_BYTES", raising=False)
+
+    def stand(shape, dt):
+        return SimpleNamespace(shape=shape, dtype=np.dtype(dt))
+
+    cache = (2**25, 16, 8, 128)  # float16: 2**40 bytes = 1 TiB
+    m = single_op_model(
+        "ScatterPaKvCache",
+        {
+            "key": stand((4, 8, 128), np.float16),
+            "key_cache": stand(cache, np.float16),
+            "slot_mapping": stand((4,), np.int32),
+        },
+        cache_layout="nd",
+    )
+    match = (
+        r"key_cache: expected the feeds to fit .* got float16\[33554432, 16, 8, 128\] "
+        r"= 1099511627776 bytes \(1 TiB\)"
+    )
+    with pytest.raises(ValueError, match=match):
+        data_loader.make_feeds(m, 0)
+    with pytest.raises(ValueError, match=match):
+        next(data_loader.load_data(m, iterations=1))
+    # The limit is an argument (and $PYTRT_KV_MAX_BYTES for the loader).
+    small = scatter_model_small()
+    with pytest.raises(ValueError, match="key_cache: expected the feeds to fit in max_bytes = 100"):
+        data_loader.make_feeds(small, 0, max_bytes=100)
+    monkeypatch.setenv("PYTRT_KV_MAX_BYTES", "100")
+    with pytest.raises(ValueError, match="key_cache: expected the feeds to fit in max_bytes = 100"):
+        next(data_loader.load_data(small))
+
+
+def scatter_model_small():
+    return single_op_model(
+        "ScatterPaKvCache",
+        {
+            "key": np.zeros((3, 2, 16), np.float16),
+            "key_cache": np.zeros((4, 8, 2, 16), np.float16),
+            "slot_mapping": np.zeros((3,), np.int32),
+        },
+    )
+
+
+def test_paged_step_reads_the_hnd_block_size_from_dim_2():
+    """A paged step whose scatter writes an hnd cache [NB, H, BS, D] (docs/SPEC.md S2, S5)
+    and leaves cache_layout to be detected: BS is dim 2, not the head count of dim 1."""
+    from onnx import TensorProto, helper
+
+    B, H, D, NB, BS, W = 2, 3, 8, 8, 4, 2
+    m = single_op_model(
+        "ScatterPaKvCache",
+        {
+            "key": np.zeros((B, H, D), np.float16),
+            "key_cache": np.zeros((NB, H, BS, D), np.float16),
+            "slot_mapping": np.zeros((B,), np.int32),
+        },
+        cache_layout="hnd",
+    )
+    node = m.graph.node[0]
+    keep = [a for a in node.attribute if a.name != "cache_layout"]
+    del node.attribute[:]
+    node.attribute.extend(keep)
+    m.graph.input.append(helper.make_tensor_value_info("block_tables", TensorProto.INT32, [B, W]))
+    m.graph.input.append(helper.make_tensor_value_info("seq_lens", TensorProto.INT32, [B]))
+    for seed in range(5):
+        f = data_loader.make_feeds(m, seed)
+        tables, slots, lens = f["block_tables"], f["slot_mapping"], f["seq_lens"]
+        pos = lens - 1
+        assert (slots // BS == tables[np.arange(B), pos // BS]).all(), (tables, slots, pos)
+        assert (slots % BS == pos % BS).all()
+        runtime.run(m, f)
 
 
 @pytest.mark.parametrize(

@@ -4,15 +4,15 @@
     build/bin/pytrt_kv_plugin_harness run OUT_DIR/*/
 
 Each case is a single-op model (onnx_export.single_op_model) with valid random feeds
-(pytrt_kv.polygraphy.data_loader.make_feeds) whose expected outputs come from the CPU
-runtime (pytrt_kv.runtime, i.e. pytrt_kv.reference). Inputs are written in the plugins'
-positional form (pytrt_kv.trt.prepare_for_tensorrt: zero-element placeholders for absent
-optional inputs), in the format plugins/harness/harnessIo.h describes. Caches start as
-random data (the "untouched" check: every byte the op must not write is compared too).
-The grid covers dtypes, layouts, int32/int64 indices, key-only writes, quantise on write
-(docs/SPEC.md S9), every compress mode, BSND/TND, TBS 1 and > 1, the quantised (no
-k_rope) mode, host-resident full caches and a second gather step that reuses the first
-step's status.
+(pytrt_kv.graph.feeds.make_feeds, the one valid-input generator) whose expected outputs
+come from the CPU runtime (pytrt_kv.runtime, i.e. pytrt_kv.reference). Inputs are
+written in the plugins' positional form (pytrt_kv.trt.prepare_for_tensorrt: zero-element
+placeholders for absent optional inputs), in the format plugins/harness/harnessIo.h
+describes. Caches start as random data (the "untouched" check: every byte the op must
+not write is compared too). The grid covers dtypes, layouts, int32/int64 indices,
+key-only writes, quantise on write (docs/SPEC.md S9), every compress mode, BSND/TND, TBS 1
+and > 1, the quantised (no k_rope) mode, host-resident full caches and a second gather
+step that reuses the first step's status.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from onnx import numpy_helper  # noqa: E402
 
 from onnx_export import single_op_model  # noqa: E402
 from pytrt_kv import dtypes, runtime, specs  # noqa: E402
-from pytrt_kv.polygraphy.data_loader import make_feeds  # noqa: E402
+from pytrt_kv.graph.feeds import make_feeds  # noqa: E402
 from pytrt_kv.trt.model import prepare_for_tensorrt  # noqa: E402
 
 SCATTER = specs.SCATTER_PA_KV_CACHE.name

@@ -7,8 +7,8 @@
   path :mod:`pytrt_kv.runtime`;
 - :mod:`.tensorrt`: ``prepare_for_tensorrt`` and the aliasing facts TensorRT builders need;
   public path :mod:`pytrt_kv.trt`;
-- :mod:`.feeds`: the valid-input generator ``make_feeds`` (tests, examples, benchmark,
-  Polygraphy data loader).
+- :mod:`.feeds`: the valid-input generator ``make_feeds`` (tests, examples, demo, harness
+  case maker, Polygraphy data loader); pure: it never reads argv or the environment.
 
 It imports the contract and the reference, never ``onnx_export`` (which builds on it) nor
 the GPU layers (docs/ARCHITECTURE.md). Submodules are imported on demand: importing this

@@ -1,13 +1,19 @@
 """Valid random feeds for models whose inputs follow the docs/SPEC.md O names.
 
-The valid-input generator of the graph layer: tests, examples, the benchmark and
-Polygraphy's data loader (:mod:`pytrt_kv.polygraphy.data_loader`) all draw from it.
+The one valid-input generator for a model: tests, examples, ``pytrt-kv demo``, the
+harness case maker (plugins/harness/makeCases.py) and Polygraphy's data loader
+(:mod:`pytrt_kv.polygraphy.data_loader`) all draw from it. Kernel-level generators
+without a model (the benchmark, scripts/gpu_workload.py) keep their own; why:
+docs/GRAPH_MODE.md (Valid feeds).
 
 Random index inputs are invalid for our ops (duplicate slots, out-of-range block ids,
-corrupted status rows), so generic random feeds cannot drive them. How Polygraphy's
-command line reaches this module (model path, ``--seed``, ``--iterations``,
-``--input-shapes`` / ``--trt-opt-shapes``) is described in
-:mod:`pytrt_kv.polygraphy.data_loader`; :func:`polygraphy_options` reads those options.
+corrupted status rows), so generic random feeds cannot drive them.
+
+:func:`make_feeds` is pure: its result depends on its arguments only (the model, the
+seed, the shapes of dynamic inputs), never on ``sys.argv`` or the environment. Reading
+Polygraphy's command line and the ``PYTRT_KV_*`` variables is the job of the Polygraphy
+data loader (:mod:`pytrt_kv.polygraphy.data_loader`), which passes what it read as
+arguments. Decision recorded in docs/GRAPH_MODE.md (Valid feeds).
 
 What the feeds satisfy (docs/SPEC.md S6, S7, G2-G5):
 
@@ -36,10 +42,9 @@ needs that the graph does not have, or sizes that leave no room for valid data.
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
+import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +56,9 @@ _FLOAT = {specs.FLOAT32, specs.FLOAT16, specs.BFLOAT16, specs.FLOAT8_E4M3, specs
 
 #: Polygraphy's DEFAULT_SHAPE_VALUE: a dynamic dim nobody gave a value for.
 DEFAULT_DYNAMIC_DIM = 1
+
+#: make_feeds refuses feeds larger than this in all (8 GiB; docs/GRAPH_MODE.md).
+DEFAULT_MAX_BYTES = 8 * 2**30
 
 #: Inputs of our ops whose values must satisfy the value rules (docs/SPEC.md S7, G4, G5).
 INDEX_PORTS = {
@@ -76,61 +84,48 @@ Shape = tuple[int, ...]
 # --- the model and its inputs ---------------------------------------------------------
 
 
-def _model(model: Any):
+def load_model(model: Any):
+    """``model`` as an onnx.ModelProto: returned as is, or loaded (graph only, no
+    weights) from a path."""
     import onnx
 
-    if model is None:
-        model = os.environ.get("PYTRT_KV_MODEL")
-    if model is None:
-        model = next((a for a in sys.argv[1:] if a.endswith(".onnx") and os.path.exists(a)), None)
-    if model is None:
-        raise ValueError(
-            "model: expected an onnx model (argument, $PYTRT_KV_MODEL or an "
-            "*.onnx path on the command line), got none"
-        )
     if isinstance(model, onnx.ModelProto):
         return model
-    path = os.fspath(model)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"model: expected an .onnx file, got {path!r} (no such file)")
-    return onnx.load(path, load_external_data=False)  # the graph is enough: no weights
+    if not isinstance(model, (str, Path)) and not hasattr(model, "__fspath__"):
+        raise TypeError(
+            f"model: expected an onnx.ModelProto or a path to an .onnx file, "
+            f"got {type(model).__name__}"
+        )
+    path = Path(model)
+    if not path.is_file():
+        raise FileNotFoundError(f"model: expected an .onnx file, got {str(path)!r} (no such file)")
+    return onnx.load(str(path), load_external_data=False)  # the graph is enough: no weights
 
 
-def _parse_shape_args(values: Sequence[str] | None) -> dict[str, Shape]:
-    """``["kv:[3,1,64]", "x:[2]"]`` -> {"kv": (3, 1, 64), "x": (2,)}; non-shape tokens
-    (such as a model path swallowed by ``nargs='+'``) are skipped."""
-    out: dict[str, Shape] = {}
-    for item in values or ():
-        name, sep, dims = item.rpartition(":")
-        dims = dims.strip()
-        if not sep or not name or not (dims.startswith("[") and dims.endswith("]")):
-            continue
-        body = dims[1:-1].replace(" ", "")
-        try:
-            out[name] = tuple(int(d) for d in body.split(",") if d != "")
-        except ValueError:
-            raise ValueError(
-                f"--input-shapes {item}: expected name:[d0,d1,...] with integer dims, got {dims!r}"
-            ) from None
-    return out
+def feed_bytes(info: Mapping[str, tuple[Shape, np.dtype]]) -> dict[str, int]:
+    """Bytes of each input's feed array."""
+    return {n: math.prod(int(x) for x in sh) * np.dtype(d).itemsize for n, (sh, d) in info.items()}
 
 
-def polygraphy_options(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """The Polygraphy options the loader honours, read from ``argv`` (default
-    ``sys.argv``): ``seed``, ``iterations`` (None when absent) and ``shapes``
-    (``--input-shapes``, else the first ``--trt-opt-shapes`` profile)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--iterations", "--iters", type=int, default=None, dest="iterations")
-    parser.add_argument(
-        "--input-shapes", "--inputs", nargs="+", action="append", dest="shapes", default=None
-    )
-    parser.add_argument("--trt-opt-shapes", nargs="+", action="append", dest="opt", default=None)
-    args, _ = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    shapes = _parse_shape_args([x for group in args.shapes or [] for x in group])
-    if not shapes and args.opt:
-        shapes = _parse_shape_args(args.opt[0])
-    return {"seed": args.seed, "iterations": args.iterations, "shapes": shapes}
+def _check_size(info: Mapping[str, tuple[Shape, np.dtype]], max_bytes: int) -> None:
+    """Refuse feeds larger than ``max_bytes`` in all, naming the largest input, before
+    anything is allocated (a model may declare a cache far larger than the host)."""
+    sizes = feed_bytes(info)
+    total = sum(sizes.values())
+    if total > max_bytes:
+        name = max(sizes, key=lambda n: sizes[n])
+        shape, dtype = info[name]
+        raise ValueError(
+            f"{name}: expected the feeds to fit in max_bytes = {_human(max_bytes)} in all, "
+            f"got {np.dtype(dtype).name}{list(shape)} = {_human(sizes[name])} for this input "
+            f"({_human(total)} for all inputs); give smaller shapes or a larger max_bytes"
+        )
+
+
+def _human(n: int) -> str:
+    """``1099511627776`` -> ``"1099511627776 bytes (1 TiB)"``."""
+    unit = max((u for u in range(5) if n >= 1024**u), default=0)
+    return f"{n} bytes ({n / 1024**unit:.4g} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][unit]})"
 
 
 def _declared(model) -> dict[str, tuple[list[Any], np.dtype]]:
@@ -157,8 +152,8 @@ def resolve_shapes(
     ----------
     model : onnx.ModelProto
     shapes : mapping input name -> shape, optional
-        Shapes of inputs with dynamic dims; default: Polygraphy's ``--input-shapes`` (or
-        ``--trt-opt-shapes``) on the command line.
+        Shapes of inputs with dynamic dims; default none: a dynamic dim nobody gave
+        takes :data:`DEFAULT_DYNAMIC_DIM`.
 
     Raises
     ------
@@ -168,7 +163,7 @@ def resolve_shapes(
     """
     declared = _declared(model)
     if shapes is None:
-        shapes = polygraphy_options()["shapes"]
+        shapes = {}
     bound: dict[str, tuple[int, str]] = {}
     given: dict[str, Shape] = {}
     for name, shape in shapes.items():
@@ -299,27 +294,38 @@ def _at_least(name: str, what: str, value: int, low: int, shape: Shape) -> int:
 
 
 def make_feeds(
-    model: Any = None, seed: int = 0, shapes: Mapping[str, Sequence[int]] | None = None
+    model: Any,
+    seed: int = 0,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> dict[str, np.ndarray]:
-    """One valid feed dict for ``model`` (ModelProto or path); see the module docstring.
+    """One valid feed dict for ``model``; see the module docstring.
+
+    Pure: the same arguments give the same feeds; nothing is read from the command line
+    or the environment.
 
     Parameters
     ----------
-    model : onnx.ModelProto or path, optional
+    model : onnx.ModelProto or path
     seed : int
     shapes : mapping input name -> shape, optional
         Shapes of inputs with dynamic dims (see :func:`resolve_shapes`).
+    max_bytes : int
+        Feeds larger than this in all are refused before anything is allocated.
 
     Raises
     ------
     ValueError
         The loader cannot serve the model: an index input under another name, an input
         it needs missing, or sizes that leave no room for valid data; the message names
-        the input.
+        the input; feeds larger than ``max_bytes`` (the message names the largest input
+        and its size).
     """
-    model = _model(model)
-    rng = np.random.default_rng(seed)
+    model = load_model(model)
     info = resolve_shapes(model, shapes)
+    _check_size(info, max_bytes)
+    rng = np.random.default_rng(seed)
     _check_index_inputs(model, info)
     feeds: dict[str, np.ndarray] = {}
 
@@ -471,7 +477,12 @@ def _paged_step(model, info, rng) -> dict[str, np.ndarray]:
     cshape, _ = _need(info, cache_name, "its dims 0 and 1 (NB, BS) size the block tables")
     if len(cshape) != 4:
         raise value_error(cache_name, "a 4-D cache [NB, BS, H, D]", list(cshape))
-    layout = _node_attr(model, specs.SCATTER_PA_KV_CACHE.name, "cache_layout", "") or "nd"
+    # BS is dim 1 of an nd cache [NB, BS, H, D] and dim 2 of an hnd [NB, H, BS, D] or nz
+    # cache (docs/SPEC.md S2); a node that leaves cache_layout empty is detected as the
+    # ops detect it, never assumed nd (that would read H as BS).
+    layout = _node_attr(model, specs.SCATTER_PA_KV_CACHE.name, "cache_layout", "") or (
+        _scatter_layout(info, ports, cache_name)
+    )
     nb, bs = (cshape[0], cshape[1]) if layout == "nd" else (cshape[0], cshape[2])
     tshape, tdt = info["block_tables"]
     if len(tshape) != 2:
