@@ -20,7 +20,6 @@ from pytrt_kv.contract import specs
 from pytrt_kv.contract.dtypes import numpy_dtype
 from pytrt_kv.contract.scatter import ScatterMeta, check_scatter, check_scatter_values
 from pytrt_kv.reference import scatter_pa_kv_cache
-from pytrt_kv.reference import scatter_pa_kv_cache as reexported
 
 DATA_DTYPES = specs.SCATTER_DATA_DTYPES
 ROPE_DTYPES = specs.SCATTER_ROPE_DTYPES
@@ -1322,10 +1321,6 @@ def test_check_scatter_values_direct(rng):
     check_scatter_values(meta, **index)
     with pytest.raises(ValueError, match="^compress_seq_offsets: expected a tensor"):
         check_scatter_values(meta, **_with(index, compress_seq_offsets=None))
-
-
-def test_reference_module_reexports():
-    assert reexported is scatter_pa_kv_cache
 
 
 # --- speed -----------------------------------------------------------------------------------
