@@ -5,6 +5,7 @@ skip only where ``import nixl`` fails (CI installs it)."""
 
 from __future__ import annotations
 
+import importlib.abc
 import subprocess
 import sys
 import time
@@ -612,3 +613,21 @@ def test_register_cuda_array_interface_objects():
         n.deallocate_cache(cache)
     finally:
         n.finalize()
+
+
+def test_nixl_unavailable_reason_is_one_clean_line(monkeypatch):
+    # A skip reason (and `pytrt-kv bench datadist`'s error) says why NIXL does not import,
+    # on one line, without the LLMException status prefix ("FAILED: ...").
+    class Broken(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "nixl" or name.startswith("nixl"):
+                raise ImportError("libnixl.so: cannot open shared object file\n(second line)")
+
+    for name in [m for m in sys.modules if m == "nixl" or m.startswith("nixl")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    reason = nixl_unavailable_reason()
+    assert reason is not None and "\n" not in reason, reason
+    assert not reason.startswith(LLMStatus.FAILED.name), reason
+    assert "libnixl.so: cannot open shared object file (second line)" in reason
+    assert "nixl==1.5.1" in reason
