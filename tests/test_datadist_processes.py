@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -152,12 +151,12 @@ def test_push_pull_verify_then_kill_the_destination(spawn):
         )
 
         dst_node.kill()
-        t0 = time.monotonic()
+        # The dead peer is found by the liveness probe, not waited out: a push that sat
+        # out its timeout would end in TIMEOUT (no timing here: docs/ARCHITECTURE.md
+        # habit 8).
         with pytest.raises(LLMException) as info:
             p.push_kv_blocks(src, index, [0], [0], timeout_s=5)
-        elapsed = time.monotonic() - t0
         assert info.value.status is LLMStatus.NOT_YET_LINK, info.value
-        assert elapsed < 1.0, f"NOT_YET_LINK after {elapsed:.2f} s"
         with pytest.raises(LLMException) as info:  # and it stays so
             p.push_kv_blocks(src, index, [0], [0], timeout_s=5)
         assert info.value.status is LLMStatus.NOT_YET_LINK
@@ -186,14 +185,12 @@ def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
         one = KvCacheExtParam(tensor_num_per_layer=1)
         p.push_kv_blocks(src, index, [0], [0], one)  # connected and working
         os.kill(dst_node.proc.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
         h = p.push_kv_blocks_async(src, index, np.arange(nb), np.arange(nb), one)
         with pytest.raises(LLMException) as info:
             h.wait(timeout_s=0.5)
         assert info.value.status is LLMStatus.TIMEOUT, info.value
         assert h.released
         assert p._transport.unreleased == [], "NIXL could not cancel the transfer"
-        assert time.monotonic() - t0 < 5
     finally:
         os.kill(dst_node.proc.pid, signal.SIGCONT)
         p.finalize()

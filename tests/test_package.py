@@ -54,6 +54,16 @@ def test_public_functions_are_the_reference():
 
     assert pytrt_kv.scatter_pa_kv_cache is reference.scatter_pa_kv_cache
     assert pytrt_kv.gather_selection_kv_cache is reference.gather_selection_kv_cache
+    # The public names of pytrt_kv.reference (docs/ops/*.md, README.md), each defined
+    # there; their results are checked by tests/test_reference_*.py.
+    assert sorted(reference.__all__) == [
+        "gather_selection_kv_cache",
+        "quantise",
+        "scatter_pa_kv_cache",
+    ]
+    for name in reference.__all__:
+        fn = getattr(reference, name)
+        assert callable(fn) and fn.__module__ == "pytrt_kv.reference", name
 
 
 @pytest.mark.parametrize("op", list(specs.OPS.values()), ids=lambda o: o.name)

@@ -201,39 +201,55 @@ def test_libraries_do_not_depend_on_libnvinfer(build):
         assert needed and not any("nvinfer" in n or "cudart" in n for n in needed), needed
 
 
-def test_autoreg_judges_the_registry_library_not_the_loaded_set(build, tmp_path):
-    """libnvinfer.so.10 and libtensorrt_rtx.so.1 loaded side by side (two TensorRT majors
-    in one process): the set of loaded sonames is ambiguous, so the ABI guard must judge
-    the library that getPluginRegistry comes from. The registry here is a fake TensorRT
-    10 one; with TensorRT 11 headers it must never be called."""
+def _autoreg_with_two_majors(lib, tmp_path, registry_in):
+    """Load stand-ins of libtensorrt_rtx.so.1 (layout 11) and libnvinfer.so.10 (layout 10)
+    in one process, getPluginRegistry only in ``registry_in`` (a soname), then the autoreg
+    library; returns the child's CompletedProcess."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler to build the stand-in TensorRT libraries")
-    if not re.search(r"found version \"11\.", build[1]):
-        pytest.skip("the layouts differ only when the headers are TensorRT 11's")
-    src = tmp_path / "fake.c"
-    src.write_text(
-        "#include <stdio.h>\n"
-        'void* getPluginRegistry(void) { fputs("FAKE10 REGISTRY CALLED\\n", stderr);'
-        " return 0; }\n"
-    )
-    rtx_src = tmp_path / "rtx.c"
-    rtx_src.write_text("int pytrt_kv_fake_rtx(void) { return 1; }\n")
-    v10 = tmp_path / "libnvinfer.so.10"
-    rtx = tmp_path / "libtensorrt_rtx.so.1"
-    for out, c, soname in ((v10, src, "libnvinfer.so.10"), (rtx, rtx_src, "libtensorrt_rtx.so.1")):
-        r = _run([cc, "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", out, c])
+    tmp_path.mkdir(exist_ok=True)
+    libs = []
+    for soname in ("libtensorrt_rtx.so.1", "libnvinfer.so.10"):
+        src = tmp_path / f"{soname}.c"
+        body = "int pytrt_kv_stand_in(void) { return 1; }\n"
+        if soname == registry_in:
+            body = (
+                "#include <stdio.h>\n"
+                'void* getPluginRegistry(void) { fputs("FAKE REGISTRY CALLED\\n", stderr);'
+                " return 0; }\n"
+            )
+        src.write_text(body)
+        out = tmp_path / soname
+        r = _run([cc, "-shared", "-fPIC", f"-Wl,-soname,{soname}", "-o", out, src])
         assert r.returncode == 0, r.stderr
-    lib = build[0] / "lib" / "libpytrt_kv_plugins_autoreg.so"
-    code = (
-        "import ctypes\n"
-        f"ctypes.CDLL({str(rtx)!r})\n"
-        f"ctypes.CDLL({str(v10)!r})\n"
-        f"l = ctypes.CDLL({str(lib)!r})\n"
-        "print(l.pytrt_kv_registered_creators())\n"
-    )
+        libs.append(out)
+    code = "import ctypes\n"
+    code += "".join(f"ctypes.CDLL({str(x)!r})\n" for x in libs)
+    code += f"l = ctypes.CDLL({str(lib)!r})\nprint(l.pytrt_kv_registered_creators())\n"
     r = _run([sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr
-    assert "FAKE10 REGISTRY CALLED" not in r.stderr, r.stderr
+    return r
+
+
+def test_autoreg_judges_the_registry_library_not_the_loaded_set(build, tmp_path):
+    """libnvinfer.so.10 and libtensorrt_rtx.so.1 loaded side by side (two TensorRT majors
+    in one process): the set of loaded sonames is ambiguous, so the ABI guard must judge
+    the library that getPluginRegistry comes from. Run with the headers at hand (10.x in
+    CI, from scripts/test.sh; 11.x elsewhere): a registry from the library of the other
+    layout must never be called, one of the headers' own layout must be."""
+    # (CMake also reports the CUDA toolkit's "found version": take TensorRT's.)
+    found = re.search(r"Found TensorRT: .* \(found version \"(\d+)\.", build[1])
+    assert found, build[1]
+    major = int(found.group(1))
+    own, other = ("libtensorrt_rtx.so.1", "libnvinfer.so.10")[:: 1 if major >= 11 else -1]
+    lib = build[0] / "lib" / "libpytrt_kv_plugins_autoreg.so"
+    r = _autoreg_with_two_majors(lib, tmp_path / "other", other)
+    assert "FAKE REGISTRY CALLED" not in r.stderr, r.stderr
     assert "other interface layout" in r.stderr, r.stderr
     assert r.stdout.split() == ["-1"]
+    # Control: the same setup reaches the registry when its layout is the headers' (it
+    # returns no registry, so nothing is registered).
+    r = _autoreg_with_two_majors(lib, tmp_path / "own", own)
+    assert "FAKE REGISTRY CALLED" in r.stderr, r.stderr
+    assert "other interface layout" not in r.stderr, r.stderr

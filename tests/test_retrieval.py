@@ -235,6 +235,47 @@ def test_sparse_attention_attends_exactly_the_partition(rng):
     assert not np.allclose(r.out, dense_attention(q, k, v, 0.3), atol=1e-3)
 
 
+def _attention_by_loops(q, k, v, scale, positions):
+    """One query token, one head at a time, softmax by hand: query head h reads KV head
+    h // (Hq / Hkv), the consecutive GQA grouping of group_query (docs/SPEC.md R5)."""
+    hq, hkv = len(q), k.shape[1]
+    out = []
+    for h in range(hq):
+        g = h // (hq // hkv)
+        logits = [
+            scale * sum(float(a) * float(b) for a, b in zip(q[h], k[t, g])) for t in positions
+        ]
+        top = max(logits)
+        weights = [math.exp(x - top) for x in logits]
+        total = sum(weights)
+        out.append(
+            [
+                sum(w * float(v[t, g, d]) for w, t in zip(weights, positions)) / total
+                for d in range(v.shape[2])
+            ]
+        )
+    return np.array(out)
+
+
+@pytest.mark.parametrize("scale", [None, 0.7])
+def test_dense_attention_gqa_matches_per_head_loops(rng, scale):
+    # 6 query heads over 2 KV heads (groups of 3), Dv != D, a subset of positions.
+    L, hq, hkv, d, dv = 9, 6, 2, 4, 3
+    q = rng.standard_normal((hq, d)).astype(np.float32)
+    k = rng.standard_normal((L, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((L, hkv, dv)).astype(np.float32)
+    positions = [0, 2, 3, 7]
+    s = 1 / math.sqrt(d) if scale is None else scale
+    want = _attention_by_loops(q, k, v, s, positions)
+    got = dense_attention(q, k, v, scale, positions)
+    assert got.shape == (hq, dv) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Every position by default.
+    np.testing.assert_allclose(
+        dense_attention(q, k, v, scale), _attention_by_loops(q, k, v, s, range(L)), atol=1e-6
+    )
+
+
 # --- planner ---------------------------------------------------------------------------
 
 

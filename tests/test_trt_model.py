@@ -26,10 +26,29 @@ def _scatter():
     )
 
 
+# Output position -> input position of each cache an op updates in place, written out from
+# the operator tables of docs/SPEC.md O (not from pytrt_kv.contract): `key_cache_out` is
+# `key_cache` (input 2), `selection_kv_block_status_out` is `selection_kv_block_status`
+# (input 3); `selection_kv_actual_seq` (output 3) is a plain output.
+_DOC_ALIASES = {
+    "ScatterPaKvCache": {0: 2, 1: 3},
+    "GatherSelectionKvCache": {0: 0, 1: 1, 2: 3},
+}
+
+
 def test_example_model_pairs_every_cache():
-    pairs = trt_model.alias_pairs(build_example_model())
-    assert pairs and all(out.endswith("_out") for out in pairs)
-    assert len(set(pairs.values())) == len(pairs)
+    model = build_example_model()
+    nodes = [n for n in model.graph.node if n.op_type in _DOC_ALIASES]
+    # The example holds both operators; every cache of every node must be paired, so a
+    # pairing that stops after the first node (or the first output) fails here.
+    assert sorted({n.op_type for n in nodes}) == sorted(_DOC_ALIASES)
+    expected = {
+        node.output[o]: node.input[i]
+        for node in nodes
+        for o, i in _DOC_ALIASES[node.op_type].items()
+    }
+    assert len(expected) == sum(len(_DOC_ALIASES[n.op_type]) for n in nodes)
+    assert trt_model.alias_pairs(model) == expected
 
 
 def test_single_op_pairs():

@@ -23,11 +23,12 @@ def make_transport(backend: str, name: str, options: dict[str, Any]) -> Transpor
 
 
 def nixl_unavailable_reason() -> str | None:
-    """None when NIXL imports here, else why not."""
+    """None when NIXL imports here, else why not: one line (a skip reason, a CLI error),
+    the cause and how to install NIXL, without the LLMException status prefix."""
     from .nixl_transport import nixl_modules
 
     try:
         nixl_modules()
     except LLMException as exc:
-        return str(exc)
+        return " ".join(exc.message.split())
     return None
