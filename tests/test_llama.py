@@ -111,7 +111,7 @@ def test_a_full_cache_is_refused_by_name(llama):
 
 
 def test_generate_command_checks_against_transformers(llama, capsys):
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     rc = main(["generate", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--tokens", "6",
                "--check", "--block-size", "8"])  # fmt: skip
