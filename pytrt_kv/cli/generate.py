@@ -160,9 +160,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.check:
         return 0
     bad, worst = 0, 0.0
+    study_model = None
+    if retrieval is not None:
+        from ..retrieval.study import load_model
+
+        study_model, _ = load_model(args.model)  # one reference model for every prompt
     for b, (prompt, got) in enumerate(zip(prompts, out)):
         if retrieval is not None:
-            want, want_logits = reference_sparse_greedy(prompt, args.tokens, retrieval, args.model)
+            want, want_logits = reference_sparse_greedy(
+                prompt, args.tokens, retrieval, model=study_model
+            )
         else:
             want, want_logits = reference_greedy(model, prompt, args.tokens)
         # Logits are comparable up to the first differing token (the inputs part there).
