@@ -838,19 +838,22 @@ def reference_decode_step(model: Any, feeds: dict[str, np.ndarray]) -> dict[str,
 
 
 def reference_sparse_greedy(
-    prompt: list[int], tokens: int, retrieval: Any, path: str | None = None
+    prompt: list[int], tokens: int, retrieval: Any, path: str | None = None, model: Any = None
 ) -> tuple[list[int], np.ndarray]:
     """The RetrievalKV study's own implementation (``pytrt_kv.retrieval.study``:
     transformers with its retrieval attention, method "minmax") generating ``tokens``
     greedy tokens after ``prompt``: dense prompt rows, sparse rows after it, the whole
     sequence recomputed each step (no cache). Returns the tokens and the logits
-    ``[tokens, V]`` that chose them."""
+    ``[tokens, V]`` that chose them. ``model``: one from ``study.load_model`` to reuse
+    (its attention state is set here), else a new one is loaded from ``path``."""
     from pytrt_kv.retrieval import study  # noqa: PLC0415
 
-    model, _ = study.load_model(path)
-    study.STATE.method = retrieval.representation
-    study.STATE.cfg = retrieval
-    study.STATE.sparse_from = len(prompt)
+    if model is None:
+        model, _ = study.load_model(path)
+    st = study.attention_state(model)
+    st.method = retrieval.representation
+    st.cfg = retrieval
+    st.sparse_from = len(prompt)
     return reference_greedy(model, prompt, tokens)
 
 

@@ -1,4 +1,5 @@
-"""``pytrt-kv bench``: time the CUDA kernels against same-run baselines (needs a GPU + torch).
+"""The kernel timings of ``pytrt-kv bench`` (the command: :mod:`pytrt_kv.cli.bench`): time
+the CUDA kernels against same-run baselines (needs a GPU + torch).
 
 Method (BENCHMARKS.md):
 - CUDA-event timing of ``--iters`` back-to-back calls after ``--warmup`` calls, median of
@@ -16,15 +17,11 @@ Method (BENCHMARKS.md):
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import platform
 import statistics
-import sys
 from collections.abc import Callable
 from typing import Any
-
-from ._bench_report import write_results
 
 #: Targets of issue 4 (H100/H200).
 TARGETS = {
@@ -36,47 +33,6 @@ TARGETS = {
     "gather_reuse90_time_ratio": 0.15,  # <= 0.15x of the no-reuse time
     "quant_vs_plain": 1.05,  # quantise on write within 5% of the plain scatter (issue 22)
 }
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # `pytrt-kv bench datadist`: block push over NIXL (pytrt_kv/datadist/bench.py).
-    parser.add_argument(
-        "what",
-        nargs="?",
-        choices=("kernels", "datadist"),
-        default="kernels",
-        help="kernels (default) or datadist: block push over NIXL, no GPU needed",
-    )
-    from .datadist import bench as datadist_bench
-
-    datadist_bench.add_arguments(parser)
-    parser.add_argument(
-        "--op",
-        choices=("scatter", "gather", "quant", "all"),
-        default="all",
-        help="which kernels to time (default all)",
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="fewer sizes and iterations (a smoke run, not for BENCHMARKS.md)",
-    )
-    parser.add_argument("--iters", type=int, default=200, help="calls per timed run (default 200)")
-    parser.add_argument(
-        "--warmup", type=int, default=20, help="untimed calls before each timed run (default 20)"
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=5, help="timed runs; the median is kept (default 5)"
-    )
-    parser.add_argument(
-        "--output",
-        metavar="PATH",
-        help="write the Markdown results (with device, driver, CUDA and date) to this file",
-    )
-    parser.add_argument("--json", metavar="PATH", help="write the raw results as JSON to this file")
-    parser.add_argument(
-        "--device", type=int, default=0, help="CUDA device index to run on (default 0)"
-    )
 
 
 class Timer:
@@ -149,7 +105,9 @@ def _device_info(torch: Any, device: int) -> dict[str, str]:
 # --- scatter -------------------------------------------------------------------------------
 
 
-def bench_scatter(torch: Any, timer: Timer, quick: bool) -> list[dict[str, Any]]:
+def bench_scatter(
+    torch: Any, timer: Timer, quick: bool, progress: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
     from . import ops
 
     H, D, BS = 8, 128, 16
@@ -203,14 +161,17 @@ def bench_scatter(torch: Any, timer: Timer, quick: bool) -> list[dict[str, Any]]
                 and r["vs_torch"] >= TARGETS["scatter_decode_vs_torch"]
             )
         rows.append(r)
-        print(_line(r), flush=True)
+        if progress:
+            progress(_line(r))
     return rows
 
 
 # --- quantise on write (docs/SPEC.md S9) -----------------------------------------------------
 
 
-def bench_quant(torch: Any, timer: Timer, quick: bool) -> list[dict[str, Any]]:
+def bench_quant(
+    torch: Any, timer: Timer, quick: bool, progress: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
     """float16 key/value into float8 e4m3 caches with per-head scales, against the plain
     float16 scatter of the same tokens (the goal: within 5%) and against what a user does
     without it: a separate torch quantisation, then the byte-moving scatter."""
@@ -257,7 +218,8 @@ def bench_quant(torch: Any, timer: Timer, quick: bool) -> list[dict[str, Any]]:
         r["target"] = f"<= {TARGETS['quant_vs_plain']:.2f}x plain scatter"
         r["met"] = r["vs_plain"] <= TARGETS["quant_vs_plain"]
         rows.append(r)
-        print(_line(r), flush=True)
+        if progress:
+            progress(_line(r))
     return rows
 
 
@@ -312,7 +274,9 @@ def _topk_pair(torch: Any, rows_bs: int, K: int, kv_len: int, overlap: float, se
     return [t.cuda() for t in tops]
 
 
-def bench_gather(torch: Any, timer: Timer, quick: bool) -> list[dict[str, Any]]:
+def bench_gather(
+    torch: Any, timer: Timer, quick: bool, progress: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
     from . import ops
 
     K, kv, rope = 2048, 512, 64
@@ -395,7 +359,8 @@ def bench_gather(torch: Any, timer: Timer, quick: bool) -> list[dict[str, Any]]:
                     r["target"] = f"time <= {TARGETS['gather_reuse90_time_ratio']}x no-reuse"
                     r["met"] = r["vs_no_reuse"] <= TARGETS["gather_reuse90_time_ratio"]
             rows.append(r)
-            print(_line(r), flush=True)
+            if progress:
+                progress(_line(r))
     return rows
 
 
@@ -478,51 +443,3 @@ def markdown(info: dict[str, str], results: dict[str, list[dict[str, Any]]]) -> 
         for r in rows:
             lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
     return "\n".join(lines) + "\n"
-
-
-def run(args: argparse.Namespace) -> int:
-    if getattr(args, "what", "kernels") == "datadist":
-        from .datadist import bench as datadist_bench
-
-        return datadist_bench.run(args)
-    try:
-        import torch
-    except ImportError:
-        raise RuntimeError("pytrt-kv bench needs torch with CUDA (pip install torch)") from None
-    if not torch.cuda.is_available():
-        raise RuntimeError("pytrt-kv bench needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from . import _cuda
-
-    _cuda.kernels()  # the library's own error if it is missing
-    torch.cuda.set_device(args.device)
-    iters = 20 if args.quick else args.iters
-    timer = Timer(
-        torch,
-        iters=iters,
-        warmup=3 if args.quick else args.warmup,
-        repeats=3 if args.quick else args.repeats,
-    )
-    info = _device_info(torch, args.device)
-    print(f"pytrt-kv bench on {info['device']} ({info['driver']}), {info['date']}")
-    results: dict[str, list[dict[str, Any]]] = {"scatter": [], "gather": [], "quant": []}
-    if args.op in ("scatter", "all"):
-        results["scatter"] = bench_scatter(torch, timer, args.quick)
-    if args.op in ("quant", "all"):
-        results["quant"] = bench_quant(torch, timer, args.quick)
-    if args.op in ("gather", "all"):
-        results["gather"] = bench_gather(torch, timer, args.quick)
-    write_results(args, markdown(info, results), {"info": info, "results": results})
-    missed = [r for rows in results.values() for r in rows if r.get("met") is False]
-    if missed:
-        print(
-            f"{len(missed)} target(s) missed (see the 'met' column); targets are goals "
-            f"for BENCHMARKS.md, not a failure of the run.",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pytrt-kv bench", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from pytrt_kv.__main__ import SUBCOMMANDS, build_parser
+from pytrt_kv.cli import SUBCOMMANDS, build_parser
 
 
 def _subparsers(parser: argparse.ArgumentParser):

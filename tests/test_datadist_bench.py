@@ -51,7 +51,7 @@ def test_bench_datadist_quick(tmp_path):
 
 
 def test_bench_datadist_in_cli_help():
-    from pytrt_kv.__main__ import build_parser
+    from pytrt_kv.cli import build_parser
 
     args = build_parser().parse_args(["bench", "datadist", "--memory", "device"])
     assert args.what == "datadist" and args.memory == "device"

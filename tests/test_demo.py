@@ -9,7 +9,8 @@ import types
 import numpy as np
 import pytest
 
-from pytrt_kv import demo, runtime
+from pytrt_kv import runtime
+from pytrt_kv.cli import demo
 
 SMALL = [
     "--steps",
@@ -70,7 +71,7 @@ def test_demo_passes_and_prints_table(capsys, monkeypatch):
 
 
 def test_demo_defaults_cli(capsys, tmp_path):
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     assert main(["demo", "--model", str(tmp_path / "d.onnx"), "--no-trt"]) == 0
     assert (tmp_path / "d.onnx").exists()

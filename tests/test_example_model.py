@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_export import example
 from onnx_export.example import CACHE_OUTPUTS, ExampleSizes, build_example_model
 from pytrt_kv import runtime
+from pytrt_kv.cli import export_example
 from pytrt_kv.graph.feeds import make_feeds
 
 SIZES = [
@@ -89,7 +89,7 @@ def test_sizes_validated():
 
 
 def test_export_example_cli(tmp_path, capsys):
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     path = tmp_path / "ex.onnx"
     assert (
@@ -107,10 +107,10 @@ def test_export_example_cli(tmp_path, capsys):
 
 def test_export_example_module_entry(tmp_path):
     p = argparse.ArgumentParser()
-    example.add_arguments(p)
-    assert example.run(p.parse_args([str(tmp_path / "a.onnx")])) == 0
+    export_example.add_arguments(p)
+    assert export_example.run(p.parse_args([str(tmp_path / "a.onnx")])) == 0
     with pytest.raises(FileNotFoundError, match="path"):
-        example.run(p.parse_args([str(tmp_path / "missing" / "a.onnx")]))
+        export_example.run(p.parse_args([str(tmp_path / "missing" / "a.onnx")]))
 
 
 # --- the dynamic-batch variant -----------------------------------------------------------
@@ -174,7 +174,7 @@ def test_dynamic_variant_matches_the_static_model():
 
 
 def test_export_example_cli_dynamic(tmp_path):
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     path = tmp_path / "dyn.onnx"
     assert (
@@ -195,7 +195,7 @@ def test_export_example_cli_dynamic(tmp_path):
     ],
 )
 def test_cli_bad_model_paths_are_one_line_errors(tmp_path, capsys, argv):
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     argv = [a.replace("{dir}", str(tmp_path)) for a in argv]
     assert main(argv) == 1
@@ -207,7 +207,7 @@ def test_cli_bad_model_paths_are_one_line_errors(tmp_path, capsys, argv):
 
 def test_cli_os_errors_are_one_line(tmp_path, capsys, monkeypatch):
     """Any other OSError of a subcommand (e.g. a read-only folder) is one line too."""
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     def denied(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(tmp_path / "m.onnx"))

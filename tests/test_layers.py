@@ -14,9 +14,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: pytrt_kv modules allowed to import onnx_export: the CLI, which ties the example model
-#: to its commands.
-CLI = {"pytrt_kv.__main__", "pytrt_kv.demo", "pytrt_kv.retrieval.demo"}
+#: The CLI (docs/ARCHITECTURE.md, "The CLI"): the only pytrt_kv code that may import
+#: onnx_export, and only inside a function (the command's ``add_arguments``/``run``).
+CLI = "pytrt_kv.cli"
 
 
 def module_name(path: Path) -> str:
@@ -26,12 +26,26 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in ``source``; ``from a import b``
-    yields both ``a`` and ``a.b`` (b may be a submodule)."""
+def _nodes(tree: ast.AST, lazy: bool):
+    """Every node of ``tree`` (``lazy``), or those run on import: not inside a function."""
+    if lazy:
+        yield from ast.walk(tree)
+        return
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def imports(source: str, module: str, is_package: bool, lazy: bool = True) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``source`` (``lazy=False``: only
+    those outside functions, run on import); ``from a import b`` yields both ``a`` and
+    ``a.b`` (b may be a submodule)."""
     package = module if is_package else module.rpartition(".")[0]
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in _nodes(ast.parse(source), lazy):
         if isinstance(node, ast.Import):
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -48,15 +62,16 @@ def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]
     return out
 
 
-def all_imports() -> list[tuple[str, str, int, str]]:
-    """(module, file, line, imported module) for every import of both packages."""
+def all_imports(lazy: bool = True) -> list[tuple[str, str, int, str]]:
+    """(module, file, line, imported module) for every import of both packages
+    (``lazy=False``: only the module-level ones)."""
     out = []
     for top in ("pytrt_kv", "onnx_export"):
         for path in sorted((REPO / top).rglob("*.py")):
             mod = module_name(path)
             rel = str(path.relative_to(REPO))
             for line, target in imports(
-                path.read_text(encoding="utf-8"), mod, path.name == "__init__.py"
+                path.read_text(encoding="utf-8"), mod, path.name == "__init__.py", lazy
             ):
                 out.append((mod, rel, line, target))
     return out
@@ -66,8 +81,17 @@ def _in(target: str, *packages: str) -> bool:
     return any(target == p or target.startswith(p + ".") for p in packages)
 
 
-def violations(found: list[tuple[str, str, int, str]]) -> list[str]:
+def violations(
+    found: list[tuple[str, str, int, str]], module_level: list[tuple[str, str, int, str]]
+) -> list[str]:
+    """``found``: every import (lazy ones included); ``module_level``: those run on import."""
     bad = []
+    for mod, rel, line, target in module_level:
+        if _in(mod, CLI) and _in(target, "onnx_export"):
+            bad.append(
+                f"{rel}:{line}: imports {target} (the CLI imports onnx_export inside "
+                "functions only, never on import)"
+            )
     for mod, rel, line, target in found:
         where = f"{rel}:{line}: imports {target}"
         ours = _in(target, "pytrt_kv")
@@ -84,10 +108,10 @@ def violations(found: list[tuple[str, str, int, str]]) -> list[str]:
             bad.append(
                 f"{where} (the graph layer imports only the contract, the reference and itself)"
             )
-        if _in(mod, "pytrt_kv") and mod not in CLI and _in(target, "onnx_export"):
+        if _in(mod, "pytrt_kv") and not _in(mod, CLI) and _in(target, "onnx_export"):
             bad.append(
                 f"{where} (onnx_export builds on pytrt_kv, not the other way; only "
-                "the CLI may import it)"
+                "pytrt_kv.cli may import it, lazily)"
             )
         if (
             _in(mod, "onnx_export")
@@ -98,14 +122,11 @@ def violations(found: list[tuple[str, str, int, str]]) -> list[str]:
     return bad
 
 
-#: Command modules (parse, call the library, print): nothing else of pytrt_kv imports them.
-COMMANDS = {
-    "pytrt_kv.__main__",
-    "pytrt_kv.trt.__main__",  # `python -m pytrt_kv.trt`: the same commands
-    "pytrt_kv.info",
-    "pytrt_kv.demo",
-    "pytrt_kv.retrieval.demo",
-}
+#: Command modules (parse, call the library, print): pytrt_kv.cli and its shim
+#: ``python -m pytrt_kv``. No library module imports them.
+def is_command(mod: str) -> bool:
+    return _in(mod, CLI) or mod == "pytrt_kv.__main__"
+
 
 #: Old import paths kept for users (each IS the new module): our own code uses the new one.
 COMPAT = {
@@ -124,7 +145,7 @@ def direction_violations(found: list[tuple[str, str, int, str]]) -> list[str]:
     bad = []
     for mod, rel, line, target in found:
         where = f"{rel}:{line}: imports {target}"
-        if mod not in COMMANDS and target in COMMANDS:
+        if not is_command(mod) and is_command(target):
             bad.append(f"{where} (a command module: library code must not import it)")
         if mod not in COMPAT and target in COMPAT:
             bad.append(f"{where} (an old import path: use {COMPAT[target]})")
@@ -234,6 +255,84 @@ def test_cycle_check_finds_a_circle(files, expected):
     assert cycles(import_edges(files)) == expected
 
 
+#: pytrt_kv modules outside the CLI that may still print or read the command line, and why.
+#: Everything else returns data and raises errors (docs/ARCHITECTURE.md, "The CLI").
+NOT_COMMANDS = {
+    "pytrt_kv.graph.feeds": "a Polygraphy data-loader script: reads its options from "
+    "polygraphy's own command line",
+    "pytrt_kv.trt.build": "build_plan(progress=True, verbose=True): documented progress "
+    "and TensorRT's log on stderr",
+    "pytrt_kv.trt._rtx": "the build child's end-of-answer marker on its stderr pipe",
+}
+
+
+def command_traits(source: str) -> list[tuple[int, str]]:
+    """(line, what) of everything that makes a module a command: argparse, sys.argv,
+    print(), a top-level ``add_arguments``."""
+    out = []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            if "argparse" in names:
+                out.append((node.lineno, "imports argparse"))
+        elif isinstance(node, ast.Attribute) and node.attr == "argv":
+            if isinstance(node.value, ast.Name) and node.value.id == "sys":
+                out.append((node.lineno, "reads sys.argv"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id == "print":
+                out.append((node.lineno, "prints"))
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "add_arguments":
+            out.append((node.lineno, "defines add_arguments"))
+    return out
+
+
+def command_violations(files: dict[str, tuple[str, str]]) -> list[str]:
+    """``files``: module -> (file, source). Command traits outside the CLI."""
+    bad = []
+    for mod, (rel, source) in sorted(files.items()):
+        if not _in(mod, "pytrt_kv") or is_command(mod) or mod in NOT_COMMANDS:
+            continue
+        for line, what in command_traits(source):
+            bad.append(
+                f"{rel}:{line}: {what} (a library module: return data and raise; the "
+                "command in pytrt_kv/cli/ parses and prints)"
+            )
+    return bad
+
+
+def test_only_the_cli_parses_and_prints():
+    files = {
+        mod: (str(path.relative_to(REPO)), path.read_text(encoding="utf-8"))
+        for mod, path in module_files().items()
+    }
+    assert "pytrt_kv.cli.info" in files
+    bad = command_violations(files)
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "mod, source, broken",
+    [
+        ("pytrt_kv.retrieval.demo", "def f(log):\n    print('x')\n", "prints"),
+        ("pytrt_kv.bench", "import argparse\n", "argparse"),
+        ("pytrt_kv.x", "import sys\nn = len(sys.argv)\n", "sys.argv"),
+        ("pytrt_kv.info", "def add_arguments(p):\n    pass\n", "add_arguments"),
+        ("pytrt_kv.cli.info", "import argparse\nprint(1)\n", None),
+        ("pytrt_kv.__main__", "import sys\nsys.exit(len(sys.argv))\n", None),
+        ("pytrt_kv.demo", "def f(log):\n    log('x')\n", None),
+        ("onnx_export.llama_polygraphy", "import argparse\n", None),
+    ],
+)
+def test_command_rule_catches_a_library_that_prints(mod, source, broken):
+    bad = command_violations({mod: ("f.py", source)})
+    if broken is None:
+        assert bad == []
+    else:
+        assert bad and broken in bad[0], bad
+
+
 def test_imports_point_down_and_at_new_paths():
     bad = direction_violations(all_imports())
     assert not bad, "\n".join(bad)
@@ -242,9 +341,14 @@ def test_imports_point_down_and_at_new_paths():
 @pytest.mark.parametrize(
     "mod, source, broken",
     [
-        ("pytrt_kv._cuda.abi", "def f():\n    from ..info import cuda_devices\n", "command"),
-        ("pytrt_kv.trt.build", "from .. import demo\n", "command"),
+        ("pytrt_kv._cuda.abi", "def f():\n    from ..cli.info import run\n", "command"),
+        ("pytrt_kv.trt.build", "from ..cli import demo\n", "command"),
+        ("pytrt_kv._cuda.abi", "def f():\n    from ..info import cuda_devices\n", None),
         ("pytrt_kv.__main__", "from . import info\n", None),
+        ("pytrt_kv.retrieval.demo", "from ..cli import retrieval_demo\n", "command"),
+        ("pytrt_kv.trt", "def f():\n    from pytrt_kv.cli.build import run\n", "command"),
+        ("pytrt_kv.cli.demo", "from ..cli.export_example import output_path\n", None),
+        ("pytrt_kv.cli.demo", "from ..demo import verify_step\n", None),
         ("pytrt_kv.ops", "from .specs import OPS\n", "old import path"),
         ("pytrt_kv.ops", "from .contract.specs import OPS\n", None),
         ("onnx_export.x", "from onnx_export.schemas import register\n", "old import path"),
@@ -262,7 +366,7 @@ def test_direction_rules_catch_a_broken_import(mod, source, broken):
 def test_imports_follow_the_layers():
     found = all_imports()
     assert len(found) > 100  # the walk saw the packages
-    bad = violations(found)
+    bad = violations(found, all_imports(lazy=False))
     assert not bad, "imports against docs/ARCHITECTURE.md:\n" + "\n".join(bad)
 
 
@@ -275,15 +379,26 @@ def test_imports_follow_the_layers():
         ("pytrt_kv.graph.x", "def f():\n    from ..trt import build\n", "graph layer imports"),
         ("pytrt_kv.graph.x", "import onnx_export.models\n", "graph layer imports"),
         ("pytrt_kv.graph.x", "from ..contract.specs import OPS\nimport onnx\n", None),
-        ("pytrt_kv.trt.x", "def f():\n    import onnx_export\n", "only the CLI"),
-        ("pytrt_kv.demo", "def f():\n    from onnx_export.example import x\n", None),
+        ("pytrt_kv.trt.x", "def f():\n    import onnx_export\n", "only pytrt_kv.cli"),
+        ("pytrt_kv.demo", "def f():\n    from onnx_export.example import x\n", "only pytrt_kv.cli"),
+        ("pytrt_kv.retrieval.demo", "def f():\n    import onnx_export.retrieval\n", "only"),
+        ("pytrt_kv.cli.demo", "def run(a):\n    from onnx_export.example import x\n", None),
+        ("pytrt_kv.cli.demo", "from onnx_export.example import x\n", "inside functions only"),
+        (
+            "pytrt_kv.cli.x",
+            "try:\n    import onnx_export\nexcept ImportError:\n    pass\n",
+            "inside functions only",
+        ),
         ("onnx_export.x", "from pytrt_kv._scatter import check_scatter\n", "public pytrt_kv"),
         ("onnx_export.x", "from pytrt_kv.graph.check import TensorInfo\n", None),
     ],
 )
 def test_rules_catch_a_broken_import(mod, source, broken):
-    found = [(mod, "f.py", line, target) for line, target in imports(source, mod, is_package=False)]
-    bad = violations(found)
+    found, module_level = (
+        [(mod, "f.py", line, t) for line, t in imports(source, mod, False, lazy)]
+        for lazy in (True, False)
+    )
+    bad = violations(found, module_level)
     if broken is None:
         assert bad == []
     else:

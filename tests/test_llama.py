@@ -111,7 +111,7 @@ def test_a_full_cache_is_refused_by_name(llama):
 
 
 def test_generate_command_checks_against_transformers(llama, capsys):
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     rc = main(["generate", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--tokens", "6",
                "--check", "--block-size", "8"])  # fmt: skip
@@ -218,6 +218,7 @@ def test_sparse_decode_equals_the_retrieval_study(llama, sparse_llama):
     retrieval attention) and its logits within 1e-3; and the selection matters: the
     dense graph's logits differ by far more, so a dense run fails this."""
     from onnx_export.llama import reference_sparse_greedy
+    from pytrt_kv.retrieval.study import load_model
 
     _, tok, dense = llama
     ids = [tok(p)["input_ids"] for p in PROMPTS]
@@ -226,8 +227,9 @@ def test_sparse_decode_equals_the_retrieval_study(llama, sparse_llama):
     assert len(gathers) == 30 and gathers[0].input[4] != ""
     got, _, _ = sparse_llama.generate(ids, 16)
     logits = np.stack(sparse_llama.last_logits, axis=1)  # [B, steps, V]
+    study_model, _ = load_model()
     for b, prompt in enumerate(ids):
-        want, want_logits = reference_sparse_greedy(prompt, 16, _sparse_config())
+        want, want_logits = reference_sparse_greedy(prompt, 16, _sparse_config(), model=study_model)
         assert got[b] == want, b
         assert np.abs(logits[b] - want_logits).max() < 1e-3, b
     dense.generate(ids, 16)

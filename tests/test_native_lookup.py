@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pytrt_kv import _cuda, _driver, _lib, info
+from pytrt_kv.cli import info as info_command
 from pytrt_kv.contract import limits
 
 
@@ -76,7 +77,7 @@ def test_info_notes_a_source_tree_import(tmp_path, monkeypatch, capsys):
     installed = _fake_distribution(tmp_path / "site")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setattr(info, "cuda_devices", lambda: ([], "no CUDA driver / GPU: test"))
-    assert info.run(None) == 0
+    assert info_command.run(None) == 0
     out = capsys.readouterr().out
     assert str(installed / _lib.KERNELS_LIB) in out
     assert "source tree" in out and str(installed) in out

@@ -12,7 +12,7 @@ import pytest
 
 import pytrt_kv
 from pytrt_kv import _lib
-from pytrt_kv.__main__ import SUBCOMMANDS, build_parser, main
+from pytrt_kv.cli import SUBCOMMANDS, build_parser, main
 from pytrt_kv.contract import dtypes, specs
 
 
@@ -211,8 +211,24 @@ def test_module_entry_point():
     assert "info" in r.stdout and "demo" in r.stdout
 
 
+def test_cli_info_says_whether_tensorrt_can_run_engines(capsys, monkeypatch):
+    """`pytrt-kv info` gives TensorRT's availability reason (it replaced `python -m
+    pytrt_kv.trt availability`)."""
+    from pytrt_kv import trt
+
+    monkeypatch.setattr(trt, "availability", lambda: "no CUDA GPU (test reason)")
+    assert main(["info"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "engines here" in x)
+    assert "no CUDA GPU (test reason)" in line
+    monkeypatch.setattr(trt, "availability", lambda: "")
+    assert main(["info"]) == 0
+    assert "usable" in next(x for x in capsys.readouterr().out.splitlines() if "engines here" in x)
+
+
 def test_parser_subcommands_have_runners():
     parser = build_parser()
+    # One CLI wing: every command is a module of pytrt_kv.cli (docs/ARCHITECTURE.md).
+    assert all(module.startswith("pytrt_kv.cli.") for _, module, _ in SUBCOMMANDS)
     for name, _, _ in SUBCOMMANDS:
         positional = {
             "export-example": ["x.onnx"],

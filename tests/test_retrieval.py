@@ -4,12 +4,15 @@ reference, the host planner, and the ONNX decode step on the CPU runtime."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import onnx
 import pytest
 
 from onnx_export.retrieval import build_retrieval_decode_step
+from pytrt_kv.cli.retrieval_demo import cpu_runner
 from pytrt_kv.retrieval import (
     DENSE,
     MEAN,
@@ -24,7 +27,7 @@ from pytrt_kv.retrieval import (
     select_blocks,
     sparse_decode_attention,
 )
-from pytrt_kv.retrieval.demo import run_steps
+from pytrt_kv.retrieval.demo import VerificationError, run_steps
 from pytrt_kv.retrieval.planner import RetrievalPlanner, RetrievalSizes
 
 SMALL = dict(
@@ -335,7 +338,7 @@ def test_decode_steps_match_reference_sparse_and_offload(rep, dtype):
     the NumPy reference, status rows carry over, resident blocks are kept in place."""
     cfg = RetrievalConfig(**SMALL, representation=rep)
     sizes = RetrievalSizes(batch=2, q_heads=6, kv_heads=2, head_dim=8, max_len=1024, dtype=dtype)
-    checks = run_steps(cfg, sizes, [300, 700], steps=5, seed=7)
+    checks = run_steps(cfg, sizes, [300, 700], steps=5, seed=7, run=cpu_runner(cfg, sizes))
     assert {c.record.mode for c in checks} == {SPARSE, SPARSE_OFFLOAD}
     later = [c for c in checks if c.step > 0]
     assert all(c.record.kept > 0 for c in later)  # init and local blocks stay resident
@@ -357,7 +360,7 @@ def test_decode_steps_cross_block_boundaries_and_k_over_32(rng):
     sizes = RetrievalSizes(batch=2, q_heads=2, kv_heads=1, head_dim=4, max_len=384)
     pl = RetrievalPlanner(cfg, sizes)
     assert pl.layout.topk > 32
-    checks = run_steps(cfg, sizes, [63, 350], steps=10, seed=3)
+    checks = run_steps(cfg, sizes, [63, 350], steps=10, seed=3, run=cpu_runner(cfg, sizes))
     lengths = sorted({c.record.length for c in checks if c.row == 0})
     assert lengths[0] == 64 and lengths[-1] == 73  # nb goes 0 -> 1 at L = 64
 
@@ -365,12 +368,12 @@ def test_decode_steps_cross_block_boundaries_and_k_over_32(rng):
 def test_topk_percent_one_graph_equals_dense():
     cfg = RetrievalConfig(**SMALL, topk_percent=1.0)
     sizes = RetrievalSizes(batch=1, q_heads=4, kv_heads=2, head_dim=8, max_len=640)
-    checks = run_steps(cfg, sizes, [500], steps=3, seed=1)
+    checks = run_steps(cfg, sizes, [500], steps=3, seed=1, run=cpu_runner(cfg, sizes))
     assert max(c.err_dense for c in checks) < 2e-5
 
 
 def test_retrieval_demo_cli(capsys):
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     assert main(["retrieval-demo", "--steps", "3", "--dtype", "float16"]) == 0
     out = capsys.readouterr().out
@@ -378,3 +381,84 @@ def test_retrieval_demo_cli(capsys):
     assert "OK: 6 row-steps match the NumPy reference" in out
     assert main(["retrieval-demo", "--init-tokens", "50"]) == 1
     assert "init_tokens: expected a multiple of block_size" in capsys.readouterr().err
+
+
+def _corrupting(cfg, sizes, name, at_call=2):
+    """The CPU runtime, with output ``name`` wrong at call ``at_call``."""
+    real = cpu_runner(cfg, sizes)
+    calls = {"n": 0}
+
+    def run(feeds):
+        out = real(feeds)
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            x = out[name].copy()
+            if name == "topk_indices":
+                x.reshape(-1)[0] += 1
+            elif name == "attn_out":
+                x.reshape(-1)[0] += 1e-2
+            else:
+                x.reshape(-1).view(np.uint8)[:] ^= 1  # every slot, used or not
+            out[name] = x
+        return out
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "name, what",
+    [
+        ("topk_indices", "ids"),
+        ("full_key_cache_out", "beyond the new token's slot"),
+        ("selection_value_cache_out", "selection_value_cache_out is wrong"),
+        ("attn_out", "attention differs"),
+    ],
+)
+def test_verifier_raises_on_a_wrong_result(name, what):
+    """The demo's verifier raises VerificationError (explicit checks, not assert), naming
+    the step and what differs (issue 21 item 3)."""
+    cfg = RetrievalConfig(**SMALL)
+    sizes = RetrievalSizes(batch=1, q_heads=4, kv_heads=2, head_dim=8, max_len=640)
+    with pytest.raises(VerificationError, match=what) as exc:
+        run_steps(cfg, sizes, [500], steps=3, seed=1, run=_corrupting(cfg, sizes, name))
+    assert "step 1" in str(exc.value)
+
+
+def test_verifier_checks_survive_python_O():
+    """Under ``python -O`` (asserts stripped) a wrong attention output still fails."""
+    code = (
+        "import numpy as np\n"
+        "from pytrt_kv.cli.retrieval_demo import cpu_runner\n"
+        "from pytrt_kv.retrieval import RetrievalConfig, RetrievalSizes\n"
+        "from pytrt_kv.retrieval.demo import run_steps\n"
+        f"cfg = RetrievalConfig(**{SMALL!r})\n"
+        "sizes = RetrievalSizes(batch=1, q_heads=4, kv_heads=2, head_dim=8, max_len=640)\n"
+        "real = cpu_runner(cfg, sizes)\n"
+        "def run(feeds):\n"
+        "    out = real(feeds)\n"
+        "    out['attn_out'] = out['attn_out'] + np.float32(0.01)\n"
+        "    return out\n"
+        "try:\n"
+        "    run_steps(cfg, sizes, [500], steps=1, run=run)\n"
+        "except Exception as exc:\n"
+        "    print('RAISED', type(exc).__name__)\n"
+        "else:\n"
+        "    print('NO ERROR')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    assert "RAISED VerificationError" in r.stdout, r.stdout
+
+
+def test_retrieval_demo_cli_reports_a_failure(capsys, monkeypatch):
+    """The command prints FAILED: and the verifier's message, exit status 1."""
+    from pytrt_kv.cli import main, retrieval_demo
+
+    def corrupt(cfg, sizes):
+        return _corrupting(cfg, sizes, "attn_out", at_call=1)
+
+    monkeypatch.setattr(retrieval_demo, "cpu_runner", corrupt)
+    assert main(["retrieval-demo", "--steps", "2"]) == 1
+    assert "FAILED: step 0 row 0: attention differs" in capsys.readouterr().out

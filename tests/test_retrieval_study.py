@@ -33,20 +33,20 @@ def test_study_attention_equals_reference(rng, rep, chunk):
     k = rng.standard_normal((1, Hkv, Lk, D)).astype(np.float32)
     v = rng.standard_normal((1, Hkv, Lk, D)).astype(np.float32)
     start, sparse_from = Lk - Lq, Lk - Lq + 20
-    saved = (study.STATE.method, study.STATE.cfg, study.STATE.sparse_from, study.STATE.chunk)
-    try:
-        study.STATE.method, study.STATE.cfg = rep, cfg
-        study.STATE.sparse_from, study.STATE.chunk = sparse_from, chunk
-        out, _ = study.retrieval_attention(
-            _Layer(),
-            torch.from_numpy(q),
-            torch.from_numpy(k),
-            torch.from_numpy(v),
-            None,
-            scaling=0.3,
-        )
-    finally:
-        (study.STATE.method, study.STATE.cfg, study.STATE.sparse_from, study.STATE.chunk) = saved
+    layer = _Layer()
+    setattr(
+        layer,
+        study.STATE_ATTR,
+        study.AttentionState(method=rep, cfg=cfg, sparse_from=sparse_from, chunk=chunk),
+    )
+    out, _ = study.retrieval_attention(
+        layer,
+        torch.from_numpy(q),
+        torch.from_numpy(k),
+        torch.from_numpy(v),
+        None,
+        scaling=0.3,
+    )
     out = out.numpy()[0]  # [Lq, Hq, D]
     keys, values = k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)  # [Lk, Hkv, D]
     sparse_rows = 0
@@ -86,6 +86,45 @@ def _study_unavailable() -> str:
     if not any((LICENSES_DIR / n).is_file() for n in LICENSE_FILES):
         return f"no licence texts under {LICENSES_DIR} (Debian's base-files provides them)"
     return ""
+
+
+def test_study_keeps_its_state_on_the_model_not_the_module(rng):
+    """No module-level mutable state (issue 21 item 3): two layers with their own
+    AttentionState give their own results in any order, and study.py binds no mutable
+    object at module level nor uses ``global``."""
+    import ast
+    import inspect
+
+    from pytrt_kv.retrieval import study
+
+    cfg = RetrievalConfig(init_tokens=16, local_tokens=32, block_size=16, topk_percent=0.25)
+    q = torch.from_numpy(rng.standard_normal((1, 4, 60, 8)).astype(np.float32))
+    k = torch.from_numpy(rng.standard_normal((1, 2, 300, 8)).astype(np.float32))
+    v = torch.from_numpy(rng.standard_normal((1, 2, 300, 8)).astype(np.float32))
+    dense, sparse = _Layer(), _Layer()
+    setattr(dense, study.STATE_ATTR, study.AttentionState())
+    setattr(sparse, study.STATE_ATTR, study.AttentionState(MINMAX, cfg, sparse_from=250))
+    want = study.retrieval_attention(dense, q, k, v, None)[0]
+    got_sparse = study.retrieval_attention(sparse, q, k, v, None)[0]
+    again = study.retrieval_attention(dense, q, k, v, None)[0]
+    assert torch.equal(want, again)
+    assert not torch.equal(want, got_sparse)
+    with pytest.raises(TypeError, match=study.STATE_ATTR):
+        study.retrieval_attention(_Layer(), q, k, v, None)
+
+    tree = ast.parse(inspect.getsource(study))
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)]
+    mutable = (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+    bad = []
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            value = node.value
+            is_call = isinstance(value, ast.Call) and not (
+                isinstance(value.func, ast.Name) and value.func.id in ("Path", "tuple")
+            )
+            if isinstance(value, mutable) or is_call:
+                bad.append(ast.unparse(node)[:60])
+    assert not bad, f"module-level mutable state in study.py: {bad}"
 
 
 @pytest.mark.skipif(bool(_study_unavailable()), reason=_study_unavailable() or "available")

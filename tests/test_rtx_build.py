@@ -332,7 +332,7 @@ def test_self_registering_library_registers_under_tensorrt_rtx():
 
 
 def test_build_cli_prints_progress_and_writes_the_plan(tmp_path, capsys):
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     path = tmp_path / "m.onnx"
     onnx.save(scatter_model("nd", "float16", "int32", value=False), path)
@@ -399,7 +399,7 @@ def test_dims_build_the_same_plan_as_per_input_shapes(tmp_path):
 
 
 def test_dim_option_of_the_build_command(tmp_path, capsys):
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     dyn, _ = _dynamic(compress_model("float16", "int32", ""), _COMPRESS_B)
     path = tmp_path / "dyn.onnx"

@@ -322,7 +322,7 @@ def test_prepare_cli(tmp_path):
     src, dst = tmp_path / "m.onnx", tmp_path / "p.onnx"
     onnx.save(single_op_model("ScatterPaKvCache", _scatter_inputs(False)), src)
     r = subprocess.run(
-        [sys.executable, "-m", "pytrt_kv.trt", "prepare", str(src), str(dst)],
+        [sys.executable, "-m", "pytrt_kv", "prepare", str(src), str(dst)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -825,7 +825,7 @@ def test_prepare_refuses_mixed_index_dtypes():
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
-    from pytrt_kv.__main__ import main
+    from pytrt_kv.cli import main
 
     assert main(["prepare", str(tmp_path), str(tmp_path / "o.onnx")]) == 1
     err = capsys.readouterr().err.strip()
@@ -834,7 +834,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         [
             sys.executable,
             "-m",
-            "pytrt_kv.trt",
+            "pytrt_kv",
             "prepare",
             str(tmp_path / "missing.onnx"),
             str(tmp_path / "o.onnx"),

@@ -1,4 +1,5 @@
-"""``pytrt-kv bench datadist``: block-push throughput against same-run baselines.
+"""The timings of ``pytrt-kv bench datadist`` (the command: :mod:`pytrt_kv.cli.bench`):
+block-push throughput against same-run baselines.
 
 Each case pushes ``--total-mib`` of blocks (one tensor, ``block`` bytes per block) from a
 prompt node to a decoder node in this process, over NIXL (UCX), and times, median of
@@ -19,7 +20,6 @@ and *scattered* (random permutations on both sides: one descriptor per block).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
@@ -30,24 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from .._bench_report import write_results
-
 BLOCK_SIZES = (4 << 10, 64 << 10, 1 << 20)
 TARGETS = {"wrapper_vs_raw": 0.90, "gpu_vs_memcpy": 0.80}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``pytrt-kv bench datadist`` (besides the shared ``--quick``,
-    ``--repeats``, ``--output``, ``--json``)."""
-    g = parser.add_argument_group("datadist (pytrt-kv bench datadist)")
-    g.add_argument(
-        "--memory",
-        choices=("host", "device", "pinned-to-device"),
-        default="host",
-        help="where the caches live (device variants need a GPU and the kernel library)",
-    )
-    g.add_argument("--total-mib", type=float, default=64.0, help="MiB per push (default 64)")
-    g.add_argument("--pushes", type=int, default=5, help="pushes per timed run (default 5)")
 
 
 def _median_times(
@@ -282,37 +266,3 @@ def chart(rows: list[dict[str, Any]], base: str, width: int = 40) -> list[str]:
             out.append(f"{label:<18} {name:<10} {bar} {r[key]:.2f}")
     out.append("```")
     return out
-
-
-def run(args: argparse.Namespace) -> int:
-    from .backends import nixl_unavailable_reason
-
-    reason = nixl_unavailable_reason()
-    if reason:
-        raise RuntimeError(f"pytrt-kv bench datadist needs nixl: {reason}")
-    total = int((1.0 if args.quick else args.total_mib) * 2**20)
-    pushes = 1 if args.quick else args.pushes
-    repeats = 1 if args.quick else args.repeats
-    info = _machine()
-    print(
-        f"pytrt-kv bench datadist ({args.memory} memory, {total / 2**20:.0f} MiB per push) "
-        f"on {info['cpu']}, {info['date']}"
-    )
-    rows = []
-    for block in BLOCK_SIZES:
-        for pattern in ("contiguous", "scattered"):
-            if block > total:
-                continue
-            r = bench_case(args.memory, block, pattern, total, pushes, repeats)
-            print(
-                f"  {block >> 10:>5} KiB {pattern:<10} wrapper {r['wrapper_gbs']:6.2f} GB/s  "
-                f"raw {r['raw_gbs']:6.2f} GB/s  ({r['wrapper_vs_raw']:.2f})  baseline "
-                f"{r['baseline_gbs']:6.2f} GB/s",
-                flush=True,
-            )
-            rows.append(r)
-    write_results(args, markdown(info, rows), {"info": info, "results": rows})
-    if not all(r["correct"] for r in rows):
-        print("a pushed block differs from its source")
-        return 1
-    return 0

