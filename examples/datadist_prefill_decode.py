@@ -127,7 +127,7 @@ def decode(args) -> int:
 
         model = build_example_model(z)
         evaluator = runtime.make_evaluator(model)
-        state = demo.initial_state(z, int(kv_len[0]), rng)
+        state = demo.initial_state(z, int(kv_len[0]), rng, model)
         state.update(
             full_kv_cache=full["full_kv_cache"],
             full_k_rope=full["full_k_rope"],
@@ -136,7 +136,7 @@ def decode(args) -> int:
         )
         fails = []
         for step in range(1, args.steps + 1):
-            feeds = demo.step_feeds(z, state, rng)
+            feeds = demo.step_feeds(z, state, rng, model)
             out = runtime.run(evaluator, feeds)
             step_fails, stats = demo.verify_step(z, feeds, out, demo.expected_step(z, feeds))
             print(

@@ -17,7 +17,6 @@ These functions return failures as data and never print.
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 
@@ -38,34 +37,24 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(_bits(a), _bits(b)))
 
 
-@functools.lru_cache(maxsize=4)
-def _example_model(sizes):
-    from onnx_export.example import build_example_model
-
-    return build_example_model(sizes)
-
-
-def _draw(sizes, rng: np.random.Generator, model=None) -> dict[str, np.ndarray]:
+def _draw(rng: np.random.Generator, model) -> dict[str, np.ndarray]:
     """One valid feed dict of the example model from :func:`pytrt_kv.graph.feeds.make_feeds`,
     the one valid-input generator (docs/GRAPH_MODE.md, Valid feeds), seeded from ``rng``."""
     from pytrt_kv.graph.feeds import make_feeds
 
-    return make_feeds(
-        _example_model(sizes) if model is None else model, seed=int(rng.integers(2**31))
-    )
+    return make_feeds(model, seed=int(rng.integers(2**31)))
 
 
-def initial_state(
-    sizes, prompt_len: int, rng: np.random.Generator, model=None
-) -> dict[str, np.ndarray]:
+def initial_state(sizes, prompt_len: int, rng: np.random.Generator, model) -> dict[str, np.ndarray]:
     """Caches and tables before the first decode step (prompt already in the full cache).
 
     The full caches and both block tables come from ``make_feeds`` (``model``: the example
-    model of ``sizes``, built when not given); what a decode loop starts from is set here:
+    model of ``sizes``, :func:`onnx_export.example.build_example_model`); what a decode loop
+    starts from is set here:
     ``kv_len = prompt_len + b``, a fresh status and :data:`SENTINEL` selection caches.
     """
     z = sizes
-    f = _draw(z, rng, model)
+    f = _draw(rng, model)
     B = z.batch
     state = {
         n: f[n]
@@ -81,7 +70,7 @@ def initial_state(
 
 
 def step_feeds(
-    sizes, state: dict[str, np.ndarray], rng: np.random.Generator, model=None
+    sizes, state: dict[str, np.ndarray], rng: np.random.Generator, model
 ) -> dict[str, np.ndarray]:
     """Feeds of the next decode step: one new token per sequence at position kv_len.
 
@@ -94,7 +83,7 @@ def step_feeds(
     pos = kv_len - 1
     table = state["full_kv_block_table"]
     slots = table[np.arange(B), pos // z.block_size] * z.block_size + pos % z.block_size
-    feeds = _draw(z, rng, model)
+    feeds = _draw(rng, model)
     feeds.update(
         {
             "slot_mapping": slots.astype(feeds["slot_mapping"].dtype),

@@ -155,7 +155,9 @@ def test_demo_steps_are_drawn_from_make_feeds(monkeypatch):
     """The demo's inputs come from the one valid-input generator (issue 21 item 4,
     docs/GRAPH_MODE.md): every step is a make_feeds dict with the decode state put in,
     and the CPU runtime accepts it."""
-    from onnx_export.example import sizes_from_args
+    from onnx_export.example import build_example_model
+    from pytrt_kv import demo as demo_lib
+    from pytrt_kv.cli.export_example import sizes_from_args
     from pytrt_kv.graph import feeds as feeds_mod
 
     calls = []
@@ -168,17 +170,17 @@ def test_demo_steps_are_drawn_from_make_feeds(monkeypatch):
 
     monkeypatch.setattr(feeds_mod, "make_feeds", spy)
     z = sizes_from_args(_args())
+    model = build_example_model(z)
     rng = np.random.default_rng(0)
-    state = demo.initial_state(z, 2, rng)
+    state = demo_lib.initial_state(z, 2, rng, model)
     assert len(calls) == 1
     assert calls[0]["full_kv_cache"] is state["full_kv_cache"]
-    model = demo._example_model(z)
     for _ in range(2):
-        f = demo.step_feeds(z, state, rng)
+        f = demo_lib.step_feeds(z, state, rng, model)
         assert f["kv"] is calls[-1]["kv"] and f["q_nope"] is calls[-1]["q_nope"]
         assert list(f) == [i.name for i in model.graph.input]
         out = runtime.run(model, f)
-        assert not demo.verify_step(z, f, out, demo.expected_step(z, f))[0]
+        assert not demo_lib.verify_step(z, f, out, demo_lib.expected_step(z, f))[0]
         state = {**state, "kv_len": f["full_kv_actual_seq"]}
         state.update({k: out[k + "_out"] for k in ("full_kv_cache", "full_k_rope")})
         state.update(

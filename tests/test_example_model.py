@@ -147,13 +147,14 @@ def test_dynamic_variant_runs_two_batch_sizes_on_the_cpu_runtime(batch):
     m = runtime.make_evaluator(build_example_model(z, dynamic=True))
     zb = dataclasses.replace(z, batch=batch)
     rng = np.random.default_rng(batch)
-    state = demo.initial_state(zb, prompt_len=10, rng=rng)
+    step_model = build_example_model(zb)  # make_feeds draws from the static model
+    state = demo.initial_state(zb, prompt_len=10, rng=rng, model=step_model)
     for name in ("selection_k_rope", "selection_kv_cache"):  # the model's static pool
         x = state[name]
         pad = np.full((z.selection_num_blocks - x.shape[0],) + x.shape[1:], demo.SENTINEL, x.dtype)
         state[name] = np.concatenate([x, pad])
     for _ in range(2):
-        feeds = demo.step_feeds(zb, state, rng)
+        feeds = demo.step_feeds(zb, state, rng, step_model)
         out = runtime.run(m, feeds)
         assert out["attn_out"].shape == (batch, z.heads, z.kv_dim)
         fails, _ = demo.verify_step(zb, feeds, out, demo.expected_step(zb, feeds))

@@ -258,8 +258,8 @@ def test_cycle_check_finds_a_circle(files, expected):
 #: pytrt_kv modules outside the CLI that may still print or read the command line, and why.
 #: Everything else returns data and raises errors (docs/ARCHITECTURE.md, "The CLI").
 NOT_COMMANDS = {
-    "pytrt_kv.graph.feeds": "a Polygraphy data-loader script: reads its options from "
-    "polygraphy's own command line",
+    "pytrt_kv.polygraphy.data_loader": "a Polygraphy data-loader script: reads its options "
+    "from polygraphy's own command line and PYTRT_KV_* (graph/feeds.py stays pure)",
     "pytrt_kv.trt.build": "build_plan(progress=True, verbose=True): documented progress "
     "and TensorRT's log on stderr",
     "pytrt_kv.trt._rtx": "the build child's end-of-answer marker on its stderr pipe",

@@ -57,7 +57,10 @@ def test_public_functions_are_the_reference():
     # The public names of pytrt_kv.reference (docs/ops/*.md, README.md), each defined
     # there; their results are checked by tests/test_reference_*.py.
     assert sorted(reference.__all__) == [
+        "RowPlan",
         "gather_selection_kv_cache",
+        "id_size",
+        "plan_row",
         "quantise",
         "scatter_pa_kv_cache",
     ]
