@@ -342,3 +342,27 @@ def test_output_declarations_must_match_what_the_op_produces(change, error, decl
     model = single_op_model("ScatterPaKvCache", _feeds())
     model.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "NB"
     runtime.run(model, _feeds())
+
+
+def test_dynamic_token_count_beside_a_static_one_is_refused_up_front():
+    """Issue 21: key [T, H, D] with a named dynamic T next to a static slot_mapping [2]
+    can only run with T = 2; since cache_layout is detected with dynamic T, this went
+    unnoticed until a feed with another T reached the reference."""
+    from pytrt_kv.trt import prepare_for_tensorrt
+
+    model = single_op_model("ScatterPaKvCache", _feeds())
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "T"
+    want = (
+        r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): slot_mapping: expected dim 0 "
+        r"dynamic as key's 'T' \(key, value and slot_mapping dim 0 are one token count T\), "
+        r"got int32\[2\]"
+    )
+    with pytest.raises(ValueError, match=want):
+        runtime.make_evaluator(model)
+    with pytest.raises(ValueError, match=want):
+        prepare_for_tensorrt(model)
+    with pytest.raises(ValueError, match=r"slot_mapping: expected dim 0 dynamic as key's 'T'"):
+        onnx.checker.check_model(model, full_check=True)
+    # An unknown (unnamed) dim, as shape inference leaves behind, is no contradiction.
+    model.graph.input[0].type.tensor_type.shape.dim[0].Clear()
+    runtime.run(model, _feeds())

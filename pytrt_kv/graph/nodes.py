@@ -18,7 +18,7 @@ import onnx
 from onnx import helper
 
 from ..contract import dtypes, specs
-from .check import check_attributes
+from .check import TensorInfo, check_attributes, check_token_dims
 
 #: A tensor's (ONNX elem type, shape): dims are ints, names (str) or None; shape None
 #: when even the rank is unknown.
@@ -279,12 +279,30 @@ def check_output_declarations(model: onnx.ModelProto, types: Mapping[str, Type])
                 raise ValueError(want)
 
 
+def _check_declared_token_dims(node: onnx.NodeProto, types: Mapping[str, Type]) -> None:
+    """:func:`check_token_dims` on the declared types of a 3-D scatter's inputs."""
+    op = specs.SCATTER_PA_KV_CACHE
+    given = {}
+    for name in ("key", "value", "slot_mapping"):
+        i = op.input_index(name)
+        tensor = node.input[i] if i < len(node.input) else ""
+        elem, shape = types.get(tensor, (0, None))
+        if elem in dtypes.ONNX_TO_NAME and shape is not None:
+            given[name] = TensorInfo(shape, dtypes.ONNX_TO_NAME[elem])
+    key = given.get("key")
+    if key is not None and key.shape is not None and len(key.shape) == 3:
+        check_token_dims(given, node_where(node))
+
+
 def validate_model(model: onnx.ModelProto) -> None:
-    """:func:`check_domains`, :func:`validate_node` on every ``pytrt_kv`` node and
+    """:func:`check_domains`, :func:`validate_node` on every ``pytrt_kv`` node (and
+    ``check.check_token_dims`` on a 3-D scatter's declared inputs) and
     :func:`check_output_declarations` (ValueError or TypeError naming the node)."""
     check_domains(model)
     types = declared_types(model)
     for node in model.graph.node:
         if node.domain == specs.DOMAIN:
             validate_node(node, types)
+            if node.op_type == specs.SCATTER_PA_KV_CACHE.name:
+                _check_declared_token_dims(node, types)
     check_output_declarations(model, types)
