@@ -974,3 +974,23 @@ def test_prepare_refuses_contradicting_output_declarations_and_shared_caches():
     m.graph.node[0].input[3] = "key_cache"
     with pytest.raises(ValueError, match=r"value_cache: expected a graph tensor other than"):
         trt_model.prepare_for_tensorrt(m)
+
+
+def test_zero_element_inputs_are_exempt_from_the_update_rules():
+    """An empty placeholder updates nothing: its *_out may stay unnamed, and one empty
+    tensor may stand for two inputs (issue 21: the shared model checks keep this)."""
+    from pytrt_kv import runtime
+
+    p = trt_model.prepare_for_tensorrt(single_op_model("ScatterPaKvCache", _scatter_inputs(False)))
+    del p.graph.node[0].output[1]  # value_cache_out of the [0] value_cache placeholder
+    assert len(trt_model.prepare_for_tensorrt(p).graph.node[0].output) == 2
+    runtime.make_evaluator(p)
+    m = single_op_model(
+        "GatherSelectionKvCache", _gather_inputs(rope=False), **_attrs("GatherSelectionKvCache")
+    )
+    node = m.graph.node[0]
+    node.input[5] = node.input[0]  # one empty k_rope tensor for both
+    m.graph.input.remove(next(i for i in m.graph.input if i.name == "full_k_rope"))
+    feeds = {k: v for k, v in _gather_inputs(rope=False).items() if k != "full_k_rope"}
+    runtime.run(m, feeds)
+    trt_model.prepare_for_tensorrt(m)
