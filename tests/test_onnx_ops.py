@@ -347,3 +347,31 @@ def test_feeds_for_a_node_without_cache_layout_use_the_detected_block_size(layou
             feeds["key"], None, expected, None, feeds["slot_mapping"], cache_layout=layout
         )
         assert_same_bits(out, expected, "key_cache_out")
+
+
+def test_symbolic_batch_and_heads_of_a_4d_key_pass_the_checker():
+    """Issue 21 (fuzzing): specs.absent_placeholders multiplied the symbolic B and H of a
+    4-D key ("can't multiply sequence by non-int of type 'str'" in the checker)."""
+    rng = np.random.default_rng(0)
+    feeds = {
+        "key": rng.standard_normal((1, 4, 1, 8)).astype(np.float32),
+        "key_cache": np.full((2, 4, 1, 8), -3, np.float32),
+        "slot_mapping": np.array([[1]], np.int32),
+        "compress_lens": np.array([[2]], np.int32),
+        "compress_seq_offsets": np.array([1], np.int32),
+        "seq_lens": np.array([4], np.int32),
+    }
+    model = single_op_model("ScatterPaKvCache", feeds)
+    symbolic = {"key": {0: "B", 2: "H"}, "slot_mapping": {0: "B", 1: "H"}}
+    symbolic.update(compress_lens={0: "B", 1: "H"}, seq_lens={0: "B"})
+    for vi in model.graph.input:
+        for axis, name in symbolic.get(vi.name, {}).items():
+            vi.type.tensor_type.shape.dim[axis].dim_param = name
+    onnx.checker.check_model(model, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    out = {vi.name: vi for vi in inferred.graph.output}["key_cache_out"]
+    assert [d.dim_value for d in out.type.tensor_type.shape.dim] == [2, 4, 1, 8]
+    assert specs.absent_placeholders({"key": ("B", 4, "H", 8), "compress_seq_offsets": (0,)}) == (
+        "compress_seq_offsets",
+    )
+    assert specs.absent_placeholders({"key": ("B", 4, 0, 8), "compress_seq_offsets": (0,)}) == ()

@@ -234,3 +234,135 @@ def test_foreign_evaluator_is_validated_too():
     _set_attr(ev.proto_.graph.node[0], "alias_io", 3)
     with pytest.raises(ValueError, match="attribute 'alias_io'"):
         runtime.run(ev, _feeds())
+
+
+# --- issue 21, leftovers from fuzzing: no bare RuntimeError from onnx.reference ----------
+
+
+def _without_attr(model, name):
+    node = model.graph.node[0]
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    return model
+
+
+def test_missing_plugin_attribute_is_named():
+    model = _without_attr(single_op_model("ScatterPaKvCache", _feeds()), "plugin_version")
+    with pytest.raises(
+        ValueError,
+        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): attribute 'plugin_version': "
+        r"expected '1' \(read by the TensorRT ONNX parser\), got none",
+    ):
+        runtime.run(model, _feeds())
+
+
+def test_missing_opset_and_foreign_domain_are_named():
+    model = single_op_model("ScatterPaKvCache", _feeds())
+    kept = [o for o in model.opset_import if o.domain != "pytrt_kv"]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    with pytest.raises(
+        ValueError,
+        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): domain 'pytrt_kv': expected "
+        r"in the model's opset_import .*version 1\), got \{'': 17\}",
+    ):
+        runtime.run(model, _feeds())
+    model = single_op_model("ScatterPaKvCache", _feeds())
+    model.graph.node[0].domain = "com.foo"
+    with pytest.raises(
+        ValueError,
+        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): domain: expected 'pytrt_kv'"
+        r".*, got 'com.foo'",
+    ):
+        runtime.run(model, _feeds())
+    model = single_op_model("ScatterPaKvCache", _feeds())
+    for o in model.opset_import:
+        if o.domain == "pytrt_kv":
+            o.version = 2
+    with pytest.raises(ValueError, match=r"domain 'pytrt_kv': expected .*version 1.*'pytrt_kv': 2"):
+        runtime.run(model, _feeds())
+
+
+def test_key_only_write_with_a_value_cache_output_is_refused():
+    model = single_op_model("ScatterPaKvCache", _feeds())
+    model.graph.node[0].output.append("vco")
+    model.graph.output.append(
+        onnx.helper.make_tensor_value_info("vco", onnx.TensorProto.FLOAT, None)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): value_cache_out: expected no "
+        r"output for a key-only write \(no value_cache\), got 'vco'",
+    ):
+        runtime.run(model, _feeds())
+
+
+def test_one_tensor_as_both_caches_is_refused():
+    feeds = dict(_feeds(), value=np.ones((2, 1, 8), np.float32))
+    model = single_op_model("ScatterPaKvCache", dict(feeds, value_cache=feeds["key_cache"]))
+    node = model.graph.node[0]
+    node.input[3] = "key_cache"
+    model.graph.input.remove(next(i for i in model.graph.input if i.name == "value_cache"))
+    with pytest.raises(
+        ValueError,
+        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): value_cache: expected a graph "
+        r"tensor other than key_cache's \(value_cache is updated in place\), got 'key_cache' "
+        r"for both",
+    ):
+        runtime.run(model, feeds)
+
+
+@pytest.mark.parametrize(
+    "change, error, declared",
+    [
+        ("dtype", TypeError, r"float16\[2, 4, 1, 8\]"),
+        ("dim", ValueError, r"float32\[2, 7, 1, 8\]"),
+        ("rank", ValueError, r"float32\[2, 4, 1\]"),
+    ],
+)
+def test_output_declarations_must_match_what_the_op_produces(change, error, declared):
+    model = single_op_model("ScatterPaKvCache", _feeds())
+    tt = model.graph.output[0].type.tensor_type
+    if change == "dtype":
+        tt.elem_type = onnx.TensorProto.FLOAT16
+    elif change == "dim":
+        tt.shape.dim[1].dim_value = 7
+    else:
+        del tt.shape.dim[3]
+    with pytest.raises(
+        error,
+        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): key_cache_out: expected "
+        r"float32\[2, 4, 1, 8\] \(the op's output, as key_cache\), got "
+        + declared
+        + r" declared by graph output 'key_cache_out'",
+    ):
+        runtime.run(model, _feeds())
+    # A symbolic declared dim is no contradiction.
+    model = single_op_model("ScatterPaKvCache", _feeds())
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "NB"
+    runtime.run(model, _feeds())
+
+
+def test_dynamic_token_count_beside_a_static_one_is_refused_up_front():
+    """Issue 21: key [T, H, D] with a named dynamic T next to a static slot_mapping [2]
+    can only run with T = 2; since cache_layout is detected with dynamic T, this went
+    unnoticed until a feed with another T reached the reference."""
+    from pytrt_kv.trt import prepare_for_tensorrt
+
+    model = single_op_model("ScatterPaKvCache", _feeds())
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "T"
+    want = (
+        r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): slot_mapping: expected dim 0 "
+        r"dynamic as key's 'T' \(key, value and slot_mapping dim 0 are one token count T\), "
+        r"got int32\[2\]"
+    )
+    with pytest.raises(ValueError, match=want):
+        runtime.make_evaluator(model)
+    with pytest.raises(ValueError, match=want):
+        prepare_for_tensorrt(model)
+    with pytest.raises(ValueError, match=r"slot_mapping: expected dim 0 dynamic as key's 'T'"):
+        onnx.checker.check_model(model, full_check=True)
+    # An unknown (unnamed) dim, as shape inference leaves behind, is no contradiction.
+    model.graph.input[0].type.tensor_type.shape.dim[0].Clear()
+    runtime.run(model, _feeds())

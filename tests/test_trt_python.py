@@ -777,7 +777,9 @@ def test_prepare_refuses_an_unnamed_cache_update():
     m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
     m.graph.node[0].output[0] = ""
     with pytest.raises(
-        ValueError, match=r"key_cache_out: expected a name for the updated 'key_cache'"
+        ValueError,
+        match=r"key_cache_out: expected a graph tensor \(output 0, the updated 'key_cache'; "
+        r"an unnamed output would drop the cache update\)",
     ):
         trt_model.prepare_for_tensorrt(m)
 
@@ -907,3 +909,88 @@ def test_shapes_from_dims_applies_one_range_per_symbolic_dim():
         shapes_from_dims(m, {"T": (1, 4, 16), "B": (1, 1, 1)})
     with pytest.raises(ValueError, match=r"dims\['T'\]: expected 1 <= min <= opt <= max"):
         shapes_from_dims(m, {"T": (4, 2, 16)})
+
+
+# --- issue 21, leftovers from fuzzing: prepare refuses what the runtime refuses -----------
+
+
+def _gather_model():
+    return single_op_model(
+        "GatherSelectionKvCache", _gather_inputs(), **_attrs("GatherSelectionKvCache")
+    )
+
+
+def test_prepare_refuses_an_empty_required_input():
+    m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
+    m.graph.node[0].input[4] = ""
+    with pytest.raises(
+        ValueError, match=r"slot_mapping: expected a graph tensor \(required input 4\), got none"
+    ):
+        trt_model.prepare_for_tensorrt(m)
+
+
+def test_prepare_refuses_a_nine_input_gather():
+    m = _gather_model()
+    del m.graph.node[0].input[9]
+    with pytest.raises(
+        ValueError, match=r"full_q_actual_seq: expected a graph tensor \(required input 9\)"
+    ):
+        trt_model.prepare_for_tensorrt(m)
+
+
+def test_prepare_names_a_string_alias_io():
+    m = _gather_model()
+    node = m.graph.node[0]
+    kept = [a for a in node.attribute if a.name != "alias_io"]
+    del node.attribute[:]
+    node.attribute.extend(kept + [onnx.helper.make_attribute("alias_io", "x")])
+    with pytest.raises(TypeError, match=r"attribute 'alias_io': expected INT, got STRING b?'x'"):
+        trt_model.prepare_for_tensorrt(m)
+
+
+def test_prepare_refuses_a_gather_without_selection_kv_actual_seq_like_the_runtime():
+    from pytrt_kv import runtime
+
+    m = _gather_model()
+    del m.graph.node[0].output[3]
+    m.graph.output.remove(m.graph.output[3])
+    want = r"selection_kv_actual_seq: expected a graph tensor \(output 3\), got none"
+    with pytest.raises(ValueError, match=want):
+        runtime.make_evaluator(m)
+    with pytest.raises(ValueError, match=want):
+        trt_model.prepare_for_tensorrt(m)
+
+
+def test_prepare_refuses_contradicting_output_declarations_and_shared_caches():
+    m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
+    m.graph.output[1].type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+    with pytest.raises(
+        TypeError,
+        match=r"value_cache_out: expected float16\[4, 8, 2, 8\] \(the op's output, as "
+        r"value_cache\), got float32\[4, 8, 2, 8\] declared by graph output 'value_cache_out'",
+    ):
+        trt_model.prepare_for_tensorrt(m)
+    m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
+    m.graph.node[0].input[3] = "key_cache"
+    with pytest.raises(ValueError, match=r"value_cache: expected a graph tensor other than"):
+        trt_model.prepare_for_tensorrt(m)
+
+
+def test_zero_element_inputs_are_exempt_from_the_update_rules():
+    """An empty placeholder updates nothing: its *_out may stay unnamed, and one empty
+    tensor may stand for two inputs (issue 21: the shared model checks keep this)."""
+    from pytrt_kv import runtime
+
+    p = trt_model.prepare_for_tensorrt(single_op_model("ScatterPaKvCache", _scatter_inputs(False)))
+    del p.graph.node[0].output[1]  # value_cache_out of the [0] value_cache placeholder
+    assert len(trt_model.prepare_for_tensorrt(p).graph.node[0].output) == 2
+    runtime.make_evaluator(p)
+    m = single_op_model(
+        "GatherSelectionKvCache", _gather_inputs(rope=False), **_attrs("GatherSelectionKvCache")
+    )
+    node = m.graph.node[0]
+    node.input[5] = node.input[0]  # one empty k_rope tensor for both
+    m.graph.input.remove(next(i for i in m.graph.input if i.name == "full_k_rope"))
+    feeds = {k: v for k, v in _gather_inputs(rope=False).items() if k != "full_k_rope"}
+    runtime.run(m, feeds)
+    trt_model.prepare_for_tensorrt(m)

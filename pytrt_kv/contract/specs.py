@@ -182,17 +182,14 @@ def absent_placeholders(shapes) -> tuple[str, ...]:
     inputs (:data:`ABSENT_INPUT_SHAPE`) in ``shapes`` (input name -> shape or None).
 
     ``value``, ``value_cache``, ``compress_seq_offsets``, ``k_scale`` and ``v_scale``
-    qualify (a real scale is ``[]`` or ``[H >= 1]``); with ``B*H == 0`` a real
-    ``compress_seq_offsets [B*H]`` has the placeholder's shape and stays.
+    qualify (a real scale is ``[]`` or ``[H >= 1]``); with a static ``B`` or ``H`` of 0 a
+    real ``compress_seq_offsets [B*H]`` has the placeholder's shape and stays. Dims may be
+    symbolic (str or None), as in shape inference.
     """
     key = shapes.get("key")
-    no_runs = (
-        key is not None
-        and len(key) == 4
-        and key[0] is not None
-        and key[2] is not None
-        and key[0] * key[2] == 0
-    )
+    # B or H statically 0 (a symbolic dim is a name or None: it may be anything, so the
+    # zero-element tensor is read as the placeholder).
+    no_runs = key is not None and len(key) == 4 and any(key[a] == 0 for a in (0, 2))
     # A 3-D key has no compress tensors: with the scales, prepare_for_tensorrt fills
     # positions 5-7 with placeholders too.
     token_write = key is not None and len(key) == 3

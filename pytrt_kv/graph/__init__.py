@@ -2,6 +2,8 @@
 
 - :mod:`.check`: export-time validation of one node (attributes, shapes, dtypes through
   the contract's checks) and its output types;
+- :mod:`.nodes`: the checks of a whole model's nodes that the CPU runtime and
+  ``prepare_for_tensorrt`` share (docs/GRAPH_MODE.md, "Model checks");
 - :mod:`.schemas`: the ONNX schemas, registered with ``onnx.defs`` on import;
 - :mod:`.runtime`: the CPU runtime (``onnx.reference`` + the NumPy reference); public
   path :mod:`pytrt_kv.runtime`;

@@ -220,6 +220,8 @@ def _scatter(
     # and the cache dims after NB, so it is still detected when only T (key, value,
     # slot_mapping dim 0) and NB (cache dim 0) are dynamic.
     rank = None if key.shape is None else len(key.shape)
+    if rank == 3:
+        check_token_dims(given, where)
     if rank == 3 and not attrs["cache_layout"]:
         attrs["cache_layout"] = _layout_with_dynamic_tokens(given, attrs, where)
     if rank is not None and rank not in (3, 4):
@@ -232,6 +234,26 @@ def _scatter(
             f"(compressing write), got {attrs['cache_layout']!r}"
         )
     return attrs
+
+
+def check_token_dims(given: Mapping[str, TensorInfo], where: str) -> None:
+    """Refuse a 3-D scatter whose token count T (dim 0 of key, value and slot_mapping,
+    docs/SPEC.md S2) is a named dynamic dim in one tensor and static in another: such a
+    model runs only with T equal to the static size, which the layout detection on
+    stand-ins would otherwise hide until a feed reaches the reference. An unnamed
+    unknown dim (left by shape inference) agrees with anything."""
+    dims = {
+        n: given[n].shape[0]  # type: ignore[index]
+        for n in ("key", "value", "slot_mapping")
+        if n in given and given[n].shape
+    }
+    named = next(((n, d) for n, d in dims.items() if isinstance(d, str)), None)
+    fixed = next((n for n, d in dims.items() if isinstance(d, int)), None)
+    if named is not None and fixed is not None:
+        raise ValueError(
+            f"{where}{fixed}: expected dim 0 dynamic as {named[0]}'s {named[1]!r} (key, value "
+            f"and slot_mapping dim 0 are one token count T), got {given[fixed].describe()}"
+        )
 
 
 #: Dims of a 3-D scatter that never decide the layout: T and NB (docs/SPEC.md S2).

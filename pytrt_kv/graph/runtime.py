@@ -15,7 +15,8 @@ from onnx.reference.op_run import OpRun
 from ..contract import dtypes, specs
 from ..reference import gather_selection_kv_cache, scatter_pa_kv_cache
 from . import schemas
-from .check import check_attributes
+from .nodes import node_where as _node_where
+from .nodes import validate_model
 
 schemas.register()
 
@@ -46,84 +47,6 @@ def _absent_placeholders(x: dict[str, np.ndarray | None]) -> dict[str, np.ndarra
         assert v is not None  # absent_placeholders names only present tensors
         moved[name], x[name] = v, None
     return moved
-
-
-def _node_where(node: onnx.NodeProto) -> str:
-    return f"node {node.name or '<unnamed>'!r} ({node.op_type}): "
-
-
-def validate_node(node: onnx.NodeProto) -> dict[str, Any]:
-    """Check one ``pytrt_kv`` node against its schema, with the rules of the TensorRT
-    plugin creators; return its attributes with defaults filled in.
-
-    Checked: a known op type; every attribute known, given once, of its declared type
-    (INT or STRING) and allowed value (``plugin_namespace``/``plugin_version`` included
-    when present); no more inputs and outputs than the op has, every required input and
-    output named; a ScatterPaKvCache with a value cache also names ``value_cache_out``
-    (else that update would be lost).
-
-    Raises
-    ------
-    ValueError
-        Unknown op type or attribute, repeated attribute, bad value, wrong counts.
-    TypeError
-        An attribute of the wrong type (e.g. a float ``selection_topk_block_size``).
-    """
-    from onnx import helper
-
-    where = _node_where(node)
-    if node.op_type not in specs.OPS:
-        raise ValueError(
-            f"{where}op_type: expected one of {sorted(specs.OPS)} in domain "
-            f"{specs.DOMAIN!r}, got {node.op_type!r}"
-        )
-    op = specs.OPS[node.op_type]
-    attrs: dict[str, Any] = {}
-    for a in node.attribute:
-        if a.name in attrs:
-            raise ValueError(f"{where}attribute {a.name!r}: expected once, got it repeated")
-        spec = next((x for x in op.attributes if x.name == a.name), None)
-        want = (
-            onnx.AttributeProto.INT
-            if spec is not None and spec.type == "int"
-            else onnx.AttributeProto.STRING
-        )
-        if (spec is not None or a.name in specs.PLUGIN_NODE_ATTRIBUTES) and a.type != want:
-            raise TypeError(
-                f"{where}attribute {a.name!r}: expected "
-                f"{onnx.AttributeProto.AttributeType.Name(want)}, got "
-                f"{onnx.AttributeProto.AttributeType.Name(a.type)} "
-                f"{helper.get_attribute_value(a)!r}"
-            )
-        attrs[a.name] = helper.get_attribute_value(a)
-    attrs = check_attributes(op, attrs, where)
-
-    n_in, n_out = len(node.input), len(node.output)
-    if n_in > len(op.inputs):
-        raise ValueError(
-            f"{where}inputs: expected at most {len(op.inputs)} "
-            f"({', '.join(op.input_names)}), got {n_in}: {list(node.input)}"
-        )
-    for i, t in enumerate(op.inputs):
-        if not t.optional and (i >= n_in or not node.input[i]):
-            raise ValueError(
-                f"{where}{t.name}: expected a graph tensor (required input {i}), got none"
-            )
-    if n_out > len(op.outputs):
-        raise ValueError(
-            f"{where}outputs: expected at most {len(op.outputs)} "
-            f"({', '.join(op.output_names)}), got {n_out}: {list(node.output)}"
-        )
-    required = [t.name for t in op.outputs if not t.optional]
-    vc = op.input_index("value_cache") if op is specs.SCATTER_PA_KV_CACHE else -1
-    if vc >= 0 and vc < n_in and node.input[vc]:
-        required.append("value_cache_out")
-    for name in required:
-        i = op.output_index(name)
-        if i >= n_out or not node.output[i]:
-            what = ", the updated value_cache" if name == "value_cache_out" else ""
-            raise ValueError(f"{where}{name}: expected a graph tensor (output {i}{what}), got none")
-    return attrs
 
 
 def _named_error(node: onnx.NodeProto, op: specs.OpSpec, exc: Exception) -> Exception:
@@ -222,14 +145,6 @@ def _load(model_or_path: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto
     )
 
 
-def validate_model(model: onnx.ModelProto) -> None:
-    """:func:`validate_node` on every ``pytrt_kv`` node of the graph (ValueError or
-    TypeError naming the node)."""
-    for node in model.graph.node:
-        if node.domain == specs.DOMAIN:
-            validate_node(node)
-
-
 class _Evaluator(ReferenceEvaluator):
     """ReferenceEvaluator that remembers the declared types of the graph inputs."""
 
@@ -245,12 +160,14 @@ class _Evaluator(ReferenceEvaluator):
 def make_evaluator(model_or_path: onnx.ModelProto | str | os.PathLike) -> ReferenceEvaluator:
     """A ``ReferenceEvaluator`` that knows our ops (reuse it to run a model many times).
 
-    Every ``pytrt_kv`` node is validated first (:func:`validate_node`).
+    The model is validated first (:func:`validate_model`: domains, every ``pytrt_kv``
+    node, the declarations of the outputs they produce).
 
     Raises
     ------
     ValueError, TypeError
-        A node breaks its schema; the message names the node.
+        A node breaks its schema, or a graph output is declared with another dtype or
+        shape than the op gives it; the message names the node.
     FileNotFoundError
         ``model_or_path`` names no file.
     """

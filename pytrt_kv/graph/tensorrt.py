@@ -15,9 +15,12 @@ node into the plugin form:
 - attributes left at their defaults are written out (the parser warns about each
   missing one otherwise).
 
-It refuses, with a ValueError naming the node and the tensor, what TensorRT would fail
-on later with a generic message or what would silently lose data: more inputs or outputs
-than the op has, a cache update whose output is unnamed, cache dtypes TensorRT cannot
+It refuses, with a ValueError or TypeError naming the node and the tensor, what TensorRT
+would fail on later with a generic message or what would silently lose data: first what
+the CPU runtime refuses, with the same message (``pytrt_kv.graph.nodes.validate_model``:
+more inputs or outputs than the op has, an empty required input, a cache update whose
+output is unnamed, bad attributes, a graph output declared unlike the op's output), then
+cache dtypes TensorRT cannot
 carry as plugin I/O (uint8, float8_e5m2) and index tensors of mixed int32/int64
 (docs/TENSORRT.md, "What prepare_for_tensorrt refuses").
 """
@@ -110,8 +113,10 @@ def prepare_for_tensorrt(model):
 
     Raises
     ------
-    ValueError
-        A node's key has no known dtype/rank, or a 4-D key lacks ``compress_lens`` or
+    ValueError, TypeError
+        What :func:`pytrt_kv.runtime.validate_model` refuses (a node breaking its schema,
+        a graph output declared unlike the op's output), with the same message; a
+        node's key has no known dtype/rank, or a 4-D key lacks ``compress_lens`` or
         ``seq_lens``.
 
     Examples
@@ -126,6 +131,10 @@ def prepare_for_tensorrt(model):
     (5, 2)
     """
     onnx = _onnx()
+    from .nodes import validate_model  # noqa: PLC0415
+
+    # The checks the CPU runtime makes, so a model fails the same way in both.
+    validate_model(model)
     m = onnx.ModelProto()
     m.CopyFrom(model)
     types = _tensor_types(m)
@@ -151,29 +160,9 @@ def prepare_for_tensorrt(model):
             continue
         tag = node.name or f"{node.op_type}_{idx}"
         op = specs.OPS[node.op_type]
-        for what, given, names in (
-            ("inputs", node.input, [t.name for t in op.inputs]),
-            ("outputs", node.output, [t.name for t in op.outputs]),
-        ):
-            if len(given) > len(names):
-                raise ValueError(
-                    f"{tag}: {what}: expected at most {len(names)} ({', '.join(names)}), "
-                    f"got {len(given)}: {list(given)}"
-                )
         ins: list[str] = list(node.input) + [""] * (len(op.inputs) - len(node.input))
         outs: list[str] = list(node.output) + [""] * (len(op.outputs) - len(node.output))
         _check_node_dtypes(tag, op, ins, types)
-        for k, out in enumerate(outs):
-            src = op.aliased_input_index(k)
-            if out or src < 0 or not ins[src]:
-                continue
-            shape = types.get(ins[src], (0, None))[1]
-            if shape is not None and 0 in shape:
-                continue  # a zero-element input: nothing is updated
-            raise ValueError(
-                f"{tag}: {op.outputs[k].name}: expected a name for the updated "
-                f"{ins[src]!r} (an unnamed output would drop the cache update), got ''"
-            )
         present = {a.name for a in node.attribute}
         for a in op.attributes:
             if a.name not in present and a.default is not None:
@@ -190,14 +179,9 @@ def prepare_for_tensorrt(model):
             idx_name = ins[SCATTER.input_index("slot_mapping")]
             idx_type = types.get(idx_name, (onnx.TensorProto.INT32, None))[0]
             iv, ivc = SCATTER.input_index("value"), SCATTER.input_index("value_cache")
-            if not ins[iv] and not ins[ivc]:
+            if not ins[iv] and not ins[ivc]:  # validate_model refused one without the other
                 ins[iv] = empty_initializer(f"{tag}__absent_value", key_type)
                 ins[ivc] = empty_initializer(f"{tag}__absent_value_cache", key_type)
-            elif not ins[iv] or not ins[ivc]:
-                raise ValueError(
-                    f"{tag}: value, value_cache: expected both or neither, got "
-                    f"{ins[iv]!r} and {ins[ivc]!r}"
-                )
             if compress:
                 for name in ("compress_lens", "seq_lens"):
                     if not ins[SCATTER.input_index(name)]:

@@ -24,14 +24,13 @@ Example
 (3.0, 0.0)
 """
 
+from ..graph.nodes import validate_model, validate_node
 from ..graph.runtime import (
     GatherSelectionKvCacheOp,
     ScatterPaKvCacheOp,
     check_feeds,
     make_evaluator,
     run,
-    validate_model,
-    validate_node,
 )
 
 __all__ = [
