@@ -192,10 +192,13 @@ def _attend(g: _Graph, q: str, pages: list[str], bias: str, scale: str, kvh: int
     return g.op("MatMul", [g.op("Softmax", [scores], axis=-1), vv])
 
 
-def selection_width(retrieval: Any, max_pages: int) -> int:
+def selection_width(retrieval: Any, max_pages: int | None) -> int:
     """K, the selection width of the sparse decode graph: the most pages one step can
     select with block tables of ``max_pages`` columns (init + the largest top-k + the
     pages of the local window), at most ``max_pages``."""
+    if max_pages is None:
+        raise ValueError("max_pages: expected the static block-table width of the sparse "
+                         "decode graph (an int >= 1), got None")  # fmt: skip
     bs, init, local = retrieval.block_size, retrieval.init_tokens, retrieval.local_tokens
     nb = max(0, (max_pages * bs - local - init) // bs)
     n = init // bs + retrieval.num_selected(nb) + -(-(local + bs - 1) // bs)
@@ -417,7 +420,7 @@ def export_llama(
         inputs.append(helper.make_tensor_value_info("seq_lens", i32, ["B"]))
     else:
         inputs.append(helper.make_tensor_value_info("last_token", i64, ["B"]))
-    cache_shape = ["NB", block_size, kvh, d]
+    cache_shape: list[str | int] = ["NB", block_size, kvh, d]
     cache_type = TensorProto.FLOAT8E4M3FN if fp8 else f32
     outputs = []
     for i in range(s.layers):
@@ -430,14 +433,14 @@ def export_llama(
             for kind in ("k", "v"):
                 inputs.append(helper.make_tensor_value_info(f"{kind}_scale_{i}", f32, [kvh]))
     kd = kvh * d
-    reps_shape = ["NB", 2 * kd]
+    reps_shape: list[str | int] = ["NB", 2 * kd]
     if sparse:
         inputs += [
             helper.make_tensor_value_info(f"key_reps_{i}", f32, reps_shape) for i in range(s.layers)
         ]
     if sparse and decode:
         sel_k = selection_width(retrieval, max_pages)
-        sel_shape = ["SNB", block_size, kd]
+        sel_shape: list[str | int] = ["SNB", block_size, kd]
         inputs.append(helper.make_tensor_value_info("sel_block_tables", i32, ["B", sel_k]))
         for i in range(s.layers):
             inputs += [
@@ -508,10 +511,11 @@ def export_llama(
         if sparse and decode:
             sel_out, sel_len = _select_and_gather(g, plan, q, kc_out, vc_out, reps_out, i, kd,
                                                   kvh, group, d)  # fmt: skip
+            status_shape: list[str | int] = ["B", 1, sel_k + 1]
             outputs += [
                 helper.make_tensor_value_info(f"sel_{n}_{i}_out", t, sh)
                 for n, t, sh in (("value", f32, sel_shape), ("key", f32, sel_shape),
-                                 ("status", i32, ["B", 1, sel_k + 1]))
+                                 ("status", i32, status_shape))
             ]  # fmt: skip
             # Attention over the selection: row b's valid tokens are [0, sel_len[b]).
             sel_pages = [g.op("Gather", [c, "sel_block_tables"], axis=0) for c in sel_out]
@@ -831,7 +835,7 @@ def reference_decode_step(model: Any, feeds: dict[str, np.ndarray]) -> dict[str,
         logits.append(res.logits[0, -1].numpy())
         slot = int(feeds["slot_mapping"][b])
         for i in range(s.layers):
-            layer = cache.layers[i]  # updated in place with the token's key and value
+            layer: Any = cache.layers[i]  # updated in place with the token's key and value
             flat[f"key_cache_{i}_out"][slot] = layer.keys[0, :, -1].numpy()
             flat[f"value_cache_{i}_out"][slot] = layer.values[0, :, -1].numpy()
     return {"logits": np.stack(logits).astype(np.float32), **out}
