@@ -444,3 +444,52 @@ def test_load_engine_without_a_gpu_names_the_cause(monkeypatch, tmp_path):
     assert "cannot deserialize a TensorRT engine on this machine" in msg
     assert detail in msg and "(100 bytes) is not the problem" in msg
     assert "another TensorRT" not in msg
+
+
+# --- the ABI guard is quiet when the situation is handled (issue 17 item 4) ----------------
+
+
+def _cli_build_in_a_new_process(tmp_path, model):
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    cmd = [sys.executable, "-m", "pytrt_kv", "build", str(path), "--flavour", "rtx"]
+    return subprocess.run(
+        [*cmd, "--target", "sm89", "--quiet"], capture_output=True, text=True, timeout=300
+    )
+
+
+_NOTE = "plugin messages go to stderr, not to TensorRT's logger"
+
+
+def _headers_major() -> int:
+    text = _lib.build_info().get("tensorrt_version", "").split(".")[0]
+    return int(text) if text.isdigit() else 0
+
+
+def test_abi_guard_is_quiet_on_a_good_build(tmp_path):
+    """A plugin library built against TensorRT 10 headers under TensorRT-RTX (11 layout)
+    ignores RTX's logger finder and would print to stderr: handled, so a build in which the
+    plugins have nothing to say prints nothing about it (it used to warn on every build)."""
+    r = _cli_build_in_a_new_process(tmp_path, scatter_model("nd", "float16", "int32"))
+    assert r.returncode == 0, r.stderr
+    assert "[pytrt_kv]" not in r.stderr and "ILoggerFinder" not in r.stderr, r.stderr
+
+
+def test_abi_guard_says_why_once_when_a_message_goes_to_stderr(tmp_path):
+    """Where the layouts differ and a plugin message does go to stderr, one note says why
+    (and only then); with headers of the loaded layout there is none."""
+    make, _ = BROKEN["dtype-mismatch"]
+    r = _cli_build_in_a_new_process(tmp_path, make())
+    assert r.returncode == 1, r.stderr
+    if 0 < _headers_major() < 11:
+        # One line of its own (the failed build's error message repeats it, as it does
+        # every plugin line).
+        notes = [ln for ln in r.stderr.splitlines() if ln.startswith("[pytrt_kv] NOTE:")]
+        assert len(notes) == 1 and _NOTE in notes[0], r.stderr
+        assert "TensorRT 10 headers" in notes[0]
+        assert "[pytrt_kv] ERROR: pytrt_kv::" in r.stderr, r.stderr
+    else:
+        assert _NOTE not in r.stderr, r.stderr

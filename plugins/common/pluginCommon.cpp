@@ -23,6 +23,10 @@ namespace
 std::mutex gLoggerMutex;
 nvinfer1::ILoggerFinder* gLoggerFinder{nullptr};
 std::atomic<LoggerGetter> gFallbackGetter{nullptr};
+//! Set when TensorRT handed over a finder of the other interface layout (setLoggerFinder):
+//! a handled situation, so nothing is said until a message actually goes to stderr.
+std::atomic<bool> gForeignFinder{false};
+std::atomic<bool> gForeignNoteSaid{false};
 
 char const* severityName(nvinfer1::ILogger::Severity severity) noexcept
 {
@@ -99,13 +103,13 @@ bool abiMatchesHeaders(int32_t abi) noexcept
 void setLoggerFinder(nvinfer1::ILoggerFinder* finder) noexcept
 {
     // The finder's vtable lies in the TensorRT library that made it: with two TensorRT
-    // majors loaded in one process, that one decides, not whichever is loaded.
+    // majors loaded in one process, that one decides, not whichever is loaded. A finder of
+    // the other layout is not called (its messages go to stderr instead); that is handled,
+    // so it is not announced here (issue 17): log() says it once, with the first message
+    // that actually goes to stderr because of it.
     if (finder != nullptr && !abiMatchesHeaders(tensorRtAbiOf(*reinterpret_cast<void* const*>(finder))))
     {
-        std::fprintf(stderr,
-            "[pytrt_kv] WARNING: built against TensorRT %d headers, loaded by a TensorRT with the other "
-            "ILoggerFinder layout: plugin messages go to stderr instead of TensorRT's logger\n",
-            static_cast<int>(NV_TENSORRT_MAJOR));
+        gForeignFinder.store(true);
         return;
     }
     std::lock_guard<std::mutex> lock(gLoggerMutex);
@@ -157,6 +161,15 @@ void log(nvinfer1::ILogger::Severity severity, char const* where, std::string co
         }
         else
         {
+            if (gForeignFinder.load() && !gForeignNoteSaid.exchange(true))
+            {
+                std::fprintf(stderr,
+                    "[pytrt_kv] NOTE: plugin messages go to stderr, not to TensorRT's logger: this "
+                    "library was built against TensorRT %d headers and the loaded TensorRT has "
+                    "the other ILoggerFinder layout (docs/TENSORRT.md, \"Header version vs "
+                    "TensorRT ABI\")\n",
+                    static_cast<int>(NV_TENSORRT_MAJOR));
+            }
             std::fprintf(stderr, "[pytrt_kv] %s: %s\n", severityName(severity), text.c_str());
         }
     }
