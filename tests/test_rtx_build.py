@@ -446,6 +446,53 @@ def test_load_engine_without_a_gpu_names_the_cause(monkeypatch, tmp_path):
     assert "another TensorRT" not in msg
 
 
+# --- the plugin library inside the plan (--serialize-plugins, issue 17 item 4) -------------
+
+
+def test_serialize_plugins_puts_the_library_into_the_plan(tmp_path):
+    """With TensorRT-RTX, serialize_plugins=True stores libpytrt_kv_plugins.so in the plan
+    (IBuilderConfig::setPluginsToSerialize): the library's bytes are in it, and only then."""
+    lib = _lib.find(_lib.PLUGINS_LIB)
+    assert lib is not None
+    blob = lib.read_bytes()
+    model = scatter_model("nd", "float16", "int32")
+    plain = _build(model, tmp_path, "a.onnx", targets=["sm89"])
+    inside = _build(model, tmp_path, "b.onnx", targets=["sm89"], serialize_plugins=True)
+    assert blob not in plain
+    assert blob in inside
+    assert len(inside) - len(plain) >= len(blob)
+
+
+def test_serialize_plugins_option_of_the_build_command(tmp_path, capsys):
+    from pytrt_kv.cli import main
+
+    path = tmp_path / "m.onnx"
+    onnx.save(scatter_model("nd", "float16", "int32"), path)
+    cmd = ["build", str(path), "--flavour", "rtx", "--target", "sm89", "--quiet"]
+    assert main([*cmd, "--serialize-plugins", "-o", str(tmp_path / "in.plan")]) == 0
+    out = capsys.readouterr().out
+    assert "in.plan carries the plugin library" in out and "host_code_allowed=True" in out
+    assert _lib.find(_lib.PLUGINS_LIB).read_bytes() in (tmp_path / "in.plan").read_bytes()
+
+
+def test_without_plan_serialization_the_loading_instructions_name_the_plan():
+    """Full TensorRT (no version-compatible plans here) cannot carry the library: the
+    build command prints these instructions with the plan path instead."""
+    import types
+
+    from pytrt_kv.trt import can_serialize_plugins, plugin_loading_instructions
+
+    full = types.SimpleNamespace(__name__="tensorrt", IBuilderConfig=type("C", (), {}))
+    assert not can_serialize_plugins(full)
+    import tensorrt_rtx
+
+    assert can_serialize_plugins(tensorrt_rtx)
+    text = plugin_loading_instructions("out/m.plan")
+    lib = str(_lib.find(_lib.PLUGINS_LIB))
+    assert f"--loadEngine=out/m.plan --dynamicPlugins={lib}" in text
+    assert "pytrt_kv.trt.load_engine('out/m.plan')" in text and "load_plugins" in text
+
+
 # --- the ABI guard is quiet when the situation is handled (issue 17 item 4) ----------------
 
 

@@ -92,12 +92,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timing-cache", default=None, help="timing cache file (full TensorRT only)"
     )
+    parser.add_argument(
+        "--serialize-plugins",
+        action="store_true",
+        help="put the plugin library into the plan (TensorRT-RTX: the engine then loads "
+        "without pytrt_kv, by a runtime that allows host code); where the TensorRT "
+        "flavour cannot, print how to load the library instead",
+    )
     parser.add_argument("--verbose", action="store_true", help="TensorRT verbose log")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..trt import build_plan
+    from ..trt import build_plan, can_serialize_plugins, plugin_loading_instructions
     from ..trt._tensorrt import flavour_of, import_tensorrt
 
     dims = parse_dims(args.dim)
@@ -125,6 +132,19 @@ def run(args: argparse.Namespace) -> int:
         targets=args.target,
         flavour=flavour_of(trt),
         progress=not args.quiet,
+        serialize_plugins=args.serialize_plugins,
     )
     print(f"wrote {out} ({len(plan)} bytes) in {time.perf_counter() - t0:.2f} s")
+    if args.serialize_plugins:
+        if can_serialize_plugins(trt):
+            print(
+                f"{out} carries the plugin library: deserialize it with host code allowed "
+                "(TensorRT-RTX runtime.engine_host_code_allowed = True, or "
+                f"pytrt_kv.trt.load_engine({str(out)!r}, host_code_allowed=True))"
+            )
+        else:
+            print(
+                f"{label} cannot put the plugin library into the plan (docs/TENSORRT.md, "
+                f'"Plugins inside the plan"): {plugin_loading_instructions(out)}'
+            )
     return 0

@@ -30,6 +30,8 @@ __all__ = [
     "run_model_steps",
     "load_plugins",
     "build_plan",
+    "can_serialize_plugins",
+    "plugin_loading_instructions",
     "shapes_from_dims",
     "build_engine",
     "load_engine",
@@ -50,6 +52,8 @@ __all__ = [
 _LAZY = {
     "load_plugins": ".plugins",
     "build_plan": ".build",
+    "can_serialize_plugins": ".build",
+    "plugin_loading_instructions": ".build",
     "shapes_from_dims": ".build",
     "build_engine": ".build",
     "load_engine": ".build",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import _lib
 from ..contract import specs
 from ..contract.errors import value_error
 from ..graph.tensorrt import alias_pairs, needs_aliased_io, prepare_for_tensorrt
@@ -209,6 +210,30 @@ def _progress_monitor(trt):
     return _Progress()
 
 
+def can_serialize_plugins(trt) -> bool:
+    """True when ``build_plan(..., serialize_plugins=True)`` puts the plugin library into
+    the plan with this TensorRT module: TensorRT-RTX (``plugins_to_serialize``, loaded back
+    by a runtime with ``engine_host_code_allowed``). Full TensorRT embeds libraries only in
+    version-compatible plans, which pytrt_kv does not build (docs/TENSORRT.md)."""
+    return flavour_of(trt) == "rtx" and hasattr(trt.IBuilderConfig, "plugins_to_serialize")
+
+
+def plugin_loading_instructions(plan_path) -> str:
+    """How to load the plugin library before deserializing ``plan_path`` (a plan built
+    without the library inside it)."""
+    try:
+        lib: str = str(_lib.require(_lib.PLUGINS_LIB))
+    except FileNotFoundError:
+        lib = _lib.PLUGINS_LIB
+    return (
+        f"{plan_path} needs the pytrt_kv plugins loaded before it is deserialized: "
+        f"{lib}. From Python: pytrt_kv.trt.load_engine({str(plan_path)!r}) (it calls "
+        f"pytrt_kv.trt.load_plugins first); with trtexec: trtexec --loadEngine={plan_path} "
+        f"--dynamicPlugins={lib}; elsewhere: IPluginRegistry::loadLibrary({lib!r}) "
+        f"(PYTRT_KV_LIB_DIR names another folder for pytrt_kv to find it in)"
+    )
+
+
 def build_plan(
     onnx_path,
     *,
@@ -223,6 +248,7 @@ def build_plan(
     flavour: str | None = None,
     progress: bool = False,
     dims: Mapping[str, Any] | None = None,
+    serialize_plugins: bool = False,
 ) -> bytes:
     """Parse an ONNX model with pytrt_kv nodes and build a serialized TensorRT engine.
 
@@ -261,6 +287,12 @@ def build_plan(
         Which TensorRT builds (see :func:`pytrt_kv.trt.import_tensorrt`).
     progress : bool
         Print each build phase and its duration to stderr.
+    serialize_plugins : bool
+        Put the plugin library into the plan (``IBuilderConfig::setPluginsToSerialize``)
+        where the TensorRT flavour supports it (:func:`can_serialize_plugins`: TensorRT-RTX),
+        so the engine loads without the library installed (its runtime must allow host
+        code: ``load_engine(..., host_code_allowed=True)``). Elsewhere the plan is built
+        without it; :func:`plugin_loading_instructions` says how to load the library.
 
     Returns
     -------
@@ -295,6 +327,7 @@ def build_plan(
         verbose=verbose,
         targets=targets,
         progress=progress,
+        serialize_plugins=bool(serialize_plugins),
     )
     if flavour_of(trt) == "rtx":
         if timing_cache is not None:
@@ -393,9 +426,10 @@ def _build_here(
     verbose,
     targets,
     progress,
+    serialize_plugins,
 ) -> bytes:
     model = prepare_for_tensorrt(_load_onnx(onnx_path))
-    load_plugins(flavour=flavour_of(trt))
+    plugin_lib = load_plugins(flavour=flavour_of(trt))
     logger = _logger(trt, verbose)
     mark = len(getattr(logger, "errors", []))
     want_alias = needs_aliased_io(model) if aliased_plugin_io is None else bool(aliased_plugin_io)
@@ -422,6 +456,8 @@ def _build_here(
     if detailed_profile:
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
     _set_targets(trt, config, targets)
+    if serialize_plugins and can_serialize_plugins(trt):
+        config.plugins_to_serialize = [str(plugin_lib)]
     monitor = _progress_monitor(trt) if progress else None
     if monitor is not None:
         config.progress_monitor = monitor
@@ -470,6 +506,7 @@ def build_engine(
     verbose: bool = False,
     targets: Sequence[Any] | None = None,
     flavour: str | None = None,
+    serialize_plugins: bool = False,
 ) -> Engine:
     """Build an engine with :func:`build_plan` and deserialize it (:func:`load_engine`)
     for this machine's GPU.
@@ -512,9 +549,16 @@ def build_engine(
         verbose=verbose,
         targets=targets,
         flavour=flavour,
+        serialize_plugins=serialize_plugins,
     )
     model = prepare_for_tensorrt(_load_onnx(onnx_path))
-    return load_engine(plan, aliases=alias_pairs(model), verbose=verbose, flavour=flavour)
+    return load_engine(
+        plan,
+        aliases=alias_pairs(model),
+        verbose=verbose,
+        flavour=flavour,
+        host_code_allowed=serialize_plugins,
+    )
 
 
 def load_engine(
@@ -523,8 +567,13 @@ def load_engine(
     aliases: Mapping[str, str] | None = None,
     verbose: bool = False,
     flavour: str | None = None,
+    host_code_allowed: bool = False,
 ) -> Engine:
     """Deserialize ``plan`` (bytes or an engine file path) after loading the plugins.
+
+    ``host_code_allowed`` (TensorRT-RTX) lets the runtime run host code that the plan
+    carries: needed for a plan built with ``serialize_plugins=True``; only for plans you
+    trust.
 
     ``aliases`` (graph output -> graph input) should come from the model
     (:func:`pytrt_kv.graph.tensorrt.alias_pairs`); without it, only the pairs TensorRT reports
@@ -547,6 +596,8 @@ def load_engine(
             "--loadEngine with the plugin library)"
         )
     runtime = trt.Runtime(_logger(trt, verbose))
+    if host_code_allowed and hasattr(runtime, "engine_host_code_allowed"):
+        runtime.engine_host_code_allowed = True
     engine = runtime.deserialize_cuda_engine(plan)
     if engine is None:
         raise RuntimeError(
