@@ -46,26 +46,8 @@ if [ "${PYTRT_KV_TEST_RTX:-1}" != 0 ]; then
 fi
 
 if [ -z "${TensorRT_INCLUDE_DIR:-}${TensorRT_ROOT:-}" ] && [ "${PYTRT_KV_TEST_TRT_HEADERS:-1}" != 0 ]; then
-  echo "== fetching TensorRT headers (kernel-lens 2.0.1 wheel from PyPI, unpacked into $venv)"
-  hdr="$PWD/$venv/trt-headers"
-  "$venv/bin/python" -m pip download --disable-pip-version-check -q --no-deps --only-binary=:all: \
-    "kernel-lens==2.0.1" -d "$hdr/wheel"
-  "$venv/bin/python" - "$hdr" <<'PY'
-import pathlib, sys, zipfile
-root = pathlib.Path(sys.argv[1])
-wheel = next((root / "wheel").glob("kernel_lens-*.whl"))
-prefix = "kernel_lens/include/tensorrt/"
-out = root / "include"
-out.mkdir(parents=True, exist_ok=True)
-with zipfile.ZipFile(wheel) as z:
-    names = [n for n in z.namelist() if n.startswith(prefix) and n.endswith(".h")]
-    for n in names:
-        (out / n[len(prefix):]).write_bytes(z.read(n))
-if not (out / "NvInferRuntime.h").is_file():
-    sys.exit(f"{wheel.name} has no NvInferRuntime.h under {prefix}")
-print(f"   {len(names)} headers in {out}")
-PY
-  export TensorRT_INCLUDE_DIR="$hdr/include"
+  TensorRT_INCLUDE_DIR=$(bash scripts/trt_headers.sh "$venv/bin/python" "$PWD/$venv/trt-headers")
+  export TensorRT_INCLUDE_DIR
 fi
 
 # The emulated device (docs/EMULATION.md) is built on every machine, nvcc or not: the GPU
