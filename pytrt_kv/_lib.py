@@ -143,7 +143,10 @@ def require(filename: str) -> Path:
             f"tree, and no installed {DIST_NAME} with libraries was found."
         )
     raise FileNotFoundError(
-        f"{filename} not found; searched {searched}.{why} Reinstall with nvcc on PATH "
-        f"(and -DTensorRT_INCLUDE_DIR for the plugins), or point {LIB_DIR_ENV} at a "
+        f"{filename} not found; searched {searched}.{why} Install the binary wheel "
+        f"that scripts/build_wheel.sh makes (kernels and plugins, no nvcc or headers "
+        f"needed), or reinstall from source with nvcc on PATH (and, for the plugins, "
+        f"--config-settings=cmake.define.TensorRT_INCLUDE_DIR=/path/to/TensorRT/include; "
+        f'docs/TENSORRT.md, "Installing the plugins"), or point {LIB_DIR_ENV} at a '
         f"folder holding the library."
     )

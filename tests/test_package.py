@@ -164,6 +164,10 @@ def test_missing_library_error_lists_searched_paths(tmp_path, monkeypatch):
     msg = str(exc.value)
     assert str(tmp_path / "libpytrt_kv_does_not_exist.so") in msg
     assert _lib.LIB_DIR_ENV in msg
+    # What works from this repository (issue 17): the binary wheel, or headers by pip's
+    # long option (Debian 12's pip has no -C).
+    assert "scripts/build_wheel.sh" in msg
+    assert "--config-settings=cmake.define.TensorRT_INCLUDE_DIR=" in msg
 
 
 def test_env_override_is_searched_first(tmp_path, monkeypatch):
