@@ -67,6 +67,12 @@ install(TARGETS pytrt_kv_plugins pytrt_kv_plugins_autoreg
   LIBRARY DESTINATION "${PYTRT_KV_INSTALL_LIBDIR}")
 
 # Not installed: a developer/CI tool (scripts/gpu_check.sh, tests/test_plugins_*.py).
+# scripts/build_wheel.sh turns it off (-DPYTRT_KV_BUILD_HARNESS=OFF): a third of the
+# compile steps for nothing the wheel carries.
+option(PYTRT_KV_BUILD_HARNESS "Build pytrt_kv_plugin_harness (not installed)" ON)
+if(NOT PYTRT_KV_BUILD_HARNESS)
+  return()
+endif()
 add_executable(pytrt_kv_plugin_harness
   harness/pluginHarness.cpp
   harness/mockTrt.cpp

@@ -75,7 +75,8 @@ rm -rf "$raw"
 # -v: CMake's "pytrt_kv: CUDA ..., architectures ..." line and ninja's [n/m] steps.
 "${pip[@]}" wheel -v --no-deps -w "$raw" "${defs[@]}" \
   "--config-settings=build-dir=$work/cmake-build" \
-  "--config-settings=cmake.define.PYTRT_KV_EMU=OFF" "$root" \
+  "--config-settings=cmake.define.PYTRT_KV_EMU=OFF" \
+  "--config-settings=cmake.define.PYTRT_KV_BUILD_HARNESS=OFF" "$root" \
   | grep -E "pytrt_kv:|^\[[0-9]+/[0-9]+\]|Created wheel|error|Error" || true
 whl=$(ls "$raw"/pytrt_kv-*.whl 2>/dev/null | head -1)
 if [ -z "$whl" ]; then
