@@ -18,6 +18,7 @@ from pytrt_kv.datadist import (
     CacheDesc,
     CacheIndex,
     KvCacheExtParam,
+    LinkResult,
     LlmDataDist,
     LLMException,
     LLMParamInvalid,
@@ -82,7 +83,9 @@ def nodes(backend):
 
 def _linked(nodes):
     p, d = nodes
-    assert p.link_clusters([d.listen_address], timeout_s=5) == [2]
+    assert p.link_clusters([d.listen_address], timeout_s=5) == [
+        LinkResult(LLMStatus.SUCCESS, 2, "")
+    ]
     assert d.linked_clusters() == [1]
     return p, d
 
@@ -106,7 +109,7 @@ def test_push_equals_reference_on_random_caches(nodes, dtype):
         f = int(rng.integers(0, s_layers - n_layers + 1))
         g = int(rng.integers(0, d_layers - n_layers + 1))
         ext = KvCacheExtParam((f, f + n_layers - 1), (g, g + n_layers - 1), tnpl)
-        n = int(rng.integers(0, dst.cache_desc.num_blocks + 1))
+        n = int(rng.integers(1, dst.cache_desc.num_blocks + 1))  # empty lists are refused
         db = rng.permutation(dst.cache_desc.num_blocks)[:n]
         if trial % 2:  # runs consecutive on both sides (merged into larger copies)
             db = np.arange(n) + int(rng.integers(0, dst.cache_desc.num_blocks - n + 1))
@@ -194,7 +197,9 @@ def test_register_host_array_as_device_refused(nodes):
 # --- refused calls move nothing ------------------------------------------------------------
 
 REFUSALS = [
-    (dict(ext_param=KvCacheExtParam(tensor_num_per_layer=3)), "tensor_num_per_layer"),
+    (dict(ext_param=KvCacheExtParam((0, 0), (0, 0), 3)), "tensor_num_per_layer"),
+    (dict(ext_param=KvCacheExtParam(tensor_num_per_layer=0)), "tensor_num_per_layer"),
+    (dict(src_blocks=[], dst_blocks=[]), "src_blocks"),
     (dict(ext_param=KvCacheExtParam((0, 2), (0, 2))), "src_layer_range"),
     (dict(ext_param=KvCacheExtParam((0, 0), (0, 1))), "as many layers"),
     (dict(src_blocks=[0, 1], dst_blocks=[0]), "dst_blocks"),
@@ -411,16 +416,32 @@ def test_timeout_releases_the_handle_local(monkeypatch):
 # The NIXL timeout needs a peer that stops answering: tests/test_datadist_processes.py.
 
 
-def test_empty_lists_deliver_the_tag(nodes):
+def test_empty_lists_refused(nodes):
+    """Issue 19 item 8: as in CANN, a push or pull without blocks is PARAM_INVALID; no
+    tag reaches the other side."""
     p, d, src, dst = _pair(nodes)
     _linked(nodes)
-    tag = p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [], [], tag="nothing")
-    assert tag == "nothing"
-    d.wait_received("nothing", timeout_s=5)
-    assert not d.received("nothing"), "a tag is reported once"
+    with pytest.raises(LLMParamInvalid, match="src_blocks"):
+        p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [], [], tag="nothing")
+    with pytest.raises(LLMParamInvalid, match="src_blocks"):
+        d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [], [], tag="nothing")
+    assert not d.received("nothing") and not p.received("nothing")
     assert all((t == SENTINEL).all() for t in dst.tensors)
-    tag = d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [], [])
-    p.wait_received(tag, timeout_s=5)
+
+
+def test_one_tensor_cache_with_default_ext_param(nodes):
+    """Issue 19 item 8: default layer ranges move the whole cache, so a 1-tensor cache
+    needs no KvCacheExtParam (docs/DATADIST.md "What CANN allows")."""
+    p, d = _linked(nodes)
+    src = p.allocate_cache(CacheDesc(1, (6, 8), "int32"))
+    dst = d.allocate_cache(CacheDesc(1, (6, 8), "int32"))
+    _fill(src, np.random.default_rng(3))
+    _sentinel(dst)
+    d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [5, 0], [1, 4]), 5)
+    ref = push_kv_blocks_reference(
+        _snapshot(src), [np.full((6, 8), SENTINEL, np.int32)], [5, 0], [1, 4]
+    )
+    assert _same(dst.tensors, ref)
 
 
 def test_async_handle_and_default_tags(nodes):
@@ -441,7 +462,10 @@ def test_async_handle_and_default_tags(nodes):
     assert info.value.status is LLMStatus.TIMEOUT
 
 
-def test_link_refusals(backend):
+def test_link_results_per_cluster(backend):
+    """Issue 19 item 8: link_clusters returns one LinkResult per cluster, in order (CANN's
+    rets), and links the others when one fails: a refused port (FAILED at once, not waited
+    out) and a node with this node's own cluster id (FAILED) beside a good peer."""
     import socket
 
     s = socket.socket()
@@ -450,21 +474,30 @@ def test_link_refusals(backend):
     s.close()  # nothing listens there now
     a = LlmDataDist(1, "prompt", backend=backend)
     a.initialize()
+    b = LlmDataDist(1, "decoder", backend=backend)  # the same cluster id
+    b.initialize()
+    c = LlmDataDist(3, "decoder", backend=backend)
+    c.initialize()
     try:
-        # Refused at once, not waited out: the cause is the refusal, not a timeout.
-        with pytest.raises(LLMException, match="Connection refused") as info:
-            a.link_clusters([("127.0.0.1", port)], timeout_s=1)
-        assert info.value.status is LLMStatus.FAILED
-        b = LlmDataDist(1, "decoder", backend=backend)  # the same cluster id
-        b.initialize()
-        try:
-            assert _status(lambda: a.link_clusters([b.listen_address])) is LLMStatus.FAILED
-        finally:
-            b.finalize()
-        with pytest.raises(TypeError, match="clusters"):
-            a.link_clusters([12])
+        results = a.link_clusters(
+            [("127.0.0.1", port), b.listen_address, "{}:{}".format(*c.listen_address)], timeout_s=1
+        )
+        assert [r.status for r in results] == [
+            LLMStatus.FAILED,
+            LLMStatus.FAILED,
+            LLMStatus.SUCCESS,
+        ], results
+        assert "Connection refused" in results[0].message
+        assert "own cluster_id" in results[1].message
+        assert [r.cluster_id for r in results] == [None, None, 3]
+        assert [r.ok for r in results] == [False, False, True]
+        assert a.linked_clusters() == [3] and c.linked_clusters() == [1]
+        # Bad arguments are refused before anything is linked.
+        with pytest.raises(TypeError, match=r"clusters\[1\]"):
+            a.link_clusters([c.listen_address, 12])
     finally:
-        a.finalize()
+        for n in (a, b, c):
+            n.finalize()
 
 
 def test_argument_refusals():

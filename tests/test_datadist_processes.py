@@ -23,8 +23,10 @@ from pytrt_kv.datadist import (
     CacheDesc,
     CacheIndex,
     KvCacheExtParam,
+    LinkResult,
     LlmDataDist,
     LLMException,
+    LLMParamInvalid,
     LLMStatus,
     nixl_unavailable_reason,
     push_kv_blocks_reference,
@@ -125,7 +127,9 @@ def test_push_pull_verify_then_kill_the_destination(spawn):
         rng = np.random.default_rng(11)
         for t in src.tensors:
             t[...] = rng.standard_normal(t.shape)
-        assert p.link_clusters([tuple(dst_node.hello["addr"])], timeout_s=5) == [2]
+        assert p.link_clusters([tuple(dst_node.hello["addr"])], timeout_s=5) == [
+            LinkResult(LLMStatus.SUCCESS, 2, "")
+        ]
         index = CacheIndex(2, dst_node.hello["cache"])
         dst0 = [np.full(desc.shape, SENTINEL, desc.dtype) for _ in range(4)]
 
@@ -193,6 +197,45 @@ def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
         assert p._transport.unreleased == [], "NIXL could not cancel the transfer"
     finally:
         os.kill(dst_node.proc.pid, signal.SIGCONT)
+        p.finalize()
+
+
+def test_link_results_one_tensor_cache_and_empty_lists(spawn):
+    """Issue 19 item 8 over two processes: one LinkResult per cluster (a refused address
+    beside a live node: the live one is linked), a 1-tensor cache pushed with the default
+    KvCacheExtParam, and empty block lists refused with PARAM_INVALID (no tag arrives)."""
+    import socket
+
+    desc = CacheDesc(1, (8, 64), "float16")
+    dst_node = spawn("--cluster-id", "2", "--role", "decoder", "--cache", "1,8x64,float16")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = s.getsockname()
+    s.close()  # nothing listens there now
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    p.initialize("127.0.0.1", 0)
+    try:
+        results = p.link_clusters([dead, tuple(dst_node.hello["addr"])], timeout_s=5)
+        assert [(r.status, r.cluster_id) for r in results] == [
+            (LLMStatus.FAILED, None),
+            (LLMStatus.SUCCESS, 2),
+        ], results
+        src = p.allocate_cache(desc)
+        src.tensors[0][...] = np.arange(8 * 64).reshape(8, 64)
+        index = CacheIndex(2, dst_node.hello["cache"])
+        with pytest.raises(LLMParamInvalid, match="src_blocks"):
+            p.push_kv_blocks(src, index, [], [], tag="empty")
+        got = _tensors(
+            dst_node.ask(cmd="read", tag=p.push_kv_blocks(src, index, [7, 1], [0, 6]))["data"], desc
+        )
+        dst0 = [np.full(desc.shape, SENTINEL, desc.dtype)]
+        expected = push_kv_blocks_reference([src.tensors[0].copy()], dst0, [7, 1], [0, 6])
+        assert (got[0] == expected[0]).all()
+        r = dst_node.proc.stdin
+        r.write(json.dumps({"cmd": "read", "tag": "empty", "timeout_s": 0.2}) + "\n")
+        r.flush()
+        assert dst_node.reply()["status"] == "TIMEOUT"  # the refused push sent no tag
+    finally:
         p.finalize()
 
 

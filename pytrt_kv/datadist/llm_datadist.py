@@ -38,6 +38,7 @@ from .types import (
     CacheDesc,
     CacheIndex,
     KvCacheExtParam,
+    LinkResult,
     LLMException,
     LLMRole,
     LLMStatus,
@@ -192,7 +193,7 @@ class LlmDataDist:
     >>> src = p.allocate_cache(CacheDesc(2, (8, 16), "float16"))
     >>> dst = d.allocate_cache(CacheDesc(2, (8, 16), "float16"))
     >>> src.tensors[0][:] = 1.5
-    >>> p.link_clusters([d.listen_address])
+    >>> [r.cluster_id for r in p.link_clusters([d.listen_address]) if r.ok]
     [2]
     >>> tag = p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0, 1], [5, 6])
     >>> d.received(tag), float(dst.tensors[0][6, 0])
@@ -437,33 +438,48 @@ class LlmDataDist:
                 self._require().forget_remote(peer.agent, old)
         peer.caches = caches
 
-    def link_clusters(self, clusters: Iterable[Any], timeout_s: float | None = None) -> list[int]:
+    def link_clusters(
+        self, clusters: Iterable[Any], timeout_s: float | None = None
+    ) -> list[LinkResult]:
         """Link to peers listening at ``clusters`` (``(ip, port)`` pairs or ``"ip:port"``).
 
-        Both sides learn each other's caches and transport metadata. Returns the peers'
-        cluster ids.
+        Both sides learn each other's caches and transport metadata. Each cluster is
+        linked on its own: one that fails does not stop the others.
+
+        Returns
+        -------
+        list of LinkResult
+            One per cluster, in order (CANN's ``rets``): SUCCESS with the peer's cluster
+            id, or FAILED with the reason (unreachable within ``timeout_s``, default
+            ``control_timeout_s``; refused; the same cluster id; another backend).
 
         Raises
         ------
-        LLMException
-            FAILED when a peer cannot be reached within ``timeout_s`` (default
-            ``control_timeout_s``) or refuses the link.
+        TypeError
+            A cluster that is not an address (checked before anything is linked).
         """
         self._require()
         timeout = float(self.options["control_timeout_s"] if timeout_s is None else timeout_s)
-        linked = []
-        for i, c in enumerate(list(clusters)):
-            addr = _parse_address(f"clusters[{i}]", c)
+        addrs = [_parse_address(f"clusters[{i}]", c) for i, c in enumerate(list(clusters))]
+        results = []
+        for addr in addrs:
             try:
                 reply = control.request(addr, {"op": "hello", "md": self._metadata()}, timeout)
+                if "error" in reply:
+                    raise LLMException(
+                        LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]} refused: {reply['error']}"
+                    )
+                peer = self._apply_metadata(reply["md"])
             except OSError as exc:
-                raise LLMException(LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]}: {exc}") from exc
-            if "error" in reply:
-                raise LLMException(
-                    LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]} refused: {reply['error']}"
+                results.append(
+                    LinkResult(LLMStatus.FAILED, None, f"link to {addr[0]}:{addr[1]}: {exc}")
                 )
-            linked.append(self._apply_metadata(reply["md"]).cluster_id)
-        return linked
+                continue
+            except LLMException as exc:
+                results.append(LinkResult(exc.status, None, exc.message))
+                continue
+            results.append(LinkResult(LLMStatus.SUCCESS, peer.cluster_id))
+        return results
 
     def unlink_clusters(self, cluster_ids: Iterable[int], timeout_s: float | None = None) -> None:
         """End links on both sides (the peer is told, bounded by ``timeout_s``).
