@@ -664,3 +664,86 @@ def test_nixl_unavailable_reason_is_one_clean_line(monkeypatch):
     assert not reason.startswith(LLMStatus.FAILED.name), reason
     assert "libnixl.so: cannot open shared object file (second line)" in reason
     assert "nixl==1.5.1" in reason
+
+
+def _deaf_to_drops(node, for_s):
+    """Fault injection (test only): ``node``'s control server loses every deallocate
+    notice: it answers after the sender gave up and applies nothing. Set before
+    ``initialize``, which hands ``_handle`` to the server."""
+    real = node._handle
+
+    def handle(msg):
+        if msg.get("op") == "drop":
+            time.sleep(for_s)
+            return {}
+        return real(msg)
+
+    node._handle = handle
+
+
+def test_unheard_deallocate_quarantines_the_memory(backend):
+    """Issue 19 item 1 in one process: the decoder cannot tell the prompt node that a cache
+    is gone, so it keeps the memory registered and refuses to register it again until the
+    prompt node acknowledged (the notice also travels with the transfers): the prompt
+    node's next push to it is KV_CACHE_NOT_EXIST, and then the memory is free again."""
+    p = LlmDataDist(1, "prompt", backend=backend)
+    d = LlmDataDist(2, "decoder", backend=backend, options={"control_timeout_s": 0.3})
+    _deaf_to_drops(p, 0.6)
+    p.initialize()
+    d.initialize()
+    try:
+        desc = CacheDesc(2, (4, 16), "int32")
+        src = p.allocate_cache(desc)
+        _fill(src, np.random.default_rng(2))
+        arrays = [np.full(desc.shape, SENTINEL, np.int32) for _ in range(2)]
+        dst = d.register_cache(desc, arrays)
+        p.link_clusters([d.listen_address])
+        d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0]), 5)
+        d.deallocate_cache(dst)  # the notice is lost
+        assert d.quarantined_caches() == [dst.cache_id]
+        with pytest.raises(ValueError, match=r"tensors\[0\].*not yet acknowledged by cluster"):
+            d.register_cache(desc, arrays)
+        # Over NIXL the notice may still be on its way: then the push goes into the
+        # quarantined memory, which nothing else uses.
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [1], [1])
+            except LLMException as exc:
+                assert exc.status is LLMStatus.KV_CACHE_NOT_EXIST, exc
+                break
+            assert backend == "nixl" and time.monotonic() < deadline
+            time.sleep(0.01)
+        for a in arrays:
+            a[...] = SENTINEL
+        deadline = time.monotonic() + 5
+        while d.quarantined_caches() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the acknowledgement travels back with the data path
+        assert d.quarantined_caches() == []
+        again = d.register_cache(desc, arrays)
+        d.wait_received(p.push_kv_blocks(src, CacheIndex(2, again.cache_id), [3], [2]), 5)
+        assert (arrays[1][2] == src.tensors[1][3]).all()
+    finally:
+        p.finalize()
+        d.finalize()
+
+
+def test_quarantine_ends_when_the_peer_is_unlinked():
+    """Issue 19 item 1: a peer that never acknowledges holds the memory only while it is
+    linked."""
+    p = LlmDataDist(1, "prompt", backend="local")
+    d = LlmDataDist(2, "decoder", backend="local", options={"control_timeout_s": 0.3})
+    _deaf_to_drops(p, 0.6)
+    p.initialize()
+    d.initialize()
+    try:
+        desc = CacheDesc(1, (4, 16), "int32")
+        dst = d.allocate_cache(desc)
+        p.link_clusters([d.listen_address])
+        d.deallocate_cache(dst)
+        assert d.quarantined_caches() == [dst.cache_id] and dst.tensors
+        d.unlink_clusters([1])
+        assert d.quarantined_caches() == [] and dst.tensors == []
+    finally:
+        p.finalize()
+        d.finalize()

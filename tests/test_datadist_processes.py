@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -197,6 +198,81 @@ def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
         assert p._transport.unreleased == [], "NIXL could not cancel the transfer"
     finally:
         os.kill(dst_node.proc.pid, signal.SIGCONT)
+        p.finalize()
+
+
+def _deaf_to_drops(node, for_s):
+    """Fault injection (test only): ``node``'s control server loses every deallocate
+    notice (answers after the sender gave up, applies nothing). Set before ``initialize``,
+    which hands ``_handle`` to the server."""
+    real = node._handle
+
+    def handle(msg):
+        if msg.get("op") == "drop":
+            time.sleep(for_s)
+            return {}
+        return real(msg)
+
+    node._handle = handle
+
+
+def test_unheard_deallocate_never_writes_the_new_cache(spawn):
+    """Issue 19 item 1: the prompt node does not hear the decoder's deallocate notice; the
+    decoder registers the same buffers again as a new cache (refused while the old memory
+    is quarantined: then it allocates new memory) and the prompt node pushes to the old
+    cache. The push is KV_CACHE_NOT_EXIST or NOT_YET_LINK, no byte of the new cache
+    changes, and both nodes go on working."""
+    desc = CacheDesc(2, (16, 4096), "int8")
+    dst_node = spawn(
+        "--cluster-id", "2", "--role", "decoder", "--cache", "2,16x4096,int8", "--register",
+        "--options", json.dumps({"control_timeout_s": 0.5}),
+    )  # fmt: skip
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    _deaf_to_drops(p, 1.0)
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(desc)
+        for i, t in enumerate(src.tensors):
+            t[...] = np.arange(16, dtype=np.int8)[:, None] + 10 * i
+        p.link_clusters([tuple(dst_node.hello["addr"])], timeout_s=5)
+        old = CacheIndex(2, dst_node.hello["cache"])
+        dst_node.ask(cmd="read", tag=p.push_kv_blocks(src, old, [0], [0]))
+        new = dst_node.ask(cmd="realloc", timeout_s=20)
+        assert new["cache"] != old.cache_id
+        before = new["data"]
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                p.push_kv_blocks(src, old, np.arange(16), np.arange(16), timeout_s=5)
+            except LLMException as exc:
+                assert exc.status in (LLMStatus.KV_CACHE_NOT_EXIST, LLMStatus.NOT_YET_LINK), exc
+                break
+            # Posted before the notice (sent again with the data path) arrived: it went
+            # into the quarantined old memory (docs/DATADIST.md, "Failure semantics").
+            state = dst_node.ask(cmd="state")
+            assert state["data"] == before, "the push to the old cache wrote into the new one"
+            assert time.monotonic() < deadline, "the deallocate notice never arrived"
+            time.sleep(0.01)
+        state = dst_node.ask(cmd="state")
+        assert state["data"] == before, "the push to the old cache wrote into the new one"
+        # The decoder kept the old memory: registering it again was refused.
+        assert "not yet acknowledged by cluster(s) [1]" in (new["refused"] or ""), new
+        assert state["quarantined"] in ([], [old.cache_id])
+        # Both nodes go on: a push to the new cache lands, and the old memory is released
+        # once the prompt node's acknowledgement is back.
+        index = CacheIndex(2, new["cache"])
+        got = _tensors(
+            dst_node.ask(cmd="read", tag=p.push_kv_blocks(src, index, [5], [9]))["data"], desc
+        )
+        dst0 = [np.full(desc.shape, SENTINEL, desc.dtype) for _ in range(2)]
+        expected = push_kv_blocks_reference([t.copy() for t in src.tensors], dst0, [5], [9])
+        assert all((a == b).all() for a, b in zip(got, expected))
+        deadline = time.monotonic() + 5
+        while state["quarantined"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            state = dst_node.ask(cmd="state")
+        assert state["quarantined"] == []
+    finally:
         p.finalize()
 
 

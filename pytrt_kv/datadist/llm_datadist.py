@@ -6,7 +6,8 @@ where:
 
 - caches: ``allocate_cache`` / ``register_cache`` give a :class:`Cache` with an id that
   is never reused and a generation; ``deallocate_cache`` tells every linked peer before
-  the memory is deregistered.
+  the memory is deregistered, and keeps it (quarantine) while a peer has not
+  acknowledged (docs/DATADIST.md, "Failure semantics").
 - links: ``initialize`` starts the control server; ``link_clusters`` exchanges metadata
   with a peer (both sides then know each other: either may push or pull);
   ``unlink_clusters`` ends it on both sides.
@@ -54,6 +55,10 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "nixl.num_threads": 0,
 }
 _NOTIF = "pytrt_kv.dd1"
+#: In-band deallocate notice ``"|from|cache_id|generation"``, sent with the data path when
+#: the control channel could not deliver it, and its acknowledgement (same fields).
+_DROP = "pytrt_kv.dd1drop"
+_DACK = "pytrt_kv.dd1dack"
 #: While a transfer is pending, check this often whether the peer is still there.
 _PROBE_EVERY_S = 0.2
 
@@ -234,6 +239,10 @@ class LlmDataDist:
         self._tags = itertools.count(1)
         self._received: set = set()
         self._stale: set = set()
+        #: Deallocated caches some linked peers have not acknowledged: cache id ->
+        #: (cache, the clusters still to acknowledge). Their memory stays registered and
+        #: owned (docs/DATADIST.md, "Failure semantics").
+        self._quarantine: dict[int, tuple[Cache, set[int]]] = {}
         self.listen_address: tuple[str, int] | None = None
 
     # --- life cycle -----------------------------------------------------------------------
@@ -270,6 +279,10 @@ class LlmDataDist:
                 pass
         for cache in list(self._caches.values()):
             self.deallocate_cache(cache)
+        with self._lock:
+            left, self._quarantine = [c for c, _ in self._quarantine.values()], {}
+        for cache in left:  # every peer is unlinked now
+            self._release_memory(cache)
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -333,7 +346,34 @@ class LlmDataDist:
                 raise ValueError(
                     f"tensors[{b}]: expected memory of its own, got an overlap with tensors[{a}]"
                 )
+        self._check_not_quarantined(cache_desc, addrs)
         return self._add_cache(cache_desc, list(tensors), addrs, owned=False)
+
+    def _check_not_quarantined(self, desc: CacheDesc, addrs: tuple[int, ...]) -> None:
+        """Refuse memory a peer may still write: that of a deallocated cache some peer has
+        not acknowledged (issue 19 item 1)."""
+        if not self._quarantine:
+            return
+        self._drain()  # acknowledgements that came with the data path
+        with self._lock:
+            held = [(c, sorted(p)) for c, p in self._quarantine.values()]
+        for cache, pending in held:
+            d = cache.cache_desc
+            if (d.placement, d.device if d.placement == "device" else 0) != (
+                desc.placement,
+                desc.device if desc.placement == "device" else 0,
+            ):
+                continue
+            for i, a in enumerate(addrs):
+                for b in cache.tensor_addrs:
+                    if a < b + d.tensor_bytes and b < a + desc.tensor_bytes:
+                        raise ValueError(
+                            f"tensors[{i}]: expected memory no peer may still write, got "
+                            f"memory of cache {cache.cache_id}, deallocated but not yet "
+                            f"acknowledged by cluster(s) {pending} (docs/DATADIST.md, "
+                            f"'Failure semantics'): retry once they have pushed or linked "
+                            f"again, or unlink them"
+                        )
 
     def _add_cache(
         self, desc: CacheDesc, tensors: list[Any], addrs: tuple[int, ...], owned: bool
@@ -349,8 +389,15 @@ class LlmDataDist:
         return CacheInfo(cache.cache_id, cache.generation, cache.cache_desc, cache.tensor_addrs)
 
     def deallocate_cache(self, cache: Cache) -> None:
-        """Forget a cache: linked peers are told first (bounded by ``control_timeout_s``
-        each; an unreachable peer is skipped), then its memory is deregistered.
+        """Forget a cache: every linked peer is told first (bounded by
+        ``control_timeout_s`` each), then its memory is deregistered (and freed if this
+        node allocated it).
+
+        A peer that could not be told may still write into the cache, so its memory stays
+        registered and owned (:meth:`quarantined_caches`) until every such peer
+        acknowledged or was unlinked; the notice is sent again with the data path, and a
+        peer acknowledges it at its next transfer call (docs/DATADIST.md, "Failure
+        semantics").
 
         Raises
         ------
@@ -365,18 +412,37 @@ class LlmDataDist:
                     f"cache: not a live cache of cluster {self.cluster_id}: {what}",
                 )
             del self._caches[cache.cache_id]
-            peers = [p for p in self._peers.values() if not p.broken]
+            peers = list(self._peers.values())
         msg = {
             "op": "drop",
             "from": self.cluster_id,
             "cache_id": cache.cache_id,
             "generation": cache.generation,
         }
+        pending = set()
         for peer in peers:
             try:
-                control.request(peer.address, msg, float(self.options["control_timeout_s"]))
+                reply = control.request(peer.address, msg, float(self.options["control_timeout_s"]))
+                if "error" not in reply:
+                    continue
             except OSError:
-                peer.broken = True
+                pass
+            pending.add(peer.cluster_id)
+            notice = f"{_DROP}|{self.cluster_id}|{cache.cache_id}|{cache.generation}"
+            try:
+                self._require().notify(peer.agent, notice.encode())
+            except LLMException:
+                pass  # the peer hears of it when it links again (or is unlinked)
+        if pending:
+            with self._lock:
+                # A peer unlinked meanwhile cannot acknowledge: it no longer counts.
+                pending &= set(self._peers)
+                if pending:
+                    self._quarantine[cache.cache_id] = (cache, pending)
+                    return
+        self._release_memory(cache)
+
+    def _release_memory(self, cache: Cache) -> None:
         self._require().deregister(cache._backend_state)
         cache._backend_state = None
         if cache.owned:
@@ -384,6 +450,28 @@ class LlmDataDist:
                 if hasattr(t, "free"):
                     t.free()
             cache.tensors = []
+
+    def _acknowledged(self, cluster_id: int, cache_id: int | None = None) -> None:
+        """``cluster_id`` no longer knows ``cache_id`` (None: any of this node's former
+        caches): release what no peer may write any more."""
+        with self._lock:
+            free = []
+            for cid, (cache, pending) in list(self._quarantine.items()):
+                if cache_id is None or cid == cache_id:
+                    pending.discard(cluster_id)
+                    if not pending:
+                        del self._quarantine[cid]
+                        free.append(cache)
+        for cache in free:
+            self._release_memory(cache)
+
+    def quarantined_caches(self) -> list[int]:
+        """Ids of deallocated caches whose memory is still held because a linked peer has
+        not acknowledged the deallocation (docs/DATADIST.md, "Failure semantics")."""
+        if self._quarantine:
+            self._drain()
+        with self._lock:
+            return sorted(self._quarantine)
 
     # --- metadata and links ---------------------------------------------------------------
 
@@ -478,6 +566,9 @@ class LlmDataDist:
             except LLMException as exc:
                 results.append(LinkResult(exc.status, None, exc.message))
                 continue
+            # The peer applied this node's table before it answered: it knows every
+            # deallocation (docs/DATADIST.md, "Failure semantics").
+            self._acknowledged(peer.cluster_id)
             results.append(LinkResult(LLMStatus.SUCCESS, peer.cluster_id))
         return results
 
@@ -497,6 +588,7 @@ class LlmDataDist:
             if peer is None:
                 raise LLMException(LLMStatus.NOT_YET_LINK, f"cluster {cid} is not linked")
             self._require().remove_peer(peer.agent)
+            self._acknowledged(cid)  # an unlinked peer is no longer told anything
             if not peer.broken:
                 try:
                     control.request(
@@ -524,19 +616,23 @@ class LlmDataDist:
             peer = self._peers.get(int(msg.get("from", -1)))
         if op == "drop":
             if peer is not None:
-                with self._lock:
-                    old = peer.caches.get(int(msg["cache_id"]))
-                    if old is not None and old.generation == int(msg["generation"]):
-                        del peer.caches[old.cache_id]
-                        self._require().forget_remote(peer.agent, old)
+                self._forget_remote_cache(peer, int(msg["cache_id"]), int(msg["generation"]))
             return {}
         if op == "bye":
             if peer is not None and peer.agent == msg.get("agent"):
                 with self._lock:
                     self._peers.pop(peer.cluster_id, None)
                 self._require().remove_peer(peer.agent)
+                self._acknowledged(peer.cluster_id)  # it forgot all of this node's caches
             return {}
         return {"error": f"unknown request {op!r}"}
+
+    def _forget_remote_cache(self, peer: _Peer, cache_id: int, generation: int) -> None:
+        with self._lock:
+            old = peer.caches.get(cache_id)
+            if old is not None and old.generation == generation:
+                del peer.caches[old.cache_id]
+                self._require().forget_remote(peer.agent, old)
 
     def _peer_alive(self, peer: _Peer) -> bool:
         """Whether the peer's control server still accepts connections (a dead process's
@@ -568,6 +664,7 @@ class LlmDataDist:
             raise param_invalid(
                 f"{arg}.batch_index", "0 (blocks are addressed by id)", index.batch_index
             )
+        self._drain()  # deallocate notices that came with the data path (issue 19 item 1)
         with self._lock:
             peer = self._peers.get(index.cluster_id)
         if peer is None or peer.broken:
@@ -788,8 +885,11 @@ class LlmDataDist:
     # --- destination side -----------------------------------------------------------------
 
     def _drain(self) -> None:
-        for _, msg in self._require().poll():
+        for agent, msg in self._require().poll():
             parts = msg.decode(errors="replace").split("|", 3)
+            if len(parts) == 4 and parts[0] in (_DROP, _DACK):
+                self._notice(agent, parts[0], int(parts[1]), int(parts[2]), int(parts[3]))
+                continue
             if len(parts) != 4 or parts[0] != _NOTIF:
                 continue
             cache_id, gen, tag = int(parts[1]), int(parts[2]), parts[3]
@@ -797,6 +897,21 @@ class LlmDataDist:
                 cache = self._caches.get(cache_id)
                 live = cache is not None and cache.generation == gen
                 (self._received if live else self._stale).add(tag)
+
+    def _notice(self, agent: str, kind: str, cluster: int, cache_id: int, gen: int) -> None:
+        """An in-band deallocate notice (forget the cache, acknowledge) or its
+        acknowledgement (release the quarantined memory)."""
+        if kind == _DACK:
+            self._acknowledged(cluster, cache_id)
+            return
+        with self._lock:
+            peer = self._peers.get(cluster)
+        if peer is not None:
+            self._forget_remote_cache(peer, cache_id, gen)
+        try:
+            self._require().notify(agent, f"{_DACK}|{self.cluster_id}|{cache_id}|{gen}".encode())
+        except LLMException:
+            pass  # gone: it releases the memory when it unlinks this node
 
     def received(self, tag: str) -> bool:
         """True once (then the tag is forgotten) when the transfer tagged ``tag`` has put
