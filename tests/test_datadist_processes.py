@@ -276,6 +276,55 @@ def test_unheard_deallocate_never_writes_the_new_cache(spawn):
         p.finalize()
 
 
+def _libc():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def test_freed_source_memory_is_kv_cache_not_exist_and_keeps_the_link(spawn):
+    """Issue 19 item 6: the caller unmaps the memory of a registered source cache and
+    pushes from it. Not a link failure: KV_CACHE_NOT_EXIST naming the cache, nothing
+    written, and the link still carries the next push."""
+    import mmap
+
+    desc = CacheDesc(2, (8, 4096), "int8")
+    dst_node = spawn("--cluster-id", "2", "--role", "decoder", "--cache", "2,8x4096,int8")
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    p.initialize("127.0.0.1", 0)
+    libc = _libc()
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    addrs = [libc.mmap(None, desc.tensor_bytes, prot, flags, -1, 0) for _ in range(2)]
+    try:
+        assert all(a not in (None, 2**64 - 1) for a in addrs)
+        freed = p.register_cache(desc, addrs)
+        good = p.allocate_cache(desc)
+        for t in good.tensors:
+            t[...] = 5
+        p.link_clusters([tuple(dst_node.hello["addr"])], timeout_s=5)
+        index = CacheIndex(2, dst_node.hello["cache"])
+        dst_node.ask(cmd="read", tag=p.push_kv_blocks(freed, index, [0], [0]))
+        before = dst_node.ask(cmd="state")["data"]
+        for a in addrs:
+            assert libc.munmap(a, desc.tensor_bytes) == 0
+        with pytest.raises(LLMException) as info:
+            p.push_kv_blocks(freed, index, [1, 2], [1, 2], timeout_s=5)
+        assert info.value.status is LLMStatus.KV_CACHE_NOT_EXIST, info.value
+        assert "src_cache" in str(info.value) and "no longer mapped" in str(info.value)
+        assert dst_node.ask(cmd="state")["data"] == before
+        assert p.linked_clusters() == [2]
+        got = _tensors(
+            dst_node.ask(cmd="read", tag=p.push_kv_blocks(good, index, [3], [4]))["data"], desc
+        )
+        assert (got[0][4] == 5).all() and (got[1][4] == 5).all()
+    finally:
+        p.finalize()
+
+
 def test_link_results_one_tensor_cache_and_empty_lists(spawn):
     """Issue 19 item 8 over two processes: one LinkResult per cluster (a refused address
     beside a live node: the live one is linked), a 1-tensor cache pushed with the default

@@ -100,9 +100,18 @@ class TransferHandle:
     or times out; after a TIMEOUT the destination blocks are undefined (docs/SPEC.md D5).
     """
 
-    def __init__(self, dd: LlmDataDist, xfer: Xfer | None, tag: str, peer: _Peer, timeout_s: float):
+    def __init__(
+        self,
+        dd: LlmDataDist,
+        xfer: Xfer | None,
+        tag: str,
+        peer: _Peer,
+        timeout_s: float,
+        local: tuple[str, Cache] | None = None,
+    ):
         self._dd, self._xfer, self.tag, self._peer = dd, xfer, tag, peer
         self.timeout_s = timeout_s
+        self._local = local  # (argument name, this node's cache) for failure reports
         self._error: LLMException | None = None
         self._done = xfer is None
 
@@ -134,6 +143,8 @@ class TransferHandle:
         try:
             state = xfer.state()
         except LLMException as exc:
+            if self._local is not None:
+                exc = self._dd._transfer_error(exc, *self._local, self._peer)
             self._fail(exc)
         if state == "DONE":
             self._done = True
@@ -706,6 +717,7 @@ class LlmDataDist:
     def _start(
         self,
         op: str,
+        arg: str,
         local: Cache,
         peer: _Peer,
         remote: CacheInfo,
@@ -727,10 +739,49 @@ class LlmDataDist:
                     op, plan, self._info(local), local._backend_state, remote, peer.agent, notif
                 )
         except LLMException as exc:
-            if exc.status == LLMStatus.NOT_YET_LINK:
+            err = self._transfer_error(exc, arg, local, peer)
+            if err.status == LLMStatus.NOT_YET_LINK:
                 peer.broken = True
-            raise
-        return TransferHandle(self, xfer, tag, peer, timeout)
+            if err is exc:
+                raise
+            raise err from exc
+        return TransferHandle(self, xfer, tag, peer, timeout, (arg, local))
+
+    def _transfer_error(
+        self, exc: LLMException, arg: str, local: Cache, peer: _Peer
+    ) -> LLMException:
+        """What a failed transfer is: memory of ``local`` that the caller freed while it
+        was registered is KV_CACHE_NOT_EXIST, and the link is loaded again (NIXL marks the
+        connection failed after any error); anything else stays as the transport said
+        (issue 19 item 6; docs/DATADIST.md, "Failure semantics")."""
+        if exc.status not in (LLMStatus.NOT_YET_LINK, LLMStatus.FAILED):
+            return exc
+        d = local.cache_desc
+        gone = memory.unmapped(local.tensor_addrs, d.tensor_bytes, d.placement)
+        if gone is None:
+            return exc
+        try:
+            self._reconnect(peer)
+        except (OSError, LLMException):
+            pass  # the peer does not answer either: the link stays as the error left it
+        return LLMException(
+            LLMStatus.KV_CACHE_NOT_EXIST,
+            f"{arg}: the memory of tensors[{gone}] of cache {local.cache_id} is no longer "
+            f"mapped (freed by the caller while registered; docs/DATADIST.md, 'Failure "
+            f"semantics'); the link to cluster {peer.cluster_id} is kept ({exc.message})",
+        )
+
+    def _reconnect(self, peer: _Peer) -> None:
+        """Load the peer's transport metadata again (a new NIXL connection)."""
+        reply = control.request(
+            peer.address,
+            {"op": "table", "from": self.cluster_id},
+            float(self.options["control_timeout_s"]),
+        )
+        if "md" not in reply:
+            raise OSError(f"cluster {peer.cluster_id}: {reply.get('error')}")
+        self._require().remove_peer(peer.agent)
+        self._apply_metadata(reply["md"])
 
     def push_kv_blocks_async(
         self,
@@ -759,7 +810,9 @@ class LlmDataDist:
             op="push",
             role=self.role,
         )
-        return self._start(WRITE, local, peer, remote, plan, self._tag(tag), stream, timeout_s)
+        return self._start(
+            WRITE, "src_cache", local, peer, remote, plan, self._tag(tag), stream, timeout_s
+        )
 
     def push_kv_blocks(
         self,
@@ -849,7 +902,9 @@ class LlmDataDist:
             op="pull",
             role=self.role,
         )
-        return self._start(READ, local, peer, remote, plan, self._tag(tag), stream, timeout_s)
+        return self._start(
+            READ, "dst_cache", local, peer, remote, plan, self._tag(tag), stream, timeout_s
+        )
 
     def pull_kv_blocks(
         self,
