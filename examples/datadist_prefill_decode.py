@@ -204,7 +204,9 @@ def prefill(args) -> int:
     try:
         hello = next_message()
         dtable = np.array(hello["table"], np.int32)
-        node.link_clusters([tuple(hello["address"])], timeout_s=10)
+        (link,) = node.link_clusters([tuple(hello["address"])], timeout_s=10)
+        if not link.ok:  # one result per cluster (docs/DATADIST.md)
+            raise SystemExit(f"prefill: cannot link to the decode node: {link.message}")
         print(f"prefill: linked to the decode node at {hello['address'][0]}:{hello['address'][1]}")
 
         # The prompt's KV in this node's own paged caches (more blocks, another table).

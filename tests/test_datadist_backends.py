@@ -18,6 +18,7 @@ from pytrt_kv.datadist import (
     CacheDesc,
     CacheIndex,
     KvCacheExtParam,
+    LinkResult,
     LlmDataDist,
     LLMException,
     LLMParamInvalid,
@@ -82,7 +83,9 @@ def nodes(backend):
 
 def _linked(nodes):
     p, d = nodes
-    assert p.link_clusters([d.listen_address], timeout_s=5) == [2]
+    assert p.link_clusters([d.listen_address], timeout_s=5) == [
+        LinkResult(LLMStatus.SUCCESS, 2, "")
+    ]
     assert d.linked_clusters() == [1]
     return p, d
 
@@ -106,7 +109,7 @@ def test_push_equals_reference_on_random_caches(nodes, dtype):
         f = int(rng.integers(0, s_layers - n_layers + 1))
         g = int(rng.integers(0, d_layers - n_layers + 1))
         ext = KvCacheExtParam((f, f + n_layers - 1), (g, g + n_layers - 1), tnpl)
-        n = int(rng.integers(0, dst.cache_desc.num_blocks + 1))
+        n = int(rng.integers(1, dst.cache_desc.num_blocks + 1))  # empty lists are refused
         db = rng.permutation(dst.cache_desc.num_blocks)[:n]
         if trial % 2:  # runs consecutive on both sides (merged into larger copies)
             db = np.arange(n) + int(rng.integers(0, dst.cache_desc.num_blocks - n + 1))
@@ -194,7 +197,9 @@ def test_register_host_array_as_device_refused(nodes):
 # --- refused calls move nothing ------------------------------------------------------------
 
 REFUSALS = [
-    (dict(ext_param=KvCacheExtParam(tensor_num_per_layer=3)), "tensor_num_per_layer"),
+    (dict(ext_param=KvCacheExtParam((0, 0), (0, 0), 3)), "tensor_num_per_layer"),
+    (dict(ext_param=KvCacheExtParam(tensor_num_per_layer=0)), "tensor_num_per_layer"),
+    (dict(src_blocks=[], dst_blocks=[]), "src_blocks"),
     (dict(ext_param=KvCacheExtParam((0, 2), (0, 2))), "src_layer_range"),
     (dict(ext_param=KvCacheExtParam((0, 0), (0, 1))), "as many layers"),
     (dict(src_blocks=[0, 1], dst_blocks=[0]), "dst_blocks"),
@@ -411,16 +416,32 @@ def test_timeout_releases_the_handle_local(monkeypatch):
 # The NIXL timeout needs a peer that stops answering: tests/test_datadist_processes.py.
 
 
-def test_empty_lists_deliver_the_tag(nodes):
+def test_empty_lists_refused(nodes):
+    """Issue 19 item 8: as in CANN, a push or pull without blocks is PARAM_INVALID; no
+    tag reaches the other side."""
     p, d, src, dst = _pair(nodes)
     _linked(nodes)
-    tag = p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [], [], tag="nothing")
-    assert tag == "nothing"
-    d.wait_received("nothing", timeout_s=5)
-    assert not d.received("nothing"), "a tag is reported once"
+    with pytest.raises(LLMParamInvalid, match="src_blocks"):
+        p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [], [], tag="nothing")
+    with pytest.raises(LLMParamInvalid, match="src_blocks"):
+        d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [], [], tag="nothing")
+    assert not d.received("nothing") and not p.received("nothing")
     assert all((t == SENTINEL).all() for t in dst.tensors)
-    tag = d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [], [])
-    p.wait_received(tag, timeout_s=5)
+
+
+def test_one_tensor_cache_with_default_ext_param(nodes):
+    """Issue 19 item 8: default layer ranges move the whole cache, so a 1-tensor cache
+    needs no KvCacheExtParam (docs/DATADIST.md "What CANN allows")."""
+    p, d = _linked(nodes)
+    src = p.allocate_cache(CacheDesc(1, (6, 8), "int32"))
+    dst = d.allocate_cache(CacheDesc(1, (6, 8), "int32"))
+    _fill(src, np.random.default_rng(3))
+    _sentinel(dst)
+    d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [5, 0], [1, 4]), 5)
+    ref = push_kv_blocks_reference(
+        _snapshot(src), [np.full((6, 8), SENTINEL, np.int32)], [5, 0], [1, 4]
+    )
+    assert _same(dst.tensors, ref)
 
 
 def test_async_handle_and_default_tags(nodes):
@@ -441,7 +462,10 @@ def test_async_handle_and_default_tags(nodes):
     assert info.value.status is LLMStatus.TIMEOUT
 
 
-def test_link_refusals(backend):
+def test_link_results_per_cluster(backend):
+    """Issue 19 item 8: link_clusters returns one LinkResult per cluster, in order (CANN's
+    rets), and links the others when one fails: a refused port (FAILED at once, not waited
+    out) and a node with this node's own cluster id (FAILED) beside a good peer."""
     import socket
 
     s = socket.socket()
@@ -450,21 +474,30 @@ def test_link_refusals(backend):
     s.close()  # nothing listens there now
     a = LlmDataDist(1, "prompt", backend=backend)
     a.initialize()
+    b = LlmDataDist(1, "decoder", backend=backend)  # the same cluster id
+    b.initialize()
+    c = LlmDataDist(3, "decoder", backend=backend)
+    c.initialize()
     try:
-        # Refused at once, not waited out: the cause is the refusal, not a timeout.
-        with pytest.raises(LLMException, match="Connection refused") as info:
-            a.link_clusters([("127.0.0.1", port)], timeout_s=1)
-        assert info.value.status is LLMStatus.FAILED
-        b = LlmDataDist(1, "decoder", backend=backend)  # the same cluster id
-        b.initialize()
-        try:
-            assert _status(lambda: a.link_clusters([b.listen_address])) is LLMStatus.FAILED
-        finally:
-            b.finalize()
-        with pytest.raises(TypeError, match="clusters"):
-            a.link_clusters([12])
+        results = a.link_clusters(
+            [("127.0.0.1", port), b.listen_address, "{}:{}".format(*c.listen_address)], timeout_s=1
+        )
+        assert [r.status for r in results] == [
+            LLMStatus.FAILED,
+            LLMStatus.FAILED,
+            LLMStatus.SUCCESS,
+        ], results
+        assert "Connection refused" in results[0].message
+        assert "own cluster_id" in results[1].message
+        assert [r.cluster_id for r in results] == [None, None, 3]
+        assert [r.ok for r in results] == [False, False, True]
+        assert a.linked_clusters() == [3] and c.linked_clusters() == [1]
+        # Bad arguments are refused before anything is linked.
+        with pytest.raises(TypeError, match=r"clusters\[1\]"):
+            a.link_clusters([c.listen_address, 12])
     finally:
-        a.finalize()
+        for n in (a, b, c):
+            n.finalize()
 
 
 def test_argument_refusals():
@@ -631,3 +664,86 @@ def test_nixl_unavailable_reason_is_one_clean_line(monkeypatch):
     assert not reason.startswith(LLMStatus.FAILED.name), reason
     assert "libnixl.so: cannot open shared object file (second line)" in reason
     assert "nixl==1.5.1" in reason
+
+
+def _deaf_to_drops(node, for_s):
+    """Fault injection (test only): ``node``'s control server loses every deallocate
+    notice: it answers after the sender gave up and applies nothing. Set before
+    ``initialize``, which hands ``_handle`` to the server."""
+    real = node._handle
+
+    def handle(msg):
+        if msg.get("op") == "drop":
+            time.sleep(for_s)
+            return {}
+        return real(msg)
+
+    node._handle = handle
+
+
+def test_unheard_deallocate_quarantines_the_memory(backend):
+    """Issue 19 item 1 in one process: the decoder cannot tell the prompt node that a cache
+    is gone, so it keeps the memory registered and refuses to register it again until the
+    prompt node acknowledged (the notice also travels with the transfers): the prompt
+    node's next push to it is KV_CACHE_NOT_EXIST, and then the memory is free again."""
+    p = LlmDataDist(1, "prompt", backend=backend)
+    d = LlmDataDist(2, "decoder", backend=backend, options={"control_timeout_s": 0.3})
+    _deaf_to_drops(p, 0.6)
+    p.initialize()
+    d.initialize()
+    try:
+        desc = CacheDesc(2, (4, 16), "int32")
+        src = p.allocate_cache(desc)
+        _fill(src, np.random.default_rng(2))
+        arrays = [np.full(desc.shape, SENTINEL, np.int32) for _ in range(2)]
+        dst = d.register_cache(desc, arrays)
+        p.link_clusters([d.listen_address])
+        d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [0]), 5)
+        d.deallocate_cache(dst)  # the notice is lost
+        assert d.quarantined_caches() == [dst.cache_id]
+        with pytest.raises(ValueError, match=r"tensors\[0\].*not yet acknowledged by cluster"):
+            d.register_cache(desc, arrays)
+        # Over NIXL the notice may still be on its way: then the push goes into the
+        # quarantined memory, which nothing else uses.
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [1], [1])
+            except LLMException as exc:
+                assert exc.status is LLMStatus.KV_CACHE_NOT_EXIST, exc
+                break
+            assert backend == "nixl" and time.monotonic() < deadline
+            time.sleep(0.01)
+        for a in arrays:
+            a[...] = SENTINEL
+        deadline = time.monotonic() + 5
+        while d.quarantined_caches() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the acknowledgement travels back with the data path
+        assert d.quarantined_caches() == []
+        again = d.register_cache(desc, arrays)
+        d.wait_received(p.push_kv_blocks(src, CacheIndex(2, again.cache_id), [3], [2]), 5)
+        assert (arrays[1][2] == src.tensors[1][3]).all()
+    finally:
+        p.finalize()
+        d.finalize()
+
+
+def test_quarantine_ends_when_the_peer_is_unlinked():
+    """Issue 19 item 1: a peer that never acknowledges holds the memory only while it is
+    linked."""
+    p = LlmDataDist(1, "prompt", backend="local")
+    d = LlmDataDist(2, "decoder", backend="local", options={"control_timeout_s": 0.3})
+    _deaf_to_drops(p, 0.6)
+    p.initialize()
+    d.initialize()
+    try:
+        desc = CacheDesc(1, (4, 16), "int32")
+        dst = d.allocate_cache(desc)
+        p.link_clusters([d.listen_address])
+        d.deallocate_cache(dst)
+        assert d.quarantined_caches() == [dst.cache_id] and dst.tensors
+        d.unlink_clusters([1])
+        assert d.quarantined_caches() == [] and dst.tensors == []
+    finally:
+        p.finalize()
+        d.finalize()

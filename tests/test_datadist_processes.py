@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,10 @@ from pytrt_kv.datadist import (
     CacheDesc,
     CacheIndex,
     KvCacheExtParam,
+    LinkResult,
     LlmDataDist,
     LLMException,
+    LLMParamInvalid,
     LLMStatus,
     nixl_unavailable_reason,
     push_kv_blocks_reference,
@@ -125,7 +128,9 @@ def test_push_pull_verify_then_kill_the_destination(spawn):
         rng = np.random.default_rng(11)
         for t in src.tensors:
             t[...] = rng.standard_normal(t.shape)
-        assert p.link_clusters([tuple(dst_node.hello["addr"])], timeout_s=5) == [2]
+        assert p.link_clusters([tuple(dst_node.hello["addr"])], timeout_s=5) == [
+            LinkResult(LLMStatus.SUCCESS, 2, "")
+        ]
         index = CacheIndex(2, dst_node.hello["cache"])
         dst0 = [np.full(desc.shape, SENTINEL, desc.dtype) for _ in range(4)]
 
@@ -193,6 +198,169 @@ def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
         assert p._transport.unreleased == [], "NIXL could not cancel the transfer"
     finally:
         os.kill(dst_node.proc.pid, signal.SIGCONT)
+        p.finalize()
+
+
+def _deaf_to_drops(node, for_s):
+    """Fault injection (test only): ``node``'s control server loses every deallocate
+    notice (answers after the sender gave up, applies nothing). Set before ``initialize``,
+    which hands ``_handle`` to the server."""
+    real = node._handle
+
+    def handle(msg):
+        if msg.get("op") == "drop":
+            time.sleep(for_s)
+            return {}
+        return real(msg)
+
+    node._handle = handle
+
+
+def test_unheard_deallocate_never_writes_the_new_cache(spawn):
+    """Issue 19 item 1: the prompt node does not hear the decoder's deallocate notice; the
+    decoder registers the same buffers again as a new cache (refused while the old memory
+    is quarantined: then it allocates new memory) and the prompt node pushes to the old
+    cache. The push is KV_CACHE_NOT_EXIST or NOT_YET_LINK, no byte of the new cache
+    changes, and both nodes go on working."""
+    desc = CacheDesc(2, (16, 4096), "int8")
+    dst_node = spawn(
+        "--cluster-id", "2", "--role", "decoder", "--cache", "2,16x4096,int8", "--register",
+        "--options", json.dumps({"control_timeout_s": 0.5}),
+    )  # fmt: skip
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    _deaf_to_drops(p, 1.0)
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(desc)
+        for i, t in enumerate(src.tensors):
+            t[...] = np.arange(16, dtype=np.int8)[:, None] + 10 * i
+        p.link_clusters([tuple(dst_node.hello["addr"])], timeout_s=5)
+        old = CacheIndex(2, dst_node.hello["cache"])
+        dst_node.ask(cmd="read", tag=p.push_kv_blocks(src, old, [0], [0]))
+        new = dst_node.ask(cmd="realloc", timeout_s=20)
+        assert new["cache"] != old.cache_id
+        before = new["data"]
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                p.push_kv_blocks(src, old, np.arange(16), np.arange(16), timeout_s=5)
+            except LLMException as exc:
+                assert exc.status in (LLMStatus.KV_CACHE_NOT_EXIST, LLMStatus.NOT_YET_LINK), exc
+                break
+            # Posted before the notice (sent again with the data path) arrived: it went
+            # into the quarantined old memory (docs/DATADIST.md, "Failure semantics").
+            state = dst_node.ask(cmd="state")
+            assert state["data"] == before, "the push to the old cache wrote into the new one"
+            assert time.monotonic() < deadline, "the deallocate notice never arrived"
+            time.sleep(0.01)
+        state = dst_node.ask(cmd="state")
+        assert state["data"] == before, "the push to the old cache wrote into the new one"
+        # The decoder kept the old memory: registering it again was refused.
+        assert "not yet acknowledged by cluster(s) [1]" in (new["refused"] or ""), new
+        assert state["quarantined"] in ([], [old.cache_id])
+        # Both nodes go on: a push to the new cache lands, and the old memory is released
+        # once the prompt node's acknowledgement is back.
+        index = CacheIndex(2, new["cache"])
+        got = _tensors(
+            dst_node.ask(cmd="read", tag=p.push_kv_blocks(src, index, [5], [9]))["data"], desc
+        )
+        dst0 = [np.full(desc.shape, SENTINEL, desc.dtype) for _ in range(2)]
+        expected = push_kv_blocks_reference([t.copy() for t in src.tensors], dst0, [5], [9])
+        assert all((a == b).all() for a, b in zip(got, expected))
+        deadline = time.monotonic() + 5
+        while state["quarantined"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            state = dst_node.ask(cmd="state")
+        assert state["quarantined"] == []
+    finally:
+        p.finalize()
+
+
+def _libc():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def test_freed_source_memory_is_kv_cache_not_exist_and_keeps_the_link(spawn):
+    """Issue 19 item 6: the caller unmaps the memory of a registered source cache and
+    pushes from it. Not a link failure: KV_CACHE_NOT_EXIST naming the cache, nothing
+    written, and the link still carries the next push."""
+    import mmap
+
+    desc = CacheDesc(2, (8, 4096), "int8")
+    dst_node = spawn("--cluster-id", "2", "--role", "decoder", "--cache", "2,8x4096,int8")
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    p.initialize("127.0.0.1", 0)
+    libc = _libc()
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    addrs = [libc.mmap(None, desc.tensor_bytes, prot, flags, -1, 0) for _ in range(2)]
+    try:
+        assert all(a not in (None, 2**64 - 1) for a in addrs)
+        freed = p.register_cache(desc, addrs)
+        good = p.allocate_cache(desc)
+        for t in good.tensors:
+            t[...] = 5
+        p.link_clusters([tuple(dst_node.hello["addr"])], timeout_s=5)
+        index = CacheIndex(2, dst_node.hello["cache"])
+        dst_node.ask(cmd="read", tag=p.push_kv_blocks(freed, index, [0], [0]))
+        before = dst_node.ask(cmd="state")["data"]
+        for a in addrs:
+            assert libc.munmap(a, desc.tensor_bytes) == 0
+        with pytest.raises(LLMException) as info:
+            p.push_kv_blocks(freed, index, [1, 2], [1, 2], timeout_s=5)
+        assert info.value.status is LLMStatus.KV_CACHE_NOT_EXIST, info.value
+        assert "src_cache" in str(info.value) and "no longer mapped" in str(info.value)
+        assert dst_node.ask(cmd="state")["data"] == before
+        assert p.linked_clusters() == [2]
+        got = _tensors(
+            dst_node.ask(cmd="read", tag=p.push_kv_blocks(good, index, [3], [4]))["data"], desc
+        )
+        assert (got[0][4] == 5).all() and (got[1][4] == 5).all()
+    finally:
+        p.finalize()
+
+
+def test_link_results_one_tensor_cache_and_empty_lists(spawn):
+    """Issue 19 item 8 over two processes: one LinkResult per cluster (a refused address
+    beside a live node: the live one is linked), a 1-tensor cache pushed with the default
+    KvCacheExtParam, and empty block lists refused with PARAM_INVALID (no tag arrives)."""
+    import socket
+
+    desc = CacheDesc(1, (8, 64), "float16")
+    dst_node = spawn("--cluster-id", "2", "--role", "decoder", "--cache", "1,8x64,float16")
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = s.getsockname()
+    s.close()  # nothing listens there now
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    p.initialize("127.0.0.1", 0)
+    try:
+        results = p.link_clusters([dead, tuple(dst_node.hello["addr"])], timeout_s=5)
+        assert [(r.status, r.cluster_id) for r in results] == [
+            (LLMStatus.FAILED, None),
+            (LLMStatus.SUCCESS, 2),
+        ], results
+        src = p.allocate_cache(desc)
+        src.tensors[0][...] = np.arange(8 * 64).reshape(8, 64)
+        index = CacheIndex(2, dst_node.hello["cache"])
+        with pytest.raises(LLMParamInvalid, match="src_blocks"):
+            p.push_kv_blocks(src, index, [], [], tag="empty")
+        got = _tensors(
+            dst_node.ask(cmd="read", tag=p.push_kv_blocks(src, index, [7, 1], [0, 6]))["data"], desc
+        )
+        dst0 = [np.full(desc.shape, SENTINEL, desc.dtype)]
+        expected = push_kv_blocks_reference([src.tensors[0].copy()], dst0, [7, 1], [0, 6])
+        assert (got[0] == expected[0]).all()
+        r = dst_node.proc.stdin
+        r.write(json.dumps({"cmd": "read", "tag": "empty", "timeout_s": 0.2}) + "\n")
+        r.flush()
+        assert dst_node.reply()["status"] == "TIMEOUT"  # the refused push sent no tag
+    finally:
         p.finalize()
 
 

@@ -2,7 +2,8 @@
 PushKvBlocks/PullKvBlocks API over NIXL).
 
 - :mod:`.types`: :class:`CacheDesc`, :class:`Cache`, :class:`CacheIndex`,
-  :class:`KvCacheExtParam`, :class:`LLMRole`, :class:`LLMStatus`, :class:`LLMException`.
+  :class:`KvCacheExtParam`, :class:`LLMRole`, :class:`LLMStatus`, :class:`LLMException`,
+  :class:`LinkResult`.
 - :mod:`.contract`: the D4 checks in one place, the transfer plan, and the NumPy
   reference :func:`push_kv_blocks_reference` the backends are tested against.
 - :mod:`.llm_datadist`: :class:`LlmDataDist`, the node (links, caches, transfers, tags).
@@ -20,6 +21,7 @@ from .types import (
     CacheDesc,
     CacheIndex,
     KvCacheExtParam,
+    LinkResult,
     LLMException,
     LLMParamInvalid,
     LLMRole,
@@ -31,6 +33,7 @@ __all__ = [
     "CacheDesc",
     "CacheIndex",
     "KvCacheExtParam",
+    "LinkResult",
     "LLMException",
     "LLMParamInvalid",
     "LLMRole",

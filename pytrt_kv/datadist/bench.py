@@ -136,7 +136,7 @@ def bench_case(
     memory: str, block: int, pattern: str, total: int, pushes: int, repeats: int
 ) -> dict[str, Any]:
     from .llm_datadist import POLL_INTERVAL_S, LlmDataDist
-    from .types import CacheDesc, CacheIndex, KvCacheExtParam
+    from .types import CacheDesc, CacheIndex, KvCacheExtParam, LLMException
 
     nb = max(1, total // block)
     buf = _Buffers(memory, nb, block)
@@ -161,7 +161,9 @@ def bench_case(
     try:
         src = p.register_cache(CacheDesc(1, (nb, block), "uint8", buf.src_place), [buf.src_addr])
         dst = d.register_cache(CacheDesc(1, (nb, block), "uint8", buf.dst_place), [buf.dst_addr])
-        p.link_clusters([d.listen_address])
+        (link,) = p.link_clusters([d.listen_address])
+        if not link.ok:
+            raise LLMException(link.status, link.message)
         index, one = CacheIndex(2, dst.cache_id), KvCacheExtParam(tensor_num_per_layer=1)
         li, ri = sb.astype(np.int32), db.astype(np.int32)
 

@@ -6,7 +6,8 @@ where:
 
 - caches: ``allocate_cache`` / ``register_cache`` give a :class:`Cache` with an id that
   is never reused and a generation; ``deallocate_cache`` tells every linked peer before
-  the memory is deregistered.
+  the memory is deregistered, and keeps it (quarantine) while a peer has not
+  acknowledged (docs/DATADIST.md, "Failure semantics").
 - links: ``initialize`` starts the control server; ``link_clusters`` exchanges metadata
   with a peer (both sides then know each other: either may push or pull);
   ``unlink_clusters`` ends it on both sides.
@@ -38,6 +39,7 @@ from .types import (
     CacheDesc,
     CacheIndex,
     KvCacheExtParam,
+    LinkResult,
     LLMException,
     LLMRole,
     LLMStatus,
@@ -53,6 +55,10 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "nixl.num_threads": 0,
 }
 _NOTIF = "pytrt_kv.dd1"
+#: In-band deallocate notice ``"|from|cache_id|generation"``, sent with the data path when
+#: the control channel could not deliver it, and its acknowledgement (same fields).
+_DROP = "pytrt_kv.dd1drop"
+_DACK = "pytrt_kv.dd1dack"
 #: While a transfer is pending, check this often whether the peer is still there.
 _PROBE_EVERY_S = 0.2
 
@@ -94,9 +100,18 @@ class TransferHandle:
     or times out; after a TIMEOUT the destination blocks are undefined (docs/SPEC.md D5).
     """
 
-    def __init__(self, dd: LlmDataDist, xfer: Xfer | None, tag: str, peer: _Peer, timeout_s: float):
+    def __init__(
+        self,
+        dd: LlmDataDist,
+        xfer: Xfer | None,
+        tag: str,
+        peer: _Peer,
+        timeout_s: float,
+        local: tuple[str, Cache] | None = None,
+    ):
         self._dd, self._xfer, self.tag, self._peer = dd, xfer, tag, peer
         self.timeout_s = timeout_s
+        self._local = local  # (argument name, this node's cache) for failure reports
         self._error: LLMException | None = None
         self._done = xfer is None
 
@@ -128,6 +143,8 @@ class TransferHandle:
         try:
             state = xfer.state()
         except LLMException as exc:
+            if self._local is not None:
+                exc = self._dd._transfer_error(exc, *self._local, self._peer)
             self._fail(exc)
         if state == "DONE":
             self._done = True
@@ -192,7 +209,7 @@ class LlmDataDist:
     >>> src = p.allocate_cache(CacheDesc(2, (8, 16), "float16"))
     >>> dst = d.allocate_cache(CacheDesc(2, (8, 16), "float16"))
     >>> src.tensors[0][:] = 1.5
-    >>> p.link_clusters([d.listen_address])
+    >>> [r.cluster_id for r in p.link_clusters([d.listen_address]) if r.ok]
     [2]
     >>> tag = p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0, 1], [5, 6])
     >>> d.received(tag), float(dst.tensors[0][6, 0])
@@ -233,6 +250,10 @@ class LlmDataDist:
         self._tags = itertools.count(1)
         self._received: set = set()
         self._stale: set = set()
+        #: Deallocated caches some linked peers have not acknowledged: cache id ->
+        #: (cache, the clusters still to acknowledge). Their memory stays registered and
+        #: owned (docs/DATADIST.md, "Failure semantics").
+        self._quarantine: dict[int, tuple[Cache, set[int]]] = {}
         self.listen_address: tuple[str, int] | None = None
 
     # --- life cycle -----------------------------------------------------------------------
@@ -269,6 +290,10 @@ class LlmDataDist:
                 pass
         for cache in list(self._caches.values()):
             self.deallocate_cache(cache)
+        with self._lock:
+            left, self._quarantine = [c for c, _ in self._quarantine.values()], {}
+        for cache in left:  # every peer is unlinked now
+            self._release_memory(cache)
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -332,7 +357,34 @@ class LlmDataDist:
                 raise ValueError(
                     f"tensors[{b}]: expected memory of its own, got an overlap with tensors[{a}]"
                 )
+        self._check_not_quarantined(cache_desc, addrs)
         return self._add_cache(cache_desc, list(tensors), addrs, owned=False)
+
+    def _check_not_quarantined(self, desc: CacheDesc, addrs: tuple[int, ...]) -> None:
+        """Refuse memory a peer may still write: that of a deallocated cache some peer has
+        not acknowledged (issue 19 item 1)."""
+        if not self._quarantine:
+            return
+        self._drain()  # acknowledgements that came with the data path
+        with self._lock:
+            held = [(c, sorted(p)) for c, p in self._quarantine.values()]
+        for cache, pending in held:
+            d = cache.cache_desc
+            if (d.placement, d.device if d.placement == "device" else 0) != (
+                desc.placement,
+                desc.device if desc.placement == "device" else 0,
+            ):
+                continue
+            for i, a in enumerate(addrs):
+                for b in cache.tensor_addrs:
+                    if a < b + d.tensor_bytes and b < a + desc.tensor_bytes:
+                        raise ValueError(
+                            f"tensors[{i}]: expected memory no peer may still write, got "
+                            f"memory of cache {cache.cache_id}, deallocated but not yet "
+                            f"acknowledged by cluster(s) {pending} (docs/DATADIST.md, "
+                            f"'Failure semantics'): retry once they have pushed or linked "
+                            f"again, or unlink them"
+                        )
 
     def _add_cache(
         self, desc: CacheDesc, tensors: list[Any], addrs: tuple[int, ...], owned: bool
@@ -348,8 +400,15 @@ class LlmDataDist:
         return CacheInfo(cache.cache_id, cache.generation, cache.cache_desc, cache.tensor_addrs)
 
     def deallocate_cache(self, cache: Cache) -> None:
-        """Forget a cache: linked peers are told first (bounded by ``control_timeout_s``
-        each; an unreachable peer is skipped), then its memory is deregistered.
+        """Forget a cache: every linked peer is told first (bounded by
+        ``control_timeout_s`` each), then its memory is deregistered (and freed if this
+        node allocated it).
+
+        A peer that could not be told may still write into the cache, so its memory stays
+        registered and owned (:meth:`quarantined_caches`) until every such peer
+        acknowledged or was unlinked; the notice is sent again with the data path, and a
+        peer acknowledges it at its next transfer call (docs/DATADIST.md, "Failure
+        semantics").
 
         Raises
         ------
@@ -364,18 +423,37 @@ class LlmDataDist:
                     f"cache: not a live cache of cluster {self.cluster_id}: {what}",
                 )
             del self._caches[cache.cache_id]
-            peers = [p for p in self._peers.values() if not p.broken]
+            peers = list(self._peers.values())
         msg = {
             "op": "drop",
             "from": self.cluster_id,
             "cache_id": cache.cache_id,
             "generation": cache.generation,
         }
+        pending = set()
         for peer in peers:
             try:
-                control.request(peer.address, msg, float(self.options["control_timeout_s"]))
+                reply = control.request(peer.address, msg, float(self.options["control_timeout_s"]))
+                if "error" not in reply:
+                    continue
             except OSError:
-                peer.broken = True
+                pass
+            pending.add(peer.cluster_id)
+            notice = f"{_DROP}|{self.cluster_id}|{cache.cache_id}|{cache.generation}"
+            try:
+                self._require().notify(peer.agent, notice.encode())
+            except LLMException:
+                pass  # the peer hears of it when it links again (or is unlinked)
+        if pending:
+            with self._lock:
+                # A peer unlinked meanwhile cannot acknowledge: it no longer counts.
+                pending &= set(self._peers)
+                if pending:
+                    self._quarantine[cache.cache_id] = (cache, pending)
+                    return
+        self._release_memory(cache)
+
+    def _release_memory(self, cache: Cache) -> None:
         self._require().deregister(cache._backend_state)
         cache._backend_state = None
         if cache.owned:
@@ -383,6 +461,28 @@ class LlmDataDist:
                 if hasattr(t, "free"):
                     t.free()
             cache.tensors = []
+
+    def _acknowledged(self, cluster_id: int, cache_id: int | None = None) -> None:
+        """``cluster_id`` no longer knows ``cache_id`` (None: any of this node's former
+        caches): release what no peer may write any more."""
+        with self._lock:
+            free = []
+            for cid, (cache, pending) in list(self._quarantine.items()):
+                if cache_id is None or cid == cache_id:
+                    pending.discard(cluster_id)
+                    if not pending:
+                        del self._quarantine[cid]
+                        free.append(cache)
+        for cache in free:
+            self._release_memory(cache)
+
+    def quarantined_caches(self) -> list[int]:
+        """Ids of deallocated caches whose memory is still held because a linked peer has
+        not acknowledged the deallocation (docs/DATADIST.md, "Failure semantics")."""
+        if self._quarantine:
+            self._drain()
+        with self._lock:
+            return sorted(self._quarantine)
 
     # --- metadata and links ---------------------------------------------------------------
 
@@ -437,33 +537,51 @@ class LlmDataDist:
                 self._require().forget_remote(peer.agent, old)
         peer.caches = caches
 
-    def link_clusters(self, clusters: Iterable[Any], timeout_s: float | None = None) -> list[int]:
+    def link_clusters(
+        self, clusters: Iterable[Any], timeout_s: float | None = None
+    ) -> list[LinkResult]:
         """Link to peers listening at ``clusters`` (``(ip, port)`` pairs or ``"ip:port"``).
 
-        Both sides learn each other's caches and transport metadata. Returns the peers'
-        cluster ids.
+        Both sides learn each other's caches and transport metadata. Each cluster is
+        linked on its own: one that fails does not stop the others.
+
+        Returns
+        -------
+        list of LinkResult
+            One per cluster, in order (CANN's ``rets``): SUCCESS with the peer's cluster
+            id, or FAILED with the reason (unreachable within ``timeout_s``, default
+            ``control_timeout_s``; refused; the same cluster id; another backend).
 
         Raises
         ------
-        LLMException
-            FAILED when a peer cannot be reached within ``timeout_s`` (default
-            ``control_timeout_s``) or refuses the link.
+        TypeError
+            A cluster that is not an address (checked before anything is linked).
         """
         self._require()
         timeout = float(self.options["control_timeout_s"] if timeout_s is None else timeout_s)
-        linked = []
-        for i, c in enumerate(list(clusters)):
-            addr = _parse_address(f"clusters[{i}]", c)
+        addrs = [_parse_address(f"clusters[{i}]", c) for i, c in enumerate(list(clusters))]
+        results = []
+        for addr in addrs:
             try:
                 reply = control.request(addr, {"op": "hello", "md": self._metadata()}, timeout)
+                if "error" in reply:
+                    raise LLMException(
+                        LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]} refused: {reply['error']}"
+                    )
+                peer = self._apply_metadata(reply["md"])
             except OSError as exc:
-                raise LLMException(LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]}: {exc}") from exc
-            if "error" in reply:
-                raise LLMException(
-                    LLMStatus.FAILED, f"link to {addr[0]}:{addr[1]} refused: {reply['error']}"
+                results.append(
+                    LinkResult(LLMStatus.FAILED, None, f"link to {addr[0]}:{addr[1]}: {exc}")
                 )
-            linked.append(self._apply_metadata(reply["md"]).cluster_id)
-        return linked
+                continue
+            except LLMException as exc:
+                results.append(LinkResult(exc.status, None, exc.message))
+                continue
+            # The peer applied this node's table before it answered: it knows every
+            # deallocation (docs/DATADIST.md, "Failure semantics").
+            self._acknowledged(peer.cluster_id)
+            results.append(LinkResult(LLMStatus.SUCCESS, peer.cluster_id))
+        return results
 
     def unlink_clusters(self, cluster_ids: Iterable[int], timeout_s: float | None = None) -> None:
         """End links on both sides (the peer is told, bounded by ``timeout_s``).
@@ -481,6 +599,7 @@ class LlmDataDist:
             if peer is None:
                 raise LLMException(LLMStatus.NOT_YET_LINK, f"cluster {cid} is not linked")
             self._require().remove_peer(peer.agent)
+            self._acknowledged(cid)  # an unlinked peer is no longer told anything
             if not peer.broken:
                 try:
                     control.request(
@@ -508,19 +627,23 @@ class LlmDataDist:
             peer = self._peers.get(int(msg.get("from", -1)))
         if op == "drop":
             if peer is not None:
-                with self._lock:
-                    old = peer.caches.get(int(msg["cache_id"]))
-                    if old is not None and old.generation == int(msg["generation"]):
-                        del peer.caches[old.cache_id]
-                        self._require().forget_remote(peer.agent, old)
+                self._forget_remote_cache(peer, int(msg["cache_id"]), int(msg["generation"]))
             return {}
         if op == "bye":
             if peer is not None and peer.agent == msg.get("agent"):
                 with self._lock:
                     self._peers.pop(peer.cluster_id, None)
                 self._require().remove_peer(peer.agent)
+                self._acknowledged(peer.cluster_id)  # it forgot all of this node's caches
             return {}
         return {"error": f"unknown request {op!r}"}
+
+    def _forget_remote_cache(self, peer: _Peer, cache_id: int, generation: int) -> None:
+        with self._lock:
+            old = peer.caches.get(cache_id)
+            if old is not None and old.generation == generation:
+                del peer.caches[old.cache_id]
+                self._require().forget_remote(peer.agent, old)
 
     def _peer_alive(self, peer: _Peer) -> bool:
         """Whether the peer's control server still accepts connections (a dead process's
@@ -552,6 +675,7 @@ class LlmDataDist:
             raise param_invalid(
                 f"{arg}.batch_index", "0 (blocks are addressed by id)", index.batch_index
             )
+        self._drain()  # deallocate notices that came with the data path (issue 19 item 1)
         with self._lock:
             peer = self._peers.get(index.cluster_id)
         if peer is None or peer.broken:
@@ -593,6 +717,7 @@ class LlmDataDist:
     def _start(
         self,
         op: str,
+        arg: str,
         local: Cache,
         peer: _Peer,
         remote: CacheInfo,
@@ -614,10 +739,49 @@ class LlmDataDist:
                     op, plan, self._info(local), local._backend_state, remote, peer.agent, notif
                 )
         except LLMException as exc:
-            if exc.status == LLMStatus.NOT_YET_LINK:
+            err = self._transfer_error(exc, arg, local, peer)
+            if err.status == LLMStatus.NOT_YET_LINK:
                 peer.broken = True
-            raise
-        return TransferHandle(self, xfer, tag, peer, timeout)
+            if err is exc:
+                raise
+            raise err from exc
+        return TransferHandle(self, xfer, tag, peer, timeout, (arg, local))
+
+    def _transfer_error(
+        self, exc: LLMException, arg: str, local: Cache, peer: _Peer
+    ) -> LLMException:
+        """What a failed transfer is: memory of ``local`` that the caller freed while it
+        was registered is KV_CACHE_NOT_EXIST, and the link is loaded again (NIXL marks the
+        connection failed after any error); anything else stays as the transport said
+        (issue 19 item 6; docs/DATADIST.md, "Failure semantics")."""
+        if exc.status not in (LLMStatus.NOT_YET_LINK, LLMStatus.FAILED):
+            return exc
+        d = local.cache_desc
+        gone = memory.unmapped(local.tensor_addrs, d.tensor_bytes, d.placement)
+        if gone is None:
+            return exc
+        try:
+            self._reconnect(peer)
+        except (OSError, LLMException):
+            pass  # the peer does not answer either: the link stays as the error left it
+        return LLMException(
+            LLMStatus.KV_CACHE_NOT_EXIST,
+            f"{arg}: the memory of tensors[{gone}] of cache {local.cache_id} is no longer "
+            f"mapped (freed by the caller while registered; docs/DATADIST.md, 'Failure "
+            f"semantics'); the link to cluster {peer.cluster_id} is kept ({exc.message})",
+        )
+
+    def _reconnect(self, peer: _Peer) -> None:
+        """Load the peer's transport metadata again (a new NIXL connection)."""
+        reply = control.request(
+            peer.address,
+            {"op": "table", "from": self.cluster_id},
+            float(self.options["control_timeout_s"]),
+        )
+        if "md" not in reply:
+            raise OSError(f"cluster {peer.cluster_id}: {reply.get('error')}")
+        self._require().remove_peer(peer.agent)
+        self._apply_metadata(reply["md"])
 
     def push_kv_blocks_async(
         self,
@@ -646,7 +810,9 @@ class LlmDataDist:
             op="push",
             role=self.role,
         )
-        return self._start(WRITE, local, peer, remote, plan, self._tag(tag), stream, timeout_s)
+        return self._start(
+            WRITE, "src_cache", local, peer, remote, plan, self._tag(tag), stream, timeout_s
+        )
 
     def push_kv_blocks(
         self,
@@ -736,7 +902,9 @@ class LlmDataDist:
             op="pull",
             role=self.role,
         )
-        return self._start(READ, local, peer, remote, plan, self._tag(tag), stream, timeout_s)
+        return self._start(
+            READ, "dst_cache", local, peer, remote, plan, self._tag(tag), stream, timeout_s
+        )
 
     def pull_kv_blocks(
         self,
@@ -772,8 +940,11 @@ class LlmDataDist:
     # --- destination side -----------------------------------------------------------------
 
     def _drain(self) -> None:
-        for _, msg in self._require().poll():
+        for agent, msg in self._require().poll():
             parts = msg.decode(errors="replace").split("|", 3)
+            if len(parts) == 4 and parts[0] in (_DROP, _DACK):
+                self._notice(agent, parts[0], int(parts[1]), int(parts[2]), int(parts[3]))
+                continue
             if len(parts) != 4 or parts[0] != _NOTIF:
                 continue
             cache_id, gen, tag = int(parts[1]), int(parts[2]), parts[3]
@@ -781,6 +952,21 @@ class LlmDataDist:
                 cache = self._caches.get(cache_id)
                 live = cache is not None and cache.generation == gen
                 (self._received if live else self._stale).add(tag)
+
+    def _notice(self, agent: str, kind: str, cluster: int, cache_id: int, gen: int) -> None:
+        """An in-band deallocate notice (forget the cache, acknowledge) or its
+        acknowledgement (release the quarantined memory)."""
+        if kind == _DACK:
+            self._acknowledged(cluster, cache_id)
+            return
+        with self._lock:
+            peer = self._peers.get(cluster)
+        if peer is not None:
+            self._forget_remote_cache(peer, cache_id, gen)
+        try:
+            self._require().notify(agent, f"{_DACK}|{self.cluster_id}|{cache_id}|{gen}".encode())
+        except LLMException:
+            pass  # gone: it releases the memory when it unlinks this node
 
     def received(self, tag: str) -> bool:
         """True once (then the tag is forgotten) when the transfer tagged ``tag`` has put

@@ -11,7 +11,9 @@ addresses (engine buffers whose shape only the caller knows).
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
+import sys
 from typing import Any
 
 import numpy as np
@@ -136,6 +138,31 @@ def tensor_address(arg: str, obj: Any, desc: CacheDesc) -> int:
     if addr == 0:
         raise ValueError(f"{arg}: expected a non-null address, got 0")
     return addr
+
+
+_LIBC: Any = None
+
+
+def unmapped(addrs: tuple[int, ...], nbytes: int, placement: str) -> int | None:
+    """Index of the first tensor whose ``nbytes`` at its address are no longer mapped in
+    this process (the caller freed registered memory), else None.
+
+    Only host memory on Linux is checked (``mincore`` fails with ENOMEM on an unmapped
+    page); device memory and other systems give None (not known)."""
+    global _LIBC
+    if placement != "host" or not sys.platform.startswith("linux"):
+        return None
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    for i, a in enumerate(addrs):
+        start = a - a % page
+        length = a + nbytes - start
+        vec = ctypes.create_string_buffer((length + page - 1) // page)
+        if _LIBC.mincore(start, length, vec) != 0 and ctypes.get_errno() == errno.ENOMEM:
+            return i
+    return None
 
 
 def copy_bytes(dst: int, src: int, nbytes: int, host: bool, device: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,6 +54,31 @@ class LLMParamInvalid(LLMException, ValueError):
 def param_invalid(arg: str, expected: str, got: Any) -> LLMParamInvalid:
     """``LLMParamInvalid("arg: expected ..., got ... (docs/SPEC.md D4)")``."""
     return LLMParamInvalid(f"{arg}: expected {expected}, got {got} (docs/SPEC.md D4)")
+
+
+class LinkResult(NamedTuple):
+    """One cluster's result of ``link_clusters`` (an entry of CANN's ``rets``); a tuple,
+    so it goes into JSON as ``[status, cluster_id, message]``.
+
+    Attributes
+    ----------
+    status : LLMStatus
+        SUCCESS, or why this cluster was not linked (FAILED: unreachable within the
+        timeout, refused, the same cluster id, another backend).
+    cluster_id : int or None
+        The peer's cluster id once linked (it is learned from the peer), else None.
+    message : str
+        Empty on success, else the reason.
+    """
+
+    status: LLMStatus
+    cluster_id: int | None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when the cluster is linked."""
+        return self.status is LLMStatus.SUCCESS
 
 
 class LLMRole(str, enum.Enum):

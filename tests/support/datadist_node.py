@@ -6,7 +6,10 @@ stdout line starting with ``@@`` (anything else on stdout is ignored by the driv
         --cache 4,8x64,float16
 
 Commands: ``link`` {addr}, ``read`` {tag, timeout_s} (waits for the tag, returns the
-cache's bytes), ``fill`` {seed}, ``pull`` {cluster, cache, src, dst, ext}, ``quit``.
+cache's bytes), ``fill`` {seed}, ``pull`` {cluster, cache, src, dst, ext}, ``realloc``
+(deallocates the cache and makes a new one of the same layout, filled with the sentinel:
+with ``--register`` the same buffers registered again if the node allows it, else a new
+allocation), ``state`` (the cache's bytes and the quarantined cache ids), ``quit``.
 """
 
 from __future__ import annotations
@@ -34,18 +37,30 @@ def _reply(**kw) -> None:
     sys.stdout.flush()
 
 
+def _quarantined(node) -> list:
+    # getattr: the same driver runs against code without quarantine (a test's pre-fix run)
+    return getattr(node, "quarantined_caches", list)()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cluster-id", type=int, required=True)
     ap.add_argument("--role", required=True)
     ap.add_argument("--backend", default="nixl")
     ap.add_argument("--cache", required=True, help="num_tensors,NBxDIMS,dtype")
+    ap.add_argument("--options", default="{}", help="LlmDataDist options, JSON")
+    ap.add_argument(
+        "--register", action="store_true", help="register buffers of this process (not allocate)"
+    )
     args = ap.parse_args()
     n, shape, dtype = args.cache.split(",")
     desc = CacheDesc(int(n), tuple(int(v) for v in shape.split("x")), dtype)
-    node = LlmDataDist(args.cluster_id, args.role, backend=args.backend)
+    node = LlmDataDist(
+        args.cluster_id, args.role, backend=args.backend, options=json.loads(args.options)
+    )
     node.initialize("127.0.0.1", 0)
-    cache = node.allocate_cache(desc)
+    buffers = [np.full(desc.shape, SENTINEL, desc.dtype) for _ in range(desc.num_tensors)]
+    cache = node.register_cache(desc, buffers) if args.register else node.allocate_cache(desc)
     for t in cache.tensors:
         t[...] = SENTINEL
     _reply(addr=list(node.listen_address), cache=cache.cache_id, pid=__import__("os").getpid())
@@ -60,6 +75,32 @@ def main() -> int:
             elif op == "read":
                 node.wait_received(cmd["tag"], timeout_s=cmd.get("timeout_s", 5))
                 _reply(data=_bytes(cache))
+            elif op == "realloc":
+                # The new cache takes the old one's memory where the node allows it: the
+                # same buffers registered again (--register), else a new allocation.
+                old = cache
+                node.deallocate_cache(old)
+                refused = None
+                if args.register:
+                    for t in buffers:
+                        t[...] = SENTINEL
+                    try:
+                        cache = node.register_cache(desc, buffers)
+                    except ValueError as exc:
+                        refused = str(exc)
+                if refused is not None or not args.register:
+                    cache = node.allocate_cache(desc)
+                for t in cache.tensors:
+                    t[...] = SENTINEL
+                _reply(
+                    cache=cache.cache_id,
+                    reused=sorted(cache.tensor_addrs) == sorted(old.tensor_addrs),
+                    refused=refused,
+                    quarantined=_quarantined(node),
+                    data=_bytes(cache),
+                )
+            elif op == "state":
+                _reply(cache=cache.cache_id, quarantined=_quarantined(node), data=_bytes(cache))
             elif op == "fill":
                 rng = np.random.default_rng(cmd["seed"])
                 for t in cache.tensors:
