@@ -378,6 +378,38 @@ class _PollClock:
         return self.ticks
 
 
+def test_a_probe_that_times_out_is_not_a_death_local(monkeypatch):
+    """Issue 19 fault 2: while a transfer waits, the liveness probe of a peer whose control
+    port does not answer in time (a paused process with a full accept backlog) counts it
+    alive: the wait ends in TIMEOUT and the link stays; only a refused port is a death."""
+    p = LlmDataDist(1, "prompt", backend="local", options={"local.latency_s": 1e6})
+    d = LlmDataDist(2, "decoder", backend="local")
+    p.initialize()
+    d.initialize()
+    real = llm_datadist.socket.create_connection
+    paused = {"on": True}
+
+    def connect(address, *args, **kw):
+        if paused["on"] and tuple(address) == d.listen_address:
+            raise TimeoutError("timed out")
+        return real(address, *args, **kw)
+
+    try:
+        src = p.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        dst = d.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        p.link_clusters([d.listen_address])
+        monkeypatch.setattr(llm_datadist.socket, "create_connection", connect)
+        h = p.push_kv_blocks_async(src, CacheIndex(2, dst.cache_id), [0], [0], ONE)
+        with pytest.raises(LLMException) as info:
+            h.wait(timeout_s=3 * llm_datadist._PROBE_EVERY_S)  # probes at least twice
+        assert info.value.status is LLMStatus.TIMEOUT, info.value
+        paused["on"] = False
+        assert p.linked_clusters() == [2] and not p._peers[2].broken
+    finally:
+        p.finalize()
+        d.finalize()
+
+
 def test_timeout_releases_the_handle_local(monkeypatch):
     # wait(timeout_s=T) sleeps at least POLL_INTERVAL_S between polls, so it polls at most
     # T / POLL_INTERVAL_S + 1 times, fewer under load; the transfer completes only on the

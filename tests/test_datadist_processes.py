@@ -1,6 +1,7 @@
 """Two processes over 127.0.0.1 with NIXL (docs/SPEC.md D5, D6): link, push, verify on the
 destination, pull, then kill the destination and get NOT_YET_LINK within 1 s; a peer that
-stops answering gives TIMEOUT with the handle released; and the two-process example
+stops answering gives TIMEOUT with the handle released; a peer paused for a moment
+(issue 19; docs/DATADIST.md "Failure semantics"); and the two-process example
 (prefill pushes, decode runs the example decode step on the CPU runtime). Every wait is
 bounded; a node that misbehaves is killed."""
 
@@ -193,6 +194,76 @@ def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
         assert p._transport.unreleased == [], "NIXL could not cancel the transfer"
     finally:
         os.kill(dst_node.proc.pid, signal.SIGCONT)
+        p.finalize()
+
+
+TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+def _tcp(monkeypatch):
+    """UCX over TCP on the loopback (read when each agent's UCX context is created): a
+    stopped receiver leaves a large push in progress instead of finishing it by shm."""
+    for k, v in TCP.items():
+        monkeypatch.setenv(k, v)
+    return _env(**TCP)
+
+
+def _stop(node):
+    """SIGSTOP a node and wait until it is stopped (the signal is asynchronous)."""
+    os.kill(node.proc.pid, signal.SIGSTOP)
+    for _ in range(1000):
+        with open(f"/proc/{node.proc.pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] in "Tt":
+                return
+        threading.Event().wait(0.005)
+    raise AssertionError("the node did not stop")
+
+
+def _ask_status(node, reply_s=10.0, **cmd):
+    """A command's reply within ``reply_s``, errors included (``status`` names the
+    LLMStatus)."""
+    node.proc.stdin.write(json.dumps(cmd) + "\n")
+    node.proc.stdin.flush()
+    return node.reply(reply_s)
+
+
+def test_a_paused_peer_times_out_and_the_link_recovers(spawn, monkeypatch):
+    """Issue 19 fault 2: a decoder stopped for a moment gives TIMEOUT, not a broken link
+    (a control request that times out, a transfer that times out), and after SIGCONT the
+    same link pushes again without relinking."""
+    nb = 2048
+    dst = spawn(
+        "--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x8192,int8",
+        env=_tcp(monkeypatch),
+    )  # fmt: skip
+    p = LlmDataDist(1, "prompt", backend="nixl", options={"control_timeout_s": 0.3})
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(1, (nb, 8192), "int8"))
+        src.tensors[0][...] = 7
+        p.link_clusters([tuple(dst.hello["addr"])], timeout_s=5)
+        one = KvCacheExtParam(tensor_num_per_layer=1)
+        index = CacheIndex(2, dst.hello["cache"])
+        p.push_kv_blocks(src, index, [0], [0], one)
+        later = CacheIndex(2, dst.ask(cmd="alloc")["cache"])  # unknown to p until asked
+        _stop(dst)
+        # The cache table request times out: TIMEOUT, the link stays.
+        with pytest.raises(LLMException) as info:
+            p.push_kv_blocks(src, later, [0], [0], one, timeout_s=0.3)
+        assert info.value.status is LLMStatus.TIMEOUT, info.value
+        # A transfer that cannot finish while the peer is stopped: TIMEOUT.
+        with pytest.raises(LLMException) as info:
+            p.push_kv_blocks(src, index, np.arange(nb), np.arange(nb), one, timeout_s=0.5)
+        assert info.value.status is LLMStatus.TIMEOUT, info.value
+        assert p.linked_clusters() == [2]
+        os.kill(dst.proc.pid, signal.SIGCONT)
+        tag = p.push_kv_blocks(src, index, [1, 2], [5, 6], one, timeout_s=10, tag="resumed")
+        got = _tensors(dst.ask(cmd="read", tag=tag)["data"], CacheDesc(1, (nb, 8192), "int8"))
+        assert (got[0][[5, 6]] == 7).all()
+        p.push_kv_blocks(src, later, [0], [0], one, timeout_s=10, tag="later")
+        dst.ask(cmd="read", tag="later")
+    finally:
+        os.kill(dst.proc.pid, signal.SIGCONT)
         p.finalize()
 
 

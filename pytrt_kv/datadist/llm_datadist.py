@@ -523,13 +523,16 @@ class LlmDataDist:
         return {"error": f"unknown request {op!r}"}
 
     def _peer_alive(self, peer: _Peer) -> bool:
-        """Whether the peer's control server still accepts connections (a dead process's
-        port refuses at once)."""
+        """False when the peer's control port refuses connections (a dead process's port
+        refuses at once). A connection that times out is not a death: a paused or busy
+        process (SIGSTOP, a full accept backlog) still counts as alive."""
         try:
             with socket.create_connection(peer.address, timeout=_PROBE_EVERY_S):
                 return True
-        except OSError:
+        except (ConnectionRefusedError, ConnectionResetError):
             return False
+        except OSError:
+            return True
 
     # --- transfers ------------------------------------------------------------------------
 
@@ -568,6 +571,13 @@ class LlmDataDist:
                     {"op": "table", "from": self.cluster_id},
                     float(self.options["control_timeout_s"]),
                 )
+            except TimeoutError as exc:  # paused or busy: not a death, the link stays
+                raise LLMException(
+                    LLMStatus.TIMEOUT,
+                    f"{arg}: cluster {index.cluster_id} did not answer within "
+                    f"{self.options['control_timeout_s']} s (control_timeout_s); the link "
+                    f"is kept",
+                ) from exc
             except OSError as exc:
                 peer.broken = True
                 raise LLMException(

@@ -5,8 +5,10 @@ stdout line starting with ``@@`` (anything else on stdout is ignored by the driv
     python tests/support/datadist_node.py --cluster-id 2 --role decoder --backend nixl \
         --cache 4,8x64,float16
 
-Commands: ``link`` {addr}, ``read`` {tag, timeout_s} (waits for the tag, returns the
-cache's bytes), ``fill`` {seed}, ``pull`` {cluster, cache, src, dst, ext}, ``quit``.
+Commands: ``link`` {addr, timeout_s}, ``read`` {tag, timeout_s} (waits for the tag,
+returns the cache's bytes), ``fill`` {seed}, ``pull`` {cluster, cache, src, dst, ext},
+``alloc`` (another cache like the first; returns its id), ``quit``. ``--options`` is the
+node's ``options`` as JSON.
 """
 
 from __future__ import annotations
@@ -40,10 +42,13 @@ def main() -> int:
     ap.add_argument("--role", required=True)
     ap.add_argument("--backend", default="nixl")
     ap.add_argument("--cache", required=True, help="num_tensors,NBxDIMS,dtype")
+    ap.add_argument("--options", default="{}", help="LlmDataDist options, JSON")
     args = ap.parse_args()
     n, shape, dtype = args.cache.split(",")
     desc = CacheDesc(int(n), tuple(int(v) for v in shape.split("x")), dtype)
-    node = LlmDataDist(args.cluster_id, args.role, backend=args.backend)
+    node = LlmDataDist(
+        args.cluster_id, args.role, backend=args.backend, options=json.loads(args.options)
+    )
     node.initialize("127.0.0.1", 0)
     cache = node.allocate_cache(desc)
     for t in cache.tensors:
@@ -56,7 +61,10 @@ def main() -> int:
             if op == "quit":
                 break
             if op == "link":
-                _reply(linked=node.link_clusters([tuple(cmd["addr"])], timeout_s=5))
+                linked = node.link_clusters([tuple(cmd["addr"])], timeout_s=cmd.get("timeout_s", 5))
+                _reply(linked=linked)
+            elif op == "alloc":
+                _reply(cache=node.allocate_cache(desc).cache_id)
             elif op == "read":
                 node.wait_received(cmd["tag"], timeout_s=cmd.get("timeout_s", 5))
                 _reply(data=_bytes(cache))
