@@ -1,7 +1,7 @@
 """Two processes over 127.0.0.1 with NIXL (docs/SPEC.md D5, D6): link, push, verify on the
 destination, pull, then kill the destination and get NOT_YET_LINK within 1 s; a peer that
-stops answering gives TIMEOUT with the handle released; a peer paused for a moment
-(issue 19; docs/DATADIST.md "Failure semantics"); and the two-process example
+stops answering gives TIMEOUT with the handle released; the faults of issue 19 (docs/DATADIST.md
+"Failure semantics"); and the two-process example
 (prefill pushes, decode runs the example decode step on the CPU runtime). Every wait is
 bounded; a node that misbehaves is killed."""
 
@@ -264,6 +264,49 @@ def test_a_paused_peer_times_out_and_the_link_recovers(spawn, monkeypatch):
         dst.ask(cmd="read", tag="later")
     finally:
         os.kill(dst.proc.pid, signal.SIGCONT)
+        p.finalize()
+
+
+def test_a_new_peer_links_while_a_long_push_is_posted(spawn):
+    """Issue 19 fault 3: the control channel answers while the node's agent is busy
+    posting a long push (shared memory: NIXL copies inside the post, ~0.3 s for these
+    512 MiB here), so a new decoder links within a link timeout of a third of that."""
+    nb = 512
+    a = spawn("--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x1048576,int8")
+    b = spawn("--cluster-id", "3", "--role", "decoder", "--cache", "1,4x64,int8")
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(1, (nb, 1 << 20), "int8"))
+        p.link_clusters([tuple(a.hello["addr"])], timeout_s=5)
+        one = KvCacheExtParam(tensor_num_per_layer=1)
+        index = CacheIndex(2, a.hello["cache"])
+        stop = threading.Event()
+        pushes = []
+
+        def push():
+            while not stop.is_set():
+                p.push_kv_blocks(src, index, np.arange(nb), np.arange(nb), one, timeout_s=60)
+                pushes.append(1)
+
+        t = threading.Thread(target=push, daemon=True)
+        t.start()
+        try:
+            while not pushes:  # the agent is warm and pushing
+                threading.Event().wait(0.01)
+            for _ in range(3):
+                r = _ask_status(b, cmd="link", addr=list(p.listen_address), timeout_s=0.1)
+                assert r.get("linked") == [1], r
+        finally:
+            stop.set()
+            t.join(60)
+        # Both links work.
+        small = p.allocate_cache(CacheDesc(1, (4, 64), "int8"))
+        small.tensors[0][...] = 5
+        tag = p.push_kv_blocks(small, CacheIndex(3, b.hello["cache"]), [1], [2], one)
+        got = _tensors(b.ask(cmd="read", tag=tag)["data"], CacheDesc(1, (4, 64), "int8"))
+        assert (got[0][2] == 5).all() and (got[0][1] == SENTINEL).all()
+    finally:
         p.finalize()
 
 

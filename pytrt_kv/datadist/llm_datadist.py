@@ -64,6 +64,9 @@ class _Peer:
     address: tuple[str, int]
     caches: dict[int, CacheInfo] = field(default_factory=dict)
     broken: bool = False
+    #: Transport metadata not loaded yet (a link request is answered before it is).
+    pending: str | None = None
+    load_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 #: Pause between completion checks. Never spin: NIXL's progress threads need the CPU
@@ -406,8 +409,9 @@ class LlmDataDist:
         transport metadata, and each cache's id, generation, layout and addresses."""
         return json.dumps(self._metadata()).encode()
 
-    def _apply_metadata(self, md: dict[str, Any]) -> _Peer:
-        """Load a peer's metadata: (re)load its transport metadata and its cache table."""
+    def _apply_metadata(self, md: dict[str, Any], defer: bool = False) -> _Peer:
+        """Load a peer's metadata: (re)load its transport metadata and its cache table.
+        ``defer``: leave the transport metadata pending (:meth:`_load` loads it)."""
         if md.get("version") != 1 or md.get("backend") != self.backend:
             raise LLMException(
                 LLMStatus.FAILED,
@@ -417,7 +421,8 @@ class LlmDataDist:
         cid = int(md["cluster_id"])
         if cid == self.cluster_id:
             raise LLMException(LLMStatus.FAILED, f"peer has this node's own cluster_id {cid}")
-        self._require().add_peer(md["agent"], md["transport"])
+        if not defer:
+            self._require().add_peer(md["agent"], md["transport"])
         caches = {int(c["cache_id"]): CacheInfo.from_dict(c) for c in md["caches"]}
         with self._lock:
             peer = self._peers.get(cid)
@@ -428,6 +433,7 @@ class LlmDataDist:
                 self._peers[cid] = peer
             self._set_caches(peer, caches)
             peer.broken = False
+            peer.pending = md["transport"] if defer else None
         return peer
 
     def _set_caches(self, peer: _Peer, caches: dict[int, CacheInfo]) -> None:
@@ -500,7 +506,9 @@ class LlmDataDist:
         """Control requests from peers (server thread)."""
         op = msg.get("op")
         if op == "hello":
-            self._apply_metadata(msg["md"])
+            # Answered without waiting for the NIXL agent, which a long post may hold
+            # (issue 19 fault 3): the metadata is loaded on another thread.
+            self._load_later(self._apply_metadata(msg["md"], defer=True))
             return {"md": self._metadata()}
         if op == "table":
             return {"md": self._metadata()}
@@ -533,6 +541,25 @@ class LlmDataDist:
             return False
         except OSError:
             return True
+
+    def _load(self, peer: _Peer) -> None:
+        """Load the peer's transport metadata if a link request left it pending."""
+        with peer.load_lock:
+            with self._lock:
+                if self._peers.get(peer.cluster_id) is not peer:
+                    return  # unlinked or relinked meanwhile: nothing to load
+            if peer.pending is not None:
+                self._require().add_peer(peer.agent, peer.pending)
+                peer.pending = None
+
+    def _load_later(self, peer: _Peer) -> None:
+        def load() -> None:
+            try:
+                self._load(peer)
+            except LLMException:
+                pass  # the next transfer to this peer tries again and reports it
+
+        threading.Thread(target=load, name="pytrt_kv-datadist-link", daemon=True).start()
 
     # --- transfers ------------------------------------------------------------------------
 
@@ -591,6 +618,7 @@ class LlmDataDist:
                 LLMStatus.KV_CACHE_NOT_EXIST,
                 f"{arg}: cluster {index.cluster_id} has no cache {index.cache_id}",
             )
+        self._load(peer)
         return peer, info
 
     def _tag(self, tag: Any) -> str:
