@@ -378,6 +378,18 @@ class _PollClock:
         return self.ticks
 
 
+def test_the_timeout_options_are_checked():
+    """Issue 19 fault 4: the scaled default timeout's options refuse what cannot work."""
+    for key, bad in [
+        ("timeout_min_s", -1.0),
+        ("timeout_floor_bytes_per_s", 0),
+        ("timeout_floor_bytes_per_s", float("nan")),
+        ("timeout_min_s", "5"),
+    ]:
+        with pytest.raises(ValueError, match=key):
+            LlmDataDist(1, "prompt", backend="local", options={key: bad})
+
+
 def test_a_probe_that_times_out_is_not_a_death_local(monkeypatch):
     """Issue 19 fault 2: while a transfer waits, the liveness probe of a peer whose control
     port does not answer in time (a paused process with a full accept backlog) counts it

@@ -310,6 +310,40 @@ def test_a_new_peer_links_while_a_long_push_is_posted(spawn):
         p.finalize()
 
 
+def test_the_default_timeout_scales_with_the_bytes(spawn, monkeypatch):
+    """Issue 19 fault 4: with no timeout given, a push may take ``timeout_min_s`` plus its
+    bytes at ``timeout_floor_bytes_per_s``; here a floor of 4 MiB/s gives a 16 MiB push
+    4 s, so a receiver paused for 1 s slows it down without failing it."""
+    nb = 2048
+    dst = spawn(
+        "--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x8192,int8",
+        env=_tcp(monkeypatch),
+    )  # fmt: skip
+    opts = {"timeout_min_s": 0.2, "timeout_floor_bytes_per_s": 4 << 20}
+    p = LlmDataDist(1, "prompt", backend="nixl", options=opts)
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(1, (nb, 8192), "int8"))
+        src.tensors[0][...] = 4
+        p.link_clusters([tuple(dst.hello["addr"])], timeout_s=5)
+        one = KvCacheExtParam(tensor_num_per_layer=1)
+        index = CacheIndex(2, dst.hello["cache"])
+        h = p.push_kv_blocks_async(src, index, [0], [0], one)
+        assert h.timeout_s == pytest.approx(0.2 + 8192 / (4 << 20))
+        h.wait()
+        _stop(dst)
+        h = p.push_kv_blocks_async(src, index, np.arange(nb), np.arange(nb), one, tag="big")
+        assert h.timeout_s == pytest.approx(0.2 + 4.0)
+        threading.Event().wait(1.0)
+        os.kill(dst.proc.pid, signal.SIGCONT)
+        h.wait()
+        got = _tensors(dst.ask(cmd="read", tag="big")["data"], CacheDesc(1, (nb, 8192), "int8"))
+        assert (got[0] == 4).all()
+    finally:
+        os.kill(dst.proc.pid, signal.SIGCONT)
+        p.finalize()
+
+
 def test_example_prefill_decode(tmp_path):
     """examples/datadist_prefill_decode.py: a prefill process pushes the prompt's KV blocks
     into a decode process, which runs the example decode step on the CPU runtime."""

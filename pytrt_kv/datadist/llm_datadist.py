@@ -46,7 +46,12 @@ from .types import (
 
 #: Options and their defaults (``LlmDataDist(..., options={...})``).
 DEFAULT_OPTIONS: dict[str, Any] = {
-    "timeout_s": 5.0,  # default timeout of push/pull and wait()
+    # Default timeout of push/pull and wait(): None scales it with the bytes moved,
+    # timeout_min_s + nbytes / timeout_floor_bytes_per_s (docs/DATADIST.md, "Failure semantics").
+    "timeout_s": None,
+    "timeout_min_s": 5.0,
+    "timeout_floor_bytes_per_s": 64 << 20,  # 64 MiB/s: 2 GiB may take 37 s
+    "wait_timeout_s": 60.0,  # default of wait_received
     "control_timeout_s": 2.0,  # each control-channel request (link, table, drop, bye)
     "local.latency_s": 0.0,  # "local" backend: simulated transfer latency
     "nixl.backends": ["UCX"],  # "nixl" backend: NIXL backends to create
@@ -99,6 +104,7 @@ class TransferHandle:
 
     def __init__(self, dd: LlmDataDist, xfer: Xfer | None, tag: str, peer: _Peer, timeout_s: float):
         self._dd, self._xfer, self.tag, self._peer = dd, xfer, tag, peer
+        #: The timeout ``wait()`` uses by default (the call's, or scaled with the bytes).
         self.timeout_s = timeout_s
         self._error: LLMException | None = None
         self._done = xfer is None
@@ -116,7 +122,14 @@ class TransferHandle:
     def _fail(self, exc: LLMException) -> None:
         self._release()
         if exc.status == LLMStatus.NOT_YET_LINK:
-            self._peer.broken = True
+            # NIXL's disconnect is a death only when the control plane is gone too.
+            if self._dd._peer_alive(self._peer):
+                exc = LLMException(
+                    LLMStatus.FAILED,
+                    f"{exc.message}; the peer's control channel still answers, so the link is kept",
+                )
+            else:
+                self._peer.broken = True
         self._error = exc
         raise exc
 
@@ -222,6 +235,10 @@ class LlmDataDist:
                 f"options: unknown keys {unknown}; expected some of {sorted(DEFAULT_OPTIONS)}"
             )
         opts.update(options or {})
+        for key, least in (("timeout_min_s", 0.0), ("timeout_floor_bytes_per_s", 1.0)):
+            v = opts[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= least:
+                raise ValueError(f"options[{key!r}]: expected a number >= {least}, got {v!r}")
         self.cluster_id = cluster_id
         self.role = LLMRole.of(role)
         self.backend = backend
@@ -639,7 +656,7 @@ class LlmDataDist:
         stream: Any,
         timeout_s: float | None,
     ) -> TransferHandle:
-        timeout = float(self.options["timeout_s"] if timeout_s is None else timeout_s)
+        timeout = self._timeout(plan.nbytes, timeout_s)
         if op == WRITE and local.cache_desc.placement == "device":
             memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
         notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode()
@@ -653,9 +670,25 @@ class LlmDataDist:
                 )
         except LLMException as exc:
             if exc.status == LLMStatus.NOT_YET_LINK:
+                if self._peer_alive(peer):  # NIXL lost it, the control plane did not
+                    raise LLMException(
+                        LLMStatus.FAILED,
+                        f"{exc.message}; the peer's control channel still answers, so "
+                        f"the link is kept",
+                    ) from exc
                 peer.broken = True
             raise
         return TransferHandle(self, xfer, tag, peer, timeout)
+
+    def _timeout(self, nbytes: int, timeout_s: float | None) -> float:
+        """The call's ``timeout_s``, else ``options["timeout_s"]``, else scaled with the
+        bytes: ``timeout_min_s + nbytes / timeout_floor_bytes_per_s``."""
+        if timeout_s is not None:
+            return float(timeout_s)
+        if self.options["timeout_s"] is not None:
+            return float(self.options["timeout_s"])
+        o = self.options
+        return float(o["timeout_min_s"]) + nbytes / float(o["timeout_floor_bytes_per_s"])
 
     def push_kv_blocks_async(
         self,
@@ -846,12 +879,14 @@ class LlmDataDist:
     def wait_received(self, tag: str, timeout_s: float | None = None) -> None:
         """Block until :meth:`received` is True for ``tag``, at most ``timeout_s``.
 
+        ``timeout_s`` defaults to ``options["wait_timeout_s"]``.
+
         Raises
         ------
         LLMException
             TIMEOUT, or as :meth:`received`.
         """
-        timeout = float(self.options["timeout_s"] if timeout_s is None else timeout_s)
+        timeout = float(self.options["wait_timeout_s"] if timeout_s is None else timeout_s)
         start = time.monotonic()
         while not self.received(tag):
             if time.monotonic() - start >= timeout:
