@@ -422,6 +422,29 @@ def test_a_probe_that_times_out_is_not_a_death_local(monkeypatch):
         d.finalize()
 
 
+def test_cancel_tells_the_destination_local():
+    """Issue 19 fault 5: ``cancel()`` releases a pending transfer, copies nothing, and the
+    destination's received() raises FAILED once; a second cancel() has nothing to do."""
+    p = LlmDataDist(1, "prompt", backend="local", options={"local.latency_s": 1e6})
+    d = LlmDataDist(2, "decoder", backend="local")
+    p.initialize()
+    d.initialize()
+    try:
+        src = p.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        src.tensors[0][...] = 1
+        dst = d.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        _sentinel(dst)
+        p.link_clusters([d.listen_address])
+        h = p.push_kv_blocks_async(src, CacheIndex(2, dst.cache_id), [0], [0], ONE, tag="c|1")
+        assert h.cancel() and h.released and not h.cancel()
+        assert _status(h.done) is LLMStatus.FAILED
+        assert _status(lambda: d.received("c|1")) is LLMStatus.FAILED
+        assert not d.received("c|1") and (dst.tensors[0] == SENTINEL).all()
+    finally:
+        p.finalize()
+        d.finalize()
+
+
 def test_timeout_releases_the_handle_local(monkeypatch):
     # wait(timeout_s=T) sleeps at least POLL_INTERVAL_S between polls, so it polls at most
     # T / POLL_INTERVAL_S + 1 times, fewer under load; the transfer completes only on the
@@ -446,7 +469,10 @@ def test_timeout_releases_the_handle_local(monkeypatch):
         # Polled past its completion tick, the released handle still copies nothing.
         for _ in range(int(11 * polls)):
             assert _status(h.done) is LLMStatus.TIMEOUT
-        assert (dst.tensors[0] == SENTINEL).all() and not d.received("slow")
+        assert (dst.tensors[0] == SENTINEL).all()
+        # The destination hears of the failure (issue 19 fault 5), once.
+        assert _status(lambda: d.received("slow")) is LLMStatus.TIMEOUT
+        assert not d.received("slow")
     finally:
         p.finalize()
         d.finalize()

@@ -1,6 +1,7 @@
 """Two processes over 127.0.0.1 with NIXL (docs/SPEC.md D5, D6): link, push, verify on the
 destination, pull, then kill the destination and get NOT_YET_LINK within 1 s; a peer that
-stops answering gives TIMEOUT with the handle released; the faults of issue 19 (docs/DATADIST.md
+stops answering gives TIMEOUT with the handle released; the faults of issue 19 (a paused
+peer, a link during a long push, the scaled timeout, failure notices; docs/DATADIST.md
 "Failure semantics"); and the two-process example
 (prefill pushes, decode runs the example decode step on the CPU runtime). Every wait is
 bounded; a node that misbehaves is killed."""
@@ -339,6 +340,51 @@ def test_the_default_timeout_scales_with_the_bytes(spawn, monkeypatch):
         h.wait()
         got = _tensors(dst.ask(cmd="read", tag="big")["data"], CacheDesc(1, (nb, 8192), "int8"))
         assert (got[0] == 4).all()
+    finally:
+        os.kill(dst.proc.pid, signal.SIGCONT)
+        p.finalize()
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+def test_the_receiver_learns_of_a_failed_push(spawn, monkeypatch, how):
+    """Issue 19 fault 5: a push that times out or is cancelled sends a failure notice, so
+    the decoder's wait_received ends with the source's status at once instead of waiting
+    out its own timeout; the link then pushes again."""
+    nb = 2048
+    dst = spawn(
+        "--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x8192,int8",
+        env=_tcp(monkeypatch),
+    )  # fmt: skip
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(1, (nb, 8192), "int8"))
+        src.tensors[0][...] = 9
+        p.link_clusters([tuple(dst.hello["addr"])], timeout_s=5)
+        one = KvCacheExtParam(tensor_num_per_layer=1)
+        index = CacheIndex(2, dst.hello["cache"])
+        p.push_kv_blocks(src, index, [0], [0], one)
+        _stop(dst)
+        h = p.push_kv_blocks_async(src, index, np.arange(nb), np.arange(nb), one, tag="lost")
+        if how == "timeout":
+            with pytest.raises(LLMException) as info:
+                h.wait(timeout_s=0.3)
+            assert info.value.status is LLMStatus.TIMEOUT
+            expected = "TIMEOUT"
+        else:
+            h.cancel()
+            with pytest.raises(LLMException) as info:
+                h.done()
+            assert info.value.status is LLMStatus.FAILED and "cancel" in str(info.value)
+            expected = "FAILED"
+        assert h.released
+        os.kill(dst.proc.pid, signal.SIGCONT)
+        # The decoder would wait 60 s; the notice ends its wait before the 20 s reply bound.
+        r = _ask_status(dst, reply_s=20, cmd="read", tag="lost", timeout_s=60)
+        assert r.get("status") == expected and "source" in r.get("error", ""), r
+        tag = p.push_kv_blocks(src, index, [3], [4], one, timeout_s=10)
+        got = _tensors(dst.ask(cmd="read", tag=tag)["data"], CacheDesc(1, (nb, 8192), "int8"))
+        assert (got[0][4] == 9).all()
     finally:
         os.kill(dst.proc.pid, signal.SIGCONT)
         p.finalize()

@@ -51,13 +51,17 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "timeout_s": None,
     "timeout_min_s": 5.0,
     "timeout_floor_bytes_per_s": 64 << 20,  # 64 MiB/s: 2 GiB may take 37 s
-    "wait_timeout_s": 60.0,  # default of wait_received
+    "wait_timeout_s": 60.0,  # default of wait_received (a failed push ends it earlier)
     "control_timeout_s": 2.0,  # each control-channel request (link, table, drop, bye)
     "local.latency_s": 0.0,  # "local" backend: simulated transfer latency
     "nixl.backends": ["UCX"],  # "nixl" backend: NIXL backends to create
     "nixl.num_threads": 0,
 }
 _NOTIF = "pytrt_kv.dd1"
+#: A failure notice: ``_FAIL|status|tag`` (docs/DATADIST.md, "The receiver sees failures").
+_FAIL = "pytrt_kv.dd1fail"
+#: Failure notices kept for tags nobody waits on (a notice may outlive its tag's wait).
+_MAX_FAILED = 4096
 #: While a transfer is pending, check this often whether the peer is still there.
 _PROBE_EVERY_S = 0.2
 
@@ -131,7 +135,28 @@ class TransferHandle:
             else:
                 self._peer.broken = True
         self._error = exc
+        if exc.status != LLMStatus.NOT_YET_LINK:
+            self._dd._send_failure(self._peer, exc.status, self.tag)
         raise exc
+
+    def cancel(self) -> bool:
+        """Abort the transfer: its handle is released (NIXL cancels what it can), the
+        destination is sent a failure notice (its :meth:`LlmDataDist.wait_received`
+        raises FAILED) and later ``done()``/``wait()`` raise FAILED. The destination blocks
+        may hold partial data (docs/DATADIST.md, "Failure semantics").
+
+        Returns
+        -------
+        bool
+            False if the transfer had already completed or failed (nothing to cancel).
+        """
+        if self._done or self._error is not None:
+            return False
+        try:
+            self._fail(LLMException(LLMStatus.FAILED, f"transfer {self.tag!r} cancelled"))
+        except LLMException:
+            pass
+        return True
 
     def done(self) -> bool:
         """True when the transfer is complete (the initiator may reuse its blocks)."""
@@ -253,6 +278,7 @@ class LlmDataDist:
         self._tags = itertools.count(1)
         self._received: set = set()
         self._stale: set = set()
+        self._failed: dict[str, str] = {}  # tag -> the source's status name
         self.listen_address: tuple[str, int] | None = None
 
     # --- life cycle -----------------------------------------------------------------------
@@ -559,6 +585,14 @@ class LlmDataDist:
         except OSError:
             return True
 
+    def _send_failure(self, peer: _Peer, status: LLMStatus, tag: str) -> None:
+        """Tell a transfer's other side that it failed (best effort: the notice is queued
+        by NIXL; a peer that is gone gets nothing)."""
+        try:
+            self._require().notify(peer.agent, f"{_FAIL}|{status.name}|{tag}".encode())
+        except LLMException:
+            pass
+
     def _load(self, peer: _Peer) -> None:
         """Load the peer's transport metadata if a link request left it pending."""
         with peer.load_lock:
@@ -844,7 +878,17 @@ class LlmDataDist:
 
     def _drain(self) -> None:
         for _, msg in self._require().poll():
-            parts = msg.decode(errors="replace").split("|", 3)
+            text = msg.decode(errors="replace")
+            if text.startswith(_FAIL + "|"):
+                status, sep, failed_tag = text[len(_FAIL) + 1 :].partition("|")
+                if not sep:
+                    continue
+                with self._lock:
+                    self._failed[failed_tag] = status
+                    while len(self._failed) > _MAX_FAILED:
+                        del self._failed[next(iter(self._failed))]
+                continue
+            parts = text.split("|", 3)
             if len(parts) != 4 or parts[0] != _NOTIF:
                 continue
             cache_id, gen, tag = int(parts[1]), int(parts[2]), parts[3]
@@ -861,10 +905,23 @@ class LlmDataDist:
         ------
         LLMException
             KV_CACHE_NOT_EXIST when that transfer targeted a cache this node deallocated
-            or replaced before the data arrived (its generation differs).
+            or replaced before the data arrived (its generation differs); the source's
+            status (TIMEOUT, FAILED) when it sent a failure notice for the tag.
         """
         self._drain()
         with self._lock:
+            failed = self._failed.pop(tag, None)
+            if tag in self._received:  # the data arrived (a late notice changes nothing)
+                self._received.discard(tag)
+                return True
+            if failed is not None:
+                status = LLMStatus[failed] if failed in LLMStatus.__members__ else None
+                raise LLMException(
+                    status or LLMStatus.FAILED,
+                    f"transfer {tag!r} failed at the source ({failed}); the blocks it "
+                    f"targets may hold partial data (docs/DATADIST.md, "
+                    f'"Failure semantics")',
+                )
             if tag in self._stale:
                 self._stale.discard(tag)
                 raise LLMException(
@@ -884,7 +941,8 @@ class LlmDataDist:
         Raises
         ------
         LLMException
-            TIMEOUT, or as :meth:`received`.
+            TIMEOUT, or as :meth:`received` (a transfer that failed at its source ends
+            the wait with the source's status).
         """
         timeout = float(self.options["wait_timeout_s"] if timeout_s is None else timeout_s)
         start = time.monotonic()
