@@ -422,6 +422,45 @@ def test_a_probe_that_times_out_is_not_a_death_local(monkeypatch):
         d.finalize()
 
 
+def test_a_transport_disconnect_is_a_death_only_without_control_local(monkeypatch):
+    """Issue 19 fault 4: the transport's disconnect (NOT_YET_LINK, NIXL's
+    nixlRemoteDisconnectError) from a peer whose control port still answers is FAILED and
+    keeps the link (posting or while in flight); once the control port refuses, it is
+    NOT_YET_LINK and the link is broken."""
+
+    class Gone(transport.Xfer):
+        def state(self):
+            raise LLMException(LLMStatus.NOT_YET_LINK, "the peer disconnected")
+
+        def release(self):
+            pass
+
+    def refuse(*args, **kw):
+        raise LLMException(LLMStatus.NOT_YET_LINK, "the peer disconnected")
+
+    p = LlmDataDist(1, "prompt", backend="local")
+    d = LlmDataDist(2, "decoder", backend="local")
+    p.initialize()
+    d.initialize()
+    try:
+        src = p.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        dst = d.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        p.link_clusters([d.listen_address])
+        index = CacheIndex(2, dst.cache_id)
+        monkeypatch.setattr(p._transport, "post", refuse)
+        assert _status(lambda: p.push_kv_blocks(src, index, [0], [0], ONE)) is LLMStatus.FAILED
+        monkeypatch.setattr(p._transport, "post", lambda *a, **k: Gone())
+        h = p.push_kv_blocks_async(src, index, [0], [0], ONE, tag="gone")
+        assert _status(h.wait) is LLMStatus.FAILED and not p._peers[2].broken
+        assert _status(lambda: d.received("gone")) is LLMStatus.FAILED  # the notice
+        d._server.close()  # as if d died: its control port refuses, no "bye" sent
+        h = p.push_kv_blocks_async(src, index, [0], [0], ONE)
+        assert _status(h.wait) is LLMStatus.NOT_YET_LINK and p._peers[2].broken
+    finally:
+        p.finalize()
+        d.finalize()
+
+
 def test_cancel_tells_the_destination_local():
     """Issue 19 fault 5: ``cancel()`` releases a pending transfer, copies nothing, and the
     destination's received() raises FAILED once; a second cancel() has nothing to do."""
