@@ -101,9 +101,10 @@ def _parse_address(arg: str, c: Any) -> tuple[str, int]:
 class TransferHandle:
     """An asynchronous push or pull (``push_kv_blocks_async``/``pull_kv_blocks_async``).
 
-    ``done()`` polls; ``wait()`` blocks with a bound. Either raises the transfer's
-    :class:`LLMException`. The NIXL handle is released when the transfer completes, fails
-    or times out; after a TIMEOUT the destination blocks are undefined (docs/SPEC.md D5).
+    ``done()`` polls; ``wait()`` blocks with a bound; ``cancel()`` aborts. The first two
+    raise the transfer's :class:`LLMException`. The NIXL handle is released when the
+    transfer completes, fails, times out or is cancelled; after a TIMEOUT the destination
+    blocks are undefined (docs/SPEC.md D5).
     """
 
     def __init__(self, dd: LlmDataDist, xfer: Xfer | None, tag: str, peer: _Peer, timeout_s: float):
