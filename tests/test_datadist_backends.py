@@ -383,6 +383,112 @@ class _PollClock:
         return self.ticks
 
 
+def test_the_timeout_options_are_checked():
+    """Issue 19 fault 4: the scaled default timeout's options refuse what cannot work."""
+    for key, bad in [
+        ("timeout_min_s", -1.0),
+        ("timeout_floor_bytes_per_s", 0),
+        ("timeout_floor_bytes_per_s", float("nan")),
+        ("timeout_min_s", "5"),
+    ]:
+        with pytest.raises(ValueError, match=key):
+            LlmDataDist(1, "prompt", backend="local", options={key: bad})
+
+
+def test_a_probe_that_times_out_is_not_a_death_local(monkeypatch):
+    """Issue 19 fault 2: while a transfer waits, the liveness probe of a peer whose control
+    port does not answer in time (a paused process with a full accept backlog) counts it
+    alive: the wait ends in TIMEOUT and the link stays; only a refused port is a death."""
+    p = LlmDataDist(1, "prompt", backend="local", options={"local.latency_s": 1e6})
+    d = LlmDataDist(2, "decoder", backend="local")
+    p.initialize()
+    d.initialize()
+    real = llm_datadist.socket.create_connection
+    paused = {"on": True}
+
+    def connect(address, *args, **kw):
+        if paused["on"] and tuple(address) == d.listen_address:
+            raise TimeoutError("timed out")
+        return real(address, *args, **kw)
+
+    try:
+        src = p.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        dst = d.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        p.link_clusters([d.listen_address])
+        monkeypatch.setattr(llm_datadist.socket, "create_connection", connect)
+        h = p.push_kv_blocks_async(src, CacheIndex(2, dst.cache_id), [0], [0], ONE)
+        with pytest.raises(LLMException) as info:
+            h.wait(timeout_s=3 * llm_datadist._PROBE_EVERY_S)  # probes at least twice
+        assert info.value.status is LLMStatus.TIMEOUT, info.value
+        paused["on"] = False
+        assert p.linked_clusters() == [2] and not p._peers[2].broken
+    finally:
+        p.finalize()
+        d.finalize()
+
+
+def test_a_transport_disconnect_is_a_death_only_without_control_local(monkeypatch):
+    """Issue 19 fault 4: the transport's disconnect (NOT_YET_LINK, NIXL's
+    nixlRemoteDisconnectError) from a peer whose control port still answers is FAILED and
+    keeps the link (posting or while in flight); once the control port refuses, it is
+    NOT_YET_LINK and the link is broken."""
+
+    class Gone(transport.Xfer):
+        def state(self):
+            raise LLMException(LLMStatus.NOT_YET_LINK, "the peer disconnected")
+
+        def release(self):
+            pass
+
+    def refuse(*args, **kw):
+        raise LLMException(LLMStatus.NOT_YET_LINK, "the peer disconnected")
+
+    p = LlmDataDist(1, "prompt", backend="local")
+    d = LlmDataDist(2, "decoder", backend="local")
+    p.initialize()
+    d.initialize()
+    try:
+        src = p.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        dst = d.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        p.link_clusters([d.listen_address])
+        index = CacheIndex(2, dst.cache_id)
+        monkeypatch.setattr(p._transport, "post", refuse)
+        assert _status(lambda: p.push_kv_blocks(src, index, [0], [0], ONE)) is LLMStatus.FAILED
+        monkeypatch.setattr(p._transport, "post", lambda *a, **k: Gone())
+        h = p.push_kv_blocks_async(src, index, [0], [0], ONE, tag="gone")
+        assert _status(h.wait) is LLMStatus.FAILED and not p._peers[2].broken
+        assert _status(lambda: d.received("gone")) is LLMStatus.FAILED  # the notice
+        d._server.close()  # as if d died: its control port refuses, no "bye" sent
+        h = p.push_kv_blocks_async(src, index, [0], [0], ONE)
+        assert _status(h.wait) is LLMStatus.NOT_YET_LINK and p._peers[2].broken
+    finally:
+        p.finalize()
+        d.finalize()
+
+
+def test_cancel_tells_the_destination_local():
+    """Issue 19 fault 5: ``cancel()`` releases a pending transfer, copies nothing, and the
+    destination's received() raises FAILED once; a second cancel() has nothing to do."""
+    p = LlmDataDist(1, "prompt", backend="local", options={"local.latency_s": 1e6})
+    d = LlmDataDist(2, "decoder", backend="local")
+    p.initialize()
+    d.initialize()
+    try:
+        src = p.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        src.tensors[0][...] = 1
+        dst = d.allocate_cache(CacheDesc(1, (2, 8), "int8"))
+        _sentinel(dst)
+        p.link_clusters([d.listen_address])
+        h = p.push_kv_blocks_async(src, CacheIndex(2, dst.cache_id), [0], [0], ONE, tag="c|1")
+        assert h.cancel() and h.released and not h.cancel()
+        assert _status(h.done) is LLMStatus.FAILED
+        assert _status(lambda: d.received("c|1")) is LLMStatus.FAILED
+        assert not d.received("c|1") and (dst.tensors[0] == SENTINEL).all()
+    finally:
+        p.finalize()
+        d.finalize()
+
+
 def test_timeout_releases_the_handle_local(monkeypatch):
     # wait(timeout_s=T) sleeps at least POLL_INTERVAL_S between polls, so it polls at most
     # T / POLL_INTERVAL_S + 1 times, fewer under load; the transfer completes only on the
@@ -407,7 +513,10 @@ def test_timeout_releases_the_handle_local(monkeypatch):
         # Polled past its completion tick, the released handle still copies nothing.
         for _ in range(int(11 * polls)):
             assert _status(h.done) is LLMStatus.TIMEOUT
-        assert (dst.tensors[0] == SENTINEL).all() and not d.received("slow")
+        assert (dst.tensors[0] == SENTINEL).all()
+        # The destination hears of the failure (issue 19 fault 5), once.
+        assert _status(lambda: d.received("slow")) is LLMStatus.TIMEOUT
+        assert not d.received("slow")
     finally:
         p.finalize()
         d.finalize()

@@ -1,6 +1,8 @@
 """Two processes over 127.0.0.1 with NIXL (docs/SPEC.md D5, D6): link, push, verify on the
 destination, pull, then kill the destination and get NOT_YET_LINK within 1 s; a peer that
-stops answering gives TIMEOUT with the handle released; and the two-process example
+stops answering gives TIMEOUT with the handle released; the faults of issue 19 (a paused
+peer, a link during a long push, the scaled timeout, failure notices; docs/DATADIST.md
+"Failure semantics"); and the two-process example
 (prefill pushes, decode runs the example decode step on the CPU runtime). Every wait is
 bounded; a node that misbehaves is killed."""
 
@@ -361,6 +363,198 @@ def test_link_results_one_tensor_cache_and_empty_lists(spawn):
         r.flush()
         assert dst_node.reply()["status"] == "TIMEOUT"  # the refused push sent no tag
     finally:
+        p.finalize()
+
+
+TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+def _tcp(monkeypatch):
+    """UCX over TCP on the loopback (read when each agent's UCX context is created): a
+    stopped receiver leaves a large push in progress instead of finishing it by shm."""
+    for k, v in TCP.items():
+        monkeypatch.setenv(k, v)
+    return _env(**TCP)
+
+
+def _stop(node):
+    """SIGSTOP a node and wait until it is stopped (the signal is asynchronous)."""
+    os.kill(node.proc.pid, signal.SIGSTOP)
+    for _ in range(1000):
+        with open(f"/proc/{node.proc.pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] in "Tt":
+                return
+        threading.Event().wait(0.005)
+    raise AssertionError("the node did not stop")
+
+
+def _ask_status(node, reply_s=10.0, **cmd):
+    """A command's reply within ``reply_s``, errors included (``status`` names the
+    LLMStatus)."""
+    node.proc.stdin.write(json.dumps(cmd) + "\n")
+    node.proc.stdin.flush()
+    return node.reply(reply_s)
+
+
+def test_a_paused_peer_times_out_and_the_link_recovers(spawn, monkeypatch):
+    """Issue 19 fault 2: a decoder stopped for a moment gives TIMEOUT, not a broken link
+    (a control request that times out, a transfer that times out), and after SIGCONT the
+    same link pushes again without relinking."""
+    nb = 2048
+    dst = spawn(
+        "--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x8192,int8",
+        env=_tcp(monkeypatch),
+    )  # fmt: skip
+    p = LlmDataDist(1, "prompt", backend="nixl", options={"control_timeout_s": 0.3})
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(1, (nb, 8192), "int8"))
+        src.tensors[0][...] = 7
+        p.link_clusters([tuple(dst.hello["addr"])], timeout_s=5)
+        one = KvCacheExtParam(tensor_num_per_layer=1)
+        index = CacheIndex(2, dst.hello["cache"])
+        p.push_kv_blocks(src, index, [0], [0], one)
+        later = CacheIndex(2, dst.ask(cmd="alloc")["cache"])  # unknown to p until asked
+        _stop(dst)
+        # The cache table request times out: TIMEOUT, the link stays.
+        with pytest.raises(LLMException) as info:
+            p.push_kv_blocks(src, later, [0], [0], one, timeout_s=0.3)
+        assert info.value.status is LLMStatus.TIMEOUT, info.value
+        # A transfer that cannot finish while the peer is stopped: TIMEOUT.
+        with pytest.raises(LLMException) as info:
+            p.push_kv_blocks(src, index, np.arange(nb), np.arange(nb), one, timeout_s=0.5)
+        assert info.value.status is LLMStatus.TIMEOUT, info.value
+        assert p.linked_clusters() == [2]
+        os.kill(dst.proc.pid, signal.SIGCONT)
+        tag = p.push_kv_blocks(src, index, [1, 2], [5, 6], one, timeout_s=10, tag="resumed")
+        got = _tensors(dst.ask(cmd="read", tag=tag)["data"], CacheDesc(1, (nb, 8192), "int8"))
+        assert (got[0][[5, 6]] == 7).all()
+        p.push_kv_blocks(src, later, [0], [0], one, timeout_s=10, tag="later")
+        dst.ask(cmd="read", tag="later")
+    finally:
+        os.kill(dst.proc.pid, signal.SIGCONT)
+        p.finalize()
+
+
+def test_a_new_peer_links_while_a_long_push_is_posted(spawn):
+    """Issue 19 fault 3: the control channel answers while the node's agent is busy
+    posting a long push (shared memory: NIXL copies inside the post, ~0.3 s for these
+    512 MiB here), so a new decoder links within a link timeout of a third of that."""
+    nb = 512
+    a = spawn("--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x1048576,int8")
+    b = spawn("--cluster-id", "3", "--role", "decoder", "--cache", "1,4x64,int8")
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(1, (nb, 1 << 20), "int8"))
+        p.link_clusters([tuple(a.hello["addr"])], timeout_s=5)
+        one = KvCacheExtParam(tensor_num_per_layer=1)
+        index = CacheIndex(2, a.hello["cache"])
+        stop = threading.Event()
+        pushes = []
+
+        def push():
+            while not stop.is_set():
+                p.push_kv_blocks(src, index, np.arange(nb), np.arange(nb), one, timeout_s=60)
+                pushes.append(1)
+
+        t = threading.Thread(target=push, daemon=True)
+        t.start()
+        try:
+            while not pushes:  # the agent is warm and pushing
+                threading.Event().wait(0.01)
+            for _ in range(3):
+                r = _ask_status(b, cmd="link", addr=list(p.listen_address), timeout_s=0.1)
+                assert r.get("linked") == [1], r
+        finally:
+            stop.set()
+            t.join(60)
+        # Both links work.
+        small = p.allocate_cache(CacheDesc(1, (4, 64), "int8"))
+        small.tensors[0][...] = 5
+        tag = p.push_kv_blocks(small, CacheIndex(3, b.hello["cache"]), [1], [2], one)
+        got = _tensors(b.ask(cmd="read", tag=tag)["data"], CacheDesc(1, (4, 64), "int8"))
+        assert (got[0][2] == 5).all() and (got[0][1] == SENTINEL).all()
+    finally:
+        p.finalize()
+
+
+def test_the_default_timeout_scales_with_the_bytes(spawn, monkeypatch):
+    """Issue 19 fault 4: with no timeout given, a push may take ``timeout_min_s`` plus its
+    bytes at ``timeout_floor_bytes_per_s``; here a floor of 4 MiB/s gives a 16 MiB push
+    4 s, so a receiver paused for 1 s slows it down without failing it."""
+    nb = 2048
+    dst = spawn(
+        "--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x8192,int8",
+        env=_tcp(monkeypatch),
+    )  # fmt: skip
+    opts = {"timeout_min_s": 0.2, "timeout_floor_bytes_per_s": 4 << 20}
+    p = LlmDataDist(1, "prompt", backend="nixl", options=opts)
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(1, (nb, 8192), "int8"))
+        src.tensors[0][...] = 4
+        p.link_clusters([tuple(dst.hello["addr"])], timeout_s=5)
+        one = KvCacheExtParam(tensor_num_per_layer=1)
+        index = CacheIndex(2, dst.hello["cache"])
+        h = p.push_kv_blocks_async(src, index, [0], [0], one)
+        assert h.timeout_s == pytest.approx(0.2 + 8192 / (4 << 20))
+        h.wait()
+        _stop(dst)
+        h = p.push_kv_blocks_async(src, index, np.arange(nb), np.arange(nb), one, tag="big")
+        assert h.timeout_s == pytest.approx(0.2 + 4.0)
+        threading.Event().wait(1.0)
+        os.kill(dst.proc.pid, signal.SIGCONT)
+        h.wait()
+        got = _tensors(dst.ask(cmd="read", tag="big")["data"], CacheDesc(1, (nb, 8192), "int8"))
+        assert (got[0] == 4).all()
+    finally:
+        os.kill(dst.proc.pid, signal.SIGCONT)
+        p.finalize()
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+def test_the_receiver_learns_of_a_failed_push(spawn, monkeypatch, how):
+    """Issue 19 fault 5: a push that times out or is cancelled sends a failure notice, so
+    the decoder's wait_received ends with the source's status at once instead of waiting
+    out its own timeout; the link then pushes again."""
+    nb = 2048
+    dst = spawn(
+        "--cluster-id", "2", "--role", "decoder", "--cache", f"1,{nb}x8192,int8",
+        env=_tcp(monkeypatch),
+    )  # fmt: skip
+    p = LlmDataDist(1, "prompt", backend="nixl")
+    p.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(1, (nb, 8192), "int8"))
+        src.tensors[0][...] = 9
+        p.link_clusters([tuple(dst.hello["addr"])], timeout_s=5)
+        one = KvCacheExtParam(tensor_num_per_layer=1)
+        index = CacheIndex(2, dst.hello["cache"])
+        p.push_kv_blocks(src, index, [0], [0], one)
+        _stop(dst)
+        h = p.push_kv_blocks_async(src, index, np.arange(nb), np.arange(nb), one, tag="lost")
+        if how == "timeout":
+            with pytest.raises(LLMException) as info:
+                h.wait(timeout_s=0.3)
+            assert info.value.status is LLMStatus.TIMEOUT
+            expected = "TIMEOUT"
+        else:
+            h.cancel()
+            with pytest.raises(LLMException) as info:
+                h.done()
+            assert info.value.status is LLMStatus.FAILED and "cancel" in str(info.value)
+            expected = "FAILED"
+        assert h.released
+        os.kill(dst.proc.pid, signal.SIGCONT)
+        # The decoder would wait 60 s; the notice ends its wait before the 20 s reply bound.
+        r = _ask_status(dst, reply_s=20, cmd="read", tag="lost", timeout_s=60)
+        assert r.get("status") == expected and "source" in r.get("error", ""), r
+        tag = p.push_kv_blocks(src, index, [3], [4], one, timeout_s=10)
+        got = _tensors(dst.ask(cmd="read", tag=tag)["data"], CacheDesc(1, (nb, 8192), "int8"))
+        assert (got[0][4] == 9).all()
+    finally:
+        os.kill(dst.proc.pid, signal.SIGCONT)
         p.finalize()
 
 

@@ -48,7 +48,12 @@ from .types import (
 
 #: Options and their defaults (``LlmDataDist(..., options={...})``).
 DEFAULT_OPTIONS: dict[str, Any] = {
-    "timeout_s": 5.0,  # default timeout of push/pull and wait()
+    # Default timeout of push/pull and wait(): None scales it with the bytes moved,
+    # timeout_min_s + nbytes / timeout_floor_bytes_per_s (docs/DATADIST.md, "Failure semantics").
+    "timeout_s": None,
+    "timeout_min_s": 5.0,
+    "timeout_floor_bytes_per_s": 64 << 20,  # 64 MiB/s: 2 GiB may take 37 s
+    "wait_timeout_s": 60.0,  # default of wait_received (a failed push ends it earlier)
     "control_timeout_s": 2.0,  # each control-channel request (link, table, drop, bye)
     "local.latency_s": 0.0,  # "local" backend: simulated transfer latency
     "nixl.backends": ["UCX"],  # "nixl" backend: NIXL backends to create
@@ -59,6 +64,10 @@ _NOTIF = "pytrt_kv.dd1"
 #: the control channel could not deliver it, and its acknowledgement (same fields).
 _DROP = "pytrt_kv.dd1drop"
 _DACK = "pytrt_kv.dd1dack"
+#: A failure notice: ``_FAIL|status|tag`` (docs/DATADIST.md, "The receiver sees failures").
+_FAIL = "pytrt_kv.dd1fail"
+#: Failure notices kept for tags nobody waits on (a notice may outlive its tag's wait).
+_MAX_FAILED = 4096
 #: While a transfer is pending, check this often whether the peer is still there.
 _PROBE_EVERY_S = 0.2
 
@@ -70,6 +79,9 @@ class _Peer:
     address: tuple[str, int]
     caches: dict[int, CacheInfo] = field(default_factory=dict)
     broken: bool = False
+    #: Transport metadata not loaded yet (a link request is answered before it is).
+    pending: str | None = None
+    load_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 #: Pause between completion checks. Never spin: NIXL's progress threads need the CPU
@@ -95,9 +107,10 @@ def _parse_address(arg: str, c: Any) -> tuple[str, int]:
 class TransferHandle:
     """An asynchronous push or pull (``push_kv_blocks_async``/``pull_kv_blocks_async``).
 
-    ``done()`` polls; ``wait()`` blocks with a bound. Either raises the transfer's
-    :class:`LLMException`. The NIXL handle is released when the transfer completes, fails
-    or times out; after a TIMEOUT the destination blocks are undefined (docs/SPEC.md D5).
+    ``done()`` polls; ``wait()`` blocks with a bound; ``cancel()`` aborts. The first two
+    raise the transfer's :class:`LLMException`. The NIXL handle is released when the
+    transfer completes, fails, times out or is cancelled; after a TIMEOUT the destination
+    blocks are undefined (docs/SPEC.md D5).
     """
 
     def __init__(
@@ -110,6 +123,7 @@ class TransferHandle:
         local: tuple[str, Cache] | None = None,
     ):
         self._dd, self._xfer, self.tag, self._peer = dd, xfer, tag, peer
+        #: The timeout ``wait()`` uses by default (the call's, or scaled with the bytes).
         self.timeout_s = timeout_s
         self._local = local  # (argument name, this node's cache) for failure reports
         self._error: LLMException | None = None
@@ -128,9 +142,37 @@ class TransferHandle:
     def _fail(self, exc: LLMException) -> None:
         self._release()
         if exc.status == LLMStatus.NOT_YET_LINK:
-            self._peer.broken = True
+            # NIXL's disconnect is a death only when the control plane is gone too.
+            if self._dd._peer_alive(self._peer):
+                exc = LLMException(
+                    LLMStatus.FAILED,
+                    f"{exc.message}; the peer's control channel still answers, so the link is kept",
+                )
+            else:
+                self._peer.broken = True
         self._error = exc
+        if exc.status != LLMStatus.NOT_YET_LINK:
+            self._dd._send_failure(self._peer, exc.status, self.tag)
         raise exc
+
+    def cancel(self) -> bool:
+        """Abort the transfer: its handle is released (NIXL cancels what it can), the
+        destination is sent a failure notice (its :meth:`LlmDataDist.wait_received`
+        raises FAILED) and later ``done()``/``wait()`` raise FAILED. The destination blocks
+        may hold partial data (docs/DATADIST.md, "Failure semantics").
+
+        Returns
+        -------
+        bool
+            False if the transfer had already completed or failed (nothing to cancel).
+        """
+        if self._done or self._error is not None:
+            return False
+        try:
+            self._fail(LLMException(LLMStatus.FAILED, f"transfer {self.tag!r} cancelled"))
+        except LLMException:
+            pass
+        return True
 
     def done(self) -> bool:
         """True when the transfer is complete (the initiator may reuse its blocks)."""
@@ -236,6 +278,10 @@ class LlmDataDist:
                 f"options: unknown keys {unknown}; expected some of {sorted(DEFAULT_OPTIONS)}"
             )
         opts.update(options or {})
+        for key, least in (("timeout_min_s", 0.0), ("timeout_floor_bytes_per_s", 1.0)):
+            v = opts[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= least:
+                raise ValueError(f"options[{key!r}]: expected a number >= {least}, got {v!r}")
         self.cluster_id = cluster_id
         self.role = LLMRole.of(role)
         self.backend = backend
@@ -254,6 +300,7 @@ class LlmDataDist:
         #: (cache, the clusters still to acknowledge). Their memory stays registered and
         #: owned (docs/DATADIST.md, "Failure semantics").
         self._quarantine: dict[int, tuple[Cache, set[int]]] = {}
+        self._failed: dict[str, str] = {}  # tag -> the source's status name
         self.listen_address: tuple[str, int] | None = None
 
     # --- life cycle -----------------------------------------------------------------------
@@ -506,8 +553,9 @@ class LlmDataDist:
         transport metadata, and each cache's id, generation, layout and addresses."""
         return json.dumps(self._metadata()).encode()
 
-    def _apply_metadata(self, md: dict[str, Any]) -> _Peer:
-        """Load a peer's metadata: (re)load its transport metadata and its cache table."""
+    def _apply_metadata(self, md: dict[str, Any], defer: bool = False) -> _Peer:
+        """Load a peer's metadata: (re)load its transport metadata and its cache table.
+        ``defer``: leave the transport metadata pending (:meth:`_load` loads it)."""
         if md.get("version") != 1 or md.get("backend") != self.backend:
             raise LLMException(
                 LLMStatus.FAILED,
@@ -517,7 +565,8 @@ class LlmDataDist:
         cid = int(md["cluster_id"])
         if cid == self.cluster_id:
             raise LLMException(LLMStatus.FAILED, f"peer has this node's own cluster_id {cid}")
-        self._require().add_peer(md["agent"], md["transport"])
+        if not defer:
+            self._require().add_peer(md["agent"], md["transport"])
         caches = {int(c["cache_id"]): CacheInfo.from_dict(c) for c in md["caches"]}
         with self._lock:
             peer = self._peers.get(cid)
@@ -528,6 +577,7 @@ class LlmDataDist:
                 self._peers[cid] = peer
             self._set_caches(peer, caches)
             peer.broken = False
+            peer.pending = md["transport"] if defer else None
         return peer
 
     def _set_caches(self, peer: _Peer, caches: dict[int, CacheInfo]) -> None:
@@ -619,7 +669,9 @@ class LlmDataDist:
         """Control requests from peers (server thread)."""
         op = msg.get("op")
         if op == "hello":
-            self._apply_metadata(msg["md"])
+            # Answered without waiting for the NIXL agent, which a long post may hold
+            # (issue 19 fault 3): the metadata is loaded on another thread.
+            self._load_later(self._apply_metadata(msg["md"], defer=True))
             return {"md": self._metadata()}
         if op == "table":
             return {"md": self._metadata()}
@@ -646,13 +698,43 @@ class LlmDataDist:
                 self._require().forget_remote(peer.agent, old)
 
     def _peer_alive(self, peer: _Peer) -> bool:
-        """Whether the peer's control server still accepts connections (a dead process's
-        port refuses at once)."""
+        """False when the peer's control port refuses connections (a dead process's port
+        refuses at once). A connection that times out is not a death: a paused or busy
+        process (SIGSTOP, a full accept backlog) still counts as alive."""
         try:
             with socket.create_connection(peer.address, timeout=_PROBE_EVERY_S):
                 return True
-        except OSError:
+        except (ConnectionRefusedError, ConnectionResetError):
             return False
+        except OSError:
+            return True
+
+    def _send_failure(self, peer: _Peer, status: LLMStatus, tag: str) -> None:
+        """Tell a transfer's other side that it failed (best effort: the notice is queued
+        by NIXL; a peer that is gone gets nothing)."""
+        try:
+            self._require().notify(peer.agent, f"{_FAIL}|{status.name}|{tag}".encode())
+        except LLMException:
+            pass
+
+    def _load(self, peer: _Peer) -> None:
+        """Load the peer's transport metadata if a link request left it pending."""
+        with peer.load_lock:
+            with self._lock:
+                if self._peers.get(peer.cluster_id) is not peer:
+                    return  # unlinked or relinked meanwhile: nothing to load
+            if peer.pending is not None:
+                self._require().add_peer(peer.agent, peer.pending)
+                peer.pending = None
+
+    def _load_later(self, peer: _Peer) -> None:
+        def load() -> None:
+            try:
+                self._load(peer)
+            except LLMException:
+                pass  # the next transfer to this peer tries again and reports it
+
+        threading.Thread(target=load, name="pytrt_kv-datadist-link", daemon=True).start()
 
     # --- transfers ------------------------------------------------------------------------
 
@@ -692,6 +774,13 @@ class LlmDataDist:
                     {"op": "table", "from": self.cluster_id},
                     float(self.options["control_timeout_s"]),
                 )
+            except TimeoutError as exc:  # paused or busy: not a death, the link stays
+                raise LLMException(
+                    LLMStatus.TIMEOUT,
+                    f"{arg}: cluster {index.cluster_id} did not answer within "
+                    f"{self.options['control_timeout_s']} s (control_timeout_s); the link "
+                    f"is kept",
+                ) from exc
             except OSError as exc:
                 peer.broken = True
                 raise LLMException(
@@ -705,6 +794,7 @@ class LlmDataDist:
                 LLMStatus.KV_CACHE_NOT_EXIST,
                 f"{arg}: cluster {index.cluster_id} has no cache {index.cache_id}",
             )
+        self._load(peer)
         return peer, info
 
     def _tag(self, tag: Any) -> str:
@@ -726,7 +816,7 @@ class LlmDataDist:
         stream: Any,
         timeout_s: float | None,
     ) -> TransferHandle:
-        timeout = float(self.options["timeout_s"] if timeout_s is None else timeout_s)
+        timeout = self._timeout(plan.nbytes, timeout_s)
         if op == WRITE and local.cache_desc.placement == "device":
             memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
         notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode()
@@ -741,6 +831,12 @@ class LlmDataDist:
         except LLMException as exc:
             err = self._transfer_error(exc, arg, local, peer)
             if err.status == LLMStatus.NOT_YET_LINK:
+                if self._peer_alive(peer):  # NIXL lost it, the control plane did not
+                    raise LLMException(
+                        LLMStatus.FAILED,
+                        f"{exc.message}; the peer's control channel still answers, so "
+                        f"the link is kept",
+                    ) from exc
                 peer.broken = True
             if err is exc:
                 raise
@@ -782,6 +878,16 @@ class LlmDataDist:
             raise OSError(f"cluster {peer.cluster_id}: {reply.get('error')}")
         self._require().remove_peer(peer.agent)
         self._apply_metadata(reply["md"])
+
+    def _timeout(self, nbytes: int, timeout_s: float | None) -> float:
+        """The call's ``timeout_s``, else ``options["timeout_s"]``, else scaled with the
+        bytes: ``timeout_min_s + nbytes / timeout_floor_bytes_per_s``."""
+        if timeout_s is not None:
+            return float(timeout_s)
+        if self.options["timeout_s"] is not None:
+            return float(self.options["timeout_s"])
+        o = self.options
+        return float(o["timeout_min_s"]) + nbytes / float(o["timeout_floor_bytes_per_s"])
 
     def push_kv_blocks_async(
         self,
@@ -941,7 +1047,17 @@ class LlmDataDist:
 
     def _drain(self) -> None:
         for agent, msg in self._require().poll():
-            parts = msg.decode(errors="replace").split("|", 3)
+            text = msg.decode(errors="replace")
+            if text.startswith(_FAIL + "|"):
+                status, sep, failed_tag = text[len(_FAIL) + 1 :].partition("|")
+                if not sep:
+                    continue
+                with self._lock:
+                    self._failed[failed_tag] = status
+                    while len(self._failed) > _MAX_FAILED:
+                        del self._failed[next(iter(self._failed))]
+                continue
+            parts = text.split("|", 3)
             if len(parts) == 4 and parts[0] in (_DROP, _DACK):
                 self._notice(agent, parts[0], int(parts[1]), int(parts[2]), int(parts[3]))
                 continue
@@ -976,10 +1092,23 @@ class LlmDataDist:
         ------
         LLMException
             KV_CACHE_NOT_EXIST when that transfer targeted a cache this node deallocated
-            or replaced before the data arrived (its generation differs).
+            or replaced before the data arrived (its generation differs); the source's
+            status (TIMEOUT, FAILED) when it sent a failure notice for the tag.
         """
         self._drain()
         with self._lock:
+            failed = self._failed.pop(tag, None)
+            if tag in self._received:  # the data arrived (a late notice changes nothing)
+                self._received.discard(tag)
+                return True
+            if failed is not None:
+                status = LLMStatus[failed] if failed in LLMStatus.__members__ else None
+                raise LLMException(
+                    status or LLMStatus.FAILED,
+                    f"transfer {tag!r} failed at the source ({failed}); the blocks it "
+                    f"targets may hold partial data (docs/DATADIST.md, "
+                    f'"Failure semantics")',
+                )
             if tag in self._stale:
                 self._stale.discard(tag)
                 raise LLMException(
@@ -994,12 +1123,15 @@ class LlmDataDist:
     def wait_received(self, tag: str, timeout_s: float | None = None) -> None:
         """Block until :meth:`received` is True for ``tag``, at most ``timeout_s``.
 
+        ``timeout_s`` defaults to ``options["wait_timeout_s"]``.
+
         Raises
         ------
         LLMException
-            TIMEOUT, or as :meth:`received`.
+            TIMEOUT, or as :meth:`received` (a transfer that failed at its source ends
+            the wait with the source's status).
         """
-        timeout = float(self.options["timeout_s"] if timeout_s is None else timeout_s)
+        timeout = float(self.options["wait_timeout_s"] if timeout_s is None else timeout_s)
         start = time.monotonic()
         while not self.received(tag):
             if time.monotonic() - start >= timeout:

@@ -109,6 +109,9 @@ class NixlTransport(Transport):
         self._remote: dict[tuple[str, int, int], Any] = {}
         self._lock = threading.Lock()
         self.unreleased: list[Any] = []
+        # Cached, refreshed when registrations change: the control thread answers links
+        # without waiting for the agent, which a long post holds (issue 19 fault 3).
+        self._metadata = self._read_metadata()
 
     # --- errors ---------------------------------------------------------------------------
 
@@ -127,8 +130,11 @@ class NixlTransport(Transport):
 
     # --- memory ---------------------------------------------------------------------------
 
-    def metadata(self) -> str:
+    def _read_metadata(self) -> str:
         return base64.b64encode(self.agent.get_agent_metadata()).decode()
+
+    def metadata(self) -> str:
+        return self._metadata
 
     def register(self, info: CacheInfo) -> Any:
         mem, dev = _mem(info)
@@ -142,12 +148,14 @@ class NixlTransport(Transport):
         except Exception as exc:
             self.agent.deregister_memory(reg)
             raise self._error(exc, f"preparing cache {info.cache_id}") from exc
+        self._metadata = self._read_metadata()
         return reg, dlist
 
     def deregister(self, state: Any) -> None:
         reg, dlist = state
         dlist.release()
         self.agent.deregister_memory(reg)
+        self._metadata = self._read_metadata()
 
     # --- peers ----------------------------------------------------------------------------
 

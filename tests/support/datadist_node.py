@@ -5,11 +5,13 @@ stdout line starting with ``@@`` (anything else on stdout is ignored by the driv
     python tests/support/datadist_node.py --cluster-id 2 --role decoder --backend nixl \
         --cache 4,8x64,float16
 
-Commands: ``link`` {addr}, ``read`` {tag, timeout_s} (waits for the tag, returns the
-cache's bytes), ``fill`` {seed}, ``pull`` {cluster, cache, src, dst, ext}, ``realloc``
-(deallocates the cache and makes a new one of the same layout, filled with the sentinel:
-with ``--register`` the same buffers registered again if the node allows it, else a new
+Commands: ``link`` {addr, timeout_s}, ``read`` {tag, timeout_s} (waits for the tag,
+returns the cache's bytes), ``fill`` {seed}, ``pull`` {cluster, cache, src, dst, ext},
+``alloc`` (another cache like the first; returns its id), ``realloc`` (deallocates the
+cache and makes a new one of the same layout, filled with the sentinel: with
+``--register`` the same buffers registered again if the node allows it, else a new
 allocation), ``state`` (the cache's bytes and the quarantined cache ids), ``quit``.
+``--options`` is the node's ``options`` as JSON.
 """
 
 from __future__ import annotations
@@ -71,7 +73,10 @@ def main() -> int:
             if op == "quit":
                 break
             if op == "link":
-                _reply(linked=node.link_clusters([tuple(cmd["addr"])], timeout_s=5))
+                linked = node.link_clusters([tuple(cmd["addr"])], timeout_s=cmd.get("timeout_s", 5))
+                _reply(linked=linked)
+            elif op == "alloc":
+                _reply(cache=node.allocate_cache(desc).cache_id)
             elif op == "read":
                 node.wait_received(cmd["tag"], timeout_s=cmd.get("timeout_s", 5))
                 _reply(data=_bytes(cache))
