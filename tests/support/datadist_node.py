@@ -74,7 +74,10 @@ def main() -> int:
                 break
             if op == "link":
                 linked = node.link_clusters([tuple(cmd["addr"])], timeout_s=cmd.get("timeout_s", 5))
-                _reply(linked=linked)
+                _reply(
+                    linked=[r.cluster_id for r in linked if r.status.name == "SUCCESS"],
+                    results=[[r.status.name, r.cluster_id, r.message] for r in linked],
+                )
             elif op == "alloc":
                 _reply(cache=node.allocate_cache(desc).cache_id)
             elif op == "read":
