@@ -380,3 +380,25 @@ def test_every_problem_is_listed(tmp_path, capsys):
 )
 def test_target_architectures(record, target, ok):
     assert (lint.check_targets([target], record) == []) is ok
+
+
+def test_the_record_is_the_one_beside_the_kernels(tmp_path, monkeypatch):
+    """The architectures come from the build_info.json next to the kernels library that
+    would be loaded, not from another folder's record."""
+    import json
+
+    from pytrt_kv import _lib
+
+    monkeypatch.setenv(_lib.LIB_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(_lib, "_package_lib_dir", lambda: tmp_path / "none")
+    monkeypatch.setattr(_lib, "installed_lib_dir", lambda: None)
+    assert _lib.kernel_architectures() is None  # no kernels library
+    (tmp_path / _lib.KERNELS_LIB).write_bytes(b"")
+    assert _lib.kernel_architectures() is None  # no record beside it
+    (tmp_path / "build_info.json").write_text(json.dumps({"cuda_architectures": "90"}))
+    assert _lib.kernel_architectures() == "90"
+    monkeypatch.undo()  # the autouse fixture's record too: read the real one
+    monkeypatch.setenv(_lib.LIB_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(_lib, "_package_lib_dir", lambda: tmp_path / "none")
+    monkeypatch.setattr(_lib, "installed_lib_dir", lambda: None)
+    assert [p.rule for p in check_model(valid(), targets=["sm89"])] == ["target"]

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from .._lib import kernel_architectures
     from ..graph.lint import check_model
     from ..trt.build import _load_onnx
 
@@ -31,6 +34,12 @@ def run(args: argparse.Namespace) -> int:
     problems = check_model(model, targets=args.target)
     for p in problems:
         print(p)
+    if args.target and kernel_architectures() is None:
+        print(
+            "note: --target not checked: no build_info.json beside the CUDA kernels library "
+            "(pytrt-kv info shows where the libraries are)",
+            file=sys.stderr,
+        )
     if problems:
         return 1
     n = sum(1 for node in model.graph.node if node.domain == "pytrt_kv")

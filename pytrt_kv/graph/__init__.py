@@ -15,8 +15,8 @@
 - :mod:`.feeds`: the valid-input generator ``make_feeds`` (tests, examples, demo, harness
   case maker, Polygraphy data loader); pure: it never reads argv or the environment.
 
-It imports the contract, the reference and ``pytrt_kv._lib.build_info`` (the kernels'
-CUDA architectures, for :func:`check_model`'s targets), never ``onnx_export`` (which
+It imports the contract, the reference and ``pytrt_kv._lib.kernel_architectures`` (the
+kernels' CUDA architectures, for :func:`check_model`'s targets), never ``onnx_export`` (which
 builds on it) nor the GPU layers (docs/ARCHITECTURE.md). Submodules are imported on
 demand: importing this package needs no onnx.
 """

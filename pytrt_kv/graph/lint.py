@@ -26,7 +26,8 @@ Rules (the ``rule`` of a problem):
 - ``graph.cache-consistency``: two scatters chained through one cache with different
   ``cache_layout``, or the chained cache declared with another dtype;
 - ``target``: a ``--target`` compute capability the installed kernels were not compiled
-  for (the ``cuda_architectures`` CMake recorded in ``build_info.json``).
+  for (the ``cuda_architectures`` CMake recorded in the ``build_info.json`` beside the
+  kernels library, ``pytrt_kv._lib.kernel_architectures``).
 """
 
 from __future__ import annotations
@@ -187,9 +188,9 @@ def check_targets(targets: Iterable[Any], record: str | None) -> list[Problem]:
 
 
 def _installed_record() -> str | None:
-    from .._lib import build_info  # noqa: PLC0415 - the build record, pure Python
+    from .._lib import kernel_architectures  # noqa: PLC0415 - the build record, pure Python
 
-    return build_info().get("cuda_architectures") or None
+    return kernel_architectures()
 
 
 # --- graph rules ---------------------------------------------------------------------
@@ -444,7 +445,8 @@ def check_model(
         each must be one the installed kernels can run on.
     kernel_archs : str, optional
         CMake's ``CUDA_ARCHITECTURES`` of the kernels (``"80-real;89-real;120"``);
-        default: ``build_info.json`` of the installed libraries (no check without one).
+        default: the ``build_info.json`` beside the kernels library that would be loaded
+        (no check without one).
 
     Raises
     ------
