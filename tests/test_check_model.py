@@ -123,6 +123,17 @@ def _edit(**change):
     return m
 
 
+def _shifted_inputs():
+    """Inputs given without the empty placeholders of absent value/value_cache: TensorRT
+    read slot_mapping's position from another tensor ("expected kINT32 or kINT64, got
+    kFLOAT", issue 17)."""
+    m = valid()
+    node = m.graph.node[0]
+    del node.input[:]
+    node.input.extend(["key", "key_cache", "slot_mapping"])
+    return m
+
+
 def _unknown_op():
     m = valid()
     m.graph.node[0].op_type = "ScatterKvCache"
@@ -214,6 +225,11 @@ CASES = {
         lambda: _gather_model(drop_actual_seq=True),
         "^" + G + r"selection_kv_actual_seq: expected a graph tensor \(output 3\), got none "
         r"\[schema\.output\]$",
+    ),
+    "inputs shifted (no placeholders)": (
+        _shifted_inputs,
+        "^" + N + r"slot_mapping: expected a graph tensor \(required input 4\), got none "
+        r"\[schema\.input\]$",
     ),
     "wrong input dtype": (
         lambda: _edit(input_dtype=F32),
