@@ -109,6 +109,21 @@ def build_info() -> dict[str, str]:
     return {}
 
 
+def kernel_architectures() -> str | None:
+    """CMake's ``CUDA_ARCHITECTURES`` (``"80-real;89-real;120"``) recorded in the
+    ``build_info.json`` beside the CUDA kernels library that would be loaded; None when
+    that library or its record is absent (a record elsewhere may describe other
+    kernels)."""
+    lib = find(KERNELS_LIB)
+    record = lib.parent / "build_info.json" if lib is not None else None
+    if record is None or not record.is_file():
+        return None
+    try:
+        return json.loads(record.read_text()).get("cuda_architectures") or None
+    except (OSError, ValueError):
+        return None
+
+
 def find(filename: str) -> Path | None:
     """Path of ``filename`` in the search folders, or None."""
     for d in search_dirs():

@@ -240,6 +240,7 @@ def test_parser_subcommands_have_runners():
         positional = {
             "export-example": ["x.onnx"],
             "build": ["x.onnx"],
+            "check": ["x.onnx"],
             "prepare": ["x.onnx", "y.onnx"],
             "generate": ["--prompt", "x"],
         }

@@ -80,7 +80,10 @@ def test_import_does_not_load_tensorrt():
         "tensorrt_version",
     ],
 )
-def test_clear_import_error_without_tensorrt(no_tensorrt, call):
+def test_clear_import_error_without_tensorrt(no_tensorrt, call, tmp_path, monkeypatch):
+    # A valid model.onnx: the model checks run before TensorRT is imported (build_plan).
+    monkeypatch.chdir(tmp_path)
+    onnx.save(single_op_model("ScatterPaKvCache", _scatter_inputs(False)), "model.onnx")
     with pytest.raises(
         ImportError, match=r"TensorRT Python package.*pip install '/path/to/pytrt_kv\[trt\]'"
     ):
@@ -820,8 +823,12 @@ def test_prepare_refuses_mixed_index_dtypes():
             inp.type.tensor_type.elem_type = onnx.TensorProto.INT64
     m.graph.node[0].input.extend(["lens"])
     m.graph.input.append(onnx.helper.make_tensor_value_info("lens", onnx.TensorProto.INT32, [3]))
+    # Static shapes: the shared model check (pytrt_kv.graph.lint) refuses it first, with
+    # the contract's message, as the CPU runtime does.
     with pytest.raises(
-        ValueError, match=r"compress_lens: expected the index dtype of slot_mapping \(int64"
+        ValueError,
+        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): compress_lens: expected dtype "
+        r"int64 \(all index tensors share slot_mapping's dtype\), got int32 .*\[schema.dtype\]$",
     ):
         trt_model.prepare_for_tensorrt(m)
 

@@ -46,6 +46,12 @@ SUBCOMMANDS = (
         "`bench datadist`: block push over NIXL",
     ),
     (
+        "check",
+        "pytrt_kv.cli.check",
+        "check a model with pytrt_kv nodes (schema, graph rules, --target architectures): "
+        "one line per problem, exit 1",
+    ),
+    (
         "build",
         "pytrt_kv.cli.build",
         "build a TensorRT engine (plan) from an ONNX model; with TensorRT-RTX also without a "

@@ -104,11 +104,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..graph.lint import validate_model
     from ..trt import build_plan, can_serialize_plugins, plugin_loading_instructions
     from ..trt._tensorrt import flavour_of, import_tensorrt
+    from ..trt.build import _load_onnx
 
     dims = parse_dims(args.dim)
     shapes = parse_shapes(args.shapes)
+    # The model checks before TensorRT is imported (build_plan repeats them).
+    validate_model(_load_onnx(args.model), targets=args.target)
 
     out = Path(args.output) if args.output else Path(args.model).with_suffix(".plan")
     trt = import_tensorrt(args.flavour)

@@ -1,7 +1,6 @@
-"""Checks of the ``pytrt_kv`` nodes of a whole ONNX model, shared by the CPU runtime
-(:func:`pytrt_kv.runtime.run`) and :func:`pytrt_kv.trt.prepare_for_tensorrt`, so a model
-fails the same way, with the same message, everywhere (docs/GRAPH_MODE.md, "Model
-checks").
+"""Checks of one ``pytrt_kv`` node of a model and of the model's declarations, which
+:func:`pytrt_kv.graph.lint.check_model` (the one place deciding validity) combines
+(docs/GRAPH_MODE.md, "Model checks").
 
 What ``onnx.checker`` with full shape inference refuses is refused here too, as a
 ValueError or TypeError ``"node 'n' (Op): <argument>: expected ..., got ..."`` instead of
@@ -192,31 +191,30 @@ def _check_no_shared_updates(
                 )
 
 
-def check_domains(model: onnx.ModelProto) -> None:
-    """Every node's domain is imported by the model, ``pytrt_kv`` at
-    ``specs.DOMAIN_VERSION``; a node with one of our op types is in our domain."""
-    opsets = {o.domain: o.version for o in model.opset_import}
-    for node in model.graph.node:
-        domain = node.domain or ""
-        if domain in ("", "ai.onnx") and not any(d in opsets for d in ("", "ai.onnx")):
-            raise ValueError(
-                f"{node_where(node)}domain '': expected in the model's opset_import, got {opsets}"
-            )
-        if node.op_type in specs.OPS and domain != specs.DOMAIN and domain not in opsets:
-            raise ValueError(
-                f"{node_where(node)}domain: expected {specs.DOMAIN!r} (the domain of "
-                f"pytrt_kv's ops), got {domain!r}"
-            )
-        if domain == specs.DOMAIN and opsets.get(domain) != specs.DOMAIN_VERSION:
-            raise ValueError(
-                f"{node_where(node)}domain {domain!r}: expected in the model's opset_import "
-                f"(version {specs.DOMAIN_VERSION}), got {opsets}"
-            )
-        if domain not in ("", "ai.onnx") and domain not in opsets:
-            raise ValueError(
-                f"{node_where(node)}domain {domain!r}: expected in the model's "
-                f"opset_import, got {opsets}"
-            )
+def check_domain(node: onnx.NodeProto, opsets: Mapping[str, int]) -> None:
+    """``node``'s domain is imported by the model (``opsets``: domain -> version),
+    ``pytrt_kv`` at ``specs.DOMAIN_VERSION``; a node with one of our op types is in our
+    domain."""
+    domain = node.domain or ""
+    if domain in ("", "ai.onnx") and not any(d in opsets for d in ("", "ai.onnx")):
+        raise ValueError(
+            f"{node_where(node)}domain '': expected in the model's opset_import, got {dict(opsets)}"
+        )
+    if node.op_type in specs.OPS and domain != specs.DOMAIN and domain not in opsets:
+        raise ValueError(
+            f"{node_where(node)}domain: expected {specs.DOMAIN!r} (the domain of "
+            f"pytrt_kv's ops), got {domain!r}"
+        )
+    if domain == specs.DOMAIN and opsets.get(domain) != specs.DOMAIN_VERSION:
+        raise ValueError(
+            f"{node_where(node)}domain {domain!r}: expected in the model's opset_import "
+            f"(version {specs.DOMAIN_VERSION}), got {dict(opsets)}"
+        )
+    if domain not in ("", "ai.onnx") and domain not in opsets:
+        raise ValueError(
+            f"{node_where(node)}domain {domain!r}: expected in the model's "
+            f"opset_import, got {dict(opsets)}"
+        )
 
 
 def _produced(
@@ -279,7 +277,7 @@ def check_output_declarations(model: onnx.ModelProto, types: Mapping[str, Type])
                 raise ValueError(want)
 
 
-def _check_declared_token_dims(node: onnx.NodeProto, types: Mapping[str, Type]) -> None:
+def check_declared_token_dims(node: onnx.NodeProto, types: Mapping[str, Type]) -> None:
     """:func:`check_token_dims` on the declared types of a 3-D scatter's inputs."""
     op = specs.SCATTER_PA_KV_CACHE
     given = {}
@@ -292,17 +290,3 @@ def _check_declared_token_dims(node: onnx.NodeProto, types: Mapping[str, Type]) 
     key = given.get("key")
     if key is not None and key.shape is not None and len(key.shape) == 3:
         check_token_dims(given, node_where(node))
-
-
-def validate_model(model: onnx.ModelProto) -> None:
-    """:func:`check_domains`, :func:`validate_node` on every ``pytrt_kv`` node (and
-    ``check.check_token_dims`` on a 3-D scatter's declared inputs) and
-    :func:`check_output_declarations` (ValueError or TypeError naming the node)."""
-    check_domains(model)
-    types = declared_types(model)
-    for node in model.graph.node:
-        if node.domain == specs.DOMAIN:
-            validate_node(node, types)
-            if node.op_type == specs.SCATTER_PA_KV_CACHE.name:
-                _check_declared_token_dims(node, types)
-    check_output_declarations(model, types)

@@ -15,8 +15,8 @@ from onnx.reference.op_run import OpRun
 from ..contract import dtypes, specs
 from ..reference import gather_selection_kv_cache, scatter_pa_kv_cache
 from . import schemas
+from .lint import validate_model
 from .nodes import node_where as _node_where
-from .nodes import validate_model
 
 schemas.register()
 

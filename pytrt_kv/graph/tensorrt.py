@@ -17,7 +17,7 @@ node into the plugin form:
 
 It refuses, with a ValueError or TypeError naming the node and the tensor, what TensorRT
 would fail on later with a generic message or what would silently lose data: first what
-the CPU runtime refuses, with the same message (``pytrt_kv.graph.nodes.validate_model``:
+the CPU runtime refuses, with the same message (``pytrt_kv.graph.lint.validate_model``:
 more inputs or outputs than the op has, an empty required input, a cache update whose
 output is unnamed, bad attributes, a graph output declared unlike the op's output), then
 cache dtypes TensorRT cannot
@@ -131,7 +131,7 @@ def prepare_for_tensorrt(model):
     (5, 2)
     """
     onnx = _onnx()
-    from .nodes import validate_model  # noqa: PLC0415
+    from .lint import validate_model  # noqa: PLC0415
 
     # The checks the CPU runtime makes, so a model fails the same way in both.
     validate_model(model)

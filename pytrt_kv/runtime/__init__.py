@@ -24,7 +24,8 @@ Example
 (3.0, 0.0)
 """
 
-from ..graph.nodes import validate_model, validate_node
+from ..graph.lint import Problem, check_model, validate_model
+from ..graph.nodes import validate_node
 from ..graph.runtime import (
     GatherSelectionKvCacheOp,
     ScatterPaKvCacheOp,
@@ -37,6 +38,8 @@ __all__ = [
     "run",
     "make_evaluator",
     "validate_model",
+    "check_model",
+    "Problem",
     "validate_node",
     "check_feeds",
     "ScatterPaKvCacheOp",

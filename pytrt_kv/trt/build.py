@@ -13,6 +13,7 @@ from typing import Any
 from .. import _lib
 from ..contract import specs
 from ..contract.errors import value_error
+from ..graph.lint import parse_target, validate_model
 from ..graph.tensorrt import alias_pairs, needs_aliased_io, prepare_for_tensorrt
 from . import _rtx
 from ._tensorrt import flavour_of, import_tensorrt
@@ -116,28 +117,6 @@ def _profile_shapes(network, shapes: Mapping[str, Any]) -> dict[str, tuple[Shape
             one = tuple(int(d) for d in s)
             out[t.name] = (one, one, one)
     return out
-
-
-def parse_target(target) -> str:
-    """``"sm80"``, ``"SM_80"``, ``"8.0"``, ``"80"`` or ``80`` -> ``"SM80"`` (the name of a
-    TensorRT-RTX ``ComputeCapability``).
-
-    Raises
-    ------
-    ValueError
-        ``target`` is not a compute capability.
-    """
-    text = str(target).strip().upper().replace("_", "")
-    if text.startswith("SM"):
-        text = text[2:]
-    if "." in text:
-        major, _, minor = text.partition(".")
-        text = major + minor
-    if not text.isdigit() or len(text) < 2:
-        raise value_error(
-            "targets", "compute capabilities such as 'sm80', '8.9' or 120", repr(target)
-        )
-    return f"SM{int(text)}"
 
 
 def rtx_targets(trt) -> list[str]:
@@ -306,15 +285,23 @@ def build_plan(
     RuntimeError
         The parser or the builder failed; the message carries the errors TensorRT and
         the plugins logged.
-    ValueError
-        A cache dtype TensorRT cannot carry, a ``timing_cache`` TensorRT refused, a
-        dynamic input without ``shapes``, or bad ``targets``.
+    ValueError, TypeError
+        What :func:`pytrt_kv.graph.check_model` finds (the first problem, before
+        TensorRT is imported; ``targets`` the installed kernels lack included), a cache
+        dtype TensorRT cannot carry, a ``timing_cache`` TensorRT refused, a dynamic
+        input without ``shapes``, or ``targets`` TensorRT-RTX does not know.
 
     Examples
     --------
     >>> from pytrt_kv.trt import build_plan                                # doctest: +SKIP
     >>> plan = build_plan("scatter.onnx", flavour="rtx", targets=["sm89"])  # doctest: +SKIP
     """
+    # Every model check first, before TensorRT is touched: the same one-line reason as
+    # runtime.run and pytrt-kv check (pytrt_kv.graph.lint), and nothing written. The
+    # TensorRT-RTX build child repeats the model checks but not the targets: its parent
+    # checked them against the kernels it loaded.
+    in_child = bool(os.environ.get(_rtx.CHILD_ENV))
+    validate_model(_load_onnx(onnx_path), targets=None if in_child else targets)
     trt = import_tensorrt(flavour)
     if dims:
         shapes = {**shapes_from_dims(onnx_path, dims), **(shapes or {})}
