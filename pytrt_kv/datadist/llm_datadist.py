@@ -51,6 +51,10 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "local.latency_s": 0.0,  # "local" backend: simulated transfer latency
     "nixl.backends": ["UCX"],  # "nixl" backend: NIXL backends to create
     "nixl.num_threads": 0,
+    # NIXL's progress thread: on, sleeping up to this long between idle checks (0: NIXL's
+    # default, a busy loop that burns a core per node; docs/DATADIST.md "Idle CPU").
+    "nixl.progress_thread": True,
+    "nixl.progress_delay_us": 1000,
 }
 _NOTIF = "pytrt_kv.dd1"
 #: While a transfer is pending, check this often whether the peer is still there.
