@@ -604,11 +604,17 @@ class LlmDataDist:
         tag: str,
         stream: Any,
         timeout_s: float | None,
+        *,
+        notify: bool = True,
+        source_ready: bool = False,
     ) -> TransferHandle:
+        """Post a checked plan. ``notify=False``: no tag at the destination (a layer of a
+        layer-wise push, whose tag follows its last layer); ``source_ready``: the caller
+        already waited for the source's writes (a layer's event), no stream sync."""
         timeout = float(self.options["timeout_s"] if timeout_s is None else timeout_s)
-        if op == WRITE and local.cache_desc.placement == "device":
+        if op == WRITE and local.cache_desc.placement == "device" and not source_ready:
             memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
-        notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode()
+        notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode() if notify else b""
         try:
             if plan.num_copies == 0:
                 self._require().notify(peer.agent, notif)
