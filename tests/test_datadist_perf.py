@@ -94,3 +94,24 @@ def test_idle_nodes_do_not_burn_a_core_and_still_push(decoder):
         assert (raw[0] == 3).all() and (raw[7] == 5).all() and (raw[1:7] == 99).all()
     finally:
         p.finalize()
+
+
+@pytest.mark.parametrize("n", [2, 64, 65, 500])
+def test_check_transfer_fast_paths_refuse_like_the_general_ones(n):
+    """check_transfer takes a set below 65 destination ids and bincount above (the
+    small-push fast path, issue 19): both refuse a repeated id, naming it, and an id out
+    of range, naming its position."""
+    from pytrt_kv.datadist import LLMParamInvalid, check_transfer
+
+    desc = CacheDesc(1, (1000, 4), "int8")
+    one = KvCacheExtParam(tensor_num_per_layer=1)
+    ids = np.arange(n) * 2
+    dup = ids.copy()
+    dup[-1] = dup[0]
+    with pytest.raises(LLMParamInvalid, match="block 0 more than once"):
+        check_transfer(desc, desc, ids, dup, one)
+    bad = ids.copy()
+    bad[-1] = 1000
+    with pytest.raises(LLMParamInvalid, match=rf"src_blocks\[{n - 1}\]"):
+        check_transfer(desc, desc, bad, ids, one)
+    assert check_transfer(desc, desc, ids, ids[::-1].copy(), one).num_copies == n
