@@ -115,3 +115,14 @@ def test_check_transfer_fast_paths_refuse_like_the_general_ones(n):
     with pytest.raises(LLMParamInvalid, match=rf"src_blocks\[{n - 1}\]"):
         check_transfer(desc, desc, bad, ids, one)
     assert check_transfer(desc, desc, ids, ids[::-1].copy(), one).num_copies == n
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("nixl.progress_delay_us", -1), ("nixl.progress_delay_us", 1.5), ("nixl.progress_thread", 1)],
+)
+def test_progress_options_are_checked(key, value):
+    node = LlmDataDist(1, "prompt", backend="nixl", options={key: value})
+    with pytest.raises(TypeError, match=rf"options\['{key}'\]: expected"):
+        node.initialize("127.0.0.1", 0)
+    node.finalize()

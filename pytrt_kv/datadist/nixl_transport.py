@@ -135,6 +135,10 @@ class NixlTransport(Transport):
         self._api, self._b = nixl_modules()
         self.name = name
         backends = list(options.get("nixl.backends", ["UCX"]))
+        # Bad option values are the caller's error (TypeError naming the key), not NIXL's.
+        _option(options, "nixl.progress_thread", bool, True)
+        _option(options, "nixl.progress_delay_us", int, 1000)
+        _option(options, "nixl.num_threads", int, 0)
         try:
             self.agent = _make_agent(self._api, self._b, name, options, backends)
         except LLMException:
