@@ -490,7 +490,8 @@ def test_cancel_tells_the_destination_local():
 
 
 def test_timeout_releases_the_handle_local(monkeypatch):
-    # wait(timeout_s=T) sleeps at least POLL_INTERVAL_S between polls, so it polls at most
+    # wait(timeout_s=T) sleeps at least POLL_INTERVAL_S between polls after its first
+    # POLL_SPIN_S (a few hundred polls at most), so it polls at most about
     # T / POLL_INTERVAL_S + 1 times, fewer under load; the transfer completes only on the
     # 10x later poll, so a wait that outlived its timeout would see it done (no TIMEOUT).
     timeout = 0.05

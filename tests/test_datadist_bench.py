@@ -48,6 +48,11 @@ def test_bench_datadist_quick(tmp_path):
     assert all(row["correct"] and row["wrapper_gbs"] > 0 and row["raw_gbs"] > 0 for row in rows)
     table = out.read_text()
     assert "| host | 4 KiB | scattered | 256 | 1 |" in table and "wrapper/raw" in table
+    # The small-push latency rows (issue 19): wrapper and raw NIXL, 1-16 blocks.
+    lat = json.loads(raw.read_text())["latency"]
+    assert [row["blocks"] for row in lat] == [1, 2, 4, 8, 16]
+    assert all(row["wrapper_ms"] > 0 and row["raw_ms"] > 0 for row in lat)
+    assert "| 16 |" in table and "raw NIXL ms" in table
 
 
 def test_bench_datadist_in_cli_help():

@@ -44,6 +44,7 @@ def test_every_example_has_a_test():
         "compare_llama_polygraphy.py",
         "build_engine.py",
         "datadist_prefill_decode.py",  # run by tests/test_datadist_processes.py
+        "datadist_layerwise.py",  # run by tests/test_datadist_layerwise.py
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 

@@ -66,6 +66,12 @@ def _add_datadist_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--total-mib", type=float, default=64.0, help="MiB per push (default 64)")
     g.add_argument("--pushes", type=int, default=5, help="pushes per timed run (default 5)")
+    g.add_argument(
+        "--latency-pushes",
+        type=int,
+        default=200,
+        help="pushes per timed run of the 1-16-block latency rows (default 200)",
+    )
 
 
 def write_results(args: argparse.Namespace, text: str, raw: dict[str, Any]) -> None:
@@ -124,7 +130,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_datadist(args: argparse.Namespace) -> int:
     from ..datadist.backends import nixl_unavailable_reason
-    from ..datadist.bench import BLOCK_SIZES, _machine, bench_case, markdown
+    from ..datadist.bench import (
+        BLOCK_SIZES,
+        _machine,
+        bench_case,
+        bench_latency,
+        latency_markdown,
+        markdown,
+    )
 
     reason = nixl_unavailable_reason()
     if reason:
@@ -150,7 +163,17 @@ def _run_datadist(args: argparse.Namespace) -> int:
                 flush=True,
             )
             rows.append(r)
-    write_results(args, markdown(info, rows), {"info": info, "results": rows})
+    # Small pushes: 1-16 blocks, latency per push (issue 19), process pairs of their own.
+    lat_pushes = 5 if args.quick else args.latency_pushes
+    lat = bench_latency(4096, lat_pushes, repeats)
+    for r in lat:
+        print(
+            f"  {r['blocks']:>2} x 4 KiB   wrapper {r['wrapper_ms']:.3f} ms  raw "
+            f"{r['raw_ms']:.3f} ms  ({r['wrapper_vs_raw']:.2f})",
+            flush=True,
+        )
+    text = markdown(info, rows) + "\n" + latency_markdown(lat, lat_pushes, repeats)
+    write_results(args, text, {"info": info, "results": rows, "latency": lat})
     if not all(r["correct"] for r in rows):
         print("a pushed block differs from its source")
         return 1

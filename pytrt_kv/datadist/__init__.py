@@ -7,6 +7,7 @@ PushKvBlocks/PullKvBlocks API over NIXL).
 - :mod:`.contract`: the D4 checks in one place, the transfer plan, and the NumPy
   reference :func:`push_kv_blocks_reference` the backends are tested against.
 - :mod:`.llm_datadist`: :class:`LlmDataDist`, the node (links, caches, transfers, tags).
+- :mod:`.layerwise`: :class:`LayerwisePush`, a request pushed layer by layer.
 - :mod:`.transport` (``"local"``, in-process) and :mod:`.nixl_transport` (``"nixl"``).
 
 ``import pytrt_kv.datadist`` does not import nixl; a ``backend="nixl"`` node does.
@@ -15,6 +16,7 @@ See docs/DATADIST.md.
 
 from .backends import nixl_unavailable_reason
 from .contract import TransferPlan, check_transfer, push_kv_blocks_reference
+from .layerwise import LayerwisePush
 from .llm_datadist import DEFAULT_OPTIONS, LlmDataDist, TransferHandle
 from .types import (
     Cache,
@@ -38,6 +40,7 @@ __all__ = [
     "LLMParamInvalid",
     "LLMRole",
     "LLMStatus",
+    "LayerwisePush",
     "LlmDataDist",
     "TransferHandle",
     "TransferPlan",

@@ -112,9 +112,8 @@ def _block_ids(arg: str, blocks: Any, nb: int) -> np.ndarray:
             arg, "a 1-D sequence of int block ids", f"{a.dtype} array of shape {list(a.shape)}"
         )
     a = a.astype(np.int64)
-    bad = np.flatnonzero((a < 0) | (a >= nb))
-    if bad.size:
-        i = int(bad[0])
+    if a.size and (a.min() < 0 or a.max() >= nb):  # two reductions: cheap for small pushes
+        i = int(np.flatnonzero((a < 0) | (a >= nb))[0])
         raise param_invalid(f"{arg}[{i}]", f"a block id in [0, {nb}) (NB of its cache)", int(a[i]))
     return a
 
@@ -189,8 +188,10 @@ def check_transfer(
         raise param_invalid("src_blocks", "at least one block id", "an empty list")
     if len(sb) != len(db):
         raise param_invalid("dst_blocks", f"as many ids as src_blocks ({len(sb)})", len(db))
-    counts = np.bincount(db, minlength=dst.num_blocks) if len(db) else np.zeros(1, np.int64)
-    if counts.max() > 1:  # ids are in range here; bincount is O(N + NB), np.unique sorts
+    # Small pushes (layer-wise, decode-sized): a set of <= 64 ids beats bincount's O(NB).
+    distinct = len(db) <= 64 and len(set(db.tolist())) == len(db)
+    counts = np.zeros(1, np.int64) if distinct or not len(db) else np.bincount(db)
+    if counts.max() > 1:  # ids in range here; bincount is O(N + max id), np.unique sorts
         raise param_invalid(
             "dst_blocks",
             "distinct destination block ids",

@@ -58,6 +58,10 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "local.latency_s": 0.0,  # "local" backend: simulated transfer latency
     "nixl.backends": ["UCX"],  # "nixl" backend: NIXL backends to create
     "nixl.num_threads": 0,
+    # NIXL's progress thread: on, sleeping up to this long between idle checks (0: NIXL's
+    # default, a busy loop that burns a core per node; docs/DATADIST.md "Idle CPU").
+    "nixl.progress_thread": True,
+    "nixl.progress_delay_us": 1000,
 }
 _NOTIF = "pytrt_kv.dd1"
 #: In-band deallocate notice ``"|from|cache_id|generation"``, sent with the data path when
@@ -84,13 +88,19 @@ class _Peer:
     load_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-#: Pause between completion checks. Never spin: NIXL's progress threads need the CPU
-#: (on a 2-core machine a spinning poll made a 4 KiB push take ~30 ms instead of ~0.2 ms).
+#: Pause between completion checks. Never spin for long: NIXL's progress threads need
+#: the CPU (on a 2-core machine a spinning poll made a 4 KiB push take ~30 ms instead of
+#: ~0.2 ms).
 POLL_INTERVAL_S = 5e-5
+#: ... except for the first POLL_SPIN_S of a wait: a small push completes within ~0.1 ms,
+#: and the shortest sleep costs ~0.12 ms on Linux here (timer slack and wake-up), more
+#: than the push. Checking a NIXL handle progresses its UCX worker from this thread.
+POLL_SPIN_S = 2e-4
 
 
 def _poll_sleep(start: float) -> None:
-    time.sleep(POLL_INTERVAL_S)
+    if time.monotonic() - start >= POLL_SPIN_S:
+        time.sleep(POLL_INTERVAL_S)
 
 
 def _parse_address(arg: str, c: Any) -> tuple[str, int]:
@@ -815,11 +825,17 @@ class LlmDataDist:
         tag: str,
         stream: Any,
         timeout_s: float | None,
+        *,
+        notify: bool = True,
+        source_ready: bool = False,
     ) -> TransferHandle:
+        """Post a checked plan. ``notify=False``: no tag at the destination (a layer of a
+        layer-wise push, whose tag follows its last layer); ``source_ready``: the caller
+        already waited for the source's writes (a layer's event), no stream sync."""
         timeout = self._timeout(plan.nbytes, timeout_s)
-        if op == WRITE and local.cache_desc.placement == "device":
+        if op == WRITE and local.cache_desc.placement == "device" and not source_ready:
             memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
-        notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode()
+        notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode() if notify else b""
         try:
             if plan.num_copies == 0:
                 self._require().notify(peer.agent, notif)

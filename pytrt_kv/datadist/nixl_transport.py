@@ -80,30 +80,76 @@ def _rows(info: CacheInfo) -> np.ndarray:
     return np.array([[a, bb, dev, bb, nb] for a in info.addrs], dtype=np.uint64)
 
 
+def _option(options: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    value = options.get(key, default)
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise TypeError(f"options[{key!r}]: expected an int >= 0, got {value!r}")
+    if kind is bool and not isinstance(value, bool):
+        raise TypeError(f"options[{key!r}]: expected a bool, got {value!r}")
+    return value
+
+
+def _make_agent(api: Any, b: Any, name: str, options: dict[str, Any], backends: list[str]) -> Any:
+    """A ``nixl_agent`` whose progress thread sleeps when idle (docs/DATADIST.md, "Idle
+    CPU").
+
+    NIXL's Python ``nixl_agent`` always passes ``pthrDelay = 0`` to the C++ agent: the UCX
+    progress thread then ``poll()``s its workers with a zero timeout and burns a core per
+    node for as long as the node lives, transfers or not. With ``"nixl.progress_delay_us"``
+    = d > 0 the thread blocks on the workers' event fds and wakes up at least every
+    ceil(d / 1000) ms: work still wakes it at once, an idle node costs ~1% of a core.
+    ``nixl_agent`` creates its backends after the C++ agent, so the agent is made with no
+    backends, its C++ agent replaced by one with the delay, and then the backends created
+    as ``nixl_agent`` would (nixl 1.5.1's ``_api.py``). ``"nixl.progress_thread": False``
+    runs no progress thread at all: a transfer then only moves while one of its two nodes
+    polls (``wait``/``received``), which stalls pushes into a decoder that is busy.
+    """
+    thread = _option(options, "nixl.progress_thread", bool, True)
+    delay = _option(options, "nixl.progress_delay_us", int, 1000)
+    num_threads = _option(options, "nixl.num_threads", int, 0)
+    # The control thread loads peers' metadata while the caller transfers.
+    sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    conf = api.nixl_agent_config(
+        enable_prog_thread=thread, enable_listen_thread=False, sync_mode=sync, backends=[]
+    )
+    agent = api.nixl_agent(name, conf)
+    if thread and delay > 0:
+        cpp = b.nixlAgentConfig()
+        cpp.useProgThread, cpp.useListenThread = True, False
+        cpp.syncMode, cpp.pthrDelay, cpp.lthrDelay = sync.value, delay, 100000
+        agent.agent = b.nixlAgent(name, cpp)
+    for backend in backends:
+        if backend in agent.plugin_list:
+            use = num_threads > 0 and backend in ("UCX", "OBJ", "LIBFABRIC")
+            params = {"num_threads": str(num_threads)} if use else {}
+            agent.create_backend(backend, params)
+    return agent
+
+
 class NixlTransport(Transport):
     """Options: ``"nixl.backends"`` (list, default ``["UCX"]``), ``"nixl.num_threads"``
-    (int, default 0: the backend's default)."""
+    (int, default 0: the backend's default), ``"nixl.progress_thread"`` (bool, default
+    True) and ``"nixl.progress_delay_us"`` (int, default 1000): see :func:`_make_agent`."""
 
     def __init__(self, name: str, options: dict[str, Any]):
         self._api, self._b = nixl_modules()
         self.name = name
-        conf = self._api.nixl_agent_config(
-            enable_prog_thread=True,
-            enable_listen_thread=False,
-            # The control thread loads peers' metadata while the caller transfers.
-            sync_mode=self._api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-            backends=list(options.get("nixl.backends", ["UCX"])),
-            num_threads=int(options.get("nixl.num_threads", 0)),
-        )
+        backends = list(options.get("nixl.backends", ["UCX"]))
+        # Bad option values are the caller's error (TypeError naming the key), not NIXL's.
+        _option(options, "nixl.progress_thread", bool, True)
+        _option(options, "nixl.progress_delay_us", int, 1000)
+        _option(options, "nixl.num_threads", int, 0)
         try:
-            self.agent = self._api.nixl_agent(name, conf)
+            self.agent = _make_agent(self._api, self._b, name, options, backends)
+        except LLMException:
+            raise
         except Exception as exc:
             raise self._error(exc, "creating the NIXL agent") from exc
         if not self.agent.backends:
             raise LLMException(
                 LLMStatus.FAILED,
                 f"NIXL has none of the backends "
-                f"{conf.backends} (available: "
+                f"{backends} (available: "
                 f"{self.agent.get_plugin_list()})",
             )
         self._remote: dict[tuple[str, int, int], Any] = {}

@@ -6,6 +6,7 @@ docs/SPEC.md D1 (caches), D2 (layers), D5 (statuses).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -165,7 +166,8 @@ class CacheDesc:
 
     @property
     def block_bytes(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        # math.prod: exact, and ~30x faster than np.prod (three calls per push check).
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
 
     @property
     def tensor_bytes(self) -> int:
