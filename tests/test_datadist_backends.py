@@ -109,7 +109,7 @@ def test_push_equals_reference_on_random_caches(nodes, dtype):
         f = int(rng.integers(0, s_layers - n_layers + 1))
         g = int(rng.integers(0, d_layers - n_layers + 1))
         ext = KvCacheExtParam((f, f + n_layers - 1), (g, g + n_layers - 1), tnpl)
-        n = int(rng.integers(1, dst.cache_desc.num_blocks + 1))  # empty lists are refused
+        n = int(rng.integers(0, dst.cache_desc.num_blocks + 1))
         db = rng.permutation(dst.cache_desc.num_blocks)[:n]
         if trial % 2:  # runs consecutive on both sides (merged into larger copies)
             db = np.arange(n) + int(rng.integers(0, dst.cache_desc.num_blocks - n + 1))
@@ -197,9 +197,8 @@ def test_register_host_array_as_device_refused(nodes):
 # --- refused calls move nothing ------------------------------------------------------------
 
 REFUSALS = [
-    (dict(ext_param=KvCacheExtParam((0, 0), (0, 0), 3)), "tensor_num_per_layer"),
+    (dict(ext_param=KvCacheExtParam(tensor_num_per_layer=3)), "tensor_num_per_layer"),
     (dict(ext_param=KvCacheExtParam(tensor_num_per_layer=0)), "tensor_num_per_layer"),
-    (dict(src_blocks=[], dst_blocks=[]), "src_blocks"),
     (dict(ext_param=KvCacheExtParam((0, 2), (0, 2))), "src_layer_range"),
     (dict(ext_param=KvCacheExtParam((0, 0), (0, 1))), "as many layers"),
     (dict(src_blocks=[0, 1], dst_blocks=[0]), "dst_blocks"),
@@ -526,30 +525,38 @@ def test_timeout_releases_the_handle_local(monkeypatch):
 # The NIXL timeout needs a peer that stops answering: tests/test_datadist_processes.py.
 
 
-def test_empty_lists_refused(nodes):
-    """Issue 19 item 8: as in CANN, a push or pull without blocks is PARAM_INVALID; no
-    tag reaches the other side."""
+def test_empty_lists_deliver_the_tag(nodes):
+    """docs/SPEC.md D6: empty block lists post no transfer and still deliver the tag."""
     p, d, src, dst = _pair(nodes)
     _linked(nodes)
-    with pytest.raises(LLMParamInvalid, match="src_blocks"):
-        p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [], [], tag="nothing")
-    with pytest.raises(LLMParamInvalid, match="src_blocks"):
-        d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [], [], tag="nothing")
-    assert not d.received("nothing") and not p.received("nothing")
+    tag = p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [], [], tag="nothing")
+    assert tag == "nothing"
+    d.wait_received("nothing", timeout_s=5)
+    assert not d.received("nothing"), "a tag is reported once"
     assert all((t == SENTINEL).all() for t in dst.tensors)
+    tag = d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [], [])
+    p.wait_received(tag, timeout_s=5)
 
 
-def test_one_tensor_cache_with_default_ext_param(nodes):
-    """Issue 19 item 8: default layer ranges move the whole cache, so a 1-tensor cache
-    needs no KvCacheExtParam (docs/DATADIST.md "What CANN allows")."""
+def test_one_tensor_cache_needs_tensor_num_per_layer_1(nodes):
+    """docs/SPEC.md D4: tnpl must divide num_tensors also with the default ranges, so a
+    1-tensor cache with the default KvCacheExtParam (tnpl 2) is PARAM_INVALID, moves
+    nothing and sends no tag; with KvCacheExtParam(tensor_num_per_layer=1) it moves."""
     p, d = _linked(nodes)
     src = p.allocate_cache(CacheDesc(1, (6, 8), "int32"))
     dst = d.allocate_cache(CacheDesc(1, (6, 8), "int32"))
     _fill(src, np.random.default_rng(3))
     _sentinel(dst)
-    d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [5, 0], [1, 4]), 5)
+    index = CacheIndex(2, dst.cache_id)
+    for ext in (None, KvCacheExtParam()):
+        with pytest.raises(LLMParamInvalid, match=r"tensor_num_per_layer: .*\[1, 1\], got 2"):
+            p.push_kv_blocks(src, index, [5, 0], [1, 4], ext, tag="refused")
+    assert not d.received("refused")
+    assert all((t == SENTINEL).all() for t in dst.tensors)
+    one = KvCacheExtParam(tensor_num_per_layer=1)
+    d.wait_received(p.push_kv_blocks(src, index, [5, 0], [1, 4], one), 5)
     ref = push_kv_blocks_reference(
-        _snapshot(src), [np.full((6, 8), SENTINEL, np.int32)], [5, 0], [1, 4]
+        _snapshot(src), [np.full((6, 8), SENTINEL, np.int32)], [5, 0], [1, 4], one
     )
     assert _same(dst.tensors, ref)
 

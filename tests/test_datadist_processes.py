@@ -327,10 +327,11 @@ def test_freed_source_memory_is_kv_cache_not_exist_and_keeps_the_link(spawn):
         p.finalize()
 
 
-def test_link_results_one_tensor_cache_and_empty_lists(spawn):
-    """Issue 19 item 8 over two processes: one LinkResult per cluster (a refused address
-    beside a live node: the live one is linked), a 1-tensor cache pushed with the default
-    KvCacheExtParam, and empty block lists refused with PARAM_INVALID (no tag arrives)."""
+def test_link_results_one_tensor_cache_and_empty_lists_deliver_the_tag(spawn):
+    """Over two processes: one LinkResult per cluster (issue 19 item 8: a refused address
+    beside a live node, the live one is linked); a 1-tensor cache is refused with the
+    default KvCacheExtParam and pushed with tensor_num_per_layer=1 (docs/SPEC.md D4); an
+    empty push delivers its tag and changes nothing (D6)."""
     import socket
 
     desc = CacheDesc(1, (8, 64), "float16")
@@ -350,18 +351,19 @@ def test_link_results_one_tensor_cache_and_empty_lists(spawn):
         src = p.allocate_cache(desc)
         src.tensors[0][...] = np.arange(8 * 64).reshape(8, 64)
         index = CacheIndex(2, dst_node.hello["cache"])
-        with pytest.raises(LLMParamInvalid, match="src_blocks"):
-            p.push_kv_blocks(src, index, [], [], tag="empty")
+        with pytest.raises(LLMParamInvalid, match="tensor_num_per_layer"):
+            p.push_kv_blocks(src, index, [7, 1], [0, 6])
+        one = KvCacheExtParam(tensor_num_per_layer=1)
         got = _tensors(
-            dst_node.ask(cmd="read", tag=p.push_kv_blocks(src, index, [7, 1], [0, 6]))["data"], desc
+            dst_node.ask(cmd="read", tag=p.push_kv_blocks(src, index, [7, 1], [0, 6], one))["data"],
+            desc,
         )
         dst0 = [np.full(desc.shape, SENTINEL, desc.dtype)]
-        expected = push_kv_blocks_reference([src.tensors[0].copy()], dst0, [7, 1], [0, 6])
+        expected = push_kv_blocks_reference([src.tensors[0].copy()], dst0, [7, 1], [0, 6], one)
         assert (got[0] == expected[0]).all()
-        r = dst_node.proc.stdin
-        r.write(json.dumps({"cmd": "read", "tag": "empty", "timeout_s": 0.2}) + "\n")
-        r.flush()
-        assert dst_node.reply()["status"] == "TIMEOUT"  # the refused push sent no tag
+        assert p.push_kv_blocks(src, index, [], [], one, tag="empty") == "empty"
+        after = _tensors(dst_node.ask(cmd="read", tag="empty")["data"], desc)
+        assert (after[0] == expected[0]).all()  # the tag arrived; nothing was written
     finally:
         p.finalize()
 

@@ -72,13 +72,6 @@ class TransferPlan:
         return out
 
 
-def _is_default(layer_range: Any) -> bool:
-    try:
-        return tuple(layer_range) == (-1, -1)
-    except TypeError:
-        return False
-
-
 def _layer_tensors(arg: str, layer_range: Any, num_tensors: int, tnpl: int) -> tuple[int, ...]:
     """Tensors ``[first*tnpl, (second+1)*tnpl)`` of a layer range checked against its own
     side (docs/SPEC.md D2, D4)."""
@@ -160,13 +153,9 @@ def check_transfer(
     if isinstance(tnpl, bool) or not isinstance(tnpl, (int, np.integer)) or tnpl < 1:
         raise param_invalid("ext_param.tensor_num_per_layer", "an int >= 1", repr(tnpl))
     tnpl = int(tnpl)
-    # With both ranges (-1, -1) the whole cache moves and tnpl is not used: CANN asks
-    # nothing of it then, so a 1-tensor cache works with the defaults (docs/DATADIST.md,
-    # "What CANN allows"); a layer range needs a tnpl that divides each side.
-    whole = _is_default(ext.src_layer_range) and _is_default(ext.dst_layer_range)
+    # Always, also with both ranges (-1, -1) (docs/SPEC.md D4): a 1-tensor cache is
+    # pushed with KvCacheExtParam(tensor_num_per_layer=1).
     for side, desc in (("source", src), ("destination", dst)):
-        if whole:
-            break
         if not 1 <= tnpl <= desc.num_tensors or desc.num_tensors % tnpl:
             raise param_invalid(
                 "ext_param.tensor_num_per_layer",
@@ -179,13 +168,11 @@ def check_transfer(
     if len(st) != len(dt):
         raise param_invalid(
             "ext_param.dst_layer_range",
-            f"as many layers as src_layer_range ({len(st)} tensors, tensor_num_per_layer {tnpl})",
-            f"{len(dt)} tensors",
+            f"as many layers as src_layer_range ({len(st) // tnpl})",
+            f"{len(dt) // tnpl} layers",
         )
     sb = _block_ids("src_blocks", src_blocks, src.num_blocks)
     db = _block_ids("dst_blocks", dst_blocks, dst.num_blocks)
-    if len(sb) == 0:  # CANN refuses a transfer without blocks (docs/DATADIST.md)
-        raise param_invalid("src_blocks", "at least one block id", "an empty list")
     if len(sb) != len(db):
         raise param_invalid("dst_blocks", f"as many ids as src_blocks ({len(sb)})", len(db))
     # Small pushes (layer-wise, decode-sized): a set of <= 64 ids beats bincount's O(NB).

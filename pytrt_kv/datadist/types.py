@@ -208,6 +208,8 @@ class KvCacheExtParam:
 
     ``(-1, -1)`` means every layer; otherwise ``(first, second)`` with
     ``0 <= first <= second <= num_tensors / tensor_num_per_layer - 1`` on its own side.
+    ``tensor_num_per_layer`` must divide ``num_tensors`` on both sides, also with the
+    default ranges (D4): a 1-tensor cache takes ``tensor_num_per_layer=1``.
     """
 
     src_layer_range: tuple[int, int] = (-1, -1)
