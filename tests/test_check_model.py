@@ -356,6 +356,25 @@ def test_a_valid_model_passes_everywhere(tmp_path, capsys):
     prepare_for_tensorrt(valid())
 
 
+def _chained_directly():
+    """Scatter a's key_cache_out is scatter b's cache input and a graph output."""
+    nodes = [
+        _scatter("a", cache_layout="nd"),
+        _scatter("b", kc="key_cache_out", out="key_cache_out2", cache_layout="nd"),
+    ]
+    outs = [KCO, _vi("key_cache_out2", F16, [4, 2, 2, 16])]
+    return _model(nodes, [KEY, KC, SLOT], outs)
+
+
+@pytest.mark.parametrize("make", [_chained, _chained_directly])
+def test_chained_caches_pass(make):
+    """docs/SPEC.md O's rules allow chaining: every *_out a graph output, the next node
+    reading it (directly or through a view) as its cache input; that *_out being a graph
+    output is not a second reader of the next node's cache."""
+    assert check_model(make(), targets=["sm89"]) == []
+    prepare_for_tensorrt(make())
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_broken_model_fails_the_same_way_everywhere(case, tmp_path, capsys):
     make, pattern = CASES[case]

@@ -18,9 +18,10 @@ Rules (the ``rule`` of a problem):
 - ``graph.output-declaration``: a graph output declared unlike the op's output;
 - ``graph.update-dropped``: an updated cache (``*_out``) that is not a graph output
   (docs/SPEC.md O: every ``*_out`` is a graph output; later nodes may also read it);
-- ``graph.cache-shared``: a cache input also read by another node or returned as a
-  graph output (docs/SPEC.md O: a cache input is consumed by its op only, whatever
-  ``alias_io``; later nodes read the ``*_out``);
+- ``graph.cache-shared``: a cache input also read by another node, or returned as a
+  graph output when it is not an earlier node's ``*_out`` (docs/SPEC.md O: a cache
+  input is consumed by its op only, whatever ``alias_io``; later nodes read the
+  ``*_out``);
 - ``graph.two-caches``: one tensor updated in place by two nodes (or twice by one);
 - ``graph.cache-consistency``: two scatters chained through one cache with different
   ``cache_layout``, or the chained cache declared with another dtype;
@@ -239,6 +240,7 @@ def _graph_rules(
     readers = _readers(model)
     outputs = {o.name for o in model.graph.output}
     updaters: dict[str, list[tuple[onnx.NodeProto, str]]] = {}
+    updated: set[str] = set()  # every *_out: a graph output, by the rule below
     for idx, node in enumerate(model.graph.node):
         if not _ours(node) or idx in skip:
             continue
@@ -249,6 +251,8 @@ def _graph_rules(
             if src and not _empty(types, src):
                 updaters.setdefault(src, []).append((node, in_name))
             dst = node.output[k] if k < len(node.output) else ""
+            if dst:
+                updated.add(dst)
             if not src or not dst or _empty(types, src):
                 continue
             if dst in outputs:
@@ -281,7 +285,9 @@ def _graph_rules(
             )
             continue
         others = sorted({_label(n) for n, _ in readers.get(src, []) if n is not node})
-        if src in outputs:
+        if src in outputs and src not in updated:
+            # An earlier node's *_out chained straight into this node is a graph output
+            # by the update-dropped rule; any other cache input returned is a reader.
             others.append("the graph outputs")
         if others:
             problems.append(
