@@ -168,6 +168,21 @@ def _shared_intermediate_cache():
     return _model(nodes, [KEY, KC, SLOT], [KCO, _vi("old", F16, [4, 2, 2, 16])], [kc])
 
 
+def _shared_through_a_view():
+    """The scatter updates a Reshape of key_cache, which another node also reads: the
+    update in place changes key_cache too (a view is the same cache)."""
+    shape = helper.make_tensor("shape", TP.INT64, [4], [4, 2, 2, 16])
+    nodes = [
+        helper.make_node("Reshape", ["key_cache", "shape"], ["kv"], name="r"),
+        _scatter(kc="kv", cache_layout="nd"),
+        helper.make_node("Identity", ["key_cache"], ["old"], name="peek"),
+    ]
+    outs = [KCO, _vi("old", F16, [4, 2, 2, 16])]
+    return _model(
+        nodes, [KEY, KC, SLOT], outs, [_vi("kv", F16, [4, 2, 2, 16])], initializers=[shape]
+    )
+
+
 def _out_only_chained():
     """Scatter a's key_cache_out feeds scatter b (through a Reshape) but is not a graph
     output: docs/SPEC.md O wants every *_out a graph output (a relaxation once let a
@@ -290,6 +305,11 @@ CASES = {
         "^" + N + r"key_cache: expected 'kc' read by this node only \(a cache input is "
         r"consumed by its op only, whatever alias_io.*\), got also read by peek "
         r"\[graph\.cache-shared\]$",
+    ),
+    "cache read through a view by another node": (
+        _shared_through_a_view,
+        "^" + N + r"key_cache: expected 'kv' read by this node only .*got also read by "
+        r"peek \(through 'key_cache', of which 'kv' is a view\) \[graph\.cache-shared\]$",
     ),
     "one tensor, two nodes' cache": (
         _two_caches,

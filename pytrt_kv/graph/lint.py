@@ -18,10 +18,10 @@ Rules (the ``rule`` of a problem):
 - ``graph.output-declaration``: a graph output declared unlike the op's output;
 - ``graph.update-dropped``: an updated cache (``*_out``) that is not a graph output
   (docs/SPEC.md O: every ``*_out`` is a graph output; later nodes may also read it);
-- ``graph.cache-shared``: a cache input also read by another node, or returned as a
-  graph output when it is not an earlier node's ``*_out`` (docs/SPEC.md O: a cache
-  input is consumed by its op only, whatever ``alias_io``; later nodes read the
-  ``*_out``);
+- ``graph.cache-shared``: a cache input (or a tensor it is a view of) also read by
+  another node, or returned as a graph output when it is not an earlier node's
+  ``*_out`` (docs/SPEC.md O: a cache input is consumed by its op only, whatever
+  ``alias_io``; later nodes read the ``*_out``);
 - ``graph.two-caches``: one tensor updated in place by two nodes (or twice by one);
 - ``graph.cache-consistency``: two scatters chained through one cache with different
   ``cache_layout``, or the chained cache declared with another dtype;
@@ -233,12 +233,38 @@ def _through_views(
                     todo.append(node.output[0])
 
 
+def _view_source_readers(
+    src: str,
+    readers: Mapping[str, list[tuple[onnx.NodeProto, int]]],
+    producers: Mapping[str, onnx.NodeProto],
+    outputs: set[str],
+    updated: set[str],
+) -> list[str]:
+    """Other readers of the tensors ``src`` is a view of (VIEW_OPS, walking back): the
+    update in place changes them too, so they are the same cache."""
+    found: list[str] = []
+    seen = {src}
+    view = producers.get(src)
+    while view is not None and view.op_type in VIEW_OPS and view.input and view.input[0]:
+        base = view.input[0]
+        if base in seen:
+            break
+        seen.add(base)
+        names = sorted({_label(n) for n, _ in readers.get(base, []) if n is not view})
+        if base in outputs and base not in updated:
+            names.append("the graph outputs")
+        found += [f"{n} (through {base!r}, of which {src!r} is a view)" for n in names]
+        view = producers.get(base)
+    return found
+
+
 def _graph_rules(
     model: onnx.ModelProto, types: Mapping[str, nodes.Type], skip: set[int]
 ) -> list[Problem]:
     problems: list[Problem] = []
     readers = _readers(model)
     outputs = {o.name for o in model.graph.output}
+    producers = {o: n for n in model.graph.node for o in n.output if o}
     updaters: dict[str, list[tuple[onnx.NodeProto, str]]] = {}
     updated: set[str] = set()  # every *_out: a graph output, by the rule below
     for idx, node in enumerate(model.graph.node):
@@ -289,6 +315,7 @@ def _graph_rules(
             # An earlier node's *_out chained straight into this node is a graph output
             # by the update-dropped rule; any other cache input returned is a reader.
             others.append("the graph outputs")
+        others += _view_source_readers(src, readers, producers, outputs, updated)
         if others:
             problems.append(
                 Problem(
