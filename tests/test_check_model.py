@@ -155,6 +155,45 @@ def _shared_cache():
     return m
 
 
+def _shared_intermediate_cache():
+    """An intermediate cache (not a graph input) of an alias_io = 0 scatter also read by
+    another node: docs/SPEC.md O refuses it whatever alias_io (a relaxation once let
+    it pass)."""
+    kc = _vi("kc", F16, [4, 2, 2, 16])
+    nodes = [
+        helper.make_node("Identity", ["key_cache"], ["kc"], name="mk"),
+        _scatter(kc="kc", cache_layout="nd", alias_io=0),
+        helper.make_node("Identity", ["kc"], ["old"], name="peek"),
+    ]
+    return _model(nodes, [KEY, KC, SLOT], [KCO, _vi("old", F16, [4, 2, 2, 16])], [kc])
+
+
+def _shared_through_a_view():
+    """The scatter updates a Reshape of key_cache, which another node also reads: the
+    update in place changes key_cache too (a view is the same cache)."""
+    shape = helper.make_tensor("shape", TP.INT64, [4], [4, 2, 2, 16])
+    nodes = [
+        helper.make_node("Reshape", ["key_cache", "shape"], ["kv"], name="r"),
+        _scatter(kc="kv", cache_layout="nd"),
+        helper.make_node("Identity", ["key_cache"], ["old"], name="peek"),
+    ]
+    outs = [KCO, _vi("old", F16, [4, 2, 2, 16])]
+    return _model(
+        nodes, [KEY, KC, SLOT], outs, [_vi("kv", F16, [4, 2, 2, 16])], initializers=[shape]
+    )
+
+
+def _out_only_chained():
+    """Scatter a's key_cache_out feeds scatter b (through a Reshape) but is not a graph
+    output: docs/SPEC.md O wants every *_out a graph output (a relaxation once let a
+    later pytrt_kv reader stand in for it)."""
+    m = _chained()
+    kept = [o for o in m.graph.output if o.name != "key_cache_out"]
+    del m.graph.output[:]
+    m.graph.output.extend(kept)
+    return m
+
+
 def _two_caches():
     nodes = [
         _scatter("a", cache_layout="nd"),
@@ -245,14 +284,32 @@ CASES = {
     # graph rules
     "update dropped": (
         _dropped_update,
-        "^" + N + r"key_cache_out: expected a graph output or an input of a later pytrt_kv "
-        r"node \(else the update of key_cache 'key_cache' is dropped\), got 'key_cache_out' "
-        r"read only by \['id'\] \[graph\.update-dropped\]$",
+        "^" + N + r"key_cache_out: expected a graph output \(the updated key_cache "
+        r"'key_cache', which the next step feeds back; later nodes may also read it, "
+        r"docs/SPEC.md O\), got 'key_cache_out' read only by \['id'\], not a graph output "
+        r"\[graph\.update-dropped\]$",
+    ),
+    "*_out read by a later pytrt_kv node only": (
+        _out_only_chained,
+        "^" + re.escape("node 'a' (ScatterPaKvCache): ") + r"key_cache_out: expected a graph "
+        r"output .*got 'key_cache_out' read only by \['r'\], not a graph output "
+        r"\[graph\.update-dropped\]$",
     ),
     "cache read by another node": (
         _shared_cache,
         "^" + N + r"key_cache: expected 'key_cache' read by this node only .*got also read by "
         r"peek \[graph\.cache-shared\]$",
+    ),
+    "intermediate alias_io=0 cache read by another node": (
+        _shared_intermediate_cache,
+        "^" + N + r"key_cache: expected 'kc' read by this node only \(a cache input is "
+        r"consumed by its op only, whatever alias_io.*\), got also read by peek "
+        r"\[graph\.cache-shared\]$",
+    ),
+    "cache read through a view by another node": (
+        _shared_through_a_view,
+        "^" + N + r"key_cache: expected 'kv' read by this node only .*got also read by "
+        r"peek \(through 'key_cache', of which 'kv' is a view\) \[graph\.cache-shared\]$",
     ),
     "one tensor, two nodes' cache": (
         _two_caches,
@@ -317,6 +374,25 @@ def test_a_valid_model_passes_everywhere(tmp_path, capsys):
     }
     assert runtime.run(valid(), feeds)["key_cache_out"][1, 1, 0, 0] == 1
     prepare_for_tensorrt(valid())
+
+
+def _chained_directly():
+    """Scatter a's key_cache_out is scatter b's cache input and a graph output."""
+    nodes = [
+        _scatter("a", cache_layout="nd"),
+        _scatter("b", kc="key_cache_out", out="key_cache_out2", cache_layout="nd"),
+    ]
+    outs = [KCO, _vi("key_cache_out2", F16, [4, 2, 2, 16])]
+    return _model(nodes, [KEY, KC, SLOT], outs)
+
+
+@pytest.mark.parametrize("make", [_chained, _chained_directly])
+def test_chained_caches_pass(make):
+    """docs/SPEC.md O's rules allow chaining: every *_out a graph output, the next node
+    reading it (directly or through a view) as its cache input; that *_out being a graph
+    output is not a second reader of the next node's cache."""
+    assert check_model(make(), targets=["sm89"]) == []
+    prepare_for_tensorrt(make())
 
 
 @pytest.mark.parametrize("case", list(CASES))

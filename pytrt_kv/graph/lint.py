@@ -16,12 +16,12 @@ Rules (the ``rule`` of a problem):
 - ``schema.dtype``, ``schema.shape``: declared input dtypes and, where static, shapes
   against the contract (``check.validate_node``, the shape parts of docs/SPEC.md S and G);
 - ``graph.output-declaration``: a graph output declared unlike the op's output;
-- ``graph.update-dropped``: an updated cache (``*_out``) that is neither a graph output
-  nor read (directly or through Reshape/Identity/Squeeze/Unsqueeze/Flatten) by a
-  ``pytrt_kv`` node: its update would be lost;
-- ``graph.cache-shared``: a cache updated in place also read by another node or
-  returned as a graph output, where the update is in place (a graph input, which the
-  runner binds to its ``*_out``; or ``alias_io`` = 1, TensorRT's aliased plugin I/O);
+- ``graph.update-dropped``: an updated cache (``*_out``) that is not a graph output
+  (docs/SPEC.md O: every ``*_out`` is a graph output; later nodes may also read it);
+- ``graph.cache-shared``: a cache input (or a tensor it is a view of) also read by
+  another node, or returned as a graph output when it is not an earlier node's
+  ``*_out`` (docs/SPEC.md O: a cache input is consumed by its op only, whatever
+  ``alias_io``; later nodes read the ``*_out``);
 - ``graph.two-caches``: one tensor updated in place by two nodes (or twice by one);
 - ``graph.cache-consistency``: two scatters chained through one cache with different
   ``cache_layout``, or the chained cache declared with another dtype;
@@ -201,13 +201,6 @@ def _empty(types: Mapping[str, nodes.Type], name: str) -> bool:
     return shape is not None and 0 in shape
 
 
-def _alias_io(node: onnx.NodeProto) -> int:
-    for a in node.attribute:
-        if a.name == "alias_io" and a.type == onnx.AttributeProto.INT:
-            return int(a.i)
-    return 1
-
-
 def _readers(model: onnx.ModelProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
     out: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in model.graph.node:
@@ -240,14 +233,40 @@ def _through_views(
                     todo.append(node.output[0])
 
 
+def _view_source_readers(
+    src: str,
+    readers: Mapping[str, list[tuple[onnx.NodeProto, int]]],
+    producers: Mapping[str, onnx.NodeProto],
+    outputs: set[str],
+    updated: set[str],
+) -> list[str]:
+    """Other readers of the tensors ``src`` is a view of (VIEW_OPS, walking back): the
+    update in place changes them too, so they are the same cache."""
+    found: list[str] = []
+    seen = {src}
+    view = producers.get(src)
+    while view is not None and view.op_type in VIEW_OPS and view.input and view.input[0]:
+        base = view.input[0]
+        if base in seen:
+            break
+        seen.add(base)
+        names = sorted({_label(n) for n, _ in readers.get(base, []) if n is not view})
+        if base in outputs and base not in updated:
+            names.append("the graph outputs")
+        found += [f"{n} (through {base!r}, of which {src!r} is a view)" for n in names]
+        view = producers.get(base)
+    return found
+
+
 def _graph_rules(
     model: onnx.ModelProto, types: Mapping[str, nodes.Type], skip: set[int]
 ) -> list[Problem]:
     problems: list[Problem] = []
     readers = _readers(model)
     outputs = {o.name for o in model.graph.output}
-    graph_inputs = {i.name for i in model.graph.input} - {i.name for i in model.graph.initializer}
+    producers = {o: n for n in model.graph.node for o in n.output if o}
     updaters: dict[str, list[tuple[onnx.NodeProto, str]]] = {}
+    updated: set[str] = set()  # every *_out: a graph output, by the rule below
     for idx, node in enumerate(model.graph.node):
         if not _ours(node) or idx in skip:
             continue
@@ -258,12 +277,13 @@ def _graph_rules(
             if src and not _empty(types, src):
                 updaters.setdefault(src, []).append((node, in_name))
             dst = node.output[k] if k < len(node.output) else ""
+            if dst:
+                updated.add(dst)
             if not src or not dst or _empty(types, src):
                 continue
-            views = list(_through_views(dst, readers))
-            if dst in outputs or any(_ours(n) for n, _, _ in views):
+            if dst in outputs:
                 continue
-            others = sorted({_label(n) for n, _, _ in views})
+            others = sorted({_label(n) for n, _ in readers.get(dst, [])})
             got = f"{dst!r} read only by {others}" if others else f"{dst!r} read by nothing"
             problems.append(
                 Problem(
@@ -271,8 +291,9 @@ def _graph_rules(
                     node.op_type,
                     out_name,
                     "graph.update-dropped",
-                    f"expected a graph output or an input of a later pytrt_kv node (else "
-                    f"the update of {in_name} {src!r} is dropped), got {got}",
+                    f"expected a graph output (the updated {in_name} {src!r}, which the "
+                    f"next step feeds back; later nodes may also read it, docs/SPEC.md O), "
+                    f"got {got}, not a graph output",
                 )
             )
     for src, users in updaters.items():
@@ -289,27 +310,22 @@ def _graph_rules(
                 )
             )
             continue
-        in_place = src in graph_inputs or _alias_io(node) != 0
-        if not in_place:
-            continue
         others = sorted({_label(n) for n, _ in readers.get(src, []) if n is not node})
-        if src in outputs:
+        if src in outputs and src not in updated:
+            # An earlier node's *_out chained straight into this node is a graph output
+            # by the update-dropped rule; any other cache input returned is a reader.
             others.append("the graph outputs")
+        others += _view_source_readers(src, readers, producers, outputs, updated)
         if others:
-            why = (
-                "a graph input the runner binds to its *_out"
-                if src in graph_inputs
-                else "alias_io = 1: TensorRT aliases it to the *_out"
-            )
             problems.append(
                 Problem(
                     node.name,
                     node.op_type,
                     in_name,
                     "graph.cache-shared",
-                    f"expected {src!r} read by this node only (it is updated in place: "
-                    f"{why}; read the *_out instead, docs/SPEC.md O), got also read by "
-                    f"{', '.join(others)}",
+                    f"expected {src!r} read by this node only (a cache input is consumed "
+                    f"by its op only, whatever alias_io: it is updated in place; read the "
+                    f"*_out instead, docs/SPEC.md O), got also read by {', '.join(others)}",
                 )
             )
     problems += _consistency(model, types, readers, skip)
