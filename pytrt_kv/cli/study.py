@@ -7,8 +7,10 @@ pipe or a file shows them as they come; the files go to ``--out``.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -24,7 +26,7 @@ def _floats(s: str) -> tuple[float, ...]:
 
 
 #: option -> (StudySettings field, parser); unset options keep the --size value.
-_OVERRIDES = {
+_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "lengths": ("lengths", _ints),
     "depths": ("depths", _floats),
     "trials": ("trials", int),
@@ -99,9 +101,10 @@ def settings_from_args(args: argparse.Namespace):
             try:
                 changes[name] = parse(value)
             except ValueError:
+                what = getattr(parse, "__name__", "value").strip("_")
+                what = {"int": "an integer", "float": "a number"}.get(what, "a list of numbers")
                 raise ValueError(
-                    f"--{opt.replace('_', '-')}: expected {parse.__name__.strip('_')}, "
-                    f"got {value!r}"
+                    f"--{opt.replace('_', '-')}: expected {what}, got {value!r}"
                 ) from None
     return replace(settings, **changes)
 

@@ -534,7 +534,8 @@ def _needle_prompt(tok, trial: Trial, settings: StudySettings, hay_ids: list[int
             f"\n\nWhat is the pass key for {keys[asked]}? The pass key for {keys[asked]} is"
         )
         wanted = [values[asked]]
-    answer, ranges = [], []
+    answer: list[int] = []
+    ranges: list[tuple[int, int]] = []
     for i, v in enumerate(wanted):
         answer += enc(",") if i else []
         vt = enc(f" {v}")
@@ -775,8 +776,8 @@ def summarize(needles: list[dict], loss: list[dict]) -> list[dict]:
             )
     for r in loss:
         tag = f" {round(r['percent'] * 100):g}% B{r['block_size']}"
-        orc = next((x for x in loss if x["method"] == "oracle" + tag), None)
-        win = next((x for x in loss if x["method"] == "window" + tag), None)
+        lorc = next((x for x in loss if x["method"] == "oracle" + tag), None)
+        lwin = next((x for x in loss if x["method"] == "window" + tag), None)
         out.append(
             {
                 "task": "loss",
@@ -785,8 +786,8 @@ def summarize(needles: list[dict], loss: list[dict]) -> list[dict]:
                 "delta": r["delta"],
                 "ci": r["delta_ci"],
                 "top1_agree": r["top1_agree"],
-                "gap_to_oracle": (r["delta"] - orc["delta"]) if orc else None,
-                "vs_window": (r["delta"] - win["delta"]) if win else None,
+                "gap_to_oracle": (r["delta"] - lorc["delta"]) if lorc else None,
+                "vs_window": (r["delta"] - lwin["delta"]) if lwin else None,
                 "tokens": r["tokens"],
             }
         )
@@ -918,14 +919,18 @@ def plot(settings: StudySettings, needles: list[dict], loss: list[dict], path: P
                 )  # fmt: skip
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            if not ax.lines:
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", color="grey")
             if key == "percent":
                 ax.set_xlabel(f"recall fraction (blocks of {settings.block_size})")
             else:
                 ax.set_xlabel(f"block size (recall {settings.percent:g})")
                 ax.set_xscale("log", base=2)
+                ax.set_xticks(list(xs), [str(x) for x in xs])
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.lines:
+                ax.legend(fontsize=8)
     fig.suptitle(f"RetrievalKV on {MODEL_NAME}: equal budgets per setting")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
