@@ -493,7 +493,8 @@ class LlmDataDist:
     ) -> Cache:
         with self._lock:
             cache = Cache(next(self._ids), desc, addrs, tensors, next(self._generations), owned)
-            cache._backend_state = self._require().register(self._info(cache))
+            cache._info = self._info(cache)
+            cache._backend_state = self._require().register(cache._info)
             self._caches[cache.cache_id] = cache
         return cache
 
@@ -929,7 +930,7 @@ class LlmDataDist:
                 xfer = None
             else:
                 xfer = self._require().post(
-                    op, plan, self._info(local), local._backend_state, remote, peer.agent, notif
+                    op, plan, local._info, local._backend_state, remote, peer.agent, notif
                 )
         except LLMException as exc:
             err = self._transfer_error(exc, arg, local, peer)
