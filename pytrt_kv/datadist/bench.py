@@ -16,7 +16,9 @@ prompt node to a decoder node in this process, over NIXL (UCX), and times, media
   NIXL >= 0.80 of it).
 
 Small pushes (:func:`bench_latency`): milliseconds per push of 1-16 scattered 4 KiB
-blocks, wrapper and raw NIXL, each from a sender process into a receiver process.
+blocks, wrapper and raw NIXL, each from a sender process into a receiver process, and
+raw NIXL over the wrapper's own agent and receiver (same processes: no difference in
+CPU placement).
 
 Patterns: *contiguous* (blocks 0..N-1 to 0..N-1: NIXL merges them into one descriptor)
 and *scattered* (random permutations on both sides: one descriptor per block).
