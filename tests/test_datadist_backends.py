@@ -561,6 +561,97 @@ def test_one_tensor_cache_needs_tensor_num_per_layer_1(nodes):
     assert _same(dst.tensors, ref)
 
 
+def test_a_repeated_request_reuses_its_checked_plan(nodes, monkeypatch):
+    """A small request equal to an accepted one skips the D4 check (BENCHMARKS.md,
+    "Small pushes"); any other request is still checked: the same ids as bools or
+    floats, an id array changed in place, bool layer ranges are refused and move nothing,
+    and a reused plan moves the source's current data."""
+    p, d = _linked(nodes)
+    src = p.allocate_cache(CacheDesc(4, (6, 8), "int32"))
+    dst = d.allocate_cache(CacheDesc(4, (6, 8), "int32"))
+    index = CacheIndex(2, dst.cache_id)
+    calls = []
+    check = llm_datadist.check_transfer
+    monkeypatch.setattr(
+        llm_datadist, "check_transfer", lambda *a, **k: calls.append(1) or check(*a, **k)
+    )
+    ext = KvCacheExtParam((1, 1), (0, 0))
+    ids = np.array([2, 3])
+    rng = np.random.default_rng(4)
+    for i in range(3):  # list, tuple and array of the same ids: one check
+        _fill(src, rng)
+        _sentinel(dst)
+        sb = ([0, 5], (0, 5), np.array([0, 5]))[i]
+        d.wait_received(p.push_kv_blocks(src, index, sb, ids, ext), 5)
+        ref = push_kv_blocks_reference(
+            _snapshot(src), [np.full((6, 8), SENTINEL, np.int32)] * 4, [0, 5], [2, 3], ext
+        )
+        assert _same(dst.tensors, ref), i
+    assert len(calls) == 1
+    _sentinel(dst)
+    refused = [
+        (dict(sb=[False, True]), "src_blocks"),
+        (dict(sb=np.array([0.0, 5.0])), "src_blocks"),
+        (dict(ext=KvCacheExtParam((True, True), (0, 0))), "src_layer_range"),
+        (dict(ext=KvCacheExtParam((1, 1), (0, 0), 4)), "src_layer_range"),
+    ]
+    ids[1] = 2  # the accepted array, changed in place: now a duplicate
+    refused.append((dict(), "more than once"))
+    for kw, match in refused:
+        with pytest.raises(LLMParamInvalid, match=match):
+            p.push_kv_blocks(
+                src, index, kw.get("sb", [0, 5]), ids, kw.get("ext", ext), tag="refused"
+            )
+    time.sleep(0.05)
+    assert not d.received("refused")
+    assert all((t == SENTINEL).all() for t in dst.tensors)
+
+
+def test_a_kept_plan_is_not_reused_for_a_relinked_peers_cache(backend):
+    """A peer that restarts under the same cluster id reuses its cache ids: a plan kept
+    for the old cache is not applied to the new one (here smaller: the id is refused)."""
+    p = LlmDataDist(1, "prompt", backend=backend)
+    d = LlmDataDist(2, "decoder", backend=backend)
+    d2 = LlmDataDist(2, "decoder", backend=backend)
+    try:
+        for n in (p, d, d2):
+            n.initialize("127.0.0.1", 0)
+        src = p.allocate_cache(CacheDesc(2, (8, 8), "int8"))
+        dst = d.allocate_cache(CacheDesc(2, (8, 8), "int8"))
+        assert p.link_clusters([d.listen_address], timeout_s=5)[0].ok
+        d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [5]), 5)
+        d.finalize()
+        new = d2.allocate_cache(CacheDesc(2, (4, 8), "int8"))
+        assert new.cache_id == dst.cache_id
+        _sentinel(new)
+        assert p.link_clusters([d2.listen_address], timeout_s=5)[0].ok
+        with pytest.raises(LLMParamInvalid, match=r"dst_blocks\[0\]"):
+            p.push_kv_blocks(src, CacheIndex(2, new.cache_id), [0], [5], tag="refused")
+        time.sleep(0.05)
+        assert not d2.received("refused")
+        assert all((t == SENTINEL).all() for t in new.tensors)
+    finally:
+        for n in (p, d, d2):
+            n.finalize()
+
+
+def test_a_deallocated_cache_leaves_no_plan_behind(nodes):
+    """Plans kept for repeated requests do not keep a deallocated cache (and the memory it
+    allocated) alive."""
+    import gc
+    import weakref
+
+    p, d = _linked(nodes)
+    src = p.allocate_cache(CacheDesc(2, (4, 8), "int8"))
+    dst = d.allocate_cache(CacheDesc(2, (4, 8), "int8"))
+    d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [0], [1]), 5)
+    ref = weakref.ref(src)
+    p.deallocate_cache(src)
+    del src
+    gc.collect()
+    assert ref() is None
+
+
 def test_async_handle_and_default_tags(nodes):
     p, d, src, dst = _pair(nodes, nb=64)
     _linked(nodes)

@@ -16,7 +16,9 @@ prompt node to a decoder node in this process, over NIXL (UCX), and times, media
   NIXL >= 0.80 of it).
 
 Small pushes (:func:`bench_latency`): milliseconds per push of 1-16 scattered 4 KiB
-blocks, wrapper and raw NIXL, each from a sender process into a receiver process.
+blocks, wrapper and raw NIXL, each from a sender process into a receiver process, and
+raw NIXL over the wrapper's own agent and receiver (same processes: no difference in
+CPU placement).
 
 Patterns: *contiguous* (blocks 0..N-1 to 0..N-1: NIXL merges them into one descriptor)
 and *scattered* (random permutations on both sides: one descriptor per block).
@@ -317,12 +319,30 @@ def _receiver(kind: str, block: int, conn: Any) -> None:
         agent.get_new_notifs()
 
 
+def _raw_push(a: Any, local: Any, remote: Any, li: np.ndarray, ri: np.ndarray) -> None:
+    """One raw NIXL push: ``make_prepped_xfer`` + ``transfer`` + polling as the wrapper
+    polls + ``release``."""
+    from .llm_datadist import _poll_sleep
+
+    h = a.make_prepped_xfer("WRITE", local, li, remote, ri, notif_msg=b"raw")
+    st, start = a.transfer(h), time.monotonic()
+    while st == "PROC":
+        _poll_sleep(start)
+        st = a.check_xfer_state(h)
+    if st != "DONE":
+        raise RuntimeError("raw NIXL transfer failed")
+    h.release()
+
+
 def _sender(kind: str, block: int, peer: Any, conn: Any) -> None:
-    """Child process: the source; answers ("run", n, pushes) with seconds per push."""
+    """Child process: the source; answers ("run", n, pushes) with seconds per push. The
+    wrapper's sender also answers ("same", n, pushes): raw NIXL pushes over the wrapper's
+    own agent, descriptor lists and receiver (same processes, same CPU placement)."""
     from .memory import _aligned_host
 
     nb, src_ids, dst_ids = _latency_layout(block)
     push: Callable[[int], None]
+    same: Callable[[int], None] | None = None
     if kind == "wrapper":
         from .llm_datadist import LlmDataDist
         from .types import CacheDesc, CacheIndex, KvCacheExtParam
@@ -332,12 +352,22 @@ def _sender(kind: str, block: int, peer: Any, conn: Any) -> None:
         src = p.allocate_cache(CacheDesc(1, (nb, block), "uint8"))
         p.link_clusters([peer[0]])
         index, one = CacheIndex(2, peer[1]), KvCacheExtParam(tensor_num_per_layer=1)
+        # Made before timing, as the raw sender's: the caller's block lists already exist.
+        ids = {n: (src_ids(n), dst_ids(n)) for n in LATENCY_BLOCKS}
 
         def push(n: int) -> None:
-            p.push_kv_blocks(src, index, src_ids(n), dst_ids(n), one, timeout_s=60)
+            p.push_kv_blocks(src, index, *ids[n], one, timeout_s=60)
+
+        t: Any = p._transport
+        node, info = p._remote_cache("dst_cache_index", index)
+        state: Any = src._backend_state  # the "nixl" transport's (registration, list)
+        dls = (state[1], t._remote_dlist(node.agent, info))
+        raw_ids = {n: (a.astype(np.int32), b.astype(np.int32)) for n, (a, b) in ids.items()}
+
+        def same(n: int) -> None:
+            _raw_push(t.agent, *dls, *raw_ids[n])
 
     else:
-        from .llm_datadist import _poll_sleep
         from .nixl_transport import _make_agent, nixl_modules
 
         api, b = nixl_modules()
@@ -356,26 +386,19 @@ def _sender(kind: str, block: int, peer: Any, conn: Any) -> None:
         }
 
         def push(n: int) -> None:
-            li, ri = idx[n]
-            h = a.make_prepped_xfer("WRITE", local, li, remote, ri, notif_msg=b"raw")
-            st, start = a.transfer(h), time.monotonic()
-            while st == "PROC":  # polled as the wrapper polls
-                _poll_sleep(start)
-                st = a.check_xfer_state(h)
-            if st != "DONE":
-                raise RuntimeError("raw NIXL transfer failed")
-            h.release()
+            _raw_push(a, local, remote, *idx[n])
 
     conn.send("ready")
     while True:
         cmd = conn.recv()
         if cmd[0] == "stop":
             return
-        _, n, pushes = cmd
-        push(n)  # warm
+        what, n, pushes = cmd
+        fn = same if what == "same" and same is not None else push
+        fn(n)  # warm
         t0 = time.perf_counter()
         for _ in range(pushes):
-            push(n)
+            fn(n)
         conn.send((time.perf_counter() - t0) / pushes)
 
 
@@ -392,8 +415,10 @@ def _recv(conn: Any, proc: Any, what: str, timeout_s: float) -> Any:
 
 def bench_latency(block: int, pushes: int, repeats: int) -> list[dict[str, Any]]:
     """Seconds per n-block push (n in :data:`LATENCY_BLOCKS`), wrapper and raw NIXL, each
-    a sender process pushing into its own receiver process (four processes). The two
-    senders take turns within each repeat; medians of ``repeats``."""
+    a sender process pushing into its own receiver process (four processes), and raw NIXL
+    over the wrapper's own agent and lists ("same": same processes and CPU placement,
+    which on a small shared host moves these times by 2x from run to run). They take
+    turns within each repeat; medians of ``repeats``."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -415,9 +440,11 @@ def bench_latency(block: int, pushes: int, repeats: int) -> list[dict[str, Any]]
         times: dict[tuple[str, int], list[float]] = {}
         for _ in range(repeats):
             for n in LATENCY_BLOCKS:
-                for kind, (sc, s) in senders.items():
-                    sc.send(("run", n, pushes))
-                    times.setdefault((kind, n), []).append(_recv(sc, s, f"{kind} sender", 300))
+                for kind, what in (("wrapper", "run"), ("wrapper", "same"), ("raw", "run")):
+                    sc, s = senders[kind]
+                    sc.send((what, n, pushes))
+                    key = ("same" if what == "same" else kind, n)
+                    times.setdefault(key, []).append(_recv(sc, s, f"{kind} sender", 300))
     finally:
         for _, c in procs:
             try:
@@ -432,6 +459,7 @@ def bench_latency(block: int, pushes: int, repeats: int) -> list[dict[str, Any]]
     rows = []
     for n in LATENCY_BLOCKS:
         t_wrap, t_raw = statistics.median(times["wrapper", n]), statistics.median(times["raw", n])
+        t_same = statistics.median(times["same", n])
         rows.append(
             {
                 "blocks": n,
@@ -439,6 +467,8 @@ def bench_latency(block: int, pushes: int, repeats: int) -> list[dict[str, Any]]
                 "wrapper_ms": t_wrap * 1e3,
                 "raw_ms": t_raw * 1e3,
                 "wrapper_vs_raw": t_raw / t_wrap,
+                "raw_same_ms": t_same * 1e3,
+                "wrapper_vs_raw_same": t_same / t_wrap,
                 "met": t_raw / t_wrap >= TARGETS["wrapper_vs_raw"],
             }
         )
@@ -449,14 +479,17 @@ def latency_markdown(rows: list[dict[str, Any]], pushes: int, repeats: int) -> s
     lines = [
         f"Small pushes (one tensor, {rows[0]['block'] >> 10} KiB blocks, every other block "
         f"on both sides; median of {repeats} runs of {pushes} pushes; sender and receiver "
-        f"in separate processes, wrapper and raw NIXL in separate process pairs):",
+        f"in separate processes, wrapper and raw NIXL in separate process pairs; 'same "
+        f"processes': raw NIXL over the wrapper's own agent, lists and receiver):",
         "",
-        "| blocks | wrapper ms | raw NIXL ms | wrapper/raw |",
-        "|---|---|---|---|",
+        "| blocks | wrapper ms | raw NIXL ms | wrapper/raw | raw NIXL, same processes ms "
+        "| wrapper/raw, same processes |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['blocks']} | {r['wrapper_ms']:.3f} | {r['raw_ms']:.3f} | "
-            f"{r['wrapper_vs_raw']:.2f} |"
+            f"{r['wrapper_vs_raw']:.2f} | {r['raw_same_ms']:.3f} | "
+            f"{r['wrapper_vs_raw_same']:.2f} |"
         )
     return "\n".join(lines) + "\n"

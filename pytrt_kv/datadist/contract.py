@@ -9,7 +9,7 @@ has accepted the whole call, so a refused call transfers nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,9 @@ class TransferPlan:
     src_blocks: np.ndarray
     dst_blocks: np.ndarray
     block_bytes: int
+    #: descriptor_indices' results by (src_nb, dst_nb): a plan reused for a repeated
+    #: request (LlmDataDist's plan cache) computes them once.
+    _indices: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_copies(self) -> int:
@@ -48,12 +51,20 @@ class TransferPlan:
     def descriptor_indices(self, src_nb: int, dst_nb: int) -> tuple[np.ndarray, np.ndarray]:
         """Indices into per-cache descriptor lists whose entry ``t * NB + b`` is block ``b``
         of tensor ``t``: int32 arrays [U * N], tensor-major, so that consecutive blocks stay
-        adjacent (NIXL merges descriptors adjacent on both sides into one)."""
+        adjacent (NIXL merges descriptors adjacent on both sides into one). Computed once
+        per plan and shape; callers must not modify them."""
+        done = self._indices.get((src_nb, dst_nb))
+        if done is not None:
+            return done
         st = np.asarray(self.src_tensors, np.int64)[:, None]
         dt = np.asarray(self.dst_tensors, np.int64)[:, None]
         src = (st * src_nb + self.src_blocks[None, :]).reshape(-1)
         dst = (dt * dst_nb + self.dst_blocks[None, :]).reshape(-1)
-        return src.astype(np.int32), dst.astype(np.int32)
+        done = (src.astype(np.int32), dst.astype(np.int32))
+        for a in done:
+            a.flags.writeable = False
+        self._indices[src_nb, dst_nb] = done
+        return done
 
     def runs(self) -> list[tuple[int, int, int, int, int]]:
         """Maximal runs ``(src_tensor, dst_tensor, src_block, dst_block, count)`` of blocks

@@ -29,10 +29,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..contract.errors import describe
 from . import control, memory
 from .backends import make_transport
-from .contract import check_transfer
+from .contract import TransferPlan, check_transfer
 from .transport import READ, WRITE, CacheInfo, Transport, Xfer
 from .types import (
     Cache,
@@ -74,6 +76,46 @@ _FAIL = "pytrt_kv.dd1fail"
 _MAX_FAILED = 4096
 #: While a transfer is pending, check this often whether the peer is still there.
 _PROBE_EVERY_S = 0.2
+#: Checked plans kept for repeated requests (:meth:`LlmDataDist._plan`), of at most
+#: _PLAN_CACHE_BLOCKS blocks each: small pushes, whose D4 check costs as much as NIXL's
+#: transfer (BENCHMARKS.md, "Small pushes").
+_PLAN_CACHE_SIZE = 256
+_PLAN_CACHE_BLOCKS = 256
+
+
+def _ids_key(blocks: Any) -> tuple[Any, Any]:
+    """``(key, ids)``: a plan-cache key that determines what :func:`check_transfer`
+    sees of a block-id list (dtype, shape and bytes of its array; None: not cacheable)
+    and what to pass it instead (the same array, so that the check sees the key's)."""
+    if type(blocks) is np.ndarray:
+        a = blocks
+    elif type(blocks) is list or type(blocks) is tuple:
+        if len(blocks) > _PLAN_CACHE_BLOCKS:
+            return None, blocks
+        try:
+            a = np.asarray(blocks)
+        except (TypeError, ValueError):
+            return None, blocks  # ragged or odd: check_transfer names the problem
+    else:
+        return None, blocks
+    if a.ndim != 1 or a.size > _PLAN_CACHE_BLOCKS:
+        return None, a
+    return (a.dtype.str, a.tobytes()), a
+
+
+def _ext_key(ext: Any) -> Any:
+    """A plan-cache key for ``ext_param`` (None: not cacheable): exact ints only, so
+    that values the check refuses (True for 1) never match an accepted one."""
+    if ext is None:
+        return ()
+    if type(ext) is not KvCacheExtParam:
+        return None
+    s, d, t = ext.src_layer_range, ext.dst_layer_range, ext.tensor_num_per_layer
+    if type(t) is not int or type(s) is not tuple or type(d) is not tuple:
+        return None
+    if len(s) != 2 or len(d) != 2 or any(type(v) is not int for v in s + d):
+        return None
+    return (s, d, t)
 
 
 @dataclass
@@ -311,6 +353,9 @@ class LlmDataDist:
         #: owned (docs/DATADIST.md, "Failure semantics").
         self._quarantine: dict[int, tuple[Cache, set[int]]] = {}
         self._failed: dict[str, str] = {}  # tag -> the source's status name
+        #: Plans of accepted small requests: key -> (local, remote, plan) (see _plan).
+        self._plans: dict[tuple, tuple[Cache, CacheInfo, TransferPlan]] = {}
+        self._ext_memo: tuple[Any, Any] = (None, ())  # (last ext_param, its _ext_key)
         self.listen_address: tuple[str, int] | None = None
 
     # --- life cycle -----------------------------------------------------------------------
@@ -448,7 +493,8 @@ class LlmDataDist:
     ) -> Cache:
         with self._lock:
             cache = Cache(next(self._ids), desc, addrs, tensors, next(self._generations), owned)
-            cache._backend_state = self._require().register(self._info(cache))
+            cache._info = self._info(cache)
+            cache._backend_state = self._require().register(cache._info)
             self._caches[cache.cache_id] = cache
         return cache
 
@@ -481,6 +527,9 @@ class LlmDataDist:
                 )
             del self._caches[cache.cache_id]
             peers = list(self._peers.values())
+            # Its cached plans would keep the cache (and memory it allocated) alive.
+            for key in [k for k, v in self._plans.items() if v[0] is cache]:
+                del self._plans[key]
         msg = {
             "op": "drop",
             "from": self.cluster_id,
@@ -804,8 +853,47 @@ class LlmDataDist:
                 LLMStatus.KV_CACHE_NOT_EXIST,
                 f"{arg}: cluster {index.cluster_id} has no cache {index.cache_id}",
             )
-        self._load(peer)
+        if peer.pending is not None:  # the common case, linked and loaded, takes no lock
+            self._load(peer)
         return peer, info
+
+    def _plan(
+        self,
+        op: str,
+        local: Cache,
+        peer: _Peer,
+        remote: CacheInfo,
+        src_blocks: Any,
+        dst_blocks: Any,
+        ext_param: Any,
+    ) -> TransferPlan:
+        """The checked plan (docs/SPEC.md D4) of a push or pull. A small request equal to
+        an accepted one (same local cache object, same remote :class:`CacheInfo` object,
+        block ids of equal dtype and bytes, same exact-int ext params) reuses its plan:
+        the check's result depends on nothing else, so every new request is still checked
+        and a refused one is never cached (BENCHMARKS.md, "Small pushes")."""
+        skey, src_blocks = _ids_key(src_blocks)
+        dkey, dst_blocks = _ids_key(dst_blocks)
+        memo = self._ext_memo  # frozen and checked to hold exact ints: its key is fixed
+        if ext_param is not memo[0]:
+            memo = self._ext_memo = (ext_param, _ext_key(ext_param))
+        ekey = memo[1]
+        key = None
+        if skey is not None and dkey is not None and ekey is not None:
+            key = (op, local.cache_id, peer.cluster_id, remote.cache_id, skey, dkey, ekey)
+            hit = self._plans.get(key)
+            if hit is not None and hit[0] is local and hit[1] is remote:
+                return hit[2]
+        src, dst = (
+            (local.cache_desc, remote.desc) if op == "push" else (remote.desc, local.cache_desc)
+        )
+        plan = check_transfer(src, dst, src_blocks, dst_blocks, ext_param, op=op, role=self.role)
+        if key is not None:
+            with self._lock:
+                self._plans[key] = (local, remote, plan)
+                while len(self._plans) > _PLAN_CACHE_SIZE:
+                    del self._plans[next(iter(self._plans))]
+        return plan
 
     def _tag(self, tag: Any) -> str:
         if tag is None:
@@ -842,7 +930,7 @@ class LlmDataDist:
                 xfer = None
             else:
                 xfer = self._require().post(
-                    op, plan, self._info(local), local._backend_state, remote, peer.agent, notif
+                    op, plan, local._info, local._backend_state, remote, peer.agent, notif
                 )
         except LLMException as exc:
             err = self._transfer_error(exc, arg, local, peer)
@@ -923,15 +1011,7 @@ class LlmDataDist:
             raise param_invalid("role", "push only from a prompt node", "a decoder node")
         local = self._local_cache("src_cache", src_cache)
         peer, remote = self._remote_cache("dst_cache_index", dst_cache_index)
-        plan = check_transfer(
-            local.cache_desc,
-            remote.desc,
-            src_blocks,
-            dst_blocks,
-            ext_param,
-            op="push",
-            role=self.role,
-        )
+        plan = self._plan("push", local, peer, remote, src_blocks, dst_blocks, ext_param)
         return self._start(
             WRITE, "src_cache", local, peer, remote, plan, self._tag(tag), stream, timeout_s
         )
@@ -1015,15 +1095,7 @@ class LlmDataDist:
             raise param_invalid("role", "pull only from a decoder node", "a prompt node")
         local = self._local_cache("dst_cache", dst_cache)
         peer, remote = self._remote_cache("src_cache_index", src_cache_index)
-        plan = check_transfer(
-            remote.desc,
-            local.cache_desc,
-            src_blocks,
-            dst_blocks,
-            ext_param,
-            op="pull",
-            role=self.role,
-        )
+        plan = self._plan("pull", local, peer, remote, src_blocks, dst_blocks, ext_param)
         return self._start(
             READ, "dst_cache", local, peer, remote, plan, self._tag(tag), stream, timeout_s
         )

@@ -158,6 +158,9 @@ class NixlTransport(Transport):
         # Cached, refreshed when registrations change: the control thread answers links
         # without waiting for the agent, which a long post holds (issue 19 fault 3).
         self._metadata = self._read_metadata()
+        # What _NixlXfer.state polls: the bindings' status call (the C++ agent is fixed
+        # once made) and its codes.
+        self._status = (self.agent.agent.getXferStatus, self._b.NIXL_SUCCESS, self._b.NIXL_IN_PROG)
 
     # --- errors ---------------------------------------------------------------------------
 
@@ -231,8 +234,7 @@ class NixlTransport(Transport):
 
     def _remote_dlist(self, peer: str, info: CacheInfo) -> Any:
         key = (peer, info.cache_id, info.generation)
-        with self._lock:
-            h = self._remote.get(key)
+        h = self._remote.get(key)  # a dict read is atomic; writers hold the lock
         if h is None:
             mem, _ = _mem(info)
             try:
@@ -306,6 +308,11 @@ class _NixlXfer(Xfer):
         self._t, self._h = transport, handle
         self.first = "PROC"
         self.released = False
+        # The bindings' status call and codes, bound once: a small push is polled tens of
+        # times, and nixl_agent.check_xfer_state (nixl 1.5.1's _api.py) wraps the same
+        # getXferStatus in two more Python calls per poll.
+        self._raw = handle._handle
+        self._status, self._done_code, self._proc_code = transport._status
 
     def state(self) -> str:
         if self.first == "DONE":
@@ -313,14 +320,15 @@ class _NixlXfer(Xfer):
         if self.first == "ERR":
             raise LLMException(LLMStatus.FAILED, "NIXL refused to post the transfer")
         try:
-            st = self._t.agent.check_xfer_state(self._h)
+            st = self._status(self._raw)
         except Exception as exc:
             raise self._t._error(exc, "transfer") from exc
-        if st == "ERR":
-            raise LLMException(LLMStatus.FAILED, "NIXL reports the transfer failed")
-        if st == "DONE":
+        if st == self._proc_code:
+            return "PROC"
+        if st == self._done_code:
             self.first = "DONE"
-        return st
+            return "DONE"
+        raise LLMException(LLMStatus.FAILED, "NIXL reports the transfer failed")
 
     def release(self) -> None:
         if not self.released:

@@ -243,3 +243,6 @@ class Cache:
     owned: bool = field(default=False, repr=False)
     _keepalive: Any = field(default=None, repr=False)
     _backend_state: Any | None = field(default=None, repr=False)
+    #: Its CacheInfo, made once at registration (a push needs it; building a frozen
+    #: dataclass per push costs ~1 us).
+    _info: Any = field(default=None, repr=False)
