@@ -28,6 +28,7 @@ from pytrt_kv.datadist import (
     push_kv_blocks_reference,
     transport,
 )
+from support.datadist_faults import deaf_to_drops
 
 NIXL_SKIP = nixl_unavailable_reason()
 BACKENDS = [
@@ -874,21 +875,6 @@ def test_nixl_unavailable_reason_is_one_clean_line(monkeypatch):
     assert "nixl==1.5.1" in reason
 
 
-def _deaf_to_drops(node, for_s):
-    """Fault injection (test only): ``node``'s control server loses every deallocate
-    notice: it answers after the sender gave up and applies nothing. Set before
-    ``initialize``, which hands ``_handle`` to the server."""
-    real = node._handle
-
-    def handle(msg):
-        if msg.get("op") == "drop":
-            time.sleep(for_s)
-            return {}
-        return real(msg)
-
-    node._handle = handle
-
-
 def test_unheard_deallocate_quarantines_the_memory(backend):
     """Issue 19 item 1 in one process: the decoder cannot tell the prompt node that a cache
     is gone, so it keeps the memory registered and refuses to register it again until the
@@ -896,7 +882,7 @@ def test_unheard_deallocate_quarantines_the_memory(backend):
     node's next push to it is KV_CACHE_NOT_EXIST, and then the memory is free again."""
     p = LlmDataDist(1, "prompt", backend=backend)
     d = LlmDataDist(2, "decoder", backend=backend, options={"control_timeout_s": 0.3})
-    _deaf_to_drops(p, 0.6)
+    deaf_to_drops(p, 0.6)
     p.initialize()
     d.initialize()
     try:
@@ -941,7 +927,7 @@ def test_quarantine_ends_when_the_peer_is_unlinked():
     linked."""
     p = LlmDataDist(1, "prompt", backend="local")
     d = LlmDataDist(2, "decoder", backend="local", options={"control_timeout_s": 0.3})
-    _deaf_to_drops(p, 0.6)
+    deaf_to_drops(p, 0.6)
     p.initialize()
     d.initialize()
     try:

@@ -34,6 +34,7 @@ from pytrt_kv.datadist import (
     nixl_unavailable_reason,
     push_kv_blocks_reference,
 )
+from support.datadist_faults import deaf_to_drops
 
 NIXL_SKIP = nixl_unavailable_reason()
 pytestmark = pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
@@ -203,21 +204,6 @@ def test_timeout_with_a_stopped_peer_releases_the_handle(spawn, monkeypatch):
         p.finalize()
 
 
-def _deaf_to_drops(node, for_s):
-    """Fault injection (test only): ``node``'s control server loses every deallocate
-    notice (answers after the sender gave up, applies nothing). Set before ``initialize``,
-    which hands ``_handle`` to the server."""
-    real = node._handle
-
-    def handle(msg):
-        if msg.get("op") == "drop":
-            time.sleep(for_s)
-            return {}
-        return real(msg)
-
-    node._handle = handle
-
-
 def test_unheard_deallocate_never_writes_the_new_cache(spawn):
     """Issue 19 item 1: the prompt node does not hear the decoder's deallocate notice; the
     decoder registers the same buffers again as a new cache (refused while the old memory
@@ -230,7 +216,7 @@ def test_unheard_deallocate_never_writes_the_new_cache(spawn):
         "--options", json.dumps({"control_timeout_s": 0.5}),
     )  # fmt: skip
     p = LlmDataDist(1, "prompt", backend="nixl")
-    _deaf_to_drops(p, 1.0)
+    deaf_to_drops(p, 1.0)
     p.initialize("127.0.0.1", 0)
     try:
         src = p.allocate_cache(desc)
