@@ -301,10 +301,11 @@ def build_plan(
     # TensorRT-RTX build child repeats the model checks but not the targets: its parent
     # checked them against the kernels it loaded.
     in_child = bool(os.environ.get(_rtx.CHILD_ENV))
-    validate_model(_load_onnx(onnx_path), targets=None if in_child else targets)
+    model = _load_onnx(onnx_path)  # once: the checks, dims and the in-process build
+    validate_model(model, targets=None if in_child else targets)
     trt = import_tensorrt(flavour)
     if dims:
-        shapes = {**shapes_from_dims(onnx_path, dims), **(shapes or {})}
+        shapes = {**shapes_from_dims(model, dims), **(shapes or {})}
     kwargs = dict(
         timing_cache=timing_cache,
         shapes=shapes,
@@ -333,7 +334,7 @@ def build_plan(
             if engine_path is not None:
                 Path(engine_path).write_bytes(plan)
             return plan
-    plan = _build_here(trt, onnx_path, **kwargs)
+    plan = _build_here(trt, onnx_path, model, **kwargs)
     if engine_path is not None:
         Path(engine_path).write_bytes(plan)
     return plan
@@ -404,6 +405,7 @@ def _load_onnx(onnx_path):
 def _build_here(
     trt,
     onnx_path,
+    model,
     *,
     timing_cache,
     shapes,
@@ -415,7 +417,7 @@ def _build_here(
     progress,
     serialize_plugins,
 ) -> bytes:
-    model = prepare_for_tensorrt(_load_onnx(onnx_path))
+    model = prepare_for_tensorrt(model)
     plugin_lib = load_plugins(flavour=flavour_of(trt))
     logger = _logger(trt, verbose)
     mark = len(getattr(logger, "errors", []))
