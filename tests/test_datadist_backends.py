@@ -653,6 +653,98 @@ def test_a_deallocated_cache_leaves_no_plan_behind(nodes):
     assert ref() is None
 
 
+NIXL_ONLY = pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+
+
+@pytest.fixture
+def nixl_nodes():
+    p = LlmDataDist(1, "prompt", backend="nixl", options={"timeout_s": 10.0})
+    d = LlmDataDist(2, "decoder", backend="nixl", options={"timeout_s": 10.0})
+    p.initialize("127.0.0.1", 0)
+    d.initialize("127.0.0.1", 0)
+    yield p, d
+    p.finalize()
+    d.finalize()
+
+
+def _count(monkeypatch, obj, name):
+    calls = []
+    fn = getattr(obj, name)
+    monkeypatch.setattr(obj, name, lambda *a, **k: calls.append(1) or fn(*a, **k))
+    return calls
+
+
+@NIXL_ONLY
+def test_a_repeated_request_posts_its_kept_nixl_transfer_again(nixl_nodes, monkeypatch):
+    """Decision 13: a repeated small request posts the NIXL transfer prepared for its
+    first post again. Each post moves the source's current data and delivers its own
+    tag (not the first post's), concurrent posts of one request each get a handle, and
+    a request with other blocks prepares its own."""
+    p, d, src, dst = _pair(nixl_nodes, nb=8)
+    _linked(nixl_nodes)
+    t = p._transport
+    made = _count(monkeypatch, t.agent, "make_prepped_xfer")
+    index, rng = CacheIndex(2, dst.cache_id), np.random.default_rng(13)
+    for i in range(4):
+        _fill(src, rng)
+        _sentinel(dst)
+        tag = p.push_kv_blocks(src, index, [1, 6], [4, 0], tag=f"again-{i}")
+        d.wait_received(tag, 5)
+        want = push_kv_blocks_reference(
+            _snapshot(src), [np.full((8, 16), SENTINEL, np.int32)] * 2, [1, 6], [4, 0]
+        )
+        assert _same(dst.tensors, want), i
+    assert len(made) == 1
+    assert [len(e.handles) for e in t._idle.values()] == [1]
+    # Concurrent posts of the same request: one kept handle, then new ones.
+    handles = [p.push_kv_blocks_async(src, index, [1, 6], [4, 0]) for _ in range(6)]
+    for h in handles:
+        h.wait(5)
+        d.wait_received(h.tag, 5)
+    assert len(made) == 6
+    assert [len(e.handles) for e in t._idle.values()] == [4]  # _IDLE_PER_PLAN
+    d.wait_received(p.push_kv_blocks(src, index, [2], [3], tag="other"), 5)
+    assert len(made) == 7 and len(t._idle) == 2
+    assert (dst.tensors[1][3] == src.tensors[1][2]).all()
+
+
+@NIXL_ONLY
+def test_kept_nixl_transfers_go_with_their_caches_and_a_failed_one_is_not_kept(
+    nixl_nodes, monkeypatch
+):
+    """A kept transfer is released when its remote cache goes (the next push to it is
+    KV_CACHE_NOT_EXIST, nothing written), when its local cache is deallocated, and is
+    never kept after a failed post."""
+    p, d, src, dst = _pair(nixl_nodes, nb=8)
+    _linked(nixl_nodes)
+    t = p._transport
+    released = _count(monkeypatch, t.agent, "release_xfer_handle")
+    index = CacheIndex(2, dst.cache_id)
+    d.wait_received(p.push_kv_blocks(src, index, [0], [1]), 5)
+    assert len(t._idle) == 1 and not released
+    d.deallocate_cache(dst)
+    new = d.allocate_cache(CacheDesc(2, (8, 16), "int32"))
+    _sentinel(new)
+    assert _status(lambda: p.push_kv_blocks(src, index, [0], [1])) is LLMStatus.KV_CACHE_NOT_EXIST
+    assert not t._idle and len(released) == 1
+    index = CacheIndex(2, new.cache_id)
+    d.wait_received(p.push_kv_blocks(src, index, [0], [1]), 5)
+    assert (new.tensors[0][1] == src.tensors[0][0]).all()
+    assert len(t._idle) == 1
+
+    def refuse(*a, **k):
+        raise RuntimeError("injected post failure")
+
+    monkeypatch.setattr(t, "_post", refuse)
+    assert _status(lambda: p.push_kv_blocks(src, index, [0], [1])) is LLMStatus.FAILED
+    assert len(released) == 2 and [len(e.handles) for e in t._idle.values()] == [0]
+    monkeypatch.undo()
+    released = _count(monkeypatch, t.agent, "release_xfer_handle")
+    d.wait_received(p.push_kv_blocks(src, index, [0], [1], tag="after"), 5)
+    p.deallocate_cache(src)
+    assert not t._idle and len(released) == 1
+
+
 def test_async_handle_and_default_tags(nodes):
     p, d, src, dst = _pair(nodes, nb=64)
     _linked(nodes)

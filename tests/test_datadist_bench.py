@@ -54,6 +54,7 @@ def test_bench_datadist_quick(tmp_path):
     assert all(row["wrapper_ms"] > 0 and row["raw_ms"] > 0 for row in lat)
     # ... and raw NIXL over the wrapper's own agent and receiver (same processes).
     assert all(row["raw_same_ms"] > 0 and row["wrapper_vs_raw_same"] > 0 for row in lat)
+    assert all(row["raw_repost_ms"] > 0 and row["wrapper_vs_raw_repost"] > 0 for row in lat)
     assert "| 16 |" in table and "raw NIXL ms" in table
 
 

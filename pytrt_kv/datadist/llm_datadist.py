@@ -866,8 +866,10 @@ class LlmDataDist:
         src_blocks: Any,
         dst_blocks: Any,
         ext_param: Any,
-    ) -> TransferPlan:
-        """The checked plan (docs/SPEC.md D4) of a push or pull. A small request equal to
+    ) -> tuple[TransferPlan, bool]:
+        """The checked plan (docs/SPEC.md D4) of a push or pull, and whether it is kept
+        (posted again for an equal request: its transport may keep the prepared transfer,
+        decision 13). A small request equal to
         an accepted one (same local cache object, same remote :class:`CacheInfo` object,
         block ids of equal dtype and bytes, same exact-int ext params) reuses its plan:
         the check's result depends on nothing else, so every new request is still checked
@@ -883,7 +885,7 @@ class LlmDataDist:
             key = (op, local.cache_id, peer.cluster_id, remote.cache_id, skey, dkey, ekey)
             hit = self._plans.get(key)
             if hit is not None and hit[0] is local and hit[1] is remote:
-                return hit[2]
+                return hit[2], True
         src, dst = (
             (local.cache_desc, remote.desc) if op == "push" else (remote.desc, local.cache_desc)
         )
@@ -893,7 +895,7 @@ class LlmDataDist:
                 self._plans[key] = (local, remote, plan)
                 while len(self._plans) > _PLAN_CACHE_SIZE:
                     del self._plans[next(iter(self._plans))]
-        return plan
+        return plan, key is not None
 
     def _tag(self, tag: Any) -> str:
         if tag is None:
@@ -916,10 +918,12 @@ class LlmDataDist:
         *,
         notify: bool = True,
         source_ready: bool = False,
+        reuse: bool = False,
     ) -> TransferHandle:
         """Post a checked plan. ``notify=False``: no tag at the destination (a layer of a
         layer-wise push, whose tag follows its last layer); ``source_ready``: the caller
-        already waited for the source's writes (a layer's event), no stream sync."""
+        already waited for the source's writes (a layer's event), no stream sync;
+        ``reuse``: ``plan`` is a kept plan, posted again for equal requests."""
         timeout = self._timeout(plan.nbytes, timeout_s)
         if op == WRITE and local.cache_desc.placement == "device" and not source_ready:
             memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
@@ -930,7 +934,7 @@ class LlmDataDist:
                 xfer = None
             else:
                 xfer = self._require().post(
-                    op, plan, local._info, local._backend_state, remote, peer.agent, notif
+                    op, plan, local._info, local._backend_state, remote, peer.agent, notif, reuse
                 )
         except LLMException as exc:
             err = self._transfer_error(exc, arg, local, peer)
@@ -1011,9 +1015,18 @@ class LlmDataDist:
             raise param_invalid("role", "push only from a prompt node", "a decoder node")
         local = self._local_cache("src_cache", src_cache)
         peer, remote = self._remote_cache("dst_cache_index", dst_cache_index)
-        plan = self._plan("push", local, peer, remote, src_blocks, dst_blocks, ext_param)
+        plan, reuse = self._plan("push", local, peer, remote, src_blocks, dst_blocks, ext_param)
         return self._start(
-            WRITE, "src_cache", local, peer, remote, plan, self._tag(tag), stream, timeout_s
+            WRITE,
+            "src_cache",
+            local,
+            peer,
+            remote,
+            plan,
+            self._tag(tag),
+            stream,
+            timeout_s,
+            reuse=reuse,
         )
 
     def push_kv_blocks(
@@ -1095,9 +1108,18 @@ class LlmDataDist:
             raise param_invalid("role", "pull only from a decoder node", "a prompt node")
         local = self._local_cache("dst_cache", dst_cache)
         peer, remote = self._remote_cache("src_cache_index", src_cache_index)
-        plan = self._plan("pull", local, peer, remote, src_blocks, dst_blocks, ext_param)
+        plan, reuse = self._plan("pull", local, peer, remote, src_blocks, dst_blocks, ext_param)
         return self._start(
-            READ, "dst_cache", local, peer, remote, plan, self._tag(tag), stream, timeout_s
+            READ,
+            "dst_cache",
+            local,
+            peer,
+            remote,
+            plan,
+            self._tag(tag),
+            stream,
+            timeout_s,
+            reuse=reuse,
         )
 
     def pull_kv_blocks(

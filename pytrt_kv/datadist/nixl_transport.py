@@ -153,14 +153,18 @@ class NixlTransport(Transport):
                 f"{self.agent.get_plugin_list()})",
             )
         self._remote: dict[tuple[str, int, int], Any] = {}
+        # Prepared transfers of repeated requests, kept to be posted again (docs/DATADIST.md
+        # decision 13): key -> _Idle; a handle is in it only while no transfer uses it.
+        self._idle: dict[tuple[Any, ...], _Idle] = {}
         self._lock = threading.Lock()
         self.unreleased: list[Any] = []
         # Cached, refreshed when registrations change: the control thread answers links
         # without waiting for the agent, which a long post holds (issue 19 fault 3).
         self._metadata = self._read_metadata()
         # What _NixlXfer.state polls: the bindings' status call (the C++ agent is fixed
-        # once made) and its codes.
+        # once made) and its codes; and the bindings' post (nixl_agent.transfer wraps it).
         self._status = (self.agent.agent.getXferStatus, self._b.NIXL_SUCCESS, self._b.NIXL_IN_PROG)
+        self._post = self.agent.agent.postXferReq
 
     # --- errors ---------------------------------------------------------------------------
 
@@ -201,6 +205,7 @@ class NixlTransport(Transport):
         return reg, dlist
 
     def deregister(self, state: Any) -> None:
+        self._drop_idle(lambda e: e.local_state is state)
         reg, dlist = state
         dlist.release()
         self.agent.deregister_memory(reg)
@@ -218,6 +223,7 @@ class NixlTransport(Transport):
             raise LLMException(LLMStatus.FAILED, f"the metadata of {peer!r} names agent {name!r}")
 
     def remove_peer(self, peer: str) -> None:
+        self._drop_idle(lambda e: e.key[1] == peer)
         with self._lock:
             for key in [k for k in self._remote if k[0] == peer]:
                 self._remote.pop(key).release()
@@ -227,6 +233,7 @@ class NixlTransport(Transport):
             pass  # already gone: nothing left to disconnect
 
     def forget_remote(self, peer: str, info: CacheInfo) -> None:
+        self._drop_idle(lambda e: e.key[1:4] == (peer, info.cache_id, info.generation))
         with self._lock:
             h = self._remote.pop((peer, info.cache_id, info.generation), None)
         if h is not None:
@@ -249,6 +256,43 @@ class NixlTransport(Transport):
 
     # --- transfers ------------------------------------------------------------------------
 
+    def _drop_idle(self, match: Any) -> None:
+        """Release the kept transfers whose entry matches (their memory or peer goes)."""
+        with self._lock:
+            gone = [k for k, e in self._idle.items() if match(e)]
+            entries = [self._idle.pop(k) for k in gone]
+        for e in entries:
+            e.release_all(self.agent)
+
+    def _take_idle(self, key: tuple[Any, ...], plan: TransferPlan, local_state: Any) -> Any:
+        """``(entry, handle or None)``: the plan's kept entry (made if new) and an idle
+        handle of it. The entry holds ``plan`` and ``local_state``, so their ids in
+        ``key`` cannot be reused by other objects while it is kept."""
+        evicted = None
+        with self._lock:
+            e = self._idle.get(key)
+            if e is None or e.plan is not plan or e.local_state is not local_state:
+                if e is not None:
+                    evicted = [self._idle.pop(key)]
+                e = self._idle[key] = _Idle(key, plan, local_state)
+                if len(self._idle) > _IDLE_PLANS:
+                    evicted = (evicted or []) + [self._idle.pop(next(iter(self._idle)))]
+                h = None
+            else:
+                h = e.handles.pop() if e.handles else None
+        for old in evicted or ():
+            old.release_all(self.agent)
+        return e, h
+
+    def _give_back(self, entry: _Idle, handle: Any) -> bool:
+        """Keep a completed handle for the next post of its plan; False: not kept (its
+        entry was dropped or is full), the caller releases it."""
+        with self._lock:
+            if self._idle.get(entry.key) is entry and len(entry.handles) < _IDLE_PER_PLAN:
+                entry.handles.append(handle)
+                return True
+        return False
+
     def post(
         self,
         op: str,
@@ -258,21 +302,43 @@ class NixlTransport(Transport):
         remote: CacheInfo,
         peer: str,
         notif: bytes,
+        reuse: bool = False,
     ) -> Xfer:
-        src, dst = (local, remote) if op == WRITE else (remote, local)
-        si, di = plan.descriptor_indices(src.desc.num_blocks, dst.desc.num_blocks)
-        li, ri = (si, di) if op == WRITE else (di, si)
-        rdl = self._remote_dlist(peer, remote)
+        entry, h = None, None
+        if reuse:
+            key = (
+                op,
+                peer,
+                remote.cache_id,
+                remote.generation,
+                id(local_state),
+                id(plan),
+                bool(notif),
+            )
+            entry, h = self._take_idle(key, plan, local_state)
+        if h is None:
+            src, dst = (local, remote) if op == WRITE else (remote, local)
+            si, di = plan.descriptor_indices(src.desc.num_blocks, dst.desc.num_blocks)
+            li, ri = (si, di) if op == WRITE else (di, si)
+            rdl = self._remote_dlist(peer, remote)
+            try:
+                h = self.agent.make_prepped_xfer(op, local_state[1], li, rdl, ri, notif_msg=notif)
+            except Exception as exc:
+                raise self._error(exc, f"{op} to {peer!r}") from exc
+        xfer = _NixlXfer(self, h, entry)
         try:
-            h = self.agent.make_prepped_xfer(op, local_state[1], li, rdl, ri, notif_msg=notif)
+            # A kept handle is posted again with this request's notification (NIXL keeps
+            # the one it was made with when given none: a handle made without a
+            # notification is only ever kept for posts without one, see the key).
+            st = self._post(h._handle, notif)
         except Exception as exc:
-            raise self._error(exc, f"{op} to {peer!r}") from exc
-        xfer = _NixlXfer(self, h)
-        try:
-            xfer.first = self.agent.transfer(h)
-        except Exception as exc:
+            xfer.entry = None  # a failed handle is never kept
             xfer.release()
             raise self._error(exc, f"posting the {op} to {peer!r}") from exc
+        if st == self._b.NIXL_SUCCESS:
+            xfer.first = "DONE"
+        elif st != self._b.NIXL_IN_PROG:
+            xfer.first = "ERR"
         return xfer
 
     def notify(self, peer: str, notif: bytes) -> None:
@@ -293,6 +359,7 @@ class NixlTransport(Transport):
         ]
 
     def close(self) -> None:
+        self._drop_idle(lambda e: True)
         with self._lock:
             remote, self._remote = list(self._remote.values()), {}
         for h in remote + self.unreleased:
@@ -303,9 +370,34 @@ class NixlTransport(Transport):
         self.unreleased = []
 
 
+#: Kept prepared transfers: at most _IDLE_PLANS plans (the plan cache's size), each with
+#: at most _IDLE_PER_PLAN idle handles (concurrent posts of one plan each need their own).
+_IDLE_PLANS = 256
+_IDLE_PER_PLAN = 4
+
+
+class _Idle:
+    """The kept handles of one cached plan (see :meth:`NixlTransport.post`)."""
+
+    __slots__ = ("key", "plan", "local_state", "handles")
+
+    def __init__(self, key: tuple[Any, ...], plan: TransferPlan, local_state: Any):
+        self.key, self.plan, self.local_state = key, plan, local_state
+        self.handles: list[Any] = []
+
+    def release_all(self, agent: Any) -> None:
+        handles, self.handles = self.handles, []
+        for h in handles:
+            try:
+                agent.release_xfer_handle(h)
+            except Exception:
+                pass  # idle handles are complete; nothing of theirs is in use
+
+
 class _NixlXfer(Xfer):
-    def __init__(self, transport: NixlTransport, handle: Any):
+    def __init__(self, transport: NixlTransport, handle: Any, entry: _Idle | None = None):
         self._t, self._h = transport, handle
+        self.entry = entry  # where the handle goes back to once complete (None: released)
         self.first = "PROC"
         self.released = False
         # The bindings' status call and codes, bound once: a small push is polled tens of
@@ -333,6 +425,11 @@ class _NixlXfer(Xfer):
     def release(self) -> None:
         if not self.released:
             self.released = True
+            # A completed handle of a repeated request is kept to be posted again; one
+            # that failed, was cancelled or is still running is released.
+            if self.entry is not None and self.first == "DONE":
+                if self._t._give_back(self.entry, self._h):
+                    return
             try:
                 self._t.agent.release_xfer_handle(self._h)
             except Exception:

@@ -96,7 +96,10 @@ class Transport:
         remote: CacheInfo,
         peer: str,
         notif: bytes,
+        reuse: bool = False,
     ) -> Xfer:
+        """Post ``plan``. ``reuse``: the caller will post this same plan object again (a
+        cached plan of a repeated request): a backend may keep what it prepared for it."""
         raise NotImplementedError
 
     def notify(self, peer: str, notif: bytes) -> None:
@@ -193,6 +196,7 @@ class LocalTransport(Transport):
         remote: CacheInfo,
         peer: str,
         notif: bytes,
+        reuse: bool = False,
     ) -> Xfer:
         target = self._peer(peer)
         src, dst = (local, remote) if op == WRITE else (remote, local)
