@@ -165,6 +165,7 @@ class NixlTransport(Transport):
         # once made) and its codes; and the bindings' post (nixl_agent.transfer wraps it).
         self._status = (self.agent.agent.getXferStatus, self._b.NIXL_SUCCESS, self._b.NIXL_IN_PROG)
         self._post = self.agent.agent.postXferReq
+        self._notifs = self.agent.agent.getNotifs
 
     # --- errors ---------------------------------------------------------------------------
 
@@ -348,10 +349,12 @@ class NixlTransport(Transport):
             raise self._error(exc, f"notifying {peer!r}") from exc
 
     def poll(self) -> list[tuple[str, bytes]]:
-        try:
-            notifs = self.agent.get_new_notifs()
+        try:  # the bindings' call (nixl_agent.get_new_notifs wraps it): once per push
+            notifs = self._notifs({}, [])
         except Exception as exc:
             raise self._error(exc, "reading notifications") from exc
+        if not notifs:
+            return []
         return [
             (k.decode() if isinstance(k, bytes) else k, m)
             for k, msgs in notifs.items()
