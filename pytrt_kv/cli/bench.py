@@ -169,7 +169,9 @@ def _run_datadist(args: argparse.Namespace) -> int:
     for r in lat:
         print(
             f"  {r['blocks']:>2} x 4 KiB   wrapper {r['wrapper_ms']:.3f} ms  raw "
-            f"{r['raw_ms']:.3f} ms  ({r['wrapper_vs_raw']:.2f})",
+            f"{r['raw_ms']:.3f} ms  ({r['wrapper_vs_raw']:.2f}); same processes: raw "
+            f"{r['raw_same_ms']:.3f} ms ({r['wrapper_vs_raw_same']:.2f}), reposted "
+            f"{r['raw_repost_ms']:.3f} ms ({r['wrapper_vs_raw_repost']:.2f})",
             flush=True,
         )
     text = markdown(info, rows) + "\n" + latency_markdown(lat, lat_pushes, repeats)
