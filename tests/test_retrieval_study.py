@@ -62,6 +62,42 @@ def test_study_attention_equals_reference(rng, rep, chunk):
     assert sparse_rows > 50  # most rows really are sparse
 
 
+@pytest.mark.parametrize("rep", [MINMAX, MEAN])
+def test_per_kv_head_selection_equals_the_reference_per_head(rng, rep):
+    """The per-KV-head variants (Quest-style, docs/RETRIEVAL.md): the query heads of KV
+    head h attend what sparse_decode_attention attends for that head alone (its keys, its
+    query group), so heads may recall different blocks with the same budget."""
+    from pytrt_kv.retrieval import study
+
+    cfg = RetrievalConfig(
+        init_tokens=32, local_tokens=64, block_size=16, topk_percent=0.25, representation=rep
+    )
+    Hq, Hkv, D, Lk, Lq = 6, 2, 8, 400, 60
+    G = Hq // Hkv
+    q = rng.standard_normal((1, Hq, Lq, D)).astype(np.float32)
+    k = rng.standard_normal((1, Hkv, Lk, D)).astype(np.float32)
+    v = rng.standard_normal((1, Hkv, Lk, D)).astype(np.float32)
+    layer = _Layer()
+    state = study.AttentionState(method=rep + "_head", cfg=cfg, sparse_from=0, chunk=7)
+    setattr(layer, study.STATE_ATTR, state)
+    args = (torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), None)
+    out = study.retrieval_attention(layer, *args, scaling=0.3)[0].numpy()[0]
+    keys, values = k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2)  # [Lk, Hkv, D]
+    differ = 0
+    for i in range(Lq):
+        L = Lk - Lq + i + 1
+        picked = []
+        for h in range(Hkv):
+            g = slice(h * G, (h + 1) * G)
+            r = sparse_decode_attention(
+                q[0, g, i], keys[:L, h : h + 1], values[:L, h : h + 1], cfg, 0.3
+            )
+            np.testing.assert_allclose(out[i, g], r.out, atol=2e-5, err_msg=f"row {i} head {h}")
+            picked.append(tuple(r.positions))
+        differ += picked[0] != picked[1]
+    assert differ > Lq // 2  # the heads really choose for themselves
+
+
 def test_window_baseline_has_the_selectors_budget(rng):
     """Equal budgets (issue 20 item 1): the window baseline attends init + the last
     ``budget_tokens - init`` tokens, exactly as many as a selector of the same setting."""

@@ -47,7 +47,7 @@ _OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..retrieval.study import METHODS, SIZES, StudySettings
+    from ..retrieval.study import HEAD_SELECTORS, METHODS, SIZES, StudySettings
 
     d = StudySettings()
     parser.add_argument(
@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "curve_trials": f"trials per cell that also run the curve settings ({d.curve_trials})",
         "multi_lengths": f"multi-key / multi-value context lengths ({d.multi_lengths})",
         "multi_trials": f"multi-key / multi-value trials per length ({d.multi_trials})",
-        "methods": f"subset of {','.join(METHODS)}",
+        "methods": f"subset of {','.join(METHODS)} (default: all of them), or the "
+        f"per-KV-head variants {','.join(HEAD_SELECTORS)}",
         "init_tokens": f"resident initial tokens ({d.init_tokens})",
         "local_tokens": f"sliding-window tokens ({d.local_tokens})",
         "loss_context": f"tokens of the loss text, 0: skip the loss ({d.loss_context})",

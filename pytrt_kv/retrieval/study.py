@@ -52,6 +52,13 @@ NEEDLE_KEYS = (
 ATTENTION_NAME = "pytrt_kv_retrieval"
 SELECTORS = ("window", "random", MEAN, MINMAX, "oracle")
 METHODS = ("dense",) + SELECTORS
+#: Per-KV-head (Quest-style) variants of the R5 scores: each KV head recalls its own k
+#: blocks, scored with its own query group only. Not in the defaults (the contract's R5
+#: sums the group over all KV heads); ``--methods`` adds them (docs/RETRIEVAL.md,
+#: "Per-KV-head selection").
+HEAD_SELECTORS = (MEAN + "_head", MINMAX + "_head")
+ALL_SELECTORS = SELECTORS + HEAD_SELECTORS
+ALL_METHODS = METHODS + HEAD_SELECTORS
 
 
 class StudyUnavailable(RuntimeError):
@@ -257,15 +264,20 @@ def _sparse_rows(
     allowed = causal & ((j[None, :] < min(init, Lk)) | (j[None, :] >= (init + nb * Bs)[:, None]))
     if nb_max:
         ksel = torch.tensor([cfg.num_selected(int(n)) for n in nb.tolist()])
-        scores = _block_scores(st, q, k, causal, nb_max, G, scale, layer, t0, reps_cache)
+        if st.method in HEAD_SELECTORS:  # [Hkv, c, nb_max]: each KV head its own blocks
+            scores = _head_block_scores(st, q, k, nb_max, G, reps_cache)
+        else:
+            scores = _block_scores(st, q, k, causal, nb_max, G, scale, layer, t0, reps_cache)
         scores = scores.masked_fill(torch.arange(nb_max)[None, :] >= nb[:, None], float("-inf"))
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(nb_max).expand(c, nb_max).contiguous())
-        chosen = rank < ksel[:, None]  # [c, nb_max]; ties to the lower id (R4)
-        tok = torch.zeros(c, Lk, dtype=torch.bool)
-        tok[:, init : init + nb_max * Bs] = chosen.repeat_interleave(Bs, dim=1)
+        rank.scatter_(-1, order, torch.arange(nb_max).expand(order.shape).contiguous())
+        chosen = rank < ksel[:, None]  # [(Hkv,) c, nb_max]; ties to the lower id (R4)
+        tok = torch.zeros(*chosen.shape[:-1], Lk, dtype=torch.bool)
+        tok[..., init : init + nb_max * Bs] = chosen.repeat_interleave(Bs, dim=-1)
         allowed = allowed | (tok & causal)
+        if allowed.dim() == 3:  # per KV head: each query head uses its group's selection
+            allowed = allowed.repeat_interleave(G, dim=0)
     out = torch.nn.functional.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=allowed, scale=scale, enable_gqa=True
     )
@@ -319,6 +331,38 @@ def _block_scores(
     return qg @ reps.T
 
 
+def _head_block_scores(st: AttentionState, q, k, nb_max: int, G: int, reps_cache: dict):
+    """Per-KV-head R5 scores ``[Hkv, c, nb_max]``: the representation of each head's keys
+    of a block, scored with that head's query group (summed over its G query heads), as
+    Quest selects per head."""
+    import torch
+
+    cfg = st.cfg
+    Hq, c, D = q.shape
+    Hkv = k.shape[0]
+    Bs, init = cfg.block_size, cfg.init_tokens
+    kind = st.method
+    if kind not in reps_cache:
+        n = max(0, (k.shape[1] - cfg.local_tokens - init) // Bs)
+        blocks = k[:, init : init + n * Bs].reshape(Hkv, n, Bs, D)
+        if kind == MINMAX + "_head":
+            reps_cache[kind] = _minmax_reps(blocks)
+        else:
+            reps_cache[kind] = blocks.mean(dim=2)
+    reps = reps_cache[kind][:, :nb_max]  # [Hkv, nb, D or 2D]
+    qg = q.reshape(Hkv, G, c, D).sum(dim=1)  # [Hkv, c, D]
+    if kind == MINMAX + "_head":
+        qg = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)
+    return qg @ reps.transpose(-1, -2)
+
+
+def _minmax_reps(blocks):
+    """``[..., n, Bs, D]`` -> ``[..., n, 2D]``: per-block elementwise max, then min."""
+    import torch
+
+    return torch.cat([blocks.amax(dim=-2), blocks.amin(dim=-2)], dim=-1)
+
+
 # --- methods and settings --------------------------------------------------------------
 
 
@@ -330,7 +374,7 @@ class Method:
 
     @property
     def label(self) -> str:
-        if self.name in SELECTORS:
+        if self.name in ALL_SELECTORS:
             return f"{self.name} {round(self.percent * 100):g}% B{self.block_size}"
         return "dense"
 
@@ -376,8 +420,8 @@ class StudySettings:
 
     def _methods(self, grid: list[tuple[float, int]]) -> list[Method]:
         for name in self.methods:
-            if name not in METHODS:
-                raise ValueError(f"methods: expected names in {list(METHODS)}, got {name!r}")
+            if name not in ALL_METHODS:
+                raise ValueError(f"methods: expected names in {list(ALL_METHODS)}, got {name!r}")
         out = [Method("dense")] if "dense" in self.methods else []
         for p, b in grid:
             if not 0 < p <= 1 or b < 1 or self.init_tokens % b:
@@ -385,7 +429,7 @@ class StudySettings:
                     f"percent/block_size: expected 0 < p <= 1 and a block size dividing "
                     f"init_tokens = {self.init_tokens}, got {p}, {b}"
                 )
-            out += [Method(n, p, b) for n in self.methods if n in SELECTORS]
+            out += [Method(n, p, b) for n in self.methods if n in ALL_SELECTORS]
         return out
 
     def config(self, m: Method) -> RetrievalConfig:
@@ -393,10 +437,14 @@ class StudySettings:
             init_tokens=self.init_tokens,
             local_tokens=self.local_tokens,
             block_size=m.block_size,
-            topk_percent=m.percent if m.name in SELECTORS else 0.0,
+            topk_percent=m.percent if m.name in ALL_SELECTORS else 0.0,
             dense_boundary=0,
             offload_boundary=0,
-            representation=m.name if m.name in (MEAN, MINMAX) else MINMAX,
+            representation=(
+                m.name.removesuffix("_head")
+                if m.name.removesuffix("_head") in (MEAN, MINMAX)
+                else MINMAX
+            ),
         )
 
     def max_block(self) -> int:
@@ -910,7 +958,7 @@ def plot(settings: StudySettings, needles: list[dict], loss: list[dict], path: P
             [("single", "accuracy", "needle accuracy"), ("loss", "delta", "loss − dense (nats)")]
         ):
             ax = axes[row][col]
-            for name in [n for n in SELECTORS if n in settings.methods]:
+            for name in [n for n in ALL_SELECTORS if n in settings.methods]:
                 pts = sorted(
                     (r[key], r[y])
                     for r in rows
