@@ -144,7 +144,7 @@ def _raw_pair(buf: _Buffers):
 def bench_case(
     memory: str, block: int, pattern: str, total: int, pushes: int, repeats: int
 ) -> dict[str, Any]:
-    from .llm_datadist import LlmDataDist, _poll_sleep
+    from .llm_datadist import LlmDataDist
     from .types import CacheDesc, CacheIndex, KvCacheExtParam, LLMException
 
     nb = max(1, total // block)
@@ -180,14 +180,7 @@ def bench_case(
             p.push_kv_blocks(src, index, sb, db, one, timeout_s=60)
 
         def raw():
-            h = a.make_prepped_xfer("WRITE", local, li, remote, ri, notif_msg=b"raw")
-            st, start = a.transfer(h), time.monotonic()
-            while st == "PROC":  # polled as the wrapper polls (spin briefly, then sleep)
-                _poll_sleep(start)
-                st = a.check_xfer_state(h)
-            if st != "DONE":
-                raise RuntimeError("raw NIXL transfer failed")
-            h.release()
+            _raw_push(a, local, remote, li, ri)
 
         wrapper()
         row["correct"] = buf.check(sb, db)
@@ -321,39 +314,32 @@ def _receiver(kind: str, block: int, conn: Any) -> None:
         agent.get_new_notifs()
 
 
-def _raw_push(a: Any, local: Any, remote: Any, li: np.ndarray, ri: np.ndarray) -> None:
-    """One raw NIXL push: ``make_prepped_xfer`` + ``transfer`` + polling as the wrapper
-    polls + ``release``."""
+def _raw_post(a: Any, h: Any, notif: bytes = b"") -> None:
+    """Post a raw NIXL transfer and poll it as the wrapper polls until it is done."""
     from .llm_datadist import _poll_sleep
 
-    h = a.make_prepped_xfer("WRITE", local, li, remote, ri, notif_msg=b"raw")
-    st, start = a.transfer(h), time.monotonic()
+    st, start = a.transfer(h, notif), time.monotonic()
     while st == "PROC":
         _poll_sleep(start)
         st = a.check_xfer_state(h)
     if st != "DONE":
         raise RuntimeError("raw NIXL transfer failed")
+
+
+def _raw_push(a: Any, local: Any, remote: Any, li: np.ndarray, ri: np.ndarray) -> None:
+    """One raw NIXL push: ``make_prepped_xfer`` + ``transfer`` + polling as the wrapper
+    polls + ``release``."""
+    h = a.make_prepped_xfer("WRITE", local, li, remote, ri, notif_msg=b"raw")
+    _raw_post(a, h)
     h.release()
 
 
 def _reposter(a: Any, local: Any, remote: Any, li: np.ndarray, ri: np.ndarray) -> Any:
     """Raw NIXL posting one prepared transfer again per push, each with its own
-    notification (NIXL allows reposting a completed transfer), polled as the wrapper
-    polls."""
-    from .llm_datadist import _poll_sleep
-
+    notification (NIXL allows reposting a completed transfer)."""
     h = a.make_prepped_xfer("WRITE", local, li, remote, ri, notif_msg=b"raw")
     count = iter(range(1 << 62))
-
-    def push() -> None:
-        st, start = a.transfer(h, b"raw%d" % next(count)), time.monotonic()
-        while st == "PROC":
-            _poll_sleep(start)
-            st = a.check_xfer_state(h)
-        if st != "DONE":
-            raise RuntimeError("raw NIXL transfer failed")
-
-    return push
+    return lambda: _raw_post(a, h, b"raw%d" % next(count))
 
 
 def _sender(kind: str, block: int, peer: Any, conn: Any) -> None:
