@@ -475,10 +475,15 @@ def _set_method(
 
 
 def _forward(model, ids, cache):
+    import inspect
+
     import torch
 
+    # transformers renamed past_key_values to cache (5.2x; the old name warns on every
+    # call until its removal in 5.40): pass the name this version's forward takes.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        return model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return model(input_ids=ids, use_cache=True, **{name: cache})
 
 
 def _crop(cache, length: int) -> None:
