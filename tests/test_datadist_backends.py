@@ -5,6 +5,7 @@ skip only where ``import nixl`` fails (CI installs it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import subprocess
 import sys
@@ -579,7 +580,7 @@ def test_a_repeated_request_reuses_its_checked_plan(nodes, monkeypatch):
     ext = KvCacheExtParam((1, 1), (0, 0))
     ids = np.array([2, 3])
     rng = np.random.default_rng(4)
-    for i in range(3):  # list, tuple and array of the same ids: one check
+    for i in range(3):  # a list and a tuple of the same ints: one check; an array: one more
         _fill(src, rng)
         _sentinel(dst)
         sb = ([0, 5], (0, 5), np.array([0, 5]))[i]
@@ -588,10 +589,17 @@ def test_a_repeated_request_reuses_its_checked_plan(nodes, monkeypatch):
             _snapshot(src), [np.full((6, 8), SENTINEL, np.int32)] * 4, [0, 5], [2, 3], ext
         )
         assert _same(dst.tensors, ref), i
-    assert len(calls) == 1
+    assert len(calls) == 2
+    listed = [0, 5]  # a list changed after the call: its kept plan saw a snapshot
+    d.wait_received(p.push_kv_blocks(src, index, listed, ids, ext), 5)
+    listed[1] = 6
+    with pytest.raises(LLMParamInvalid, match=r"src_blocks\[1\]"):
+        p.push_kv_blocks(src, index, listed, ids, ext, tag="refused")
+    assert len(calls) == 3
     _sentinel(dst)
     refused = [
         (dict(sb=[False, True]), "src_blocks"),
+        (dict(sb=[np.int64(0), 5.0]), "src_blocks"),
         (dict(sb=np.array([0.0, 5.0])), "src_blocks"),
         (dict(ext=KvCacheExtParam((True, True), (0, 0))), "src_layer_range"),
         (dict(ext=KvCacheExtParam((1, 1), (0, 0), 4)), "src_layer_range"),
@@ -606,6 +614,37 @@ def test_a_repeated_request_reuses_its_checked_plan(nodes, monkeypatch):
     time.sleep(0.05)
     assert not d.received("refused")
     assert all((t == SENTINEL).all() for t in dst.tensors)
+
+
+def test_a_kept_plan_is_not_used_for_another_nodes_cache(backend):
+    """Cache ids are per node: a Cache of another node that has a kept plan's id is not
+    this node's cache, and a request naming it is refused (KV_CACHE_NOT_EXIST), not
+    posted from this node's cache of that id."""
+    p = LlmDataDist(1, "prompt", backend=backend)
+    other = LlmDataDist(3, "prompt", backend=backend)
+    d = LlmDataDist(2, "decoder", backend=backend)
+    try:
+        for n in (p, other, d):
+            n.initialize("127.0.0.1", 0)
+        src = p.allocate_cache(CacheDesc(2, (8, 8), "int8"))
+        foreign = other.allocate_cache(CacheDesc(2, (8, 8), "int8"))
+        assert foreign.cache_id == src.cache_id
+        dst = d.allocate_cache(CacheDesc(2, (8, 8), "int8"))
+        assert p.link_clusters([d.listen_address], timeout_s=5)[0].ok
+        index = CacheIndex(2, dst.cache_id)
+        d.wait_received(p.push_kv_blocks(src, index, [0], [5]), 5)
+        _sentinel(dst)
+        assert _status(lambda: p.push_kv_blocks(dataclasses.replace(src), index, [0], [5])) is (
+            LLMStatus.KV_CACHE_NOT_EXIST
+        )
+        assert _status(lambda: p.push_kv_blocks(foreign, index, [0], [5])) is (
+            LLMStatus.KV_CACHE_NOT_EXIST
+        )
+        time.sleep(0.05)
+        assert all((t == SENTINEL).all() for t in dst.tensors)
+    finally:
+        for n in (p, other, d):
+            n.finalize()
 
 
 def test_a_kept_plan_is_not_reused_for_a_relinked_peers_cache(backend):
@@ -743,6 +782,53 @@ def test_kept_nixl_transfers_go_with_their_caches_and_a_failed_one_is_not_kept(
     d.wait_received(p.push_kv_blocks(src, index, [0], [1], tag="after"), 5)
     p.deallocate_cache(src)
     assert not t._idle and len(released) == 1
+
+
+def test_a_repeated_pull_reuses_its_plan_and_reads_current_data(nodes, monkeypatch):
+    """A pull repeated with equal arguments is checked once (decision 12), reads the
+    source's current blocks each time and tells the source each tag; once the source
+    cache is deallocated, the same pull is KV_CACHE_NOT_EXIST and moves nothing."""
+    p, d, src, dst = _pair(nodes, nb=8)
+    _linked(nodes)
+    calls = _count(monkeypatch, llm_datadist, "check_transfer")
+    index, rng = CacheIndex(1, src.cache_id), np.random.default_rng(21)
+    for i in range(3):
+        _fill(src, rng)
+        _sentinel(dst)
+        tag = d.pull_kv_blocks(index, dst, np.array([3, 0]), np.array([5, 7]), tag=f"pull-{i}")
+        want = push_kv_blocks_reference(
+            _snapshot(src), [np.full((8, 16), SENTINEL, np.int32)] * 2, [3, 0], [5, 7]
+        )
+        assert _same(dst.tensors, want), i
+        p.wait_received(tag, 5)
+    assert len(calls) == 1
+    p.deallocate_cache(src)
+    _sentinel(dst)
+    pull = lambda: d.pull_kv_blocks(index, dst, np.array([3, 0]), np.array([5, 7]))  # noqa: E731
+    assert _status(pull) is LLMStatus.KV_CACHE_NOT_EXIST
+    assert all((t == SENTINEL).all() for t in dst.tensors)
+
+
+@NIXL_ONLY
+def test_a_plan_no_longer_kept_releases_its_nixl_transfers(nixl_nodes, monkeypatch):
+    """The node keeps 256 plans; the oldest one's prepared transfers are released when a
+    257th request is kept (decision 13), and its request is checked again."""
+    p, d, src, dst = _pair(nixl_nodes, nb=17)
+    _linked(nixl_nodes)
+    t = p._transport
+    released = _count(monkeypatch, t.agent, "release_xfer_handle")
+    calls = _count(monkeypatch, llm_datadist, "check_transfer")
+    index = CacheIndex(2, dst.cache_id)
+    pairs = [(s, x) for s in range(16) for x in range(16)]  # 256 requests
+    for s, x in pairs:
+        p.push_kv_blocks(src, index, [s], [x])
+    assert len(t._idle) == 256 and not released
+    p.push_kv_blocks(src, index, [16], [16])
+    assert len(t._idle) == 256 and len(released) == 1  # the first request's transfer
+    p.push_kv_blocks(src, index, [0], [0])  # no longer kept: checked again
+    assert len(calls) == 258 and len(released) == 2
+    d.wait_received(p.push_kv_blocks(src, index, [16], [2], tag="last"), 5)
+    assert (dst.tensors[1][2] == src.tensors[1][16]).all()
 
 
 def test_async_handle_and_default_tags(nodes):

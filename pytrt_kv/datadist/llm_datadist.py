@@ -35,7 +35,7 @@ from ..contract.errors import describe
 from . import control, memory
 from .backends import make_transport
 from .contract import TransferPlan, check_transfer
-from .transport import READ, WRITE, CacheInfo, Transport, Xfer
+from .transport import READ, WRITE, CacheInfo, Prepared, Transport, Xfer
 from .types import (
     Cache,
     CacheDesc,
@@ -76,6 +76,9 @@ _FAIL = "pytrt_kv.dd1fail"
 _MAX_FAILED = 4096
 #: While a transfer is pending, check this often whether the peer is still there.
 _PROBE_EVERY_S = 0.2
+#: A repeated request (a kept plan) reads in-band notices only if none were read for this
+#: long: reading them costs ~10% of a small push (docs/DATADIST.md decision 12).
+_DRAIN_EVERY_S = 1e-3
 #: Checked plans kept for repeated requests (:meth:`LlmDataDist._plan`), of at most
 #: _PLAN_CACHE_BLOCKS blocks each: small pushes, whose D4 check costs as much as NIXL's
 #: transfer (BENCHMARKS.md, "Small pushes").
@@ -85,22 +88,23 @@ _PLAN_CACHE_BLOCKS = 256
 
 def _ids_key(blocks: Any) -> tuple[Any, Any]:
     """``(key, ids)``: a plan-cache key that determines what :func:`check_transfer`
-    sees of a block-id list (dtype, shape and bytes of its array; None: not cacheable)
-    and what to pass it instead (the same array, so that the check sees the key's)."""
+    sees of a block-id list (None: not cacheable) and what to pass it instead (the same
+    list or array, so that the check sees the key's). An array's key is its dtype and
+    bytes; a list's or tuple's, its values when every one is an exact int (a bool, a
+    float or a NumPy scalar makes it uncacheable: the check decides on those)."""
     if type(blocks) is np.ndarray:
-        a = blocks
-    elif type(blocks) is list or type(blocks) is tuple:
+        if blocks.ndim != 1 or blocks.size > _PLAN_CACHE_BLOCKS:
+            return None, blocks
+        return (blocks.dtype, blocks.tobytes()), blocks
+    if type(blocks) is list or type(blocks) is tuple:
         if len(blocks) > _PLAN_CACHE_BLOCKS:
             return None, blocks
-        try:
-            a = np.asarray(blocks)
-        except (TypeError, ValueError):
-            return None, blocks  # ragged or odd: check_transfer names the problem
-    else:
-        return None, blocks
-    if a.ndim != 1 or a.size > _PLAN_CACHE_BLOCKS:
-        return None, a
-    return (a.dtype.str, a.tobytes()), a
+        t = tuple(blocks)  # a snapshot: the list may change after the call
+        for v in t:
+            if type(v) is not int:
+                return None, blocks
+        return ("ints", t), t
+    return None, blocks
 
 
 def _ext_key(ext: Any) -> Any:
@@ -128,6 +132,24 @@ class _Peer:
     #: Transport metadata not loaded yet (a link request is answered before it is).
     pending: str | None = None
     load_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Kept:
+    """A checked plan kept for repeated requests (decision 12) with what its posts need,
+    resolved once: the local cache, peer and remote :class:`CacheInfo` it was checked
+    against (used only while they are still this node's, :meth:`LlmDataDist._kept`), the
+    tag notification's prefix, and the transport's :class:`Prepared` (decision 13)."""
+
+    __slots__ = ("local", "peer", "remote", "plan", "notif", "prepared")
+
+    def __init__(self, local: Cache, peer: _Peer, remote: CacheInfo, plan: TransferPlan):
+        self.local, self.peer, self.remote, self.plan = local, peer, remote, plan
+        self.notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|".encode()
+        self.prepared: Prepared | None = None
+
+    def close(self) -> None:
+        if self.prepared is not None:
+            self.prepared.close()
 
 
 #: Pause between completion checks. Never spin for long: NIXL's progress threads need
@@ -355,8 +377,10 @@ class LlmDataDist:
         #: owned (docs/DATADIST.md, "Failure semantics").
         self._quarantine: dict[int, tuple[Cache, set[int]]] = {}
         self._failed: dict[str, str] = {}  # tag -> the source's status name
-        #: Plans of accepted small requests: key -> (local, remote, plan) (see _plan).
-        self._plans: dict[tuple, tuple[Cache, CacheInfo, TransferPlan]] = {}
+        #: Plans of accepted small requests (see _plan, _kept).
+        self._plans: dict[tuple, _Kept] = {}
+        self._tag_prefix = ""  # "cluster:pid:", set by initialize
+        self._drained_at = 0.0  # when _drain last read the notifications (see _kept)
         self._ext_memo: tuple[Any, Any] = (None, ())  # (last ext_param, its _ext_key)
         self.listen_address: tuple[str, int] | None = None
 
@@ -379,6 +403,7 @@ class LlmDataDist:
                 LLMStatus.FAILED, f"initialize: cannot listen on {listen_ip}:{listen_port}: {exc}"
             ) from exc
         self._transport = transport
+        self._tag_prefix = f"{self.cluster_id}:{os.getpid()}:"
         self.listen_address = self._server.address
 
     def finalize(self) -> None:
@@ -530,8 +555,9 @@ class LlmDataDist:
             del self._caches[cache.cache_id]
             peers = list(self._peers.values())
             # Its cached plans would keep the cache (and memory it allocated) alive.
-            for key in [k for k, v in self._plans.items() if v[0] is cache]:
-                del self._plans[key]
+            kept = [self._plans.pop(k) for k, v in list(self._plans.items()) if v.local is cache]
+        for k in kept:
+            k.close()
         msg = {
             "op": "drop",
             "from": self.cluster_id,
@@ -859,49 +885,91 @@ class LlmDataDist:
             self._load(peer)
         return peer, info
 
+    def _request_key(
+        self, op: str, cache: Any, index: Any, src_blocks: Any, dst_blocks: Any, ext_param: Any
+    ) -> tuple[tuple | None, Any, Any]:
+        """``(key, src_blocks, dst_blocks)``: the kept-plan key of a request (None: not
+        kept) and the block ids to check instead of the arguments (the same arrays the key
+        was taken from). A key fixes everything the D4 check sees: the local cache object
+        (checked by identity on use), the remote cache's ids, the block ids' dtype and
+        bytes, and exact-int ext params (docs/DATADIST.md decision 12)."""
+        skey, src_blocks = _ids_key(src_blocks)
+        dkey, dst_blocks = _ids_key(dst_blocks)
+        memo = self._ext_memo  # frozen and checked to hold exact ints: its key is fixed
+        if ext_param is not memo[0]:
+            memo = self._ext_memo = (ext_param, _ext_key(ext_param))
+        if (
+            skey is None
+            or dkey is None
+            or memo[1] is None
+            or type(cache) is not Cache
+            or type(index) is not CacheIndex
+            or type(index.cluster_id) is not int
+            or type(index.cache_id) is not int
+            or index.batch_index != 0
+        ):
+            return None, src_blocks, dst_blocks
+        key = (op, cache.cache_id, index.cluster_id, index.cache_id, skey, dkey, memo[1])
+        return key, src_blocks, dst_blocks
+
+    def _kept(self, key: tuple, cache: Cache) -> _Kept | None:
+        """The kept plan of ``key`` if everything it was checked against is still this
+        node's: the local cache registered, the peer linked (not broken, its metadata
+        loaded) and the remote cache's :class:`CacheInfo` the one the peer's table holds
+        (a relinked peer or a reused cache id has a new one). In-band deallocate notices
+        are read first unless they were read less than ``_DRAIN_EVERY_S`` ago (decision
+        12, "Failure semantics")."""
+        kept = self._plans.get(key)
+        if kept is None:
+            return None
+        if time.monotonic() - self._drained_at >= _DRAIN_EVERY_S:
+            self._drain()
+        peer = kept.peer
+        # Cache ids are never reused: the registered cache of the key's id is kept.local.
+        if (
+            self._caches.get(cache.cache_id) is cache
+            and self._peers.get(peer.cluster_id) is peer
+            and not peer.broken
+            and peer.pending is None
+            and peer.caches.get(kept.remote.cache_id) is kept.remote
+        ):
+            return kept
+        return None
+
     def _plan(
         self,
         op: str,
+        key: tuple | None,
         local: Cache,
         peer: _Peer,
         remote: CacheInfo,
         src_blocks: Any,
         dst_blocks: Any,
         ext_param: Any,
-    ) -> tuple[TransferPlan, bool]:
-        """The checked plan (docs/SPEC.md D4) of a push or pull, and whether it is kept
-        (posted again for an equal request: its transport may keep the prepared transfer,
-        decision 13). A small request equal to
-        an accepted one (same local cache object, same remote :class:`CacheInfo` object,
-        block ids of equal dtype and bytes, same exact-int ext params) reuses its plan:
-        the check's result depends on nothing else, so every new request is still checked
-        and a refused one is never cached (BENCHMARKS.md, "Small pushes")."""
-        skey, src_blocks = _ids_key(src_blocks)
-        dkey, dst_blocks = _ids_key(dst_blocks)
-        memo = self._ext_memo  # frozen and checked to hold exact ints: its key is fixed
-        if ext_param is not memo[0]:
-            memo = self._ext_memo = (ext_param, _ext_key(ext_param))
-        ekey = memo[1]
-        key = None
-        if skey is not None and dkey is not None and ekey is not None:
-            key = (op, local.cache_id, peer.cluster_id, remote.cache_id, skey, dkey, ekey)
-            hit = self._plans.get(key)
-            if hit is not None and hit[0] is local and hit[1] is remote:
-                return hit[2], True
+    ) -> tuple[TransferPlan, _Kept | None]:
+        """The checked plan (docs/SPEC.md D4) of a push or pull, and, for a request with a
+        ``key``, the :class:`_Kept` under which it is posted again for equal requests
+        (decision 12): every new request is checked, and a refused one is never kept
+        (BENCHMARKS.md, "Small pushes")."""
         src, dst = (
             (local.cache_desc, remote.desc) if op == "push" else (remote.desc, local.cache_desc)
         )
         plan = check_transfer(src, dst, src_blocks, dst_blocks, ext_param, op=op, role=self.role)
-        if key is not None:
-            with self._lock:
-                self._plans[key] = (local, remote, plan)
-                while len(self._plans) > _PLAN_CACHE_SIZE:
-                    del self._plans[next(iter(self._plans))]
-        return plan, key is not None
+        if key is None:
+            return plan, None
+        kept = _Kept(local, peer, remote, plan)
+        with self._lock:
+            gone = [self._plans.pop(key)] if key in self._plans else []
+            self._plans[key] = kept
+            while len(self._plans) > _PLAN_CACHE_SIZE:
+                gone.append(self._plans.pop(next(iter(self._plans))))
+        for old in gone:
+            old.close()
+        return plan, kept
 
     def _tag(self, tag: Any) -> str:
         if tag is None:
-            return f"{self.cluster_id}:{os.getpid()}:{next(self._tags)}"
+            return f"{self._tag_prefix}{next(self._tags)}"
         if not isinstance(tag, str) or not tag:
             raise param_invalid("tag", "a non-empty str", repr(tag))
         return tag
@@ -920,23 +988,36 @@ class LlmDataDist:
         *,
         notify: bool = True,
         source_ready: bool = False,
-        reuse: bool = False,
+        kept: _Kept | None = None,
     ) -> TransferHandle:
         """Post a checked plan. ``notify=False``: no tag at the destination (a layer of a
         layer-wise push, whose tag follows its last layer); ``source_ready``: the caller
         already waited for the source's writes (a layer's event), no stream sync;
-        ``reuse``: ``plan`` is a kept plan, posted again for equal requests."""
+        ``kept``: ``plan``'s kept entry, posted through its transport's
+        :class:`Prepared` (decision 13)."""
         timeout = float(timeout_s) if timeout_s is not None else self._timeout(plan.nbytes, None)
         if op == WRITE and local.cache_desc.placement == "device" and not source_ready:
             memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
-        notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode() if notify else b""
+        if kept is not None:
+            notif = kept.notif + tag.encode()
+        elif notify:
+            notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|{tag}".encode()
+        else:
+            notif = b""
         try:
             if plan.num_copies == 0:
                 self._require().notify(peer.agent, notif)
                 xfer = None
+            elif kept is not None:
+                prepared = kept.prepared
+                if prepared is None or not prepared.alive:
+                    prepared = kept.prepared = self._require().prepare(
+                        op, plan, local._info, local._backend_state, remote, peer.agent
+                    )
+                xfer = prepared.post(notif)
             else:
                 xfer = self._require().post(
-                    op, plan, local._info, local._backend_state, remote, peer.agent, notif, reuse
+                    op, plan, local._info, local._backend_state, remote, peer.agent, notif
                 )
         except LLMException as exc:
             err = self._transfer_error(exc, arg, local, peer)
@@ -1032,9 +1113,18 @@ class LlmDataDist:
         self._require()
         if self.role is not LLMRole.PROMPT:
             raise param_invalid("role", "push only from a prompt node", "a decoder node")
-        local = self._local_cache("src_cache", src_cache)
-        peer, remote = self._remote_cache("dst_cache_index", dst_cache_index)
-        plan, reuse = self._plan("push", local, peer, remote, src_blocks, dst_blocks, ext_param)
+        key, src_blocks, dst_blocks = self._request_key(
+            "push", src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param
+        )
+        kept = None if key is None else self._kept(key, src_cache)
+        if kept is not None:  # a repeated request: checked before, nothing of it changed
+            local, peer, remote, plan = kept.local, kept.peer, kept.remote, kept.plan
+        else:
+            local = self._local_cache("src_cache", src_cache)
+            peer, remote = self._remote_cache("dst_cache_index", dst_cache_index)
+            plan, kept = self._plan(
+                "push", key, local, peer, remote, src_blocks, dst_blocks, ext_param
+            )
         return self._start(
             WRITE,
             "src_cache",
@@ -1045,7 +1135,7 @@ class LlmDataDist:
             self._tag(tag),
             stream,
             timeout_s,
-            reuse=reuse,
+            kept=kept,
         )
 
     def push_kv_blocks(
@@ -1118,9 +1208,18 @@ class LlmDataDist:
         self._require()
         if self.role is not LLMRole.DECODER:
             raise param_invalid("role", "pull only from a decoder node", "a prompt node")
-        local = self._local_cache("dst_cache", dst_cache)
-        peer, remote = self._remote_cache("src_cache_index", src_cache_index)
-        plan, reuse = self._plan("pull", local, peer, remote, src_blocks, dst_blocks, ext_param)
+        key, src_blocks, dst_blocks = self._request_key(
+            "pull", dst_cache, src_cache_index, src_blocks, dst_blocks, ext_param
+        )
+        kept = None if key is None else self._kept(key, dst_cache)
+        if kept is not None:
+            local, peer, remote, plan = kept.local, kept.peer, kept.remote, kept.plan
+        else:
+            local = self._local_cache("dst_cache", dst_cache)
+            peer, remote = self._remote_cache("src_cache_index", src_cache_index)
+            plan, kept = self._plan(
+                "pull", key, local, peer, remote, src_blocks, dst_blocks, ext_param
+            )
         return self._start(
             READ,
             "dst_cache",
@@ -1131,7 +1230,7 @@ class LlmDataDist:
             self._tag(tag),
             stream,
             timeout_s,
-            reuse=reuse,
+            kept=kept,
         )
 
     def pull_kv_blocks(
@@ -1168,6 +1267,7 @@ class LlmDataDist:
     # --- destination side -----------------------------------------------------------------
 
     def _drain(self) -> None:
+        self._drained_at = time.monotonic()
         for agent, msg in self._require().poll():
             text = msg.decode(errors="replace")
             if text.startswith(_FAIL + "|"):

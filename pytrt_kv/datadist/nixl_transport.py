@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .contract import TransferPlan
-from .transport import WRITE, CacheInfo, Transport, Xfer
+from .transport import WRITE, CacheInfo, Prepared, Transport, Xfer
 from .types import LLMException, LLMStatus
 
 #: NIXL's per-CUDA-version wheels (the ``nixl`` meta package picks one of them).
@@ -154,8 +154,8 @@ class NixlTransport(Transport):
             )
         self._remote: dict[tuple[str, int, int], Any] = {}
         # Prepared transfers of repeated requests, kept to be posted again (docs/DATADIST.md
-        # decision 13): key -> _Idle; a handle is in it only while no transfer uses it.
-        self._idle: dict[tuple[Any, ...], _Idle] = {}
+        # decision 13), by id, so that what goes drops them (memory, peer, remote cache).
+        self._idle: dict[int, _Prepared] = {}
         self._lock = threading.Lock()
         self.unreleased: list[Any] = []
         # Cached, refreshed when registrations change: the control thread answers links
@@ -224,7 +224,7 @@ class NixlTransport(Transport):
             raise LLMException(LLMStatus.FAILED, f"the metadata of {peer!r} names agent {name!r}")
 
     def remove_peer(self, peer: str) -> None:
-        self._drop_idle(lambda e: e.key[1] == peer)
+        self._drop_idle(lambda e: e.peer == peer)
         with self._lock:
             for key in [k for k in self._remote if k[0] == peer]:
                 self._remote.pop(key).release()
@@ -234,7 +234,12 @@ class NixlTransport(Transport):
             pass  # already gone: nothing left to disconnect
 
     def forget_remote(self, peer: str, info: CacheInfo) -> None:
-        self._drop_idle(lambda e: e.key[1:4] == (peer, info.cache_id, info.generation))
+        self._drop_idle(
+            lambda e: (
+                e.peer == peer
+                and (e.remote.cache_id, e.remote.generation) == (info.cache_id, info.generation)
+            )
+        )
         with self._lock:
             h = self._remote.pop((peer, info.cache_id, info.generation), None)
         if h is not None:
@@ -258,41 +263,49 @@ class NixlTransport(Transport):
     # --- transfers ------------------------------------------------------------------------
 
     def _drop_idle(self, match: Any) -> None:
-        """Release the kept transfers whose entry matches (their memory or peer goes)."""
+        """Release the kept transfers whose prepared plan matches (its memory or peer
+        goes)."""
         with self._lock:
             gone = [k for k, e in self._idle.items() if match(e)]
             entries = [self._idle.pop(k) for k in gone]
         for e in entries:
-            e.release_all(self.agent)
+            e.close()
 
-    def _take_idle(self, key: tuple[Any, ...], plan: TransferPlan, local_state: Any) -> Any:
-        """``(entry, handle or None)``: the plan's kept entry (made if new) and an idle
-        handle of it. The entry holds ``plan`` and ``local_state``, so their ids in
-        ``key`` cannot be reused by other objects while it is kept."""
-        evicted = None
-        with self._lock:
-            e = self._idle.get(key)
-            if e is None or e.plan is not plan or e.local_state is not local_state:
-                if e is not None:
-                    evicted = [self._idle.pop(key)]
-                e = self._idle[key] = _Idle(key, plan, local_state)
-                if len(self._idle) > _IDLE_PLANS:
-                    evicted = (evicted or []) + [self._idle.pop(next(iter(self._idle)))]
-                h = None
-            else:
-                h = e.handles.pop() if e.handles else None
-        for old in evicted or ():
-            old.release_all(self.agent)
-        return e, h
+    def _make(
+        self,
+        op: str,
+        plan: TransferPlan,
+        local: CacheInfo,
+        local_state: Any,
+        remote: CacheInfo,
+        peer: str,
+        notif: bytes,
+    ) -> Any:
+        """A new NIXL transfer (``make_prepped_xfer``) of ``plan``."""
+        src, dst = (local, remote) if op == WRITE else (remote, local)
+        si, di = plan.descriptor_indices(src.desc.num_blocks, dst.desc.num_blocks)
+        li, ri = (si, di) if op == WRITE else (di, si)
+        rdl = self._remote_dlist(peer, remote)
+        try:
+            return self.agent.make_prepped_xfer(op, local_state[1], li, rdl, ri, notif_msg=notif)
+        except Exception as exc:
+            raise self._error(exc, f"{op} to {peer!r}") from exc
 
-    def _give_back(self, entry: _Idle, handle: Any) -> bool:
-        """Keep a completed handle for the next post of its plan; False: not kept (its
-        entry was dropped or is full), the caller releases it."""
-        with self._lock:
-            if self._idle.get(entry.key) is entry and len(entry.handles) < _IDLE_PER_PLAN:
-                entry.handles.append(handle)
-                return True
-        return False
+    def _start(self, h: Any, notif: bytes, what: str, entry: _Prepared | None) -> _NixlXfer:
+        """Post the transfer ``h`` with ``notif``; ``entry``: where ``h`` goes back to once
+        complete (None: released)."""
+        xfer = _NixlXfer(self, h, entry)
+        try:
+            st = self._post(h._handle, notif)
+        except Exception as exc:
+            xfer.entry = None  # a failed handle is never kept
+            xfer.release()
+            raise self._error(exc, f"posting the {what}") from exc
+        if st == self._b.NIXL_SUCCESS:
+            xfer.first = "DONE"
+        elif st != self._b.NIXL_IN_PROG:
+            xfer.first = "ERR"
+        return xfer
 
     def post(
         self,
@@ -303,44 +316,25 @@ class NixlTransport(Transport):
         remote: CacheInfo,
         peer: str,
         notif: bytes,
-        reuse: bool = False,
     ) -> Xfer:
-        entry, h = None, None
-        if reuse:
-            key = (
-                op,
-                peer,
-                remote.cache_id,
-                remote.generation,
-                id(local_state),
-                id(plan),
-                bool(notif),
-            )
-            entry, h = self._take_idle(key, plan, local_state)
-        if h is None:
-            src, dst = (local, remote) if op == WRITE else (remote, local)
-            si, di = plan.descriptor_indices(src.desc.num_blocks, dst.desc.num_blocks)
-            li, ri = (si, di) if op == WRITE else (di, si)
-            rdl = self._remote_dlist(peer, remote)
-            try:
-                h = self.agent.make_prepped_xfer(op, local_state[1], li, rdl, ri, notif_msg=notif)
-            except Exception as exc:
-                raise self._error(exc, f"{op} to {peer!r}") from exc
-        xfer = _NixlXfer(self, h, entry)
-        try:
-            # A kept handle is posted again with this request's notification (NIXL keeps
-            # the one it was made with when given none: a handle made without a
-            # notification is only ever kept for posts without one, see the key).
-            st = self._post(h._handle, notif)
-        except Exception as exc:
-            xfer.entry = None  # a failed handle is never kept
-            xfer.release()
-            raise self._error(exc, f"posting the {op} to {peer!r}") from exc
-        if st == self._b.NIXL_SUCCESS:
-            xfer.first = "DONE"
-        elif st != self._b.NIXL_IN_PROG:
-            xfer.first = "ERR"
-        return xfer
+        h = self._make(op, plan, local, local_state, remote, peer, notif)
+        return self._start(h, notif, f"{op} to {peer!r}", None)
+
+    def prepare(
+        self,
+        op: str,
+        plan: TransferPlan,
+        local: CacheInfo,
+        local_state: Any,
+        remote: CacheInfo,
+        peer: str,
+    ) -> _Prepared:
+        """Decision 13: the kept plan's completed NIXL transfers are posted again, each
+        time with the new request's notification, instead of made anew."""
+        e = _Prepared(self, op, plan, local, local_state, remote, peer)
+        with self._lock:
+            self._idle[id(e)] = e
+        return e
 
     def notify(self, peer: str, notif: bytes) -> None:
         try:
@@ -373,32 +367,65 @@ class NixlTransport(Transport):
         self.unreleased = []
 
 
-#: Kept prepared transfers: at most _IDLE_PLANS plans (the plan cache's size), each with
-#: at most _IDLE_PER_PLAN idle handles (concurrent posts of one plan each need their own).
-_IDLE_PLANS = 256
+#: Completed transfers a prepared plan keeps to post again: concurrent posts of one plan
+#: each need their own, so a few; more are released.
 _IDLE_PER_PLAN = 4
 
 
-class _Idle:
-    """The kept handles of one cached plan (see :meth:`NixlTransport.post`)."""
+class _Prepared(Prepared):
+    """A kept plan's completed NIXL transfers, posted again (see
+    :meth:`NixlTransport.prepare`). A handle is in ``handles`` only while no transfer
+    uses it; ``close`` (the plan is no longer kept, or its memory or peer went) releases
+    them, and handles given back later are released too."""
 
-    __slots__ = ("key", "plan", "local_state", "handles")
-
-    def __init__(self, key: tuple[Any, ...], plan: TransferPlan, local_state: Any):
-        self.key, self.plan, self.local_state = key, plan, local_state
+    def __init__(
+        self,
+        t: NixlTransport,
+        op: str,
+        plan: TransferPlan,
+        local: CacheInfo,
+        local_state: Any,
+        remote: CacheInfo,
+        peer: str,
+    ):
+        self.t, self.op, self.plan, self.local, self.local_state = t, op, plan, local, local_state
+        self.remote, self.peer = remote, peer
+        self.what = f"{op} to {peer!r}"
         self.handles: list[Any] = []
+        self.alive = True
 
-    def release_all(self, agent: Any) -> None:
-        handles, self.handles = self.handles, []
+    def post(self, notif: bytes) -> Xfer:
+        try:  # list.pop is atomic: no lock on the way to the post
+            h = self.handles.pop()
+        except IndexError:
+            h = self.t._make(
+                self.op, self.plan, self.local, self.local_state, self.remote, self.peer, notif
+            )
+        return self.t._start(h, notif, self.what, self)
+
+    def give_back(self, handle: Any) -> bool:
+        """Keep a completed handle for the next post; False: not kept (closed or full),
+        the caller releases it."""
+        with self.t._lock:
+            if self.alive and len(self.handles) < _IDLE_PER_PLAN:
+                self.handles.append(handle)
+                return True
+        return False
+
+    def close(self) -> None:
+        with self.t._lock:
+            self.alive = False
+            self.t._idle.pop(id(self), None)
+            handles, self.handles = self.handles, []
         for h in handles:
             try:
-                agent.release_xfer_handle(h)
+                self.t.agent.release_xfer_handle(h)
             except Exception:
                 pass  # idle handles are complete; nothing of theirs is in use
 
 
 class _NixlXfer(Xfer):
-    def __init__(self, transport: NixlTransport, handle: Any, entry: _Idle | None = None):
+    def __init__(self, transport: NixlTransport, handle: Any, entry: _Prepared | None = None):
         self._t, self._h = transport, handle
         self.entry = entry  # where the handle goes back to once complete (None: released)
         self.first = "PROC"
@@ -431,7 +458,7 @@ class _NixlXfer(Xfer):
             # A completed handle of a repeated request is kept to be posted again; one
             # that failed, was cancelled or is still running is released.
             if self.entry is not None and self.first == "DONE":
-                if self._t._give_back(self.entry, self._h):
+                if self.entry.give_back(self._h):
                     return
             try:
                 self._t.agent.release_xfer_handle(self._h)

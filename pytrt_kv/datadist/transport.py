@@ -63,6 +63,24 @@ class Xfer:
         raise NotImplementedError
 
 
+class Prepared:
+    """A plan prepared for repeated posts (:meth:`Transport.prepare`). ``alive`` turns
+    False when the backend dropped what it kept (its memory or peer went): prepare anew.
+    This base posts through :meth:`Transport.post` each time."""
+
+    alive = True
+
+    def __init__(self, post: Any = None):
+        self._post = post
+
+    def post(self, notif: bytes) -> Xfer:
+        """Post the plan with the notification ``notif``."""
+        return self._post(notif)
+
+    def close(self) -> None:
+        """Release what is kept (the plan is no longer kept by its node)."""
+
+
 class Transport:
     """Interface of a data backend (see the module docstring)."""
 
@@ -96,11 +114,22 @@ class Transport:
         remote: CacheInfo,
         peer: str,
         notif: bytes,
-        reuse: bool = False,
     ) -> Xfer:
-        """Post ``plan``. ``reuse``: the caller will post this same plan object again (a
-        cached plan of a repeated request): a backend may keep what it prepared for it."""
+        """Post ``plan``, with ``notif`` for the other side (b"": none)."""
         raise NotImplementedError
+
+    def prepare(
+        self,
+        op: str,
+        plan: TransferPlan,
+        local: CacheInfo,
+        local_state: Any,
+        remote: CacheInfo,
+        peer: str,
+    ) -> Prepared:
+        """What posts ``plan`` again and again (a kept plan of repeated requests,
+        docs/DATADIST.md decision 13): a backend may keep what it prepared in it."""
+        return Prepared(lambda notif: self.post(op, plan, local, local_state, remote, peer, notif))
 
     def notify(self, peer: str, notif: bytes) -> None:
         raise NotImplementedError
@@ -196,7 +225,6 @@ class LocalTransport(Transport):
         remote: CacheInfo,
         peer: str,
         notif: bytes,
-        reuse: bool = False,
     ) -> Xfer:
         target = self._peer(peer)
         src, dst = (local, remote) if op == WRITE else (remote, local)
