@@ -207,3 +207,47 @@ def test_reduced_study_orders_the_selectors():
     assert hits["random"] <= 3, f"random blocks found too many needles: {hits}"
     budgets = {r["budget"] for r in rows if r["name"] != "dense" and r["depth"] == 0.5}
     assert len(budgets) == 1, f"unequal budgets: {budgets}"
+
+
+@pytest.mark.skipif(bool(_study_unavailable()), reason=_study_unavailable() or "available")
+def test_study_command_shows_progress_in_a_file(tmp_path):
+    """`pytrt-kv study` with its output going to a file (issue 20): one line per needle
+    trial and per loss pass, each "i of n", with elapsed and ETA, written as they come
+    (each line is in the file while the process still runs, not only at exit), then the
+    report and the three files."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    log = tmp_path / "study.log"
+    cmd = [
+        sys.executable, "-m", "pytrt_kv", "study", "--out", str(tmp_path / "out"),
+        "--lengths", "1536", "--depths", "0.3,0.7", "--trials", "1", "--curve-trials", "0",
+        "--multi-trials", "0", "--methods", "dense,window", "--curve-percents", "0.1",
+        "--curve-block-sizes", "32", "--loss-context", "1536", "--loss-tokens", "128",
+    ]  # fmt: skip
+    seen_while_running = []
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None:
+                text = log.read_text()
+                if "trial 1 of 2" in text and not seen_while_running:
+                    seen_while_running.append(text)
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert seen_while_running, "no progress line reached the file before the process ended"
+    lines = [ln for ln in text.splitlines() if re.search(r" of \d+ \(", ln)]
+    clock = r": elapsed \d+\.\d min, ETA \d+\.\d min$"
+    want = [r"trial 1 of 2 \(single 1536 tokens depth 0.3 #0\)", r"trial 2 of 2 \(single"]
+    want += [r"loss 1 of 2 \(dense: ", r"loss 2 of 2 \(window 10% B32: "]
+    assert len(lines) == len(want), lines
+    for line, pattern in zip(lines, want):
+        assert re.match(pattern + r".*" + clock, line), line
+    assert text.index(lines[-1]) < text.index("Needle accuracy")
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"study.md", "study.json"}

@@ -622,33 +622,54 @@ def trial_cost(length: int, methods: int) -> float:
     return 3e-3 * length * (1 + length / 16000) + methods * (0.1 + 3e-5 * length)
 
 
+def loss_method_cost(settings: StudySettings) -> float:
+    """Estimated seconds of one method's pass of the loss task: ~1.8 us per scored token
+    per context token (the full study of 2026-11-26: 57 passes of 1024 tokens at 8000 in
+    14 min; the oracle and the per-head variants cost about twice the others)."""
+    return 1.8e-6 * settings.loss_tokens * settings.loss_context
+
+
 def loss_cost(settings: StudySettings) -> float:
-    """Estimated seconds of the loss task (as :func:`trial_cost`; scored rows ~1 ms each)."""
+    """Estimated seconds of the loss task: the dense prefill (as :func:`trial_cost`), then
+    one pass per method."""
     if not settings.loss_context:
         return 0.0
     n = len(settings.curve_methods())
-    return trial_cost(settings.loss_context, 0) + n * 1e-3 * settings.loss_tokens * (
-        settings.loss_context / 4000
-    )
+    return trial_cost(settings.loss_context, 0) + n * loss_method_cost(settings)
+
+
+#: Estimated seconds to load the model (15-16 s measured).
+_LOAD_S = 20.0
 
 
 def estimate_seconds(settings: StudySettings) -> float:
     """Estimated seconds of the whole study on 2 idle CPU cores, model load included."""
     main, curves = len(settings.main_methods()), len(settings.curve_methods())
     return (
-        20
+        _LOAD_S
         + loss_cost(settings)
         + sum(trial_cost(t.length, curves if t.curves else main) for t in _trials(settings))
     )
 
 
-def _progress_line(i: int, n: int, what: str, t0: float, done: float, total: float) -> str:
-    el = time.time() - t0
-    eta = el * (total - done) / done if done else float("nan")
-    return f"trial {i} of {n} ({what}): elapsed {el / 60:.1f} min, ETA {eta / 60:.1f} min"
+class _Clock:
+    """Progress of one study: each step adds its estimated seconds to ``done``; the ETA
+    is the estimate of what is left, scaled by how fast the done part went."""
+
+    def __init__(self, progress, total: float, t0: float | None = None):
+        self.progress, self.total = progress, total
+        self.t0 = time.time() if t0 is None else t0
+        self.done = 0.0
+
+    def step(self, cost: float, text: str) -> None:
+        self.done += cost
+        if self.progress:
+            el = time.time() - self.t0
+            eta = el * (self.total - self.done) / self.done if self.done else float("nan")
+            self.progress(f"{text}: elapsed {el / 60:.1f} min, ETA {max(eta, 0) / 60:.1f} min")
 
 
-def run_needles(model, tok, settings: StudySettings, progress=None, t0=None) -> list[dict]:
+def run_needles(model, tok, settings: StudySettings, progress=None, clock=None) -> list[dict]:
     """Every needle trial; one row per (trial, method) with the values found (a value is
     found when each of its tokens is the argmax given the answer's tokens before it:
     what greedy decoding would write, checked teacher-forced in one forward)."""
@@ -656,12 +677,11 @@ def run_needles(model, tok, settings: StudySettings, progress=None, t0=None) -> 
     from transformers import DynamicCache
 
     st = attention_state(model)
-    t0 = time.time() if t0 is None else t0
     hay_ids = tok(study_text(settings.seed), add_special_tokens=False).input_ids
     trials = _trials(settings)
     main, curves = settings.main_methods(), settings.curve_methods()
     cost = [trial_cost(t.length, len(curves if t.curves else main)) for t in trials]
-    total = sum(cost) + loss_cost(settings)
+    clock = clock or _Clock(progress, sum(cost))
     rows: list[dict] = []
     for ti, trial in enumerate(trials):
         rng = np.random.default_rng([settings.seed, ti])
@@ -693,20 +713,18 @@ def run_needles(model, tok, settings: StudySettings, progress=None, t0=None) -> 
                     "values": len(found),
                 }
             )
-        if progress:
-            progress(
-                _progress_line(
-                    ti + 1, len(trials), f"{trial.task} {trial.length} tokens depth "
-                    f"{trial.depth:g} #{trial.index}", t0, sum(cost[: ti + 1]), total,
-                )
-            )  # fmt: skip
+        clock.step(
+            cost[ti],
+            f"trial {ti + 1} of {len(trials)} ({trial.task} {trial.length} tokens depth "
+            f"{trial.depth:g} #{trial.index})",
+        )
     return rows
 
 
 # --- loss ------------------------------------------------------------------------------
 
 
-def run_loss(model, tok, settings: StudySettings, progress=None) -> list[dict]:
+def run_loss(model, tok, settings: StudySettings, progress=None, clock=None) -> list[dict]:
     """Teacher-forced loss and top-1 agreement with dense over the last ``loss_tokens``
     tokens of a ``loss_context``-token text (:func:`study_text`, dense prefill of the
     rest), for the curve settings; per-token losses kept for the intervals."""
@@ -732,6 +750,8 @@ def run_loss(model, tok, settings: StudySettings, progress=None) -> list[dict]:
     methods = settings.curve_methods()
     if "dense" not in settings.methods:
         methods = [Method("dense")] + methods
+    clock = clock or _Clock(progress, loss_cost(settings))
+    pending = trial_cost(N, 0)  # the prefill, counted with the first pass
     for i, m in enumerate(methods):
         _set_method(st, m, settings, P - 1)
         logits = _forward(model, torch.tensor([ids[P - 1 : N - 1]]), cache).logits[0]
@@ -757,11 +777,12 @@ def run_loss(model, tok, settings: StudySettings, progress=None) -> list[dict]:
                 "tokens": int(target.numel()),
             }
         )
-        if progress:
-            progress(
-                f"loss {i + 1} of {len(methods)}: {m.label}: {rows[-1]['loss']:.4f} "
-                f"({rows[-1]['delta']:+.4f} vs dense)"
-            )
+        clock.step(
+            pending + loss_method_cost(settings),
+            f"loss {i + 1} of {len(methods)} ({m.label}: {rows[-1]['loss']:.4f}, "
+            f"{rows[-1]['delta']:+.4f} vs dense)",
+        )
+        pending = 0.0
     return rows
 
 
@@ -1005,8 +1026,10 @@ def run_study(
             f"model loaded in {time.time() - t0:.0f}s; the study takes about "
             f"{estimate_seconds(settings) / 60:.0f} min on 2 idle CPU cores"
         )
-    needles = run_needles(model, tok, settings, progress)
-    loss = run_loss(model, tok, settings, progress) if settings.loss_context else []
+    clock = _Clock(progress, estimate_seconds(settings), t0)
+    clock.done = _LOAD_S  # the model is loaded
+    needles = run_needles(model, tok, settings, progress, clock)
+    loss = run_loss(model, tok, settings, progress, clock) if settings.loss_context else []
     seconds = time.time() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
     md = markdown(settings, needles, loss, seconds)
