@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--size",
         choices=tuple(SIZES),
         default="full",
-        help="full (default; about an hour on 2 idle CPU cores), medium, or quick "
+        help="full (default; about 75 min on 2 idle CPU cores), medium (about 25), or quick "
         "(minutes); the options below override single settings",
     )
     parser.add_argument("--quick", action="store_true", help="same as --size quick (a smoke run)")

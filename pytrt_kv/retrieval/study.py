@@ -388,7 +388,7 @@ def budget_tokens(cfg: RetrievalConfig, length: int) -> int:
 
 @dataclass
 class StudySettings:
-    """What to run. The defaults are the full study of docs/RETRIEVAL.md (about an hour
+    """What to run. The defaults are the full study of docs/RETRIEVAL.md (about 75 min
     on 2 idle CPU cores); :data:`SIZES` holds the smaller ones."""
 
     lengths: Sequence[int] = (2048, 4096, 8000)  #: needle-grid context lengths (tokens)
