@@ -967,6 +967,31 @@ class LlmDataDist:
             old.close()
         return plan, kept
 
+    def _resolve(
+        self,
+        op: str,
+        local_arg: str,
+        cache: Any,
+        remote_arg: str,
+        index: Any,
+        src_blocks: Any,
+        dst_blocks: Any,
+        ext_param: Any,
+    ) -> tuple[Cache, _Peer, CacheInfo, TransferPlan, _Kept | None]:
+        """``(local, peer, remote, plan, kept)`` of a push or pull: from the kept plan of
+        a repeated request (checked before, nothing of it changed), else looked up and
+        checked in decision 5's order (the plan kept if the request has a key)."""
+        key, src_blocks, dst_blocks = self._request_key(
+            op, cache, index, src_blocks, dst_blocks, ext_param
+        )
+        kept = None if key is None else self._kept(key, cache)
+        if kept is not None:
+            return kept.local, kept.peer, kept.remote, kept.plan, kept
+        local = self._local_cache(local_arg, cache)
+        peer, remote = self._remote_cache(remote_arg, index)
+        plan, kept = self._plan(op, key, local, peer, remote, src_blocks, dst_blocks, ext_param)
+        return local, peer, remote, plan, kept
+
     def _tag(self, tag: Any) -> str:
         if tag is None:
             return f"{self._tag_prefix}{next(self._tags)}"
@@ -1113,18 +1138,10 @@ class LlmDataDist:
         self._require()
         if self.role is not LLMRole.PROMPT:
             raise param_invalid("role", "push only from a prompt node", "a decoder node")
-        key, src_blocks, dst_blocks = self._request_key(
-            "push", src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param
-        )
-        kept = None if key is None else self._kept(key, src_cache)
-        if kept is not None:  # a repeated request: checked before, nothing of it changed
-            local, peer, remote, plan = kept.local, kept.peer, kept.remote, kept.plan
-        else:
-            local = self._local_cache("src_cache", src_cache)
-            peer, remote = self._remote_cache("dst_cache_index", dst_cache_index)
-            plan, kept = self._plan(
-                "push", key, local, peer, remote, src_blocks, dst_blocks, ext_param
-            )
+        local, peer, remote, plan, kept = self._resolve(
+            "push", "src_cache", src_cache, "dst_cache_index", dst_cache_index,
+            src_blocks, dst_blocks, ext_param,
+        )  # fmt: skip
         return self._start(
             WRITE,
             "src_cache",
@@ -1208,18 +1225,10 @@ class LlmDataDist:
         self._require()
         if self.role is not LLMRole.DECODER:
             raise param_invalid("role", "pull only from a decoder node", "a prompt node")
-        key, src_blocks, dst_blocks = self._request_key(
-            "pull", dst_cache, src_cache_index, src_blocks, dst_blocks, ext_param
-        )
-        kept = None if key is None else self._kept(key, dst_cache)
-        if kept is not None:
-            local, peer, remote, plan = kept.local, kept.peer, kept.remote, kept.plan
-        else:
-            local = self._local_cache("dst_cache", dst_cache)
-            peer, remote = self._remote_cache("src_cache_index", src_cache_index)
-            plan, kept = self._plan(
-                "pull", key, local, peer, remote, src_blocks, dst_blocks, ext_param
-            )
+        local, peer, remote, plan, kept = self._resolve(
+            "pull", "dst_cache", dst_cache, "src_cache_index", src_cache_index,
+            src_blocks, dst_blocks, ext_param,
+        )  # fmt: skip
         return self._start(
             READ,
             "dst_cache",
