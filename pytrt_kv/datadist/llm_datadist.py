@@ -140,14 +140,17 @@ class _Kept:
     against (used only while they are still this node's, :meth:`LlmDataDist._kept`), the
     tag notification's prefix, and the transport's :class:`Prepared` (decision 13)."""
 
-    __slots__ = ("local", "peer", "remote", "plan", "notif", "prepared")
+    __slots__ = ("local", "peer", "remote", "plan", "notif", "prepared", "closed")
 
     def __init__(self, local: Cache, peer: _Peer, remote: CacheInfo, plan: TransferPlan):
         self.local, self.peer, self.remote, self.plan = local, peer, remote, plan
         self.notif = f"{_NOTIF}|{remote.cache_id}|{remote.generation}|".encode()
         self.prepared: Prepared | None = None
+        self.closed = False
 
     def close(self) -> None:
+        """The node no longer keeps this plan: release what its transport kept."""
+        self.closed = True
         if self.prepared is not None:
             self.prepared.close()
 
@@ -1036,9 +1039,7 @@ class LlmDataDist:
             elif kept is not None:
                 prepared = kept.prepared
                 if prepared is None or not prepared.alive:
-                    prepared = kept.prepared = self._require().prepare(
-                        op, plan, local._info, local._backend_state, remote, peer.agent
-                    )
+                    prepared = self._prepare(kept, op)
                 xfer = prepared.post(notif)
             else:
                 xfer = self._require().post(
@@ -1058,6 +1059,21 @@ class LlmDataDist:
                 raise
             raise err from exc
         return TransferHandle(self, xfer, tag, peer, timeout, (arg, local))
+
+    def _prepare(self, kept: _Kept, op: str) -> Prepared:
+        """The kept plan's transport :class:`Prepared`, made once (one per plan, also
+        when threads post it at once). A plan dropped meanwhile (:meth:`_Kept.close`)
+        gets one that keeps nothing: its post is released when complete."""
+        with self._lock:
+            prepared = kept.prepared
+            if prepared is None or not prepared.alive:
+                local = kept.local
+                prepared = kept.prepared = self._require().prepare(
+                    op, kept.plan, local._info, local._backend_state, kept.remote, kept.peer.agent
+                )
+        if kept.closed:
+            prepared.close()
+        return prepared
 
     def _transfer_error(
         self, exc: LLMException, arg: str, local: Cache, peer: _Peer

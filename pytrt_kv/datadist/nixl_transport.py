@@ -395,9 +395,9 @@ class _Prepared(Prepared):
         self.alive = True
 
     def post(self, notif: bytes) -> Xfer:
-        try:  # list.pop is atomic: no lock on the way to the post
-            h = self.handles.pop()
-        except IndexError:
+        with self.t._lock:  # close() releases what is in the list
+            h = self.handles.pop() if self.handles else None
+        if h is None:
             h = self.t._make(
                 self.op, self.plan, self.local, self.local_state, self.remote, self.peer, notif
             )
