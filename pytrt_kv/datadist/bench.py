@@ -42,6 +42,14 @@ BLOCK_SIZES = (4 << 10, 64 << 10, 1 << 20)
 TARGETS = {"wrapper_vs_raw": 0.90, "gpu_vs_memcpy": 0.80}
 
 
+def _rotated(items: list[Any], r: int) -> list[Any]:
+    """``items`` starting at its ``r``-th (mod len): repeat r of a timing loop starts with
+    another of them, since the first timing after a pause (the progress threads asleep,
+    another process pair's turn) is slower and a fixed order charges that to one."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
 def _median_times(
     fns: dict[str, Callable[[], None]], pushes: int, repeats: int
 ) -> dict[str, float]:
@@ -52,7 +60,7 @@ def _median_times(
     times: dict[str, list[float]] = {k: [] for k in fns}
     order = list(fns.items())
     for r in range(repeats):
-        for k, fn in order[r % len(order) :] + order[: r % len(order)]:  # as bench_latency
+        for k, fn in _rotated(order, r):
             t0 = time.perf_counter()
             for _ in range(pushes):
                 fn()
@@ -457,10 +465,7 @@ def bench_latency(block: int, pushes: int, repeats: int) -> list[dict[str, Any]]
         turns = [("wrapper", "run"), ("wrapper", "same"), ("wrapper", "repost"), ("raw", "run")]
         for rep in range(repeats):
             for n in LATENCY_BLOCKS:
-                # Each repeat starts with another of the four: the first timing after a
-                # pause (the other process pair's turn, the progress threads asleep) is
-                # slower, and a fixed order would charge that to one of them.
-                for kind, what in turns[rep % 4 :] + turns[: rep % 4]:
+                for kind, what in _rotated(turns, rep):
                     sc, s = senders[kind]
                     sc.send((what, n, pushes))
                     key = (what if what != "run" else kind, n)
