@@ -634,7 +634,8 @@ def loss_cost(settings: StudySettings) -> float:
     one pass per method."""
     if not settings.loss_context:
         return 0.0
-    n = len(settings.curve_methods())
+    # run_loss adds a dense pass (its reference) when the methods lack one.
+    n = len(settings.curve_methods()) + ("dense" not in settings.methods)
     return trial_cost(settings.loss_context, 0) + n * loss_method_cost(settings)
 
 
@@ -656,10 +657,9 @@ class _Clock:
     """Progress of one study: each step adds its estimated seconds to ``done``; the ETA
     is the estimate of what is left, scaled by how fast the done part went."""
 
-    def __init__(self, progress, total: float, t0: float | None = None):
-        self.progress, self.total = progress, total
+    def __init__(self, progress, total: float, t0: float | None = None, done: float = 0.0):
+        self.progress, self.total, self.done = progress, total, done
         self.t0 = time.time() if t0 is None else t0
-        self.done = 0.0
 
     def step(self, cost: float, text: str) -> None:
         self.done += cost
@@ -1021,13 +1021,13 @@ def run_study(
     import torch
 
     torch.manual_seed(settings.seed)
+    total = estimate_seconds(settings)
     if progress:
         progress(
             f"model loaded in {time.time() - t0:.0f}s; the study takes about "
-            f"{estimate_seconds(settings) / 60:.0f} min on 2 idle CPU cores"
+            f"{total / 60:.0f} min on 2 idle CPU cores"
         )
-    clock = _Clock(progress, estimate_seconds(settings), t0)
-    clock.done = _LOAD_S  # the model is loaded
+    clock = _Clock(progress, total, t0, done=_LOAD_S)  # the model is loaded
     needles = run_needles(model, tok, settings, progress, clock)
     loss = run_loss(model, tok, settings, progress, clock) if settings.loss_context else []
     seconds = time.time() - t0
