@@ -24,7 +24,9 @@ from pytrt_kv.datadist import (
     LLMException,
     LLMParamInvalid,
     LLMStatus,
+    links,
     llm_datadist,
+    plans,
     nixl_unavailable_reason,
     push_kv_blocks_reference,
     transport,
@@ -404,7 +406,7 @@ def test_a_probe_that_times_out_is_not_a_death_local(monkeypatch):
     d = LlmDataDist(2, "decoder", backend="local")
     p.initialize()
     d.initialize()
-    real = llm_datadist.socket.create_connection
+    real = links.socket.create_connection
     paused = {"on": True}
 
     def connect(address, *args, **kw):
@@ -416,7 +418,7 @@ def test_a_probe_that_times_out_is_not_a_death_local(monkeypatch):
         src = p.allocate_cache(CacheDesc(1, (2, 8), "int8"))
         dst = d.allocate_cache(CacheDesc(1, (2, 8), "int8"))
         p.link_clusters([d.listen_address])
-        monkeypatch.setattr(llm_datadist.socket, "create_connection", connect)
+        monkeypatch.setattr(links.socket, "create_connection", connect)
         h = p.push_kv_blocks_async(src, CacheIndex(2, dst.cache_id), [0], [0], ONE)
         with pytest.raises(LLMException) as info:
             h.wait(timeout_s=3 * llm_datadist._PROBE_EVERY_S)  # probes at least twice
@@ -573,9 +575,9 @@ def test_a_repeated_request_reuses_its_checked_plan(nodes, monkeypatch):
     dst = d.allocate_cache(CacheDesc(4, (6, 8), "int32"))
     index = CacheIndex(2, dst.cache_id)
     calls = []
-    check = llm_datadist.check_transfer
+    check = plans.check_transfer
     monkeypatch.setattr(
-        llm_datadist, "check_transfer", lambda *a, **k: calls.append(1) or check(*a, **k)
+        plans, "check_transfer", lambda *a, **k: calls.append(1) or check(*a, **k)
     )
     ext = KvCacheExtParam((1, 1), (0, 0))
     ids = np.array([2, 3])
@@ -790,7 +792,7 @@ def test_a_repeated_pull_reuses_its_plan_and_reads_current_data(nodes, monkeypat
     cache is deallocated, the same pull is KV_CACHE_NOT_EXIST and moves nothing."""
     p, d, src, dst = _pair(nodes, nb=8)
     _linked(nodes)
-    calls = _count(monkeypatch, llm_datadist, "check_transfer")
+    calls = _count(monkeypatch, plans, "check_transfer")
     index, rng = CacheIndex(1, src.cache_id), np.random.default_rng(21)
     for i in range(3):
         _fill(src, rng)
@@ -817,7 +819,7 @@ def test_a_plan_no_longer_kept_releases_its_nixl_transfers(nixl_nodes, monkeypat
     _linked(nixl_nodes)
     t = p._transport
     released = _count(monkeypatch, t.agent, "release_xfer_handle")
-    calls = _count(monkeypatch, llm_datadist, "check_transfer")
+    calls = _count(monkeypatch, plans, "check_transfer")
     index = CacheIndex(2, dst.cache_id)
     pairs = [(s, x) for s in range(16) for x in range(16)]  # 256 requests
     for s, x in pairs:

@@ -28,7 +28,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from .contract import check_transfer
-from .llm_datadist import _NOTIF, LlmDataDist, TransferHandle, _poll_sleep
+from .handles import TransferHandle, _poll_sleep
+from .llm_datadist import LlmDataDist
+from .node_base import NOTIF
 from .transport import WRITE
 from .types import (
     Cache,
@@ -185,7 +187,10 @@ class LayerwisePush:
                 )
             _poll_sleep(start)
         # Every layer is in place at the destination: now the tag.
-        notif = f"{_NOTIF}|{self._remote.cache_id}|{self._remote.generation}|{self.tag}"
+        notif = (
+            f"{NOTIF}|{self._peer.epoch}|{self._remote.cache_id}|{self._remote.generation}|"
+            f"{self.tag}"
+        )
         self._node._require().notify(self._peer.agent, notif.encode())
         self._done = True
         return self.tag

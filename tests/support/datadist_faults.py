@@ -12,10 +12,10 @@ def deaf_to_drops(node, for_s: float) -> None:
     server."""
     real = node._handle
 
-    def handle(msg):
+    def handle(who, msg):
         if msg.get("op") == "drop":
             time.sleep(for_s)
             return {}
-        return real(msg)
+        return real(who, msg)
 
     node._handle = handle

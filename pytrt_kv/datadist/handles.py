@@ -1,0 +1,147 @@
+"""Transfer handles: :class:`TransferHandle` (``push_kv_blocks_async``...) and how a
+wait polls (docs/DATADIST.md, "Completion")."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from .node_base import PROBE_EVERY_S, Peer
+from .transport import Xfer
+from .types import Cache, LLMException, LLMStatus
+
+if TYPE_CHECKING:
+    from .llm_datadist import LlmDataDist
+
+#: Pause between completion checks. Never spin for long: NIXL's progress threads need
+#: the CPU (on a 2-core machine a spinning poll made a 4 KiB push take ~30 ms instead of
+#: ~0.2 ms).
+POLL_INTERVAL_S = 5e-5
+#: ... except for the first POLL_SPIN_S of a wait: a small push completes within ~0.1 ms,
+#: and the shortest sleep costs ~0.12 ms on Linux here (timer slack and wake-up), more
+#: than the push. Checking a NIXL handle progresses its UCX worker from this thread.
+POLL_SPIN_S = 2e-4
+
+
+def _poll_sleep(start: float) -> None:
+    if time.monotonic() - start >= POLL_SPIN_S:
+        time.sleep(POLL_INTERVAL_S)
+
+
+class TransferHandle:
+    """An asynchronous push or pull (``push_kv_blocks_async``/``pull_kv_blocks_async``).
+
+    ``done()`` polls; ``wait()`` blocks with a bound; ``cancel()`` aborts. The first two
+    raise the transfer's :class:`LLMException`. The NIXL handle is released when the
+    transfer completes, fails, times out or is cancelled; after a TIMEOUT the destination
+    blocks are undefined (docs/SPEC.md D5).
+    """
+
+    def __init__(
+        self,
+        dd: LlmDataDist,
+        xfer: Xfer | None,
+        tag: str,
+        peer: Peer,
+        timeout_s: float,
+        local: tuple[str, Cache] | None = None,
+    ):
+        self._dd, self._xfer, self.tag, self._peer = dd, xfer, tag, peer
+        #: The timeout ``wait()`` uses by default (the call's, or scaled with the bytes).
+        self.timeout_s = timeout_s
+        self._local = local  # (argument name, this node's cache) for failure reports
+        self._error: LLMException | None = None
+        self._done = xfer is None
+
+    @property
+    def released(self) -> bool:
+        """True once the transport's handle is freed (always, after done/error/timeout)."""
+        return self._xfer is None
+
+    def _release(self) -> None:
+        if self._xfer is not None:
+            xfer, self._xfer = self._xfer, None
+            xfer.release()
+
+    def _fail(self, exc: LLMException) -> None:
+        self._release()
+        if exc.status == LLMStatus.NOT_YET_LINK:
+            self._peer.broken = True  # gone or restarted (LlmDataDist._backend_failure)
+        self._error = exc
+        if exc.status != LLMStatus.NOT_YET_LINK:
+            self._dd._send_failure(self._peer, exc.status, self.tag)
+        raise exc
+
+    def cancel(self) -> bool:
+        """Abort the transfer: its handle is released (NIXL cancels what it can), the
+        destination is sent a failure notice (its :meth:`LlmDataDist.wait_received`
+        raises FAILED) and later ``done()``/``wait()`` raise FAILED. The destination blocks
+        may hold partial data (docs/DATADIST.md, "Failure semantics").
+
+        Returns
+        -------
+        bool
+            False if the transfer had already completed or failed (nothing to cancel).
+        """
+        if self._done or self._error is not None:
+            return False
+        try:
+            self._fail(LLMException(LLMStatus.FAILED, f"transfer {self.tag!r} cancelled"))
+        except LLMException:
+            pass
+        return True
+
+    def done(self) -> bool:
+        """True when the transfer is complete (the initiator may reuse its blocks)."""
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return True
+        xfer = self._xfer
+        assert xfer is not None  # not done, so the transfer is still held
+        try:
+            state = xfer.state()
+        except LLMException as exc:
+            if self._local is not None:
+                exc = self._dd._transfer_error(exc, *self._local, self._peer)
+            self._fail(self._dd._backend_failure(exc, self._peer))
+        if state == "DONE":
+            self._done = True
+            self._release()
+        return self._done
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until complete, at most ``timeout_s`` (default: the call's timeout).
+
+        Raises
+        ------
+        LLMException
+            TIMEOUT (the handle is released), NOT_YET_LINK (the peer went away), FAILED.
+        """
+        if self.done():  # a small push is often complete at its first check
+            return
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        start = time.monotonic()
+        next_probe = start + PROBE_EVERY_S
+        while not self.done():
+            now = time.monotonic()
+            if now - start >= timeout:
+                self._fail(
+                    LLMException(
+                        LLMStatus.TIMEOUT,
+                        f"transfer {self.tag!r} not complete within {timeout} s; "
+                        f"its handle was released and the destination blocks "
+                        f"are undefined (docs/SPEC.md D5)",
+                    )
+                )
+            if now >= next_probe:
+                next_probe = now + PROBE_EVERY_S
+                if not self._dd._peer_alive(self._peer):
+                    self._fail(
+                        LLMException(
+                            LLMStatus.NOT_YET_LINK,
+                            f"cluster {self._peer.cluster_id} went away during "
+                            f"transfer {self.tag!r}",
+                        )
+                    )
+            _poll_sleep(start)

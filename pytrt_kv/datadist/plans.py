@@ -1,0 +1,203 @@
+"""Kept plans: repeated small requests reuse their checked plan (docs/DATADIST.md
+decisions 12 and 13). A kept plan's key fixes everything the D4 check sees; it is used
+only while what it was checked against is still this node's."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from .contract import TransferPlan, check_transfer
+from .node_base import NOTIF, NodeState, Peer
+from .transport import CacheInfo, Prepared
+from .types import Cache, CacheIndex, KvCacheExtParam
+
+#: A repeated request (a kept plan) reads in-band notices only if none were read for this
+#: long: reading them costs ~10% of a small push (docs/DATADIST.md decision 12).
+_DRAIN_EVERY_S = 1e-3
+#: Checked plans kept for repeated requests (:meth:`PlanMixin._plan`), of at most
+#: _PLAN_CACHE_BLOCKS blocks each: small pushes, whose D4 check costs as much as NIXL's
+#: transfer (BENCHMARKS.md, "Small pushes").
+_PLAN_CACHE_SIZE = 256
+_PLAN_CACHE_BLOCKS = 256
+
+
+def _ids_key(blocks: Any) -> tuple[Any, Any]:
+    """``(key, ids)``: a plan-cache key that determines what :func:`check_transfer`
+    sees of a block-id list (None: not cacheable) and what to pass it instead (the same
+    list or array, so that the check sees the key's). An array's key is its dtype and
+    bytes; a list's or tuple's, its values when every one is an exact int (a bool, a
+    float or a NumPy scalar makes it uncacheable: the check decides on those)."""
+    if type(blocks) is np.ndarray:
+        if blocks.ndim != 1 or blocks.size > _PLAN_CACHE_BLOCKS:
+            return None, blocks
+        return (blocks.dtype, blocks.tobytes()), blocks
+    if type(blocks) is list or type(blocks) is tuple:
+        if len(blocks) > _PLAN_CACHE_BLOCKS:
+            return None, blocks
+        t = tuple(blocks)  # a snapshot: the list may change after the call
+        for v in t:
+            if type(v) is not int:
+                return None, blocks
+        return ("ints", t), t
+    return None, blocks
+
+
+def _ext_key(ext: Any) -> Any:
+    """A plan-cache key for ``ext_param`` (None: not cacheable): exact ints only, so
+    that values the check refuses (True for 1) never match an accepted one."""
+    if ext is None:
+        return ()
+    if type(ext) is not KvCacheExtParam:
+        return None
+    s, d, t = ext.src_layer_range, ext.dst_layer_range, ext.tensor_num_per_layer
+    if type(t) is not int or type(s) is not tuple or type(d) is not tuple:
+        return None
+    if len(s) != 2 or len(d) != 2 or any(type(v) is not int for v in s + d):
+        return None
+    return (s, d, t)
+
+
+class Kept:
+    """A checked plan kept for repeated requests (decision 12) with what its posts need,
+    resolved once: the local cache, peer and remote :class:`CacheInfo` it was checked
+    against (used only while they are still this node's, :meth:`LlmDataDist._kept`), the
+    tag notification's prefix, and the transport's :class:`Prepared` (decision 13)."""
+
+    __slots__ = ("local", "peer", "remote", "plan", "notif", "epoch", "prepared", "closed")
+
+    def __init__(self, local: Cache, peer: Peer, remote: CacheInfo, plan: TransferPlan):
+        self.local, self.peer, self.remote, self.plan = local, peer, remote, plan
+        self.epoch = peer.epoch
+        self.notif = f"{NOTIF}|{peer.epoch}|{remote.cache_id}|{remote.generation}|".encode()
+        self.prepared: Prepared | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        """The node no longer keeps this plan: release what its transport kept."""
+        self.closed = True
+        if self.prepared is not None:
+            self.prepared.close()
+
+
+class PlanMixin(NodeState):
+    """Finding, checking and keeping the plan of a request."""
+
+    _ext_memo: tuple[Any, Any]
+
+    def _request_key(
+        self, op: str, cache: Any, index: Any, src_blocks: Any, dst_blocks: Any, ext_param: Any
+    ) -> tuple[tuple | None, Any, Any]:
+        """``(key, src_blocks, dst_blocks)``: the kept-plan key of a request (None: not
+        kept) and the block ids to check instead of the arguments (the same arrays the key
+        was taken from). A key fixes everything the D4 check sees: the local cache object
+        (checked by identity on use), the remote cache's ids, the block ids' dtype and
+        bytes, and exact-int ext params (docs/DATADIST.md decision 12)."""
+        skey, src_blocks = _ids_key(src_blocks)
+        dkey, dst_blocks = _ids_key(dst_blocks)
+        memo = self._ext_memo  # frozen and checked to hold exact ints: its key is fixed
+        if ext_param is not memo[0]:
+            memo = self._ext_memo = (ext_param, _ext_key(ext_param))
+        if (
+            skey is None
+            or dkey is None
+            or memo[1] is None
+            or type(cache) is not Cache
+            or type(index) is not CacheIndex
+            or type(index.cluster_id) is not int
+            or type(index.cache_id) is not int
+            or index.batch_index != 0
+        ):
+            return None, src_blocks, dst_blocks
+        key = (op, cache.cache_id, index.cluster_id, index.cache_id, skey, dkey, memo[1])
+        return key, src_blocks, dst_blocks
+
+    def _kept(self, key: tuple, cache: Cache) -> Kept | None:
+        """The kept plan of ``key`` if everything it was checked against is still this
+        node's: the local cache registered, the peer linked (not broken, its metadata
+        loaded) and the remote cache's :class:`CacheInfo` the one the peer's table holds
+        (a relinked peer or a reused cache id has a new one). In-band deallocate notices
+        are read first unless they were read less than ``_DRAIN_EVERY_S`` ago (decision
+        12, "Failure semantics")."""
+        kept = self._plans.get(key)
+        if kept is None:
+            return None
+        if time.monotonic() - self._drained_at >= _DRAIN_EVERY_S:
+            self._drain()
+        peer = kept.peer
+        # Cache ids are never reused: the registered cache of the key's id is kept.local.
+        if (
+            self._caches.get(cache.cache_id) is cache
+            and self._peers.get(peer.cluster_id) is peer
+            and not peer.broken
+            and peer.pending is None
+            and peer.epoch is kept.epoch
+            and peer.caches.get(kept.remote.cache_id) is kept.remote
+        ):
+            return kept
+        return None
+
+    def _plan(
+        self,
+        op: str,
+        key: tuple | None,
+        local: Cache,
+        peer: Peer,
+        remote: CacheInfo,
+        src_blocks: Any,
+        dst_blocks: Any,
+        ext_param: Any,
+    ) -> tuple[TransferPlan, Kept | None]:
+        """The checked plan (docs/SPEC.md D4) of a push or pull, and, for a request with a
+        ``key``, the :class:`Kept` under which it is posted again for equal requests
+        (decision 12): every new request is checked, and a refused one is never kept
+        (BENCHMARKS.md, "Small pushes")."""
+        src, dst = (
+            (local.cache_desc, remote.desc) if op == "push" else (remote.desc, local.cache_desc)
+        )
+        plan = check_transfer(src, dst, src_blocks, dst_blocks, ext_param, op=op, role=self.role)
+        if key is None:
+            return plan, None
+        kept = Kept(local, peer, remote, plan)
+        with self._lock:
+            gone = [self._plans.pop(key)] if key in self._plans else []
+            self._plans[key] = kept
+            while len(self._plans) > _PLAN_CACHE_SIZE:
+                gone.append(self._plans.pop(next(iter(self._plans))))
+        for old in gone:
+            old.close()
+        return plan, kept
+
+    def _resolve(
+        self,
+        op: str,
+        local_arg: str,
+        cache: Any,
+        remote_arg: str,
+        index: Any,
+        src_blocks: Any,
+        dst_blocks: Any,
+        ext_param: Any,
+    ) -> tuple[Cache, Peer, CacheInfo, TransferPlan, Kept | None]:
+        """``(local, peer, remote, plan, kept)`` of a push or pull: from the kept plan of
+        a repeated request (checked before, nothing of it changed), else looked up and
+        checked in decision 5's order (the plan kept if the request has a key)."""
+        key, src_blocks, dst_blocks = self._request_key(
+            op, cache, index, src_blocks, dst_blocks, ext_param
+        )
+        kept = None if key is None else self._kept(key, cache)
+        if kept is not None:
+            return kept.local, kept.peer, kept.remote, kept.plan, kept
+        local = self._local_cache(local_arg, cache)
+        peer, remote = self._remote_cache(remote_arg, index)
+        plan, kept = self._plan(op, key, local, peer, remote, src_blocks, dst_blocks, ext_param)
+        return local, peer, remote, plan, kept
+
+    def _drop_plans(self, match: Any) -> None:
+        """Stop keeping the plans ``match(kept)`` selects (their cache or peer went)."""
+        with self._lock:
+            gone = [self._plans.pop(k) for k, v in list(self._plans.items()) if match(v)]
+        for k in gone:
+            k.close()
