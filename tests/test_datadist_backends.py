@@ -26,8 +26,8 @@ from pytrt_kv.datadist import (
     LLMStatus,
     links,
     llm_datadist,
-    plans,
     nixl_unavailable_reason,
+    plans,
     push_kv_blocks_reference,
     transport,
 )
@@ -576,9 +576,7 @@ def test_a_repeated_request_reuses_its_checked_plan(nodes, monkeypatch):
     index = CacheIndex(2, dst.cache_id)
     calls = []
     check = plans.check_transfer
-    monkeypatch.setattr(
-        plans, "check_transfer", lambda *a, **k: calls.append(1) or check(*a, **k)
-    )
+    monkeypatch.setattr(plans, "check_transfer", lambda *a, **k: calls.append(1) or check(*a, **k))
     ext = KvCacheExtParam((1, 1), (0, 0))
     ids = np.array([2, 3])
     rng = np.random.default_rng(4)

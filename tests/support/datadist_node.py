@@ -5,8 +5,9 @@ stdout line starting with ``@@`` (anything else on stdout is ignored by the driv
     python tests/support/datadist_node.py --cluster-id 2 --role decoder --backend nixl \
         --cache 4,8x64,float16
 
-Commands: ``link`` {addr, timeout_s}, ``read`` {tag, timeout_s} (waits for the tag,
-returns the cache's bytes), ``fill`` {seed}, ``pull`` {cluster, cache, src, dst, ext},
+Commands: ``link`` {addr, timeout_s}, ``unlink`` {cluster}, ``fds`` (open fds), ``read``
+{tag, timeout_s} (waits for the tag, returns the cache's bytes), ``fill`` {seed},
+``pull`` {cluster, cache, src, dst, ext},
 ``alloc`` (another cache like the first; returns its id), ``realloc`` (deallocates the
 cache and makes a new one of the same layout, filled with the sentinel: with
 ``--register`` the same buffers registered again if the node allows it, else a new
@@ -51,6 +52,7 @@ def main() -> int:
     ap.add_argument("--backend", default="nixl")
     ap.add_argument("--cache", required=True, help="num_tensors,NBxDIMS,dtype")
     ap.add_argument("--options", default="{}", help="LlmDataDist options, JSON")
+    ap.add_argument("--port", type=int, default=0, help="control port (0: a free one)")
     ap.add_argument(
         "--register", action="store_true", help="register buffers of this process (not allocate)"
     )
@@ -60,7 +62,7 @@ def main() -> int:
     node = LlmDataDist(
         args.cluster_id, args.role, backend=args.backend, options=json.loads(args.options)
     )
-    node.initialize("127.0.0.1", 0)
+    node.initialize("127.0.0.1", args.port)
     buffers = [np.full(desc.shape, SENTINEL, desc.dtype) for _ in range(desc.num_tensors)]
     cache = node.register_cache(desc, buffers) if args.register else node.allocate_cache(desc)
     for t in cache.tensors:
@@ -78,6 +80,11 @@ def main() -> int:
                     linked=[r.cluster_id for r in linked if r.status.name == "SUCCESS"],
                     results=[[r.status.name, r.cluster_id, r.message] for r in linked],
                 )
+            elif op == "unlink":
+                node.unlink_clusters([cmd["cluster"]], timeout_s=cmd.get("timeout_s", 1))
+                _reply(linked=node.linked_clusters(), quarantined=_quarantined(node))
+            elif op == "fds":
+                _reply(fds=len(__import__("os").listdir("/proc/self/fd")))
             elif op == "alloc":
                 _reply(cache=node.allocate_cache(desc).cache_id)
             elif op == "read":
