@@ -479,3 +479,30 @@ def test_a_kept_plan_for_ints_is_not_used_for_equal_bools(pair):
             p.push_kv_blocks(src, index, sb, db, tag="refused")
     time.sleep(0.05)
     assert not d.received("refused")
+
+
+def test_a_server_without_the_secret_gets_no_metadata(pair):
+    """A fake server that accepts any client but cannot prove the secret: the link fails
+    before this node sends its hello (its agent metadata and cache table)."""
+    p, _ = pair
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    got = []
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            dl = control._Deadline(3)
+            conn.sendall(_frame(json.dumps({"v": 1, "nonce": "00" * 16}).encode()))
+            control._read_frame(conn, 1024, dl)  # the client's proof: not checked
+            conn.sendall(_frame(json.dumps({"cluster_id": 5, "mac": "11" * 32}).encode()))
+            got.append(_read_all(conn, 1.0))
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    (r,) = p.link_clusters([srv.getsockname()], timeout_s=2)
+    t.join(5)
+    srv.close()
+    assert r.status is LLMStatus.FAILED and "secret" in r.message, r
+    assert got == [b""], got  # nothing after the handshake: no hello, no metadata
