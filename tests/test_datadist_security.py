@@ -506,3 +506,30 @@ def test_a_server_without_the_secret_gets_no_metadata(pair):
     srv.close()
     assert r.status is LLMStatus.FAILED and "secret" in r.message, r
     assert got == [b""], got  # nothing after the handshake: no hello, no metadata
+
+
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+def test_link_unlink_cycles_leak_no_fd():
+    """200 link/unlink cycles (both sides in this process) end with the fds they started
+    with: NIXL leaves a socket per removed remote agent, so a relink reuses the loaded
+    metadata (docs/DATADIST.md, "File descriptors")."""
+    p, d = _node(1, "prompt", "nixl"), _node(2, "decoder", "nixl")
+    try:
+        p.allocate_cache(DESC)
+        d.allocate_cache(DESC)
+
+        def cycle():
+            assert p.link_clusters([d.listen_address])[0].ok
+            p.unlink_clusters([2])
+
+        for _ in range(3):
+            cycle()
+        time.sleep(0.2)
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(200):
+            cycle()
+        time.sleep(0.2)  # connection threads end
+        assert len(os.listdir("/proc/self/fd")) <= before
+    finally:
+        p.finalize()
+        d.finalize()

@@ -133,7 +133,7 @@ class LinkMixin(NodeState):
                 if peer is not None:  # the cluster restarted: a new agent
                     self._by_agent.pop(peer.agent, None)
                     self._drop_plans(lambda k, old=peer: k.peer is old)
-                    self._require().remove_peer(peer.agent)
+                    self._require().remove_peer(peer.agent, forget=True)
                 peer = Peer(cid, agent, addr, epoch or "")
                 self._peers[cid] = peer
                 self._by_agent[agent] = peer
@@ -412,7 +412,7 @@ class LinkMixin(NodeState):
         reply = self._request(peer, {"op": "table"}, self._control_timeout())
         if "md" not in reply:
             raise OSError(f"cluster {peer.cluster_id}: {str(reply.get('error'))[:200]}")
-        self._require().remove_peer(peer.agent)
+        self._require().remove_peer(peer.agent, forget=True)
         self._apply_metadata(reply["md"], peer.cluster_id)
 
     # --- peers' health --------------------------------------------------------------------

@@ -153,6 +153,9 @@ class NixlTransport(Transport):
                 f"{self.agent.get_plugin_list()})",
             )
         self._remote: dict[tuple[str, int, int], Any] = {}
+        #: Peers' metadata loaded in the agent, also after an unlink (reused on relink).
+        self._loaded: dict[str, str] = {}
+        self._dormant: dict[str, None] = {}  # loaded, unlinked: oldest first
         # Prepared transfers of repeated requests, kept to be posted again (docs/DATADIST.md
         # decision 13), by id, so that what goes drops them (memory, peer, remote cache).
         self._idle: dict[int, _Prepared] = {}
@@ -215,6 +218,12 @@ class NixlTransport(Transport):
     # --- peers ----------------------------------------------------------------------------
 
     def add_peer(self, peer: str, metadata: str) -> None:
+        """Load a peer's metadata; the same metadata loaded before (a relink after an
+        unlink) is reused: NIXL/UCX keep a connection per load (see :meth:`remove_peer`)."""
+        with self._lock:
+            self._dormant.pop(peer, None)
+            if self._loaded.get(peer) == metadata:
+                return
         try:
             name = self.agent.add_remote_agent(base64.b64decode(metadata))
         except Exception as exc:
@@ -222,12 +231,34 @@ class NixlTransport(Transport):
         name = name.decode() if isinstance(name, bytes) else name
         if name != peer:
             raise LLMException(LLMStatus.FAILED, f"the metadata of {peer!r} names agent {name!r}")
+        with self._lock:
+            self._loaded[peer] = metadata
 
-    def remove_peer(self, peer: str) -> None:
+    def remove_peer(self, peer: str, forget: bool = False) -> None:
+        """Drop what was prepared for ``peer``. Its NIXL metadata stays loaded (dormant)
+        unless ``forget`` (it restarted, or a new connection is wanted): with nixl 1.5.1
+        over UCX, ``remove_remote_agent`` leaves the TCP connection of each load open, so
+        every link/unlink cycle leaked one socket per side (docs/DATADIST.md, "File
+        descriptors"); a relink of the same agent reuses the loaded metadata instead."""
         self._drop_idle(lambda e: e.peer == peer)
         with self._lock:
             for key in [k for k in self._remote if k[0] == peer]:
                 self._remote.pop(key).release()
+            gone = [peer] if forget else []
+            if forget:
+                self._loaded.pop(peer, None)
+                self._dormant.pop(peer, None)
+            elif peer in self._loaded:
+                self._dormant[peer] = None
+                while len(self._dormant) > _MAX_DORMANT:  # the oldest dormant peer goes
+                    old = next(iter(self._dormant))
+                    del self._dormant[old]
+                    self._loaded.pop(old, None)
+                    gone.append(old)
+        for name in gone:
+            self._remove_agent(name)
+
+    def _remove_agent(self, peer: str) -> None:
         try:
             self.agent.remove_remote_agent(peer)
         except Exception:
@@ -366,6 +397,10 @@ class NixlTransport(Transport):
                 pass
         self.unreleased = []
 
+
+#: Unlinked peers whose NIXL metadata stays loaded to be reused (the oldest are removed:
+#: each removal may leave one socket open, see NixlTransport.remove_peer).
+_MAX_DORMANT = 64
 
 #: Completed transfers a prepared plan keeps to post again: concurrent posts of one plan
 #: each need their own, so a few; more are released.

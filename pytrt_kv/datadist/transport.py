@@ -99,7 +99,9 @@ class Transport:
     def add_peer(self, peer: str, metadata: str) -> None:
         raise NotImplementedError
 
-    def remove_peer(self, peer: str) -> None:
+    def remove_peer(self, peer: str, forget: bool = False) -> None:
+        """Forget what was prepared for ``peer``; ``forget``: also its metadata (it
+        restarted, or a new connection is wanted)."""
         raise NotImplementedError
 
     def forget_remote(self, peer: str, info: CacheInfo) -> None:
@@ -207,7 +209,7 @@ class LocalTransport(Transport):
             raise LLMException(LLMStatus.NOT_YET_LINK, f"peer {peer!r} is not in this process")
         self._peers[peer] = transport
 
-    def remove_peer(self, peer: str) -> None:
+    def remove_peer(self, peer: str, forget: bool = False) -> None:
         self._peers.pop(peer, None)
 
     def _peer(self, peer: str) -> LocalTransport:
