@@ -7,8 +7,10 @@ NOT_YET_LINK, then a relink works; link/unlink cycles leak no fd. Every wait is 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,5 +127,41 @@ def test_a_receiver_restarted_on_the_same_port_is_not_yet_link_then_relinks(spaw
         index = CacheIndex(2, d2.hello["cache"])
         got = _tensors(d2.ask(cmd="read", tag=p.push_kv_blocks(src, index, [2], [5]))["data"], DESC)
         assert (got[0][5] == src.tensors[0][2]).all()
+    finally:
+        p.finalize()
+
+
+def _listeners(pid: int) -> list[str]:
+    """``ip:port`` (hex, as /proc writes them) of every TCP socket ``pid`` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[9] in inodes and f[3] == "0A":  # LISTEN
+                found.append(f[1])
+    return found
+
+
+def test_every_listener_binds_the_configured_address(spawn):  # noqa: F811
+    """The control server and NIXL's UCX transport of a node initialized on 127.0.0.1
+    listen on 127.0.0.1 only (UCX alone listened on eth0 too)."""
+    env = _env(PYTRT_KV_DATADIST_SECRET=SECRET)
+    d = spawn("--cluster-id", "2", "--role", "decoder", "--cache", CACHE, env=env)
+    p, src = _prompt()
+    try:
+        assert p.link_clusters([tuple(d.hello["addr"])], timeout_s=5)[0].ok
+        d.ask(cmd="read", tag=p.push_kv_blocks(src, CacheIndex(2, d.hello["cache"]), [0], [0]))
+        found = _listeners(d.hello["pid"])
+        assert len(found) >= 2, found  # the control port and UCX's
+        assert all(a.startswith("0100007F:") for a in found), found
+        assert f"0100007F:{d.hello['addr'][1]:04X}" in found
     finally:
         p.finalize()

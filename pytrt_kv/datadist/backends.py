@@ -12,13 +12,17 @@ from .transport import LocalTransport, Transport
 from .types import LLMException
 
 
-def make_transport(backend: str, name: str, options: dict[str, Any]) -> Transport:
+def make_transport(
+    backend: str, name: str, options: dict[str, Any], listen_ip: str | None = None
+) -> Transport:
+    """``listen_ip``: the address the node listens on; the NIXL backend's own listeners
+    bind it only (docs/SPEC.md D7)."""
     if backend == "local":
         return LocalTransport(name, options)
     if backend == "nixl":
         from .nixl_transport import NixlTransport
 
-        return NixlTransport(name, options)
+        return NixlTransport(name, options, listen_ip)
     raise ValueError(f"backend: expected 'nixl' or 'local', got {backend!r}")
 
 

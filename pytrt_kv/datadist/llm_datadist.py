@@ -187,7 +187,7 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
                 )
         self._auth = control.Auth(self.cluster_id, secret)
         name = f"pytrt_kv-{self.cluster_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        transport = make_transport(self.backend, name, self.options)
+        transport = make_transport(self.backend, name, self.options, str(listen_ip))
         try:
             self._server = control.ControlServer(
                 listen_ip, int(listen_port), self._handle, self._auth, self._control_timeout()

@@ -13,6 +13,7 @@ NIXL is imported here only, when a ``"nixl"`` node is created (:func:`nixl_modul
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -126,12 +127,56 @@ def _make_agent(api: Any, b: Any, name: str, options: dict[str, Any], backends: 
     return agent
 
 
+def interface_of(ip: str) -> str | None:
+    """The network interface whose IPv4 address is ``ip`` (None: none, or not Linux)."""
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        want = socket.inet_aton(socket.gethostbyname(ip))
+    except OSError:
+        return None
+    if want[0] == 127:
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = fcntl.ioctl(s.fileno(), 0x8915, req)[20:24]  # SIOCGIFADDR
+            except OSError:
+                continue
+            if addr == want:
+                return name
+    return None
+
+
+@contextlib.contextmanager
+def _net_devices(listen_ip: str | None):
+    """UCX listens (its TCP transport) on every interface unless ``UCX_NET_DEVICES`` names
+    some, and NIXL 1.5.1's ``ucx_devices`` backend parameter did not change that here: while
+    the agent's backends are created, ``UCX_NET_DEVICES`` names the interface of
+    ``listen_ip`` (docs/SPEC.md D7), unless the caller set it or listens on every address
+    (0.0.0.0)."""
+    dev = None
+    if listen_ip and listen_ip != "0.0.0.0" and "UCX_NET_DEVICES" not in os.environ:
+        dev = interface_of(listen_ip)
+    if dev is None:
+        yield
+        return
+    os.environ["UCX_NET_DEVICES"] = dev
+    try:
+        yield
+    finally:
+        os.environ.pop("UCX_NET_DEVICES", None)
+
+
 class NixlTransport(Transport):
     """Options: ``"nixl.backends"`` (list, default ``["UCX"]``), ``"nixl.num_threads"``
     (int, default 0: the backend's default), ``"nixl.progress_thread"`` (bool, default
     True) and ``"nixl.progress_delay_us"`` (int, default 1000): see :func:`_make_agent`."""
 
-    def __init__(self, name: str, options: dict[str, Any]):
+    def __init__(self, name: str, options: dict[str, Any], listen_ip: str | None = None):
         self._api, self._b = nixl_modules()
         self.name = name
         backends = list(options.get("nixl.backends", ["UCX"]))
@@ -140,7 +185,8 @@ class NixlTransport(Transport):
         _option(options, "nixl.progress_delay_us", int, 1000)
         _option(options, "nixl.num_threads", int, 0)
         try:
-            self.agent = _make_agent(self._api, self._b, name, options, backends)
+            with _net_devices(listen_ip):
+                self.agent = _make_agent(self._api, self._b, name, options, backends)
         except LLMException:
             raise
         except Exception as exc:
