@@ -254,7 +254,7 @@ def test_spec_has_every_section_id():
         "R",
         *(f"S{i}" for i in range(1, 10)),
         *(f"G{i}" for i in range(1, 8)),
-        *(f"D{i}" for i in range(1, 7)),
+        *(f"D{i}" for i in range(1, 9)),
         *(f"R{i}" for i in range(1, 7)),
     }
     assert spec_sections(REPO) == want
