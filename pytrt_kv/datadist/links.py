@@ -393,6 +393,13 @@ class LinkMixin(NodeState):
                     LLMStatus.NOT_YET_LINK,
                     f"{arg}: cluster {index.cluster_id} does not answer: {exc}",
                 ) from exc
+            if "md" not in reply:  # it no longer has this link (it unlinked, restarted)
+                peer.broken = True
+                raise LLMException(
+                    LLMStatus.NOT_YET_LINK,
+                    f"{arg}: cluster {index.cluster_id} refused: "
+                    f"{str(reply.get('error'))[:200]}; link it again",
+                )
             try:
                 self._apply_metadata(reply.get("md"), peer.cluster_id)
             except LLMException as exc:

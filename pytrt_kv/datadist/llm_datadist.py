@@ -16,7 +16,6 @@ made of parts, one module each:
 
 from __future__ import annotations
 
-import ipaddress
 import itertools
 import os
 import threading
@@ -28,9 +27,9 @@ from ..contract.errors import describe
 from . import control, memory
 from .backends import make_transport
 from .caches import CacheMixin
-from .handles import POLL_INTERVAL_S, POLL_SPIN_S, TransferHandle, _poll_sleep
+from .handles import POLL_INTERVAL_S, POLL_SPIN_S, TransferHandle, _poll_sleep  # noqa: F401
 from .links import LinkMixin
-from .node_base import DEFAULT_OPTIONS, NOTIF, PROBE_EVERY_S, SECRET_ENV, Peer
+from .node_base import DEFAULT_OPTIONS, NOTIF, PROBE_EVERY_S, SECRET_ENV, Peer, loopback, secret_of
 from .notices import NoticeMixin
 from .plans import Kept, PlanMixin
 from .transport import READ, WRITE, CacheInfo, Prepared, Transport
@@ -44,32 +43,9 @@ from .types import (
     param_invalid,
 )
 
-# Names other modules and tests reach through this one.
+#: Reached through this module by the bench and the tests (the polling constants and
+#: ``_poll_sleep`` above too).
 _NOTIF, _PROBE_EVERY_S = NOTIF, PROBE_EVERY_S
-__all_internal__ = (POLL_INTERVAL_S, POLL_SPIN_S, _poll_sleep)
-
-
-def _secret(options: dict[str, Any]) -> bytes:
-    """The cluster's secret: the option, else the environment variable, else b""."""
-    v = options["llm_datadist.auth_secret"]
-    if v is None:
-        v = os.environ.get(SECRET_ENV) or b""
-    if isinstance(v, str):
-        v = v.encode()
-    if not isinstance(v, bytes):
-        raise TypeError(
-            f"options['llm_datadist.auth_secret']: expected a str or bytes, got {describe(v)}"
-        )
-    return v
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
@@ -174,8 +150,8 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
         """
         if self._transport is not None:
             raise LLMException(LLMStatus.FAILED, "initialize: already initialized")
-        secret = _secret(self.options)
-        if not secret and not _loopback(str(listen_ip)):
+        secret = secret_of(self.options)
+        if not secret and not loopback(str(listen_ip)):
             if self.options["llm_datadist.allow_unauthenticated"] is not True:
                 raise LLMException(
                     LLMStatus.FAILED,

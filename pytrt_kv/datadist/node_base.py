@@ -6,11 +6,14 @@ in-band notice names, a linked peer (:class:`Peer`), a fenced one (:class:`Fence
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..contract.errors import describe
 from .transport import CacheInfo, Transport
 from .types import Cache, LLMException, LLMRole, LLMStatus
 
@@ -62,6 +65,29 @@ BACK = "pytrt_kv.dd2back"
 MAX_FAILED = 4096
 #: While a transfer is pending, check this often whether the peer is still there.
 PROBE_EVERY_S = 0.2
+
+
+def secret_of(options: dict[str, Any]) -> bytes:
+    """The cluster's secret: the option, else the environment variable, else b""."""
+    v = options["llm_datadist.auth_secret"]
+    if v is None:
+        v = os.environ.get(SECRET_ENV) or b""
+    if isinstance(v, str):
+        v = v.encode()
+    if not isinstance(v, bytes):
+        raise TypeError(
+            f"options['llm_datadist.auth_secret']: expected a str or bytes, got {describe(v)}"
+        )
+    return v
+
+
+def loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
