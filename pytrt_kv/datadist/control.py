@@ -150,6 +150,8 @@ class Session:
 
     def send(self, direction: bytes, msg: dict[str, Any]) -> None:
         data = json.dumps(msg).encode()
+        # A reply after a slow handler still gets a short while to leave.
+        self.sock.settimeout(max(0.5, self.deadline.end - time.monotonic()))
         _frame(self.sock, _mac(self._key, direction, data) + data)
 
     def recv(self, direction: bytes) -> dict[str, Any]:
