@@ -533,3 +533,16 @@ def test_link_unlink_cycles_leak_no_fd():
     finally:
         p.finalize()
         d.finalize()
+
+
+@pytest.mark.parametrize(
+    "options, exc, match",
+    [
+        ({"llm_datadist.auth_secret": 1234}, TypeError, "auth_secret.*str or bytes"),
+        ({"llm_datadist.fence_timeout_s": -1}, ValueError, "fence_timeout_s.*>= 0"),
+        ({"llm_datadist.allow_unauthenticated": "yes"}, TypeError, "expected a bool"),
+    ],
+)
+def test_security_options_are_checked(options, exc, match):
+    with pytest.raises(exc, match=match):
+        LlmDataDist(1, "prompt", backend="local", options=options)

@@ -29,7 +29,16 @@ from .backends import make_transport
 from .caches import CacheMixin
 from .handles import POLL_INTERVAL_S, POLL_SPIN_S, TransferHandle, _poll_sleep  # noqa: F401
 from .links import LinkMixin
-from .node_base import DEFAULT_OPTIONS, NOTIF, PROBE_EVERY_S, SECRET_ENV, Peer, loopback, secret_of
+from .node_base import (
+    DEFAULT_OPTIONS,
+    NOTIF,
+    PROBE_EVERY_S,
+    SECRET_ENV,
+    Peer,
+    checked_options,
+    loopback,
+    secret_of,
+)
 from .notices import NoticeMixin
 from .plans import Kept, PlanMixin
 from .transport import READ, WRITE, CacheInfo, Prepared, Transport
@@ -91,17 +100,7 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
             raise TypeError(f"cluster_id: expected an int >= 0, got {cluster_id!r}")
         if backend not in ("nixl", "local"):
             raise ValueError(f"backend: expected 'nixl' or 'local', got {backend!r}")
-        opts = dict(DEFAULT_OPTIONS)
-        unknown = sorted(set(options or {}) - set(DEFAULT_OPTIONS))
-        if unknown:
-            raise ValueError(
-                f"options: unknown keys {unknown}; expected some of {sorted(DEFAULT_OPTIONS)}"
-            )
-        opts.update(options or {})
-        for key, least in (("timeout_min_s", 0.0), ("timeout_floor_bytes_per_s", 1.0)):
-            v = opts[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= least:
-                raise ValueError(f"options[{key!r}]: expected a number >= {least}, got {v!r}")
+        opts = checked_options(options)
         self.cluster_id = cluster_id
         self.role = LLMRole.of(role)
         self.backend = backend

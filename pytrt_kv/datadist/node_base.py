@@ -67,6 +67,33 @@ MAX_FAILED = 4096
 PROBE_EVERY_S = 0.2
 
 
+def checked_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """:data:`DEFAULT_OPTIONS` updated with ``options``, whose keys and values are checked
+    (ValueError/TypeError naming the key)."""
+    opts = dict(DEFAULT_OPTIONS)
+    unknown = sorted(set(options or {}) - set(DEFAULT_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"options: unknown keys {unknown}; expected some of {sorted(DEFAULT_OPTIONS)}"
+        )
+    opts.update(options or {})
+    for key, least in (
+        ("timeout_min_s", 0.0),
+        ("timeout_floor_bytes_per_s", 1.0),
+        ("llm_datadist.fence_timeout_s", 0.0),
+    ):
+        v = opts[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= least:
+            raise ValueError(f"options[{key!r}]: expected a number >= {least}, got {v!r}")
+    if not isinstance(opts["llm_datadist.allow_unauthenticated"], bool):
+        raise TypeError(
+            f"options['llm_datadist.allow_unauthenticated']: expected a bool, got "
+            f"{opts['llm_datadist.allow_unauthenticated']!r}"
+        )
+    secret_of(opts)  # a secret of the wrong type is refused here, not at initialize
+    return opts
+
+
 def secret_of(options: dict[str, Any]) -> bytes:
     """The cluster's secret: the option, else the environment variable, else b""."""
     v = options["llm_datadist.auth_secret"]
