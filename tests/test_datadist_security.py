@@ -546,3 +546,25 @@ def test_link_unlink_cycles_leak_no_fd():
 def test_security_options_are_checked(options, exc, match):
     with pytest.raises(exc, match=match):
         LlmDataDist(1, "prompt", backend="local", options=options)
+
+
+def test_a_flood_of_idle_connections_does_not_keep_a_peer_out(pair):
+    """300 connections (more than MAX_CONNECTIONS) that never answer the challenge: the
+    oldest unauthenticated ones are cut beyond a cap, and a real peer links at once while
+    they stay open (without the cut, every slot is held and the link is refused)."""
+    p, d = pair
+    flood = [socket.create_connection(d.listen_address, timeout=2) for _ in range(300)]
+    try:
+        dropped = d._server.dropped
+        deadline = time.monotonic() + 3
+        while dropped.get("evicted", 0) + dropped.get("busy", 0) < 300 - control.MAX_CONNECTIONS:
+            assert time.monotonic() < deadline, dropped  # every flood connection accepted
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        assert p.link_clusters([d.listen_address], timeout_s=1)[0].ok
+        assert time.monotonic() - t0 < 1.0
+        assert d._server.dropped.get("evicted", 0) >= 300 - control.MAX_UNAUTHENTICATED - 1
+        assert d.control_alive
+    finally:
+        for s in flood:
+            s.close()

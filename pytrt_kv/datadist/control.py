@@ -17,7 +17,8 @@ replayed on another). Standard library only (``hmac``, ``hashlib``, ``secrets``)
 The server (:class:`ControlServer`) cannot be killed by a client: a message over its size
 cap, nested deeper than :data:`MAX_DEPTH`, slower than its whole-message deadline or
 malformed costs that connection only; each connection has its own thread (at most
-:data:`MAX_CONNECTIONS` at once), an ``accept`` that fails (EMFILE) backs off and
+:data:`MAX_CONNECTIONS` at once; beyond :data:`MAX_UNAUTHENTICATED` connections still in
+the handshake the oldest is cut), an ``accept`` that fails (EMFILE) backs off and
 retries, and every exception is contained and logged (logger ``pytrt_kv.datadist``).
 """
 
@@ -48,7 +49,10 @@ MAX_HELLO = 1024
 #: 5 deep).
 MAX_DEPTH = 16
 #: Connections served at once; more are closed at once (their senders retry).
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 256
+#: Connections still in the handshake; one more cuts the oldest of them, so that a client
+#: flooding the port with idle connections cannot keep a peer from authenticating.
+MAX_UNAUTHENTICATED = 32
 _LEN = struct.Struct("!I")
 _MAC = 32
 _NONCE = 16
@@ -276,6 +280,8 @@ class ControlServer:
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._stop = threading.Event()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._pending: dict[socket.socket, None] = {}  # in the handshake, oldest first
+        self._plock = threading.Lock()
         #: Connections refused or dropped, by reason (observability, tests).
         self.dropped: dict[str, int] = {}
         self._thread = threading.Thread(
@@ -318,13 +324,34 @@ class ControlServer:
                 self._count("busy")
                 conn.close()
                 continue
+            self._admit(conn)
             try:
                 threading.Thread(target=self._connection, args=(conn,), daemon=True).start()
             except Exception:
+                self._authenticated(conn)
                 self._slots.release()
                 conn.close()
                 self._count("thread")
                 log.exception("datadist control: cannot start a connection thread")
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Count ``conn`` as unauthenticated; past the cap, cut the oldest such one."""
+        with self._plock:
+            self._pending[conn] = None
+            victim = None
+            if len(self._pending) > MAX_UNAUTHENTICATED:
+                victim = next(iter(self._pending))
+                del self._pending[victim]
+        if victim is not None:
+            self._count("evicted")
+            try:
+                victim.shutdown(socket.SHUT_RDWR)  # its thread's recv ends at once
+            except OSError:
+                pass
+
+    def _authenticated(self, conn: socket.socket) -> None:
+        with self._plock:
+            self._pending.pop(conn, None)
 
     def _connection(self, conn: socket.socket) -> None:
         try:
@@ -334,6 +361,7 @@ class ControlServer:
                     session = server_handshake(
                         conn, self._auth.secret, self._auth.cluster_id, deadline
                     )
+                    self._authenticated(conn)
                     msg = session.recv(b"q")
                 except AuthError as exc:
                     self._count("auth")
@@ -355,6 +383,7 @@ class ControlServer:
         except Exception:
             log.exception("datadist control: connection")
         finally:
+            self._authenticated(conn)
             self._slots.release()
 
     def close(self, timeout_s: float | None = 2.0) -> None:
