@@ -568,3 +568,24 @@ def test_a_flood_of_idle_connections_does_not_keep_a_peer_out(pair):
     finally:
         for s in flood:
             s.close()
+
+
+def test_finalize_never_frees_memory_a_fenced_peer_may_write():
+    """A node finalized while a fenced peer has not answered keeps its allocation of the
+    memory that peer knew (docs/SPEC.md D8): deregistered, never freed."""
+    from pytrt_kv.datadist import caches
+
+    p, d = _node(1, "prompt"), _node(2, "decoder")
+    try:
+        dst = d.allocate_cache(DESC)
+        tensors = list(dst.tensors)
+        assert p.link_clusters([d.listen_address])[0].ok
+        _deaf(p)
+        p._transport._inbox.clear()
+        d.unlink_clusters([1], timeout_s=0.3)
+        p._transport.poll = lambda: []  # p never reads the in-band unlink either
+        d.finalize()
+        assert any(all(a is b for a, b in zip(kept, tensors)) for kept in caches.RETAINED)
+    finally:
+        p.finalize()
+        d.finalize()

@@ -19,6 +19,11 @@ from .node_base import BYE, DROP, NodeState
 from .transport import CacheInfo
 from .types import Cache, CacheDesc, LLMException, LLMStatus
 
+#: Allocations a node finalized while a fenced peer might still write them (docs/SPEC.md
+#: D8): never freed. A fenced peer that never answers is rare (it would have to outlive
+#: both its control server and fence_timeout_s); each entry is one cache's tensors.
+RETAINED: list[list[Any]] = []
+
 
 class CacheMixin(NodeState):
     """Caches and quarantine."""
@@ -166,10 +171,16 @@ class CacheMixin(NodeState):
                     return
         self._release_memory(cache)
 
-    def _release_memory(self, cache: Cache) -> None:
+    def _release_memory(self, cache: Cache, retain: bool = False) -> None:
+        """Deregister a cache's memory and free what this node allocated; ``retain``: a
+        fenced peer may still write it, keep the allocation for the life of the process
+        (:data:`RETAINED`)."""
         self._require().deregister(cache._backend_state)
         cache._backend_state = None
-        if cache.owned:
+        if cache.owned and retain:
+            RETAINED.append(cache.tensors)
+            cache.tensors = []
+        elif cache.owned:
             for t in cache.tensors:
                 if hasattr(t, "free"):
                     t.free()

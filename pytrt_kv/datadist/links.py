@@ -327,8 +327,9 @@ class LinkMixin(NodeState):
             self._forget_remote_cache(peer, cache_id, gen)
             return {}
         if op == "bye":
-            if peer.agent == msg.get("agent") and peer.epoch == msg.get("epoch"):
-                self._unlink_peer(peer, heard=True)
+            if peer.agent != msg.get("agent") or peer.epoch != msg.get("epoch"):
+                return {"error": "bye: not the current link"}  # the sender fences it
+            self._unlink_peer(peer, heard=True)
             return {}
         return {"error": f"unknown request {str(op)[:40]!r}"}
 

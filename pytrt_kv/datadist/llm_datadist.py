@@ -1,8 +1,7 @@
 """``LlmDataDist``: one node (a prefill or a decode process) of a block-push deployment.
 
-The facade owns the contract (docs/SPEC.md D1-D8); a transport (``"nixl"`` or
-``"local"``, :mod:`pytrt_kv.datadist.transport`) only moves checked plans. The node is
-made of parts, one module each:
+The facade owns the contract (docs/SPEC.md D1-D8); a transport (:mod:`.transport`) only
+moves checked plans. The node is made of parts, one module each:
 
 - :mod:`.caches`: ``allocate_cache`` / ``register_cache`` / ``deallocate_cache`` and the
   quarantine of memory a peer may still write (D8).
@@ -177,7 +176,8 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
         self.listen_address = self._server.address
 
     def finalize(self) -> None:
-        """Unlink every peer, deregister every cache and stop listening (idempotent)."""
+        """Unlink every peer, deregister every cache and stop listening (idempotent); memory
+        a fenced peer may still write (D8) is never freed (``caches.RETAINED``)."""
         if self._transport is None:
             return
         with self._lock:
@@ -187,12 +187,13 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
                 self.unlink_clusters([cid])
             except LLMException:
                 pass
+        self._review_fences(force=True)  # fenced peers that answer now, or are gone
         for cache in list(self._caches.values()):
             self.deallocate_cache(cache)
         with self._lock:
-            left, self._quarantine = [c for c, _ in self._quarantine.values()], {}
-        for cache in left:  # every peer is unlinked now
-            self._release_memory(cache)
+            left, self._quarantine, self._fences = [c for c, _ in self._quarantine.values()], {}, {}
+        for cache in left:  # only fenced peers may still write: never freed (D8)
+            self._release_memory(cache, retain=True)
         if self._server is not None:
             self._server.close()
             self._server = None

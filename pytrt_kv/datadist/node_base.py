@@ -206,6 +206,12 @@ class NodeState:
     def _tell_unlink(self, peer: Peer) -> None:
         raise NotImplementedError
 
+    def _review_fences(self, force: bool = False) -> None:
+        raise NotImplementedError
+
+    def _release_memory(self, cache: Cache, retain: bool = False) -> None:
+        raise NotImplementedError
+
     def _local_cache(self, arg: str, cache: Any) -> Cache:
         raise NotImplementedError
 
