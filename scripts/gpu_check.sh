@@ -42,7 +42,7 @@
 #   PYTRT_KV_BUILD_DIR      build folder (default build/gpu-check, build/gpu-check-dry)
 #   PYTRT_KV_CHECK_SAMPLE   dry run: every Nth GPU test (default 25)
 #   PYTRT_KV_CHECK_FAIL     steps made to fail (comma list): tests of this script
-#   PYTRT_KV_CHECK_HANG     steps made to hang past their limit, which is then
+#   PYTRT_KV_CHECK_HANG     steps made to hang past their limit, which is then at most
 #                           PYTRT_KV_CHECK_HANG_LIMIT s (default 2): tests of this script
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -145,7 +145,13 @@ render_summary() {  # the whole summary.md, from what is known now
     else echo "Result: no step failed."; fi
   } >"$SUMMARY.tmp" && mv "$SUMMARY.tmp" "$SUMMARY"
 }
+STEP_PID=""
 on_signal() {
+  # Stop the running step (its `timeout` passes the signal on to everything it started).
+  if [ -n "$STEP_PID" ]; then
+    kill -TERM "$STEP_PID" 2>/dev/null
+    wait "$STEP_PID" 2>/dev/null
+  fi
   for s in "${STEPS[@]}"; do
     [ "${STATUS[$s]:-}" = running ] && STATUS[$s]="TIMEOUT (the whole command was stopped)"
   done
@@ -177,15 +183,19 @@ run_step() {
   if listed "$name" "${PYTRT_KV_CHECK_FAIL:-}"; then
     cmd=(bash -c "echo 'forced failure (PYTRT_KV_CHECK_FAIL=$name)'; exit 3")
   elif listed "$name" "${PYTRT_KV_CHECK_HANG:-}"; then
-    limit=${PYTRT_KV_CHECK_HANG_LIMIT:-2}
+    [ "${PYTRT_KV_CHECK_HANG_LIMIT:-2}" -lt $limit ] && limit=${PYTRT_KV_CHECK_HANG_LIMIT:-2}
     cmd=(bash -c "echo 'forced hang (PYTRT_KV_CHECK_HANG=$name)'; sleep 600")
   fi
   rm -f "$OUT/.$name.status" "$OUT/.$name.note"
   STATUS[$name]=running; render_summary
   echo "== $name (limit $limit s)"
   t0=$(date +%s)
-  STEP=$name timeout --kill-after=10 "$limit" "${cmd[@]}" >"$OUT/$name.log" 2>&1
+  # In the background with `wait`, so that a TERM to this script is handled at once.
+  STEP=$name timeout --kill-after=10 "$limit" "${cmd[@]}" >"$OUT/$name.log" 2>&1 </dev/null &
+  STEP_PID=$!
+  wait "$STEP_PID"
   rc=$?
+  STEP_PID=""
   SECS[$name]=$(( $(date +%s) - t0 ))
   [ -f "$OUT/.$name.note" ] && NOTE[$name]=$(tr '|' '/' <"$OUT/.$name.note" | paste -sd';' | sed 's/;/; /g')
   if [ $rc = 0 ]; then
@@ -215,24 +225,33 @@ pytest_tail() {  # the counts line of a pytest log, as a note
 
 step_build() {
   set -e
-  local args=(-S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
+  local gen="Unix Makefiles" one
+  command -v ninja >/dev/null 2>&1 && gen=Ninja
+  local args=(-S "$ROOT" -B "$BUILD" -G "$gen" -DCMAKE_BUILD_TYPE=Release
     "-DCMAKE_CUDA_ARCHITECTURES=$ARCH-real")
-  if ! command -v nvcc >/dev/null 2>&1; then
-    [ "$DRY" = 1 ] || { echo "nvcc is not on PATH"; exit 1; }
-    echo "simulated: no nvcc here, nothing compiled" >"$OUT/.$STEP.status"
+  for tool in nvcc cmake; do
+    command -v $tool >/dev/null 2>&1 && continue
+    [ "$DRY" = 1 ] || { echo "$tool is not on PATH"; exit 1; }
+    echo "simulated: no $tool here, nothing compiled" >"$OUT/.$STEP.status"
     exit 0
-  fi
-  # A folder configured for another architecture is reconfigured from scratch.
-  if [ -f "$BUILD/CMakeCache.txt" ] &&
-    ! grep -qE "^CMAKE_CUDA_ARCHITECTURES:[A-Z]+=$ARCH-real\$" "$BUILD/CMakeCache.txt"; then
+  done
+  # A folder configured for another architecture or generator starts from scratch.
+  if [ -f "$BUILD/CMakeCache.txt" ] && ! {
+    grep -qE "^CMAKE_CUDA_ARCHITECTURES:[A-Z]+=$ARCH-real\$" "$BUILD/CMakeCache.txt" &&
+      grep -qx "CMAKE_GENERATOR:INTERNAL=$gen" "$BUILD/CMakeCache.txt"
+  }; then
     rm -rf "$BUILD"
   fi
   cmake "${args[@]}"
   if [ "$DRY" = 1 ]; then
-    # The rehearsal compiles one kernel translation unit for sm_$ARCH (the other two take
-    # about 13 s more on 2 cores); the emulated library comes from the installed package.
-    cmake --build "$BUILD" --target \
-      plugins/kernels/CMakeFiles/pytrt_kv_kernels_impl.dir/gatherSelectionKvCache.cu.o
+    # The rehearsal compiles one kernel translation unit for sm_$ARCH (the scatter one
+    # takes 13 s more on 2 cores); the emulated library comes from the installed package.
+    one=gatherSelectionKvCache.cu.o
+    if [ "$gen" = Ninja ]; then
+      cmake --build "$BUILD" --target "plugins/kernels/CMakeFiles/pytrt_kv_kernels_impl.dir/$one"
+    else
+      make -C "$BUILD/plugins/kernels" "$one"
+    fi
     "$PY" -c "from pytrt_kv import _lib; import sys; p = _lib.find(_lib.EMU_KERNELS_LIB); \
 print('emulated kernels:', p); sys.exit(p is None)"
     echo "configure + gatherSelectionKvCache.cu for sm_$ARCH; emulated library found" \
