@@ -259,6 +259,8 @@ print('emulated kernels:', p); sys.exit(p is None)"
   else
     cmake --build "$BUILD" -j "$(nproc)"
     lib=$BUILD/lib/libpytrt_kv_kernels.so
+    # The build record beside the library: `pytrt-kv info` and the tests read it there.
+    cp "$BUILD/build_info.json" "$BUILD/lib/"
     if command -v cuobjdump >/dev/null 2>&1; then
       cuobjdump --list-elf "$lib" | tee /dev/stderr | grep -q "sm_$ARCH" ||
         { echo "no sm_$ARCH code in $lib"; exit 1; }
