@@ -197,7 +197,7 @@ run_step() {
   rc=$?
   STEP_PID=""
   SECS[$name]=$(( $(date +%s) - t0 ))
-  [ -f "$OUT/.$name.note" ] && NOTE[$name]=$(tr '|' '/' <"$OUT/.$name.note" | paste -sd';' | sed 's/;/; /g')
+  [ -f "$OUT/.$name.note" ] && NOTE[$name]=$(tr '|' '/' <"$OUT/.$name.note" | paste -sd';' | sed 's/;\([^ ]\)/; \1/g')
   if [ $rc = 0 ]; then
     STATUS[$name]=$(cat "$OUT/.$name.status" 2>/dev/null || echo ok)
   elif [ $rc = 124 ] || [ $rc = 137 ]; then

@@ -88,6 +88,7 @@ def test_dry_run_lists_every_step_when_one_fails_and_one_times_out(tmp_path):
         PYTRT_KV_CHECK_FAIL="e4m3-nan",
         PYTRT_KV_CHECK_HANG="racecheck",
         PYTRT_KV_CHECK_HANG_LIMIT="2",
+        PYTRT_KV_CHECK_SAMPLE="60",  # 10 GPU tests: the step, not the tests, is checked here
     )
     assert r.returncode == 1, r.stdout + r.stderr
     _listed_in_order(rows)
