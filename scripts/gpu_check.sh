@@ -30,13 +30,14 @@
 # first session with a GPU makes (repository root on the device machine; 450 s leaves
 # about 5 minutes of the 15 for the machine's start and one rerun of what failed):
 #
-#   run(command="bash scripts/gpu_check.sh --budget 420 \"$OUT\"", timeout_s=450)
+#   run(command="PYTRT_KV_COMMIT=<git rev-parse --short HEAD> bash scripts/gpu_check.sh --budget 420 \"$OUT\"", timeout_s=450)
 #
-# and a rerun of what failed, e.g.:
-#   run(command="bash scripts/gpu_check.sh --budget 200 --steps gpu-tests,bench-gather \"$OUT\"", timeout_s=230)
+# (<...> filled in by the session: the copy there has no .git) and a rerun of what failed:
+#   run(command="PYTRT_KV_COMMIT=<...> bash scripts/gpu_check.sh --budget 200 --steps gpu-tests,bench-gather \"$OUT\"", timeout_s=230)
 #
 # Environment:
 #   PYTHON                  interpreter (default python3)
+#   PYTRT_KV_COMMIT         the commit named in the summary where there is no .git
 #   PYTRT_KV_ARCH           CUDA architecture to build (default: nvidia-smi's compute_cap,
 #                           else 90)
 #   PYTRT_KV_BUILD_DIR      build folder (default build/gpu-check, build/gpu-check-dry)
@@ -66,7 +67,7 @@ while [ $# -gt 0 ]; do
     --steps=*) SELECTED=${1#--steps=} ;;
     --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
     --budget=*) BUDGET=${1#--budget=} ;;
-    -h | --help) sed -n '2,48p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $1 (see --help)" >&2; exit 64 ;;
     *) OUT_ARG=$1 ;;
   esac
@@ -92,8 +93,13 @@ SUMMARY=$OUT/summary.md
 PY=${PYTHON:-python3}
 T0=$(date +%s)
 DEADLINE=$((T0 + BUDGET))
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-git diff --quiet HEAD 2>/dev/null || COMMIT="$COMMIT (+ uncommitted changes)"
+# The device machine gets a copy of the work tree without .git: the run command names
+# the commit (PYTRT_KV_COMMIT=$(git rev-parse --short HEAD), expanded where it is typed).
+if COMMIT=$(git rev-parse --short HEAD 2>/dev/null); then
+  git diff --quiet HEAD 2>/dev/null || COMMIT="$COMMIT (+ uncommitted changes)"
+else
+  COMMIT=${PYTRT_KV_COMMIT:-"unknown (no git here: set PYTRT_KV_COMMIT)"}
+fi
 DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
 
 # --- where we run ---------------------------------------------------------------------------

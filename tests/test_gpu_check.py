@@ -186,6 +186,30 @@ def test_without_a_gpu_the_real_run_says_so_and_runs_nothing(tmp_path):
     assert "no usable GPU" in rows["_text"]["text"]
 
 
+def test_without_git_the_summary_names_the_commit_it_is_given(tmp_path):
+    # The device machine gets the work tree without .git.
+    (tmp_path / "tree" / "scripts").mkdir(parents=True)
+    script = tmp_path / "tree" / "scripts" / "gpu_check.sh"
+    script.write_text(SCRIPT.read_text(encoding="utf-8"), encoding="utf-8")
+    for commit, want in (("abc1234", "commit: abc1234"), (None, "commit: unknown (no git")):
+        env = _env(PYTRT_KV_CHECK_FAIL="build", GIT_CEILING_DIRECTORIES=str(tmp_path))
+        if commit:
+            env["PYTRT_KV_COMMIT"] = commit
+        out = tmp_path / f"out-{commit}"
+        r = subprocess.run(
+            ["bash", str(script), "--dry-run", str(out)], env=env, capture_output=True, timeout=60
+        )
+        assert r.returncode == 1
+        assert want in (out / "summary.md").read_text(), commit
+
+
+def test_help_shows_the_run_command(tmp_path):
+    r = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    assert 'run(command="PYTRT_KV_COMMIT=' in r.stdout
+    assert "PYTRT_KV_CHECK_HANG_LIMIT" in r.stdout and "set -uo" not in r.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
