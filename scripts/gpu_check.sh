@@ -19,7 +19,10 @@
 #   OUT_DIR      default ./out; on the device machine "$OUT" (what is under it comes back)
 #
 # Steps: build, gpu-tests, e4m3-nan, memcheck, racecheck, synccheck, bench-scatter,
-# bench-gather, bench-quant, initcheck. Logs: OUT_DIR/<step>.log; benchmark tables:
+# bench-gather, bench-quant, initcheck, plugin-harness (the TensorRT plugins' enqueue
+# through plugins/harness, without libnvinfer: only where TensorRT_INCLUDE_DIR names
+# TensorRT headers, e.g. a carried .venv-test/trt-headers/include; else skipped, saying
+# so). Logs: OUT_DIR/<step>.log; benchmark tables:
 # OUT_DIR/bench-<op>.md and .json (paste into BENCHMARKS.md). Exit status 0 when every
 # step passed (or was simulated in a dry run), 1 when one failed or timed out, 2 when there
 # is no GPU (without --dry-run).
@@ -50,10 +53,11 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
 STEPS=(build gpu-tests e4m3-nan memcheck racecheck synccheck bench-scatter bench-gather
-  bench-quant initcheck)
+  bench-quant initcheck plugin-harness)
 # Per-step limits (s) on the GPU; the projection behind them is in BENCHMARKS.md.
 declare -A LIMIT=([build]=150 [gpu-tests]=150 [e4m3-nan]=60 [memcheck]=90 [racecheck]=90
-  [synccheck]=90 [bench-scatter]=120 [bench-gather]=120 [bench-quant]=90 [initcheck]=90)
+  [synccheck]=90 [bench-scatter]=120 [bench-gather]=120 [bench-quant]=90 [initcheck]=90
+  [plugin-harness]=120)
 declare -A STATUS=() SECS=() NOTE=()
 
 DRY=0
@@ -235,6 +239,9 @@ step_build() {
   command -v ninja >/dev/null 2>&1 && gen=Ninja
   local args=(-S "$ROOT" -B "$BUILD" -G "$gen" -DCMAKE_BUILD_TYPE=Release
     "-DCMAKE_CUDA_ARCHITECTURES=$ARCH-real")
+  # With TensorRT headers the plugins and their harness are built too (plugin-harness).
+  [ -n "${TensorRT_INCLUDE_DIR:-}" ] && [ "$DRY" = 0 ] &&
+    args+=("-DTensorRT_INCLUDE_DIR=$TensorRT_INCLUDE_DIR")
   for tool in nvcc cmake; do
     command -v $tool >/dev/null 2>&1 && continue
     [ "$DRY" = 1 ] || { echo "$tool is not on PATH"; exit 1; }
@@ -385,6 +392,28 @@ EOF
 step_bench_scatter() { bench scatter; }
 step_bench_gather() { bench gather; }
 step_bench_quant() { bench quant; }
+
+step_plugin_harness() {
+  local inc=${TensorRT_INCLUDE_DIR:-} bin=$BUILD/bin/pytrt_kv_plugin_harness
+  local cases=$BUILD/plugin_cases  # about 4 MB: kept out of OUT, which comes back
+  if [ -z "$inc" ]; then
+    echo "skipped: no TensorRT headers (set TensorRT_INCLUDE_DIR, e.g. to a carried" \
+      ".venv-test/trt-headers/include)" >"$OUT/.$STEP.status"
+    exit 0
+  fi
+  [ -f "$inc/NvInfer.h" ] || { echo "TensorRT_INCLUDE_DIR=$inc has no NvInfer.h"; exit 1; }
+  rm -rf "$cases"
+  "$PY" "$ROOT/plugins/harness/makeCases.py" "$cases" || exit 1
+  if [ "$DRY" = 1 ]; then
+    echo "GPU run would execute: $bin check && $bin run $cases/*/"
+    echo "simulated: the harness enqueues on a GPU; its $(find "$cases" -mindepth 1 \
+      -maxdepth 1 -type d | wc -l) cases were written, commands built" >"$OUT/.$STEP.status"
+    exit 0
+  fi
+  [ -x "$bin" ] || { echo "$bin was not built (see build.log)"; exit 1; }
+  "$bin" check || exit 1
+  "$bin" run "$cases"/*/
+}
 
 # --- the run --------------------------------------------------------------------------------
 rm -f "$OUT/.workload-ran" "$OUT/.bench-checked"

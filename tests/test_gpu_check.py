@@ -40,7 +40,12 @@ def _emu_reason() -> str:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTRT_KV_")}
+    # TensorRT headers only where a test asks for them (plugin-harness).
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTRT_KV_", "TensorRT_", "TRITON_"))
+    }
     env["PYTHON"] = sys.executable
     env.update(extra)
     return env
@@ -100,10 +105,11 @@ def test_dry_run_lists_every_step_when_one_fails_and_one_times_out(tmp_path):
     assert "stopped after its limit" in (tmp_path / "racecheck.log").read_text()
     assert "Result: some steps FAILED" in text
     # Every other step ran its small version: passed, or simulated with the reason.
-    for name in set(STEPS) - {"e4m3-nan", "racecheck"}:
+    for name in set(STEPS) - {"e4m3-nan", "racecheck", "plugin-harness"}:
         status = rows[name]["status"]
         assert status == "ok" or status.startswith("simulated: "), (name, status)
         assert (tmp_path / f"{name}.log").is_file(), name
+    assert rows["plugin-harness"]["status"].startswith("skipped: no TensorRT headers (set ")
     assert rows["build"]["status"] in ("ok", "simulated: no nvcc here, nothing compiled")
     assert re.search(r"\d+ passed", rows["gpu-tests"]["note"]), rows["gpu-tests"]
     # compute-sanitizer is not here: the steps say so, and the workload ran on the emulator.
@@ -117,6 +123,41 @@ def test_dry_run_lists_every_step_when_one_fails_and_one_times_out(tmp_path):
     bench_log = (tmp_path / "bench-scatter.log").read_text()
     assert "bench --op scatter --output" in bench_log
     assert re.search(r"Triton (baseline skipped|scatter \(interpreted\) matches)", bench_log)
+
+
+def _trt_headers():
+    from support.env import trt_include_dir
+
+    inc = trt_include_dir() or REPO / ".venv-test" / "trt-headers" / "include"
+    return inc if (inc / "NvInfer.h").is_file() else None
+
+
+@pytest.mark.skipif(
+    _trt_headers() is None, reason="no TensorRT headers (scripts/test.sh gets them)"
+)
+def test_with_tensorrt_headers_the_plugin_cases_are_written(tmp_path):
+    r, rows = _run(
+        tmp_path,
+        "--dry-run",
+        "--steps",
+        "plugin-harness",
+        TensorRT_INCLUDE_DIR=str(_trt_headers()),
+        PYTRT_KV_BUILD_DIR=str(tmp_path / "build"),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    status = rows["plugin-harness"]["status"]
+    assert re.fullmatch(r"simulated: the harness enqueues on a GPU; its \d+ cases were written, "
+                        r"commands built", status), status  # fmt: skip
+    assert "pytrt_kv_plugin_harness run" in (tmp_path / "plugin-harness.log").read_text()
+
+
+def test_a_wrong_tensorrt_folder_fails_the_plugin_step(tmp_path):
+    r, rows = _run(
+        tmp_path, "--dry-run", "--steps", "plugin-harness", TensorRT_INCLUDE_DIR=str(tmp_path)
+    )
+    assert r.returncode == 1
+    assert rows["plugin-harness"]["status"] == "FAILED (rc 1)"
+    assert "has no NvInfer.h" in (tmp_path / "plugin-harness.log").read_text()
 
 
 @pytest.mark.skipif(bool(_emu_reason()), reason=_emu_reason() or "-")
