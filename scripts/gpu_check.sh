@@ -161,6 +161,8 @@ on_signal() {
   if [ -n "$STEP_PID" ]; then
     kill -TERM "$STEP_PID" 2>/dev/null
     wait "$STEP_PID" 2>/dev/null
+    # `timeout` leads its own process group: whatever of the step outlived it goes too.
+    kill -KILL -- "-$STEP_PID" 2>/dev/null
   fi
   for s in "${STEPS[@]}"; do
     [ "${STATUS[$s]:-}" = running ] && STATUS[$s]="TIMEOUT (the whole command was stopped)"
@@ -205,6 +207,7 @@ run_step() {
   STEP_PID=$!
   wait "$STEP_PID"
   rc=$?
+  kill -KILL -- "-$STEP_PID" 2>/dev/null  # anything the step left running (its group)
   STEP_PID=""
   SECS[$name]=$(( $(date +%s) - t0 ))
   [ -f "$OUT/.$name.note" ] && NOTE[$name]=$(tr '|' '/' <"$OUT/.$name.note" | paste -sd';' | sed 's/;\([^ ]\)/; \1/g')
