@@ -113,6 +113,9 @@ def bench_scatter(
     H, D, BS = 8, 128, 16
     dt = torch.bfloat16
     sizes = (1, 16, 256, 4096) if quick else (1, 4, 16, 64, 256, 1024, 4096, 16384)
+    tri, why = triton_scatter()
+    if tri is None and progress:
+        progress(why)
     rows = []
     for T in sizes:
         NB = max(2 * T // BS, 4)
@@ -147,6 +150,10 @@ def bench_scatter(
         }
         r["copy_ratio"] = r["copy_graph_us"] / r["kernel_graph_us"]
         r["vs_torch"] = r["torch_graph_us"] / r["kernel_graph_us"]
+        if tri is not None:
+            r.update(_time_triton(torch, timer, tri, (key, value, kc, vc, slots), torch_index))
+            if "triton_graph_us" in r:
+                r["vs_triton"] = r["triton_graph_us"] / r["kernel_graph_us"]
         r["gbps"] = 2 * moved / r["kernel_graph_us"] / 1e3  # read + write
         if T >= 4096:
             r["target"] = f"copy ratio >= {TARGETS['scatter_large_copy_ratio']:.2f}"
@@ -164,6 +171,42 @@ def bench_scatter(
         if progress:
             progress(_line(r))
     return rows
+
+
+def triton_scatter() -> tuple[Callable[..., None] | None, str]:
+    """The Triton scatter baseline (:mod:`pytrt_kv.bench_triton`) and ``""``, or ``None``
+    and why it is skipped (Triton is not installed or does not import)."""
+    try:
+        from . import bench_triton
+    except Exception as exc:  # ImportError, or a Triton that fails at import
+        return None, f"Triton baseline skipped: triton does not import ({exc})"
+    return bench_triton.scatter, ""
+
+
+def _time_triton(
+    torch: Any, timer: Timer, tri: Callable[..., None], args: tuple, reference: Callable[[], None]
+) -> dict[str, Any]:
+    """Checks the Triton scatter writes what ``reference`` (torch ``index_copy_`` into the
+    same caches) writes, then times it; a mismatch is reported in the row, never timed."""
+    key, value, kc, vc, slots = args
+    torch.cuda.synchronize()  # everything before, on any stream, is done
+    try:
+        with torch.cuda.stream(timer.stream):  # one stream: each step sees the previous one
+            kc.zero_(), vc.zero_()
+            reference()
+            want = kc.clone(), vc.clone()
+            kc.zero_(), vc.zero_()
+            tri(key, value, kc, vc, slots)  # the first call compiles the kernel
+        timer.stream.synchronize()
+    except Exception as exc:  # a Triton that cannot compile here costs the baseline only
+        return {"triton_check": f"FAILED: {type(exc).__name__}: {exc}"[:200].replace("|", "/")}
+    if not (torch.equal(kc, want[0]) and torch.equal(vc, want[1])):
+        return {"triton_check": "MISMATCH against index_copy_: not timed"}
+
+    def fn() -> None:
+        tri(key, value, kc, vc, slots)
+
+    return {"triton_us": timer.eager(fn), "triton_graph_us": timer.graph(fn)}
 
 
 # --- quantise on write (docs/SPEC.md S9) -----------------------------------------------------
@@ -259,7 +302,15 @@ def _gather_buffers(torch: Any, *, rows_bs: int, K: int, kv: int, rope: int, hos
     ], kv_len
 
 
-def _topk_pair(torch: Any, rows_bs: int, K: int, kv_len: int, overlap: float, seed: int = 0):
+def _topk_pair(
+    torch: Any,
+    rows_bs: int,
+    K: int,
+    kv_len: int,
+    overlap: float,
+    seed: int = 0,
+    device: str = "cuda",
+):
     """Two top-k sets per row sharing ``overlap`` of their ids: alternating calls A, B, A...
     keep the shared ids in place and copy the rest (steady-state reuse). Ids stay below
     kv_len - S so that shared ids may be kept (docs/SPEC.md G5.2)."""
@@ -271,7 +322,7 @@ def _topk_pair(torch: Any, rows_bs: int, K: int, kv_len: int, overlap: float, se
         shared, a_only, b_only = perm[:keep], perm[keep:K], perm[K : 2 * K - keep]
         tops[0][b, 0, 0] = torch.cat([shared, a_only])[torch.randperm(K, generator=g)]
         tops[1][b, 0, 0] = torch.cat([shared, b_only])[torch.randperm(K, generator=g)]
-    return [t.cuda() for t in tops]
+    return [t.to(device) for t in tops]
 
 
 def bench_gather(
@@ -364,6 +415,44 @@ def bench_gather(
     return rows
 
 
+def cpu_check(torch: Any, progress: Callable[[str], None]) -> None:
+    """What of the benchmark runs without a GPU (the rehearsal of scripts/gpu_check.sh
+    --dry-run): the reuse pairs share exactly the asked overlap, and the Triton scatter
+    (under ``TRITON_INTERPRET=1``, on CPU tensors) writes what ``index_copy_`` writes.
+    Raises RuntimeError on a wrong result; says what it could not check."""
+    K, kv_len = 64, 512
+    a, b = _topk_pair(torch, 3, K, kv_len, 0.9, device="cpu")
+    for r in range(3):
+        x, y = set(a[r].flatten().tolist()), set(b[r].flatten().tolist())
+        if len(x) != K or len(y) != K or len(x & y) != round(0.9 * K) or max(x | y) >= kv_len:
+            raise RuntimeError(f"_topk_pair row {r}: {len(x & y)} shared ids, want {0.9 * K}")
+    progress(f"reuse pairs: {round(0.9 * K)} of {K} ids shared per row, as asked")
+    tri, why = triton_scatter()
+    if tri is None:
+        progress(why)
+        return
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        progress("Triton scatter not run: set TRITON_INTERPRET=1 to run it on the CPU")
+        return
+    T, H, D, BS = 37, 8, 128, 16
+    key = torch.randn(T, H, D, dtype=torch.bfloat16)
+    value = torch.randn_like(key)
+    caches = [torch.zeros(6, BS, H, D, dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.randperm(6 * BS)[:T].to(torch.int32)
+    slots[::7] = -1
+    tri(key, value, caches[0], caches[1], slots)
+    ok = slots >= 0
+    for src, cache in ((key, caches[2]), (value, caches[3])):
+        cache.view(-1, H, D).index_copy_(0, slots[ok].long(), src[ok])
+    if not (torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])):
+        raise RuntimeError("the Triton scatter differs from index_copy_ (TRITON_INTERPRET=1)")
+    progress(
+        f"Triton scatter (interpreted) matches index_copy_: {T} tokens, {int(ok.sum())} written"
+    )
+
+
 # --- report --------------------------------------------------------------------------------
 
 
@@ -386,9 +475,12 @@ _COLUMNS = {
         "kernel_graph_us",
         "copy_graph_us",
         "torch_graph_us",
+        "triton_graph_us",
         "gbps",
         "copy_ratio",
         "vs_torch",
+        "vs_triton",
+        "triton_check",
         "target",
         "met",
     ],

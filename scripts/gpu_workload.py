@@ -120,6 +120,53 @@ def scatter_cases(rng):
         dc.get()
 
 
+def wide(rng, shape, dtype, *, nan):
+    """Magnitudes 2^-16 .. 2^12 (under, inside and over e4m3's range once scaled) with
+    zeros, infinities and (e4m3 caches) NaN of both signs: every conversion branch."""
+    x = rng.choice([-1.0, 1.0], shape) * 2.0 ** rng.uniform(-16, 12, shape)
+    specials = [0.0, -0.0, np.inf, -np.inf, 448.0, 464.0] + ([np.nan, -np.nan] if nan else [])
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, len(specials), replace=False)] = specials
+    return x.astype(numpy_dtype(dtype))
+
+
+def quantise_cases(rng):
+    """Quantise on write (docs/SPEC.md S9): f16/bf16/f32 into e4m3 and int8 caches, per-tensor
+    and per-head scales, every layout; D = 7 makes the element-at-a-time path."""
+    for layout, D in (("nd", 64), ("hnd", 64), ("nz", 64), ("nd", 7)):
+        for src in ("float16", "bfloat16", "float32"):
+            for cache_dt in ("float8_e4m3fn", "int8"):
+                for per_head in (False, True):
+                    T, H, NB, BS = 21, 2, 5, 8
+                    L = nz_last_dim(numpy_dtype(cache_dt))
+                    shape = {
+                        "nd": (NB, BS, H, D),
+                        "hnd": (NB, H, BS, D),
+                        "nz": (NB, H * D // L, BS, L),
+                    }[layout]
+                    nan = cache_dt == "float8_e4m3fn"
+                    key, value = (
+                        wide(rng, (T, H, D), src, nan=nan),
+                        wide(rng, (T, H, D), src, nan=nan),
+                    )
+                    ks = rng.uniform(0.25, 4.0, H) if per_head else rng.uniform(0.25, 4.0, ())
+                    vs = rng.uniform(0.25, 4.0, H) if per_head else rng.uniform(0.25, 4.0, ())
+                    ks, vs = np.asarray(ks, np.float32), np.asarray(vs, np.float32)
+                    slots = rng.permutation(NB * BS)[:T].astype(np.int32)
+                    slots[::4] = -1
+                    kc = np.full(shape, 3, numpy_dtype(cache_dt))
+                    want_k, want_v = kc.copy(), kc.copy()
+                    ref_scatter(key, value, want_k, want_v, slots, cache_layout=layout,
+                                k_scale=ks, v_scale=vs)  # fmt: skip
+                    dkc, dvc = dev(kc), dev(kc)
+                    ops.scatter_pa_kv_cache(dev(key), dev(value), dkc, dvc, dev(slots),
+                                            cache_layout=layout, k_scale=dev(ks),
+                                            v_scale=dev(vs))  # fmt: skip
+                    what = f"quantise {layout} D={D} {src}->{cache_dt} per_head={per_head}"
+                    same(dkc.get(), want_k, what + " key_cache")
+                    same(dvc.get(), want_v, what + " value_cache")
+
+
 def gather_case(rng, *, K, tbs, sbs, fbs, S, rope, host, steps=3):
     B, kv, dtype = 2, 96, "bfloat16"
     fmax = max(-(-2 * K * tbs // fbs), 3)
@@ -197,6 +244,7 @@ def gather_case(rng, *, K, tbs, sbs, fbs, S, rope, host, steps=3):
 def main() -> int:
     rng = np.random.default_rng(7)
     scatter_cases(rng)
+    quantise_cases(rng)
     for host in (False, True):
         gather_case(rng, K=2048, tbs=1, sbs=64, fbs=64, S=1, rope=16, host=host)
         gather_case(rng, K=8, tbs=4, sbs=8, fbs=12, S=2, rope=0, host=host)
