@@ -49,7 +49,9 @@ import numpy as np
 
 from . import _cuda
 from ._cuda import Buffer
+from .contract import specs
 from .contract.alias import buffer_range, check_no_alias
+from .contract.args import op_args, op_tensors
 from .contract.errors import describe, value_error
 from .contract.gather import GATHER_WRITTEN, validate_gather
 from .contract.scatter import SCATTER_WRITTEN, validate_scatter
@@ -185,20 +187,7 @@ def scatter_pa_kv_cache(
     serialized by the caller (one stream, or events between them).
     """
     launch = prepare_scatter(
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        compress_lens=compress_lens,
-        compress_seq_offsets=compress_seq_offsets,
-        seq_lens=seq_lens,
-        cache_layout=cache_layout,
-        compress_mode=compress_mode,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        stream=stream,
-        validate=validate,
+        **op_args(specs.SCATTER_PA_KV_CACHE, locals()), stream=stream, validate=validate
     )
     launch()
 
@@ -251,18 +240,7 @@ def prepare_scatter(
 ) -> Launch:
     """Check a scatter call like :func:`scatter_pa_kv_cache` and return it as a
     :class:`Launch` without enqueuing it."""
-    named = {
-        "key": key,
-        "value": value,
-        "key_cache": key_cache,
-        "value_cache": value_cache,
-        "slot_mapping": slot_mapping,
-        "compress_lens": compress_lens,
-        "compress_seq_offsets": compress_seq_offsets,
-        "seq_lens": seq_lens,
-        "k_scale": k_scale,
-        "v_scale": v_scale,
-    }
+    named = op_tensors(specs.SCATTER_PA_KV_CACHE, locals())
     bufs = _buffers(named)
 
     @functools.cache
@@ -274,18 +252,9 @@ def prepare_scatter(
         return device, _cuda.resolve_stream(stream, list(named.values()), device)
 
     meta = validate_scatter(
-        bufs["key"],
-        bufs["value"],
-        bufs["key_cache"],
-        bufs["value_cache"],
-        bufs["slot_mapping"],
-        compress_lens=bufs["compress_lens"],
-        compress_seq_offsets=bufs["compress_seq_offsets"],
-        seq_lens=bufs["seq_lens"],
+        **bufs,
         cache_layout=cache_layout,
         compress_mode=compress_mode,
-        k_scale=bufs["k_scale"],
-        v_scale=bufs["v_scale"],
         read=(lambda b: _cuda.read_back(b, site()[1])) if validate else None,
     )
     device, handle = site()
@@ -420,17 +389,7 @@ def gather_selection_kv_cache(
     or streams must be serialized by the caller.
     """
     return prepare_gather(
-        selection_k_rope,
-        selection_kv_cache,
-        selection_kv_block_table,
-        selection_kv_block_status,
-        selection_topk_indices,
-        full_k_rope,
-        full_kv_cache,
-        full_kv_block_table,
-        full_kv_actual_seq,
-        full_q_actual_seq,
-        selection_topk_block_size=selection_topk_block_size,
+        **op_args(specs.GATHER_SELECTION_KV_CACHE, locals()),
         stream=stream,
         validate=validate,
         out=out,
@@ -456,18 +415,7 @@ def prepare_gather(
 ) -> Launch:
     """Check a gather call like :func:`gather_selection_kv_cache` and return it as a
     :class:`Launch` (its ``result`` is the actual_seq buffer) without enqueuing it."""
-    named = {
-        "selection_k_rope": selection_k_rope,
-        "selection_kv_cache": selection_kv_cache,
-        "selection_kv_block_table": selection_kv_block_table,
-        "selection_kv_block_status": selection_kv_block_status,
-        "selection_topk_indices": selection_topk_indices,
-        "full_k_rope": full_k_rope,
-        "full_kv_cache": full_kv_cache,
-        "full_kv_block_table": full_kv_block_table,
-        "full_kv_actual_seq": full_kv_actual_seq,
-        "full_q_actual_seq": full_q_actual_seq,
-    }
+    named = op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals())
     bufs = _buffers(named)
 
     @functools.cache

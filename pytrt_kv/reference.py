@@ -21,8 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .contract import specs
+from .contract.args import op_args, op_tensors
 from .contract.dtypes import name_of, numpy_dtype
 from .contract.gather import check_row, validate_gather
+from .contract.layouts import LAYOUTS
+from .contract.quant import QUANT
 from .contract.scatter import ScatterMeta, run_segments, validate_scatter
 
 __all__ = [
@@ -47,21 +50,15 @@ def _bits(x: np.ndarray) -> np.ndarray:
 
 
 def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray, slots: np.ndarray) -> None:
-    """docs/SPEC.md S3-S5 for one (tensor, cache) pair; negative slots skipped."""
+    """docs/SPEC.md S3-S5 for one (tensor, cache) pair; negative slots skipped. Every
+    layout is the cache seen as [NB, nseg, BS, seg] (contract/layouts.py)."""
     valid = slots >= 0
     s = slots[valid]
     rows = _bits(src)[valid]  # [n, H, D]
-    out = _bits(cache)
-    nb, bs = meta.num_blocks, meta.block_size
-    if meta.layout == "nd":
-        heads, size = rows.shape[1:]
-        out.reshape(nb * bs, heads, size)[s] = rows
-        return
-    blk, off = s // bs, s % bs
-    if meta.layout == "hnd":
-        out[blk, :, off, :] = rows  # indexes [n, H, D]
-    else:  # "nz": f = h*D + d -> [f // L, f % L]
-        out[blk, :, off, :] = rows.reshape(len(s), out.shape[1], out.shape[3])
+    n, heads, size = rows.shape
+    out = LAYOUTS[str(meta.layout)].segments(_bits(cache), heads, size)
+    bs = meta.block_size
+    out[s // bs, :, s % bs, :] = rows.reshape(n, out.shape[1], out.shape[3])  # [n, nseg, seg]
 
 
 def quantise(src: np.ndarray, scale: np.ndarray, cache_dtype: str) -> np.ndarray:
@@ -70,7 +67,7 @@ def quantise(src: np.ndarray, scale: np.ndarray, cache_dtype: str) -> np.ndarray
     in float8_e4m3fn (int8 sources must hold no NaN: the caller checks)."""
     s = np.asarray(scale, np.float32).reshape(-1)
     per = s[None, :, None] if s.size > 1 else s[0]
-    m = np.float32(specs.SCATTER_QUANT_MAX[cache_dtype])
+    m = np.float32(QUANT[cache_dtype].max)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         v = np.clip(src.astype(np.float32) / per, -m, m)  # NaN stays NaN
         if cache_dtype == specs.INT8:
@@ -188,20 +185,7 @@ def scatter_pa_kv_cache(
     >>> int((key_cache == -1).sum())          # everything else untouched
     20
     """
-    meta = validate_scatter(
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        compress_lens=compress_lens,
-        compress_seq_offsets=compress_seq_offsets,
-        seq_lens=seq_lens,
-        cache_layout=cache_layout,
-        compress_mode=compress_mode,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    meta = validate_scatter(**op_args(specs.SCATTER_PA_KV_CACHE, locals()))
     pairs = [(key, key_cache)]
     if value is not None and value_cache is not None:  # validate_scatter: both or neither
         pairs.append((value, value_cache))
@@ -418,16 +402,7 @@ def gather_selection_kv_cache(
     [10.0, 18.0, 4.0]
     """
     meta, plans = validate_gather(
-        selection_k_rope,
-        selection_kv_cache,
-        selection_kv_block_table,
-        selection_kv_block_status,
-        selection_topk_indices,
-        full_k_rope,
-        full_kv_cache,
-        full_kv_block_table,
-        full_kv_actual_seq,
-        full_q_actual_seq,
+        *op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals()).values(),
         selection_topk_block_size=selection_topk_block_size,
         place=plan_row,  # every row planned from its old status (G5) and checked
     )

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import limits, specs
 from .alias import array_range, check_no_alias
+from .args import op_tensors
 from .dtypes import name_of
 from .errors import describe, type_error, value_error
 from .scatter import Read
@@ -41,18 +42,7 @@ MAX_TOPK = limits.MAX_TOPK
 INT32_MAX = 2**31 - 1
 
 #: The ten tensors of the op, in its order.
-GATHER_ARG_NAMES = _ARG_NAMES = (
-    "selection_k_rope",
-    "selection_kv_cache",
-    "selection_kv_block_table",
-    "selection_kv_block_status",
-    "selection_topk_indices",
-    "full_k_rope",
-    "full_kv_cache",
-    "full_kv_block_table",
-    "full_kv_actual_seq",
-    "full_q_actual_seq",
-)
+GATHER_ARG_NAMES = _ARG_NAMES = specs.GATHER_SELECTION_KV_CACHE.input_names
 
 #: The arguments a gather writes in place (the eager GPU API adds its ``out``).
 GATHER_WRITTEN = ("selection_k_rope", "selection_kv_cache", "selection_kv_block_status")
@@ -403,20 +393,8 @@ def check_gather(
     >>> meta.layout, meta.batch, meta.seq, meta.topk, meta.k_rope_dim
     ('BSND', 2, 1, 4, 64)
     """
-    tensors = (
-        selection_k_rope,
-        selection_kv_cache,
-        selection_kv_block_table,
-        selection_kv_block_status,
-        selection_topk_indices,
-        full_k_rope,
-        full_kv_cache,
-        full_kv_block_table,
-        full_kv_actual_seq,
-        full_q_actual_seq,
-    )
-    shapes = {name: _shape(name, x) for name, x in zip(_ARG_NAMES, tensors)}
-    by_name = dict(zip(_ARG_NAMES, tensors))
+    by_name = op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals())
+    shapes = {name: _shape(name, x) for name, x in by_name.items()}
     cache_dtype = _check_gather_dtypes(by_name)
     tbs = _check_tbs(selection_topk_block_size)
     c = _check_caches(shapes, by_name)
@@ -680,18 +658,7 @@ def validate_gather(
     ``place`` as in :func:`check_gather_values`, required unless ``read`` is None.
     Returns the meta and every row's plan (none when ``read`` is None).
     """
-    tensors = (
-        selection_k_rope,
-        selection_kv_cache,
-        selection_kv_block_table,
-        selection_kv_block_status,
-        selection_topk_indices,
-        full_k_rope,
-        full_kv_cache,
-        full_kv_block_table,
-        full_kv_actual_seq,
-        full_q_actual_seq,
-    )
+    tensors = tuple(op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals()).values())
     meta = check_gather(*tensors, selection_topk_block_size=selection_topk_block_size)
     if read is None:
         return meta, []

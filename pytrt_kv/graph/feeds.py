@@ -51,6 +51,7 @@ import numpy as np
 
 from ..contract import dtypes, specs
 from ..contract.errors import value_error
+from ..contract.layouts import LAYOUTS
 
 _FLOAT = {specs.FLOAT32, specs.FLOAT16, specs.BFLOAT16, specs.FLOAT8_E4M3, specs.FLOAT8_E5M2}
 
@@ -478,12 +479,12 @@ def _paged_step(model, info, rng) -> dict[str, np.ndarray]:
     if len(cshape) != 4:
         raise value_error(cache_name, "a 4-D cache [NB, BS, H, D]", list(cshape))
     # BS is dim 1 of an nd cache [NB, BS, H, D] and dim 2 of an hnd [NB, H, BS, D] or nz
-    # cache (docs/SPEC.md S2); a node that leaves cache_layout empty is detected as the
+    # cache (docs/SPEC.md S2, contract/layouts.py); a node that leaves cache_layout empty is detected as the
     # ops detect it, never assumed nd (that would read H as BS).
     layout = _node_attr(model, specs.SCATTER_PA_KV_CACHE.name, "cache_layout", "") or (
         _scatter_layout(info, ports, cache_name)
     )
-    nb, bs = (cshape[0], cshape[1]) if layout == "nd" else (cshape[0], cshape[2])
+    nb, bs = LAYOUTS[layout].blocks(cshape)
     tshape, tdt = info["block_tables"]
     if len(tshape) != 2:
         raise value_error("block_tables", "[B, W]", list(tshape))
@@ -624,7 +625,7 @@ def _scatter_indices(model, info, rng, table, kv_len, B, S) -> dict[str, np.ndar
         layout = _node_attr(model, "ScatterPaKvCache", "cache_layout", "") or _scatter_layout(
             info, ports, cache_name
         )
-        bs = cshape[1] if layout == "nd" else cshape[2]
+        bs = LAYOUTS[layout].blocks(cshape)[1]
         T = sm_shape[0]
         if T > nb * bs:
             raise ValueError(f"slot_mapping: expected at most NB*BS = {nb * bs} tokens, got {T}")
