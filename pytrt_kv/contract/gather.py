@@ -523,7 +523,7 @@ def check_gather_values(
     sel_table = np.asarray(selection_kv_block_table)
     full_table = np.asarray(full_kv_block_table)
     kv_lens = [int(x) for x in np.asarray(full_kv_actual_seq)]
-    tbs, sbs, fbs = meta.tbs, meta.sel_block_size, meta.full_block_size
+    tbs, fbs = meta.tbs, meta.full_block_size
 
     capacity = meta.full_max_block_num * fbs
     for b, kv_len in enumerate(kv_lens):
@@ -547,50 +547,63 @@ def check_gather_values(
         plans.append(plan)
         if plan.skipped:
             continue
-        # SBS and FBS are multiples of TBS (G2), so the tokens of one id lie in one column
-        # of full_kv_block_table and those of one slot in one column of its selection
-        # table row: the ranges are checked per id, before any per-token array exists
-        # (a huge TBS must not allocate for tokens that are refused anyway).
-        slot = np.flatnonzero(plan.copy).astype(np.int64)
-        ids = plan.status[slot].astype(np.int64)
-        src_col = ids * tbs // fbs
-        bad = np.flatnonzero(src_col >= meta.full_max_block_num)
-        if bad.size:  # unreachable after the capacity rule; kept as a guard
-            k = bad[0]
-            raise value_error(
-                f"selection_topk_indices row {r}",
-                f"ids whose tokens lie in "
-                f"the {meta.full_max_block_num} columns of full_kv_block_table",
-                f"id {ids[k]} needing column {src_col[k]}",
-            )
-        src_blk = full_table[b, src_col]
-        bad = np.flatnonzero((src_blk < 0) | (src_blk >= meta.full_block_num))
-        if bad.size:
-            k = bad[0]
-            raise value_error(
-                f"full_kv_block_table[{b}, {src_col[k]}]",
-                f"a block in [0, F_BLOCK_NUM = {meta.full_block_num}) (read "
-                f"for id {ids[k]} of row {r})",
-                int(src_blk[k]),
-            )
-
-        dst_q = slot * tbs
-        dst_col = dst_q // sbs
-        dst_blk = sel_table[r, dst_col]
-        bad = np.flatnonzero((dst_blk < 0) | (dst_blk >= meta.sel_block_num))
-        if bad.size:
-            k = bad[0]
-            raise value_error(
-                f"selection_kv_block_table[{r}, {dst_col[k]}]",
-                f"a block in [0, S_BLOCK_NUM = {meta.sel_block_num}) (written for slot {slot[k]})",
-                int(dst_blk[k]),
-            )
-        # A slot writes at most TBS tokens from a TBS-aligned offset of its block: two
-        # slots' writes overlap exactly when their first tokens share an address.
-        written.append((r, slot, dst_blk.astype(np.int64) * sbs + dst_q % sbs))
+        written.append(_row_writes(meta, r, b, plan, full_table, sel_table))
 
     _check_no_write_collision(written)
     return plans
+
+
+def _row_writes(
+    meta: GatherMeta,
+    r: int,
+    b: int,
+    plan: Placement,
+    full_table: np.ndarray,
+    sel_table: np.ndarray,
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """The table entries row r's plan dereferences, checked (DECISIONS G4, G5); returns
+    (r, copied slots, the flat selection address of each slot's first token)."""
+    tbs, sbs, fbs = meta.tbs, meta.sel_block_size, meta.full_block_size
+    # SBS and FBS are multiples of TBS (G2), so the tokens of one id lie in one column
+    # of full_kv_block_table and those of one slot in one column of its selection
+    # table row: the ranges are checked per id, before any per-token array exists
+    # (a huge TBS must not allocate for tokens that are refused anyway).
+    slot = np.flatnonzero(plan.copy).astype(np.int64)
+    ids = plan.status[slot].astype(np.int64)
+    src_col = ids * tbs // fbs
+    bad = np.flatnonzero(src_col >= meta.full_max_block_num)
+    if bad.size:  # unreachable after the capacity rule; kept as a guard
+        k = bad[0]
+        raise value_error(
+            f"selection_topk_indices row {r}",
+            f"ids whose tokens lie in the {meta.full_max_block_num} columns of full_kv_block_table",
+            f"id {ids[k]} needing column {src_col[k]}",
+        )
+    src_blk = full_table[b, src_col]
+    bad = np.flatnonzero((src_blk < 0) | (src_blk >= meta.full_block_num))
+    if bad.size:
+        k = bad[0]
+        raise value_error(
+            f"full_kv_block_table[{b}, {src_col[k]}]",
+            f"a block in [0, F_BLOCK_NUM = {meta.full_block_num}) (read "
+            f"for id {ids[k]} of row {r})",
+            int(src_blk[k]),
+        )
+
+    dst_q = slot * tbs
+    dst_col = dst_q // sbs
+    dst_blk = sel_table[r, dst_col]
+    bad = np.flatnonzero((dst_blk < 0) | (dst_blk >= meta.sel_block_num))
+    if bad.size:
+        k = bad[0]
+        raise value_error(
+            f"selection_kv_block_table[{r}, {dst_col[k]}]",
+            f"a block in [0, S_BLOCK_NUM = {meta.sel_block_num}) (written for slot {slot[k]})",
+            int(dst_blk[k]),
+        )
+    # A slot writes at most TBS tokens from a TBS-aligned offset of its block: two
+    # slots' writes overlap exactly when their first tokens share an address.
+    return r, slot, dst_blk.astype(np.int64) * sbs + dst_q % sbs
 
 
 def _check_no_write_collision(written: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
@@ -658,8 +671,9 @@ def validate_gather(
     ``place`` as in :func:`check_gather_values`, required unless ``read`` is None.
     Returns the meta and every row's plan (none when ``read`` is None).
     """
-    tensors = tuple(op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals()).values())
-    meta = check_gather(*tensors, selection_topk_block_size=selection_topk_block_size)
+    named = op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals())
+    tensors = tuple(named.values())
+    meta = check_gather(**named, selection_topk_block_size=selection_topk_block_size)
     if read is None:
         return meta, []
     if place is None:

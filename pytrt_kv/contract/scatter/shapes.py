@@ -382,6 +382,13 @@ def check_scatter(
         d, key, value, key_cache, value_cache, slot_mapping, indices, idx_shapes, layout, mode
     )
     nb, bs = _check_blocks(z.blocks)
+    return _meta(d, z, idx_dt, nb, bs, k_scale, v_scale)
+
+
+def _meta(
+    d: _Data, z: _Sizes, idx_dt: str, nb: int, bs: int, k_scale: Any, v_scale: Any
+) -> ScatterMeta:
+    """The ScatterMeta of a call whose shapes passed, after the S9 scale checks."""
     if len(d.k_shape) == 4:
         for arg, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
             if scale is not None:

@@ -137,27 +137,44 @@ def check_scatter_values(
     ...
     ValueError: slot_mapping: expected every non-negative slot < NB*BS = 6, got slot 6 for token 1
     """
-    n_slots = meta.num_slots
     if not meta.compress:
-        slots = _as_index("slot_mapping", slot_mapping, (meta.num_tokens,))
-        over = np.flatnonzero(slots >= n_slots)
-        if over.size:
-            t = int(over[0])
-            raise value_error(
-                "slot_mapping",
-                f"every non-negative slot < NB*BS = {n_slots}",
-                f"slot {slots[t]} for token {t}",
-            )
-        used = slots[slots >= 0]
-        values, counts = np.unique(used, return_counts=True)
-        if (counts > 1).any():
-            s = values[np.argmax(counts > 1)]
-            t0, t1 = np.flatnonzero(slots == s)[:2]
-            raise value_error(
-                "slot_mapping", "distinct non-negative slots", f"slot {s} for tokens {t0} and {t1}"
-            )
+        _check_token_slots(meta, slot_mapping)
         return
+    _check_runs(meta, slot_mapping, compress_lens, compress_seq_offsets, seq_lens)
 
+
+def _check_token_slots(meta: ScatterMeta, slot_mapping: np.ndarray) -> None:
+    """docs/SPEC.md S7 for a 3-D key: every non-negative slot < NB*BS, and distinct."""
+    n_slots = meta.num_slots
+    slots = _as_index("slot_mapping", slot_mapping, (meta.num_tokens,))
+    over = np.flatnonzero(slots >= n_slots)
+    if over.size:
+        t = int(over[0])
+        raise value_error(
+            "slot_mapping",
+            f"every non-negative slot < NB*BS = {n_slots}",
+            f"slot {slots[t]} for token {t}",
+        )
+    used = slots[slots >= 0]
+    values, counts = np.unique(used, return_counts=True)
+    if (counts > 1).any():
+        s = values[np.argmax(counts > 1)]
+        t0, t1 = np.flatnonzero(slots == s)[:2]
+        raise value_error(
+            "slot_mapping", "distinct non-negative slots", f"slot {s} for tokens {t0} and {t1}"
+        )
+
+
+def _check_runs(
+    meta: ScatterMeta,
+    slot_mapping: np.ndarray,
+    compress_lens: np.ndarray | None,
+    compress_seq_offsets: np.ndarray | None,
+    seq_lens: np.ndarray | None,
+) -> None:
+    """docs/SPEC.md S6-S7 for a 4-D key: the runs within their constraints, every row of
+    a live run < NB*BS, and runs of different (b, h) apart."""
+    n_slots = meta.num_slots
     shape_bh = (meta.batch, meta.num_heads)
     base = _as_index("slot_mapping", slot_mapping, shape_bh)
     for arg, x in (("compress_lens", compress_lens), ("seq_lens", seq_lens)):
