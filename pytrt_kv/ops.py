@@ -51,7 +51,7 @@ from . import _cuda
 from ._cuda import Buffer
 from .contract import specs
 from .contract.alias import buffer_range, check_no_alias
-from .contract.args import op_args, op_tensors
+from .contract.args import op_args, op_call, op_tensors
 from .contract.errors import describe, value_error
 from .contract.gather import GATHER_WRITTEN, validate_gather
 from .contract.scatter import SCATTER_WRITTEN, validate_scatter
@@ -221,26 +221,13 @@ class Launch:
         return self.result
 
 
-def prepare_scatter(
-    key: Any,
-    value: Any,
-    key_cache: Any,
-    value_cache: Any,
-    slot_mapping: Any,
-    *,
-    compress_lens: Any = None,
-    compress_seq_offsets: Any = None,
-    seq_lens: Any = None,
-    cache_layout: str | None = None,
-    compress_mode: str | None = None,
-    k_scale: Any = None,
-    v_scale: Any = None,
-    stream: Any = None,
-    validate: bool = False,
-) -> Launch:
-    """Check a scatter call like :func:`scatter_pa_kv_cache` and return it as a
-    :class:`Launch` without enqueuing it."""
-    named = op_tensors(specs.SCATTER_PA_KV_CACHE, locals())
+@op_call(specs.SCATTER_PA_KV_CACHE, stream=None, validate=False)
+def prepare_scatter(call: dict[str, Any]) -> Launch:
+    """Check a scatter call like :func:`scatter_pa_kv_cache` (same arguments: the op spec's
+    signature, :func:`pytrt_kv.contract.args.op_call`) and return it as a :class:`Launch`
+    without enqueuing it."""
+    stream, validate = call.pop("stream"), call.pop("validate")
+    named = op_tensors(specs.SCATTER_PA_KV_CACHE, call)
     bufs = _buffers(named)
 
     @functools.cache
@@ -253,8 +240,8 @@ def prepare_scatter(
 
     meta = validate_scatter(
         **bufs,
-        cache_layout=cache_layout,
-        compress_mode=compress_mode,
+        cache_layout=call["cache_layout"],
+        compress_mode=call["compress_mode"],
         read=(lambda b: _cuda.read_back(b, site()[1])) if validate else None,
     )
     device, handle = site()
@@ -396,26 +383,13 @@ def gather_selection_kv_cache(
     )()
 
 
-def prepare_gather(
-    selection_k_rope: Any,
-    selection_kv_cache: Any,
-    selection_kv_block_table: Any,
-    selection_kv_block_status: Any,
-    selection_topk_indices: Any,
-    full_k_rope: Any,
-    full_kv_cache: Any,
-    full_kv_block_table: Any,
-    full_kv_actual_seq: Any,
-    full_q_actual_seq: Any,
-    *,
-    selection_topk_block_size: int = 64,
-    stream: Any = None,
-    validate: bool = False,
-    out: Any = None,
-) -> Launch:
-    """Check a gather call like :func:`gather_selection_kv_cache` and return it as a
-    :class:`Launch` (its ``result`` is the actual_seq buffer) without enqueuing it."""
-    named = op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals())
+@op_call(specs.GATHER_SELECTION_KV_CACHE, stream=None, validate=False, out=None)
+def prepare_gather(call: dict[str, Any]) -> Launch:
+    """Check a gather call like :func:`gather_selection_kv_cache` (same arguments: the op
+    spec's signature) and return it as a :class:`Launch` (its ``result`` is the
+    actual_seq buffer) without enqueuing it."""
+    stream, validate, out = call.pop("stream"), call.pop("validate"), call.pop("out")
+    named = op_tensors(specs.GATHER_SELECTION_KV_CACHE, call)
     bufs = _buffers(named)
 
     @functools.cache
@@ -435,8 +409,8 @@ def prepare_gather(
         return device, _cuda.resolve_stream(stream, list(named.values()), device), out_buf
 
     meta, _ = validate_gather(
-        *(bufs[k] for k in named),
-        selection_topk_block_size=selection_topk_block_size,
+        **bufs,
+        selection_topk_block_size=call["selection_topk_block_size"],
         place=plan_row,
         read=(lambda b: _cuda.read_back(b, site()[1])) if validate else None,
     )

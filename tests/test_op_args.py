@@ -80,3 +80,36 @@ def test_op_args_reads_a_scope_in_spec_order_and_names_a_missing_argument():
     del scope["seq_lens"]
     with pytest.raises(KeyError, match="seq_lens"):
         args.op_args(SCATTER, scope)
+
+
+@pytest.mark.parametrize(
+    "fn, op",
+    [
+        (reference.scatter_pa_kv_cache, SCATTER),
+        (ops.scatter_pa_kv_cache, SCATTER),
+        (reference.gather_selection_kv_cache, GATHER),
+        (ops.gather_selection_kv_cache, GATHER),
+    ],
+    ids=["reference.scatter", "ops.scatter", "reference.gather", "ops.gather"],
+)
+def test_public_signatures_agree_with_the_generated_one(fn, op):
+    """The explicit signatures of the public faces take each argument as the spec's
+    generated signature does (same kind, same default), so a caller of validate_* or
+    prepare_* may pass what it passes to them."""
+
+    def kinds(sig):
+        return {n: (p.kind, p.default) for n, p in sig.parameters.items() if n in names}
+
+    names = args.arg_names(op)
+    assert kinds(inspect.signature(fn)) == kinds(args.signature(op))
+
+
+def test_op_call_binds_like_a_signature_and_names_the_function():
+    got = scatter.validate_scatter.__wrapped__  # the undecorated body takes one dict
+    assert list(inspect.signature(got).parameters) == ["call"]
+    sig = inspect.signature(scatter.validate_scatter)
+    assert list(sig.parameters)[-1] == "read" and sig.parameters["read"].default == "numpy"
+    with pytest.raises(TypeError, match=r"validate_scatter\(\): .*unexpected.*'cache_layot'"):
+        scatter.validate_scatter(None, None, None, None, None, cache_layot="nd")
+    with pytest.raises(TypeError, match=r"prepare_gather\(\): missing .*'full_q_actual_seq'"):
+        ops.prepare_gather(*range(9))

@@ -19,10 +19,9 @@ import numpy as np
 
 from . import limits, specs
 from .alias import array_range, check_no_alias
-from .args import op_tensors
+from .args import op_call, op_tensors
 from .dtypes import name_of
 from .errors import describe, type_error, value_error
-from .scatter import Read
 
 __all__ = [
     "GatherMeta",
@@ -43,6 +42,15 @@ INT32_MAX = 2**31 - 1
 
 #: The ten tensors of the op, in its order.
 GATHER_ARG_NAMES = _ARG_NAMES = specs.GATHER_SELECTION_KV_CACHE.input_names
+
+#: The tensors whose values check_gather_values reads.
+_VALUE_ARGS = (
+    "selection_kv_block_table",
+    "selection_kv_block_status",
+    "selection_topk_indices",
+    "full_kv_block_table",
+    "full_kv_actual_seq",
+)
 
 #: The arguments a gather writes in place (the eager GPU API adds its ``out``).
 GATHER_WRITTEN = ("selection_k_rope", "selection_kv_cache", "selection_kv_block_status")
@@ -648,22 +656,8 @@ def check_gather_numpy(meta: GatherMeta, args: Sequence[Any]) -> None:
     )
 
 
-def validate_gather(
-    selection_k_rope: Any,
-    selection_kv_cache: Any,
-    selection_kv_block_table: Any,
-    selection_kv_block_status: Any,
-    selection_topk_indices: Any,
-    full_k_rope: Any,
-    full_kv_cache: Any,
-    full_kv_block_table: Any,
-    full_kv_actual_seq: Any,
-    full_q_actual_seq: Any,
-    *,
-    selection_topk_block_size: Any = 64,
-    place: Callable[[Sequence[int], Sequence[int], int, int, int, int], P] | None = None,
-    read: Read = "numpy",
-) -> tuple[GatherMeta, list[P]]:
+@op_call(specs.GATHER_SELECTION_KV_CACHE, place=None, read="numpy")
+def validate_gather(call: dict[str, Any]) -> tuple[GatherMeta, list[Any]]:
     """Every rule of docs/SPEC.md G on one call, before anything is written.
 
     Tensors and TBS as :func:`pytrt_kv.reference.gather_selection_kv_cache`; ``read`` as
@@ -671,9 +665,10 @@ def validate_gather(
     ``place`` as in :func:`check_gather_values`, required unless ``read`` is None.
     Returns the meta and every row's plan (none when ``read`` is None).
     """
-    named = op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals())
+    place, read = call.pop("place"), call.pop("read")
+    named = op_tensors(specs.GATHER_SELECTION_KV_CACHE, call)
     tensors = tuple(named.values())
-    meta = check_gather(**named, selection_topk_block_size=selection_topk_block_size)
+    meta = check_gather(**call)
     if read is None:
         return meta, []
     if place is None:
@@ -683,11 +678,7 @@ def validate_gather(
     fetch = (lambda x: x) if read == "numpy" else read
     plans = check_gather_values(
         meta,
-        selection_kv_block_table=fetch(selection_kv_block_table),
-        selection_kv_block_status=fetch(selection_kv_block_status),
-        selection_topk_indices=fetch(selection_topk_indices),
-        full_kv_block_table=fetch(full_kv_block_table),
-        full_kv_actual_seq=fetch(full_kv_actual_seq),
+        **{name: fetch(named[name]) for name in _VALUE_ARGS},
         place=place,
     )
     return meta, plans

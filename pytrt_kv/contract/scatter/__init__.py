@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .. import specs
-from ..args import op_args, op_tensors
+from ..args import op_call, op_tensors
 from .basics import SCATTER_WRITTEN, ScatterMeta, nz_last_dim
 from .host import check_scatter_numpy
 from .quant import check_scale_values
@@ -49,25 +49,12 @@ _DATA_ARGS = ("key", "value", "key_cache", "value_cache")
 Read = Literal["numpy"] | Callable[[Any], np.ndarray] | None
 
 
-def validate_scatter(
-    key: Any,
-    value: Any,
-    key_cache: Any,
-    value_cache: Any,
-    slot_mapping: Any,
-    *,
-    compress_lens: Any = None,
-    compress_seq_offsets: Any = None,
-    seq_lens: Any = None,
-    cache_layout: str | None = None,
-    compress_mode: str | None = None,
-    k_scale: Any = None,
-    v_scale: Any = None,
-    read: Read = "numpy",
-) -> ScatterMeta:
+@op_call(specs.SCATTER_PA_KV_CACHE, read="numpy")
+def validate_scatter(call: dict[str, Any]) -> ScatterMeta:
     """Every rule of docs/SPEC.md S on one call, before anything is written.
 
-    Arguments as :func:`pytrt_kv.reference.scatter_pa_kv_cache`; ``read`` as :data:`Read`.
+    Arguments as :func:`pytrt_kv.reference.scatter_pa_kv_cache` (the signature is the op
+    spec's, :func:`pytrt_kv.contract.args.op_call`); ``read`` as :data:`Read`.
     With "numpy" the arguments must also be NumPy arrays, the caches writeable and
     C-contiguous, and no argument may share memory with a cache (:func:`check_scatter_numpy`),
     and a source quantised into an int8 cache must hold no NaN.
@@ -77,15 +64,15 @@ def validate_scatter(
     TypeError, ValueError
         Naming the argument, what was expected and what came.
     """
-    op = specs.SCATTER_PA_KV_CACHE
-    named = op_tensors(op, locals())
-    meta = check_scatter(**op_args(op, locals()))
+    read: Read = call.pop("read")
+    named = op_tensors(specs.SCATTER_PA_KV_CACHE, call)
+    meta = check_scatter(**call)
     if read is None:
         return meta
     if read == "numpy":
         check_scatter_numpy(named)
         host = named
-        sources = (key, value)
+        sources = (call["key"], call["value"])
     else:
         fetch = read  # a GPU call: only the index tensors and scales are copied back
         host = {
