@@ -24,6 +24,7 @@ from .specs import AttrSpec, OpSpec
 __all__ = [
     "GRAPH_ONLY_ATTRIBUTES",
     "arg_names",
+    "index_inputs",
     "op_args",
     "op_call",
     "op_tensors",
@@ -51,6 +52,11 @@ def op_args(op: OpSpec, scope: Mapping[str, Any]) -> dict[str, Any]:
     """``{name: value}`` of every Python argument of the op (:func:`arg_names`), taken
     from ``scope``; pass it on as keywords."""
     return {name: scope[name] for name in arg_names(op)}
+
+
+def index_inputs(op: OpSpec) -> tuple[str, ...]:
+    """The op's index inputs (int32 / int64 only), whose values the value rules read."""
+    return tuple(t.name for t in op.inputs if set(t.dtypes) <= {"int32", "int64"})
 
 
 def python_default(attr: AttrSpec) -> Any:

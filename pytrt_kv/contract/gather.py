@@ -19,7 +19,7 @@ import numpy as np
 
 from . import limits, specs
 from .alias import array_range, check_no_alias
-from .args import op_call, op_tensors
+from .args import index_inputs, op_call, op_tensors
 from .dtypes import name_of
 from .errors import describe, type_error, value_error
 
@@ -136,14 +136,7 @@ def _check_gather_dtypes(by_name: dict[str, Any]) -> str:
                 "(all four caches share one dtype)",
                 describe(by_name[name]),
             )
-    for name in (
-        "selection_kv_block_table",
-        "selection_kv_block_status",
-        "selection_topk_indices",
-        "full_kv_block_table",
-        "full_kv_actual_seq",
-        "full_q_actual_seq",
-    ):
+    for name in index_inputs(specs.GATHER_SELECTION_KV_CACHE):
         _dtype(name, by_name[name], specs.GATHER_INDEX_DTYPES)
     return cache_dtype
 
@@ -353,19 +346,8 @@ def _check_selection_table(
     return stab[0], stab[1]
 
 
-def check_gather(
-    selection_k_rope: Any,
-    selection_kv_cache: Any,
-    selection_kv_block_table: Any,
-    selection_kv_block_status: Any,
-    selection_topk_indices: Any,
-    full_k_rope: Any,
-    full_kv_cache: Any,
-    full_kv_block_table: Any,
-    full_kv_actual_seq: Any,
-    full_q_actual_seq: Any,
-    selection_topk_block_size: Any = 64,
-) -> GatherMeta:
+@op_call(specs.GATHER_SELECTION_KV_CACHE)
+def check_gather(call: dict[str, Any]) -> GatherMeta:
     """Validate the shapes, dtypes and attribute of a gather call (docs/SPEC.md G2).
 
     Values are never read, so the arguments may be NumPy arrays, torch tensors or CuPy
@@ -374,7 +356,8 @@ def check_gather(
     Parameters
     ----------
     The ten tensors of :func:`gather_selection_kv_cache`, in its order, and
-    ``selection_topk_block_size`` (TBS).
+    ``selection_topk_block_size`` (TBS): the op spec's signature
+    (:func:`pytrt_kv.contract.args.op_call`).
 
     Returns
     -------
@@ -401,10 +384,10 @@ def check_gather(
     >>> meta.layout, meta.batch, meta.seq, meta.topk, meta.k_rope_dim
     ('BSND', 2, 1, 4, 64)
     """
-    by_name = op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals())
+    by_name = op_tensors(specs.GATHER_SELECTION_KV_CACHE, call)
     shapes = {name: _shape(name, x) for name, x in by_name.items()}
     cache_dtype = _check_gather_dtypes(by_name)
-    tbs = _check_tbs(selection_topk_block_size)
+    tbs = _check_tbs(call["selection_topk_block_size"])
     c = _check_caches(shapes, by_name)
     batch, full_max_block_num = _check_batch(shapes, by_name)
     layout, seq, heads, topk = _check_rows(shapes, by_name, batch)

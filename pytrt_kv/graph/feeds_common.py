@@ -9,27 +9,13 @@ from typing import Any
 import numpy as np
 
 from ..contract import dtypes, specs
+from ..contract.args import index_inputs
 from ..contract.errors import value_error
 
 _FLOAT = {specs.FLOAT32, specs.FLOAT16, specs.BFLOAT16, specs.FLOAT8_E4M3, specs.FLOAT8_E5M2}
 
 #: Inputs of our ops whose values must satisfy the value rules (docs/SPEC.md S7, G4, G5).
-INDEX_PORTS = {
-    specs.SCATTER_PA_KV_CACHE.name: (
-        "slot_mapping",
-        "compress_lens",
-        "compress_seq_offsets",
-        "seq_lens",
-    ),
-    specs.GATHER_SELECTION_KV_CACHE.name: (
-        "selection_kv_block_table",
-        "selection_kv_block_status",
-        "selection_topk_indices",
-        "full_kv_block_table",
-        "full_kv_actual_seq",
-        "full_q_actual_seq",
-    ),
-}
+INDEX_PORTS = {op.name: index_inputs(op) for op in specs.OPS.values()}
 
 Shape = tuple[int, ...]
 

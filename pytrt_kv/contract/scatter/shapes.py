@@ -8,12 +8,18 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from .. import specs
+from ..args import index_inputs, op_call
 from ..dtypes import itemsize
 from ..errors import describe, type_error, value_error
 from ..layouts import LAYOUTS
 from .basics import ScatterMeta, arg_dtype, arg_shape, fmt, require_same, string_option
 from .layout import Cache, pick_layout
 from .quant import check_cache_dtype, check_scale
+
+#: The arguments _check_data reads, in its order.
+_DATA_ARGS = ("key", "value", "key_cache", "value_cache", "k_scale", "v_scale")
+#: What both write kinds name in their messages.
+_WRITE_ARGS = ("key", "value", "key_cache", "value_cache", "slot_mapping")
 
 _COMPRESS_ARGS = ("compress_lens", "compress_seq_offsets", "seq_lens")
 
@@ -38,15 +44,9 @@ class _Data(NamedTuple):
 _DATA = "a 1-, 2- or 4-byte data"
 
 
-def _check_data(
-    key: Any,
-    value: Any,
-    key_cache: Any,
-    value_cache: Any,
-    k_scale: Any = None,
-    v_scale: Any = None,
-) -> _Data:
+def _check_data(call: dict[str, Any]) -> _Data:
     """docs/SPEC.md S2/S8/S9: ranks and dtypes of key, value and the two caches."""
+    key, value, key_cache, value_cache, k_scale, v_scale = (call[n] for n in _DATA_ARGS)
     data = specs.SCATTER_DATA_DTYPES
     k_shape = arg_shape("key", key)
     k_dt = arg_dtype("key", key, data, _DATA)
@@ -117,19 +117,21 @@ class _Sizes(NamedTuple):
     blocks: list[_Blocks]
 
 
-def _check_token_write(
-    d: _Data,
-    key: Any,
-    value: Any,
-    key_cache: Any,
-    value_cache: Any,
-    slot_mapping: Any,
-    indices: dict[str, Any],
-    idx_shapes: dict[str, tuple[int, ...]],
-    layout: str | None,
-    mode: str | None,
-) -> _Sizes:
+class _Write(NamedTuple):
+    """One call as the two write kinds read it: the data's shapes and dtypes, the
+    arguments by name, the index tensors' shapes, the layout and mode options."""
+
+    d: _Data
+    call: dict[str, Any]
+    idx_shapes: dict[str, tuple[int, ...]]
+    layout: str | None
+    mode: str | None
+
+
+def _check_token_write(w: _Write) -> _Sizes:
     """docs/SPEC.md S2-S5: a 3-D key [T, H, Dk], one slot per token."""
+    d, indices, idx_shapes, layout, mode = w
+    key, value, key_cache, value_cache, slot_mapping = (indices[n] for n in _WRITE_ARGS)
     for arg in _COMPRESS_ARGS:
         if indices[arg] is not None:
             raise value_error(
@@ -225,19 +227,10 @@ def _compress_mode(mode: str | None, offsets: Any, runs: int) -> str:
     return mode
 
 
-def _check_compress_write(
-    d: _Data,
-    key: Any,
-    value: Any,
-    key_cache: Any,
-    value_cache: Any,
-    slot_mapping: Any,
-    indices: dict[str, Any],
-    idx_shapes: dict[str, tuple[int, ...]],
-    layout: str | None,
-    mode: str | None,
-) -> _Sizes:
+def _check_compress_write(w: _Write) -> _Sizes:
     """docs/SPEC.md S6: a 4-D key [B, Smax, H, Dk], one run of rows per (b, h)."""
+    d, indices, idx_shapes, layout, mode = w
+    key, value, key_cache, value_cache, slot_mapping = (indices[n] for n in _WRITE_ARGS)
     if layout is not None:
         raise value_error(
             "cache_layout",
@@ -302,24 +295,13 @@ def _check_blocks(blocks: list[_Blocks]) -> tuple[int, int]:
     return nb, bs
 
 
-def check_scatter(
-    key: Any,
-    value: Any,
-    key_cache: Any,
-    value_cache: Any,
-    slot_mapping: Any,
-    compress_lens: Any = None,
-    compress_seq_offsets: Any = None,
-    seq_lens: Any = None,
-    cache_layout: str | None = None,
-    compress_mode: str | None = None,
-    k_scale: Any = None,
-    v_scale: Any = None,
-) -> ScatterMeta:
+@op_call(specs.SCATTER_PA_KV_CACHE)
+def check_scatter(call: dict[str, Any]) -> ScatterMeta:
     """Validate shapes, dtypes and attributes of one ScatterPaKvCache call (docs/SPEC.md S2-S9).
 
     Never reads a value, so the arguments may be NumPy arrays, torch or cupy tensors on any
-    device, or any object with ``.shape`` and ``.dtype``.
+    device, or any object with ``.shape`` and ``.dtype``. The signature is the op spec's
+    (:func:`pytrt_kv.contract.args.op_call`): the first five positional, the rest keywords.
 
     Parameters
     ----------
@@ -367,22 +349,16 @@ def check_scatter(
     >>> check_scatter(key, None, cache, None, np.zeros(3, np.int32)).layout
     'nz'
     """
-    indices = {
-        "slot_mapping": slot_mapping,
-        "compress_lens": compress_lens,
-        "compress_seq_offsets": compress_seq_offsets,
-        "seq_lens": seq_lens,
-    }
-    d = _check_data(key, value, key_cache, value_cache, k_scale, v_scale)
-    idx_shapes, idx_dt = _check_indices(indices)
-    layout = string_option("cache_layout", cache_layout, specs.CACHE_LAYOUTS)
-    mode = string_option("compress_mode", compress_mode, specs.COMPRESS_MODES)
-    check = _check_token_write if len(d.k_shape) == 3 else _check_compress_write
-    z = check(
-        d, key, value, key_cache, value_cache, slot_mapping, indices, idx_shapes, layout, mode
+    d = _check_data(call)
+    idx_shapes, idx_dt = _check_indices(
+        {n: call[n] for n in index_inputs(specs.SCATTER_PA_KV_CACHE)}
     )
+    layout = string_option("cache_layout", call["cache_layout"], specs.CACHE_LAYOUTS)
+    mode = string_option("compress_mode", call["compress_mode"], specs.COMPRESS_MODES)
+    check = _check_token_write if len(d.k_shape) == 3 else _check_compress_write
+    z = check(_Write(d, call, idx_shapes, layout, mode))
     nb, bs = _check_blocks(z.blocks)
-    return _meta(d, z, idx_dt, nb, bs, k_scale, v_scale)
+    return _meta(d, z, idx_dt, nb, bs, call["k_scale"], call["v_scale"])
 
 
 def _meta(

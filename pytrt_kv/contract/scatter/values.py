@@ -4,6 +4,7 @@ within their constraints and apart."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,13 @@ def run_segments(
     return [(0, 0, offset), (offset, offset + width, rest)], None  # "omni": dropped
 
 
+def _refuse(bad: np.ndarray, arg: str, expected: str, got: Callable[[int, int], str]) -> None:
+    """ValueError naming ``arg`` and the first (b, h) where ``bad`` [B, H] holds."""
+    if bad.any():
+        b, h = (int(i) for i in np.argwhere(bad)[0])
+        raise value_error(arg, expected, got(b, h))
+
+
 def _run_rows(
     meta: ScatterMeta,
     base: np.ndarray,
@@ -46,51 +54,43 @@ def _run_rows(
     """Rows each (b, h) run writes, [B, H] int64, after checking the S6 constraints."""
     active = base >= 0
     seq_bh = np.broadcast_to(seq[:, None], base.shape)
-
-    def first(bad: np.ndarray) -> tuple[int, int]:
-        b, h = np.argwhere(bad)[0]
-        return int(b), int(h)
-
-    bad = active & ((seq_bh < 0) | (seq_bh > meta.max_seq_len))
-    if bad.any():
-        b, h = first(bad)
-        raise value_error(
-            "seq_lens",
-            f"0 <= seq_lens[b] <= Smax={meta.max_seq_len} for every batch b with a non-padding run",
-            f"seq_lens[{b}] = {seq[b]} (run (b, h) = ({b}, {h}))",
-        )
+    heads = meta.num_heads
+    _refuse(
+        active & ((seq_bh < 0) | (seq_bh > meta.max_seq_len)),
+        "seq_lens",
+        f"0 <= seq_lens[b] <= Smax={meta.max_seq_len} for every batch b with a non-padding run",
+        lambda b, h: f"seq_lens[{b}] = {seq[b]} (run (b, h) = ({b}, {h}))",
+    )
     if meta.mode == "alibi":
-        bad = active & ((lens < 0) | (lens > seq_bh))
-        if bad.any():
-            b, h = first(bad)
-            raise value_error(
-                "compress_lens",
-                "0 <= w <= seq_lens[b] for compress_mode='alibi'",
-                f"compress_lens[{b}, {h}] = {lens[b, h]} with seq_lens[{b}] = {seq[b]}",
-            )
+        _refuse(
+            active & ((lens < 0) | (lens > seq_bh)),
+            "compress_lens",
+            "0 <= w <= seq_lens[b] for compress_mode='alibi'",
+            lambda b, h: f"compress_lens[{b}, {h}] = {lens[b, h]} with seq_lens[{b}] = {seq[b]}",
+        )
     else:
         assert offsets is not None  # rope and omni: check_scatter_values required them
         uncompressed = (offsets == -1) | (lens == 0) | (offsets == seq_bh)
         comp = active & ~uncompressed
-        bad = comp & ((offsets < 0) | (offsets > seq_bh))
-        if bad.any():
-            b, h = first(bad)
-            raise value_error(
-                "compress_seq_offsets",
-                "-1 or 0 <= o <= seq_lens[b]",
-                f"compress_seq_offsets[{b * meta.num_heads + h}] = {offsets[b, h]} "
-                f"(b={b}, h={h}) with seq_lens[{b}] = {seq[b]}",
-            )
+        _refuse(
+            comp & ((offsets < 0) | (offsets > seq_bh)),
+            "compress_seq_offsets",
+            "-1 or 0 <= o <= seq_lens[b]",
+            lambda b, h: (
+                f"compress_seq_offsets[{b * heads + h}] = {offsets[b, h]} "
+                f"(b={b}, h={h}) with seq_lens[{b}] = {seq[b]}"
+            ),
+        )
         # o is in [0, L] here, so L - o cannot overflow.
-        bad = comp & ((lens < 0) | (lens > seq_bh - offsets))
-        if bad.any():
-            b, h = first(bad)
-            raise value_error(
-                "compress_lens",
-                "0 <= w and o + w <= seq_lens[b] for a compressed head",
+        _refuse(
+            comp & ((lens < 0) | (lens > seq_bh - offsets)),
+            "compress_lens",
+            "0 <= w and o + w <= seq_lens[b] for a compressed head",
+            lambda b, h: (
                 f"compress_lens[{b}, {h}] = {lens[b, h]} with compress_seq_offsets"
-                f"[{b * meta.num_heads + h}] = {offsets[b, h]}, seq_lens[{b}] = {seq[b]}",
-            )
+                f"[{b * heads + h}] = {offsets[b, h]}, seq_lens[{b}] = {seq[b]}"
+            ),
+        )
     rows = np.zeros(base.shape, np.int64)
     for b, h in np.argwhere(active):
         offset = -1 if offsets is None else int(offsets[b, h])
@@ -195,24 +195,22 @@ def _check_runs(
     rows = _run_rows(meta, base, lens, offsets, seq)
     # docs/SPEC.md S7: a run of zero rows (omni with L - w == 0, alibi with w == 0,
     # L == 0) writes nothing, so its base slot is not checked.
-    bad = np.argwhere((rows > 0) & (base >= n_slots))
-    if bad.size:
-        b, h = (int(i) for i in bad[0])
-        raise value_error(
-            "slot_mapping",
-            f"every row of a run < NB*BS = {n_slots}",
-            f"slot_mapping[{b}, {h}] = {base[b, h]} for (b, h) = ({b}, {h})",
-        )
+    _refuse(
+        (rows > 0) & (base >= n_slots),
+        "slot_mapping",
+        f"every row of a run < NB*BS = {n_slots}",
+        lambda b, h: f"slot_mapping[{b}, {h}] = {base[b, h]} for (b, h) = ({b}, {h})",
+    )
     # Live runs have base < NB*BS and rows <= Smax + 1: no overflow; empty runs end at 0.
     end = np.where(rows > 0, np.minimum(base, n_slots) + rows, 0)
-    bad = np.argwhere((rows > 0) & (end > n_slots))
-    if bad.size:
-        b, h = (int(i) for i in bad[0])
-        raise value_error(
-            "slot_mapping",
-            f"every row of a run < NB*BS = {n_slots}",
-            f"(b, h) = ({b}, {h}) writing rows [{base[b, h]}, {end[b, h]}) from slot {base[b, h]}",
-        )
+    _refuse(
+        (rows > 0) & (end > n_slots),
+        "slot_mapping",
+        f"every row of a run < NB*BS = {n_slots}",
+        lambda b, h: (
+            f"(b, h) = ({b}, {h}) writing rows [{base[b, h]}, {end[b, h]}) from slot {base[b, h]}"
+        ),
+    )
     live = np.argwhere(rows > 0)
     if len(live) > 1:
         starts = base[live[:, 0], live[:, 1]]
