@@ -257,6 +257,11 @@ _LAYOUT_FREE_DIMS = {
 }
 
 
+def _one_of(names: tuple[str, ...]) -> str:
+    """``('a', 'b', 'c')`` -> ``"'a', 'b' or 'c'"``."""
+    return ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}"
+
+
 def _layout_with_dynamic_tokens(
     given: Mapping[str, TensorInfo], attrs: dict[str, Any], where: str
 ) -> str:
@@ -278,7 +283,7 @@ def _layout_with_dynamic_tokens(
         raise ValueError(
             f"{where}cache_layout: expected one of {list(specs.CACHE_LAYOUTS)}, because the "
             f"layout cannot be detected from dynamic dims other than T and NB: "
-            f"{', '.join(dynamic)}; pass cache_layout='nd', 'nz' or 'hnd', got nothing"
+            f"{', '.join(dynamic)}; pass cache_layout={_one_of(specs.CACHE_LAYOUTS)}, got nothing"
         )
     # A dynamic T or NB takes the value a static counterpart has (else 1), so that the
     # stand-ins agree with each other wherever the model is static.
