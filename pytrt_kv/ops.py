@@ -49,7 +49,9 @@ import numpy as np
 
 from . import _cuda
 from ._cuda import Buffer
+from .contract import specs
 from .contract.alias import buffer_range, check_no_alias
+from .contract.args import op_args, op_call, op_tensors
 from .contract.errors import describe, value_error
 from .contract.gather import GATHER_WRITTEN, validate_gather
 from .contract.scatter import SCATTER_WRITTEN, validate_scatter
@@ -185,20 +187,7 @@ def scatter_pa_kv_cache(
     serialized by the caller (one stream, or events between them).
     """
     launch = prepare_scatter(
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        compress_lens=compress_lens,
-        compress_seq_offsets=compress_seq_offsets,
-        seq_lens=seq_lens,
-        cache_layout=cache_layout,
-        compress_mode=compress_mode,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        stream=stream,
-        validate=validate,
+        **op_args(specs.SCATTER_PA_KV_CACHE, locals()), stream=stream, validate=validate
     )
     launch()
 
@@ -232,37 +221,13 @@ class Launch:
         return self.result
 
 
-def prepare_scatter(
-    key: Any,
-    value: Any,
-    key_cache: Any,
-    value_cache: Any,
-    slot_mapping: Any,
-    *,
-    compress_lens: Any = None,
-    compress_seq_offsets: Any = None,
-    seq_lens: Any = None,
-    cache_layout: str | None = None,
-    compress_mode: str | None = None,
-    k_scale: Any = None,
-    v_scale: Any = None,
-    stream: Any = None,
-    validate: bool = False,
-) -> Launch:
-    """Check a scatter call like :func:`scatter_pa_kv_cache` and return it as a
-    :class:`Launch` without enqueuing it."""
-    named = {
-        "key": key,
-        "value": value,
-        "key_cache": key_cache,
-        "value_cache": value_cache,
-        "slot_mapping": slot_mapping,
-        "compress_lens": compress_lens,
-        "compress_seq_offsets": compress_seq_offsets,
-        "seq_lens": seq_lens,
-        "k_scale": k_scale,
-        "v_scale": v_scale,
-    }
+@op_call(specs.SCATTER_PA_KV_CACHE, stream=None, validate=False)
+def prepare_scatter(call: dict[str, Any]) -> Launch:
+    """Check a scatter call like :func:`scatter_pa_kv_cache` (same arguments: the op spec's
+    signature, :func:`pytrt_kv.contract.args.op_call`) and return it as a :class:`Launch`
+    without enqueuing it."""
+    stream, validate = call.pop("stream"), call.pop("validate")
+    named = op_tensors(specs.SCATTER_PA_KV_CACHE, call)
     bufs = _buffers(named)
 
     @functools.cache
@@ -274,18 +239,9 @@ def prepare_scatter(
         return device, _cuda.resolve_stream(stream, list(named.values()), device)
 
     meta = validate_scatter(
-        bufs["key"],
-        bufs["value"],
-        bufs["key_cache"],
-        bufs["value_cache"],
-        bufs["slot_mapping"],
-        compress_lens=bufs["compress_lens"],
-        compress_seq_offsets=bufs["compress_seq_offsets"],
-        seq_lens=bufs["seq_lens"],
-        cache_layout=cache_layout,
-        compress_mode=compress_mode,
-        k_scale=bufs["k_scale"],
-        v_scale=bufs["v_scale"],
+        **bufs,
+        cache_layout=call["cache_layout"],
+        compress_mode=call["compress_mode"],
         read=(lambda b: _cuda.read_back(b, site()[1])) if validate else None,
     )
     device, handle = site()
@@ -420,54 +376,20 @@ def gather_selection_kv_cache(
     or streams must be serialized by the caller.
     """
     return prepare_gather(
-        selection_k_rope,
-        selection_kv_cache,
-        selection_kv_block_table,
-        selection_kv_block_status,
-        selection_topk_indices,
-        full_k_rope,
-        full_kv_cache,
-        full_kv_block_table,
-        full_kv_actual_seq,
-        full_q_actual_seq,
-        selection_topk_block_size=selection_topk_block_size,
+        **op_args(specs.GATHER_SELECTION_KV_CACHE, locals()),
         stream=stream,
         validate=validate,
         out=out,
     )()
 
 
-def prepare_gather(
-    selection_k_rope: Any,
-    selection_kv_cache: Any,
-    selection_kv_block_table: Any,
-    selection_kv_block_status: Any,
-    selection_topk_indices: Any,
-    full_k_rope: Any,
-    full_kv_cache: Any,
-    full_kv_block_table: Any,
-    full_kv_actual_seq: Any,
-    full_q_actual_seq: Any,
-    *,
-    selection_topk_block_size: int = 64,
-    stream: Any = None,
-    validate: bool = False,
-    out: Any = None,
-) -> Launch:
-    """Check a gather call like :func:`gather_selection_kv_cache` and return it as a
-    :class:`Launch` (its ``result`` is the actual_seq buffer) without enqueuing it."""
-    named = {
-        "selection_k_rope": selection_k_rope,
-        "selection_kv_cache": selection_kv_cache,
-        "selection_kv_block_table": selection_kv_block_table,
-        "selection_kv_block_status": selection_kv_block_status,
-        "selection_topk_indices": selection_topk_indices,
-        "full_k_rope": full_k_rope,
-        "full_kv_cache": full_kv_cache,
-        "full_kv_block_table": full_kv_block_table,
-        "full_kv_actual_seq": full_kv_actual_seq,
-        "full_q_actual_seq": full_q_actual_seq,
-    }
+@op_call(specs.GATHER_SELECTION_KV_CACHE, stream=None, validate=False, out=None)
+def prepare_gather(call: dict[str, Any]) -> Launch:
+    """Check a gather call like :func:`gather_selection_kv_cache` (same arguments: the op
+    spec's signature) and return it as a :class:`Launch` (its ``result`` is the
+    actual_seq buffer) without enqueuing it."""
+    stream, validate, out = call.pop("stream"), call.pop("validate"), call.pop("out")
+    named = op_tensors(specs.GATHER_SELECTION_KV_CACHE, call)
     bufs = _buffers(named)
 
     @functools.cache
@@ -487,8 +409,8 @@ def prepare_gather(
         return device, _cuda.resolve_stream(stream, list(named.values()), device), out_buf
 
     meta, _ = validate_gather(
-        *(bufs[k] for k in named),
-        selection_topk_block_size=selection_topk_block_size,
+        **bufs,
+        selection_topk_block_size=call["selection_topk_block_size"],
         place=plan_row,
         read=(lambda b: _cuda.read_back(b, site()[1])) if validate else None,
     )

@@ -21,8 +21,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .contract import specs
+from .contract.args import op_args, op_tensors
 from .contract.dtypes import name_of, numpy_dtype
-from .contract.gather import check_row, validate_gather
+from .contract.gather import GatherMeta, check_row, validate_gather
+from .contract.layouts import LAYOUTS
+from .contract.quant import QUANT
 from .contract.scatter import ScatterMeta, run_segments, validate_scatter
 
 __all__ = [
@@ -47,21 +50,15 @@ def _bits(x: np.ndarray) -> np.ndarray:
 
 
 def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray, slots: np.ndarray) -> None:
-    """docs/SPEC.md S3-S5 for one (tensor, cache) pair; negative slots skipped."""
+    """docs/SPEC.md S3-S5 for one (tensor, cache) pair; negative slots skipped. Every
+    layout is the cache seen as [NB, nseg, BS, seg] (contract/layouts.py)."""
     valid = slots >= 0
     s = slots[valid]
     rows = _bits(src)[valid]  # [n, H, D]
-    out = _bits(cache)
-    nb, bs = meta.num_blocks, meta.block_size
-    if meta.layout == "nd":
-        heads, size = rows.shape[1:]
-        out.reshape(nb * bs, heads, size)[s] = rows
-        return
-    blk, off = s // bs, s % bs
-    if meta.layout == "hnd":
-        out[blk, :, off, :] = rows  # indexes [n, H, D]
-    else:  # "nz": f = h*D + d -> [f // L, f % L]
-        out[blk, :, off, :] = rows.reshape(len(s), out.shape[1], out.shape[3])
+    n, heads, size = rows.shape
+    out = LAYOUTS[str(meta.layout)].segments(_bits(cache), heads, size)
+    bs = meta.block_size
+    out[s // bs, :, s % bs, :] = rows.reshape(n, out.shape[1], out.shape[3])  # [n, nseg, seg]
 
 
 def quantise(src: np.ndarray, scale: np.ndarray, cache_dtype: str) -> np.ndarray:
@@ -70,7 +67,7 @@ def quantise(src: np.ndarray, scale: np.ndarray, cache_dtype: str) -> np.ndarray
     in float8_e4m3fn (int8 sources must hold no NaN: the caller checks)."""
     s = np.asarray(scale, np.float32).reshape(-1)
     per = s[None, :, None] if s.size > 1 else s[0]
-    m = np.float32(specs.SCATTER_QUANT_MAX[cache_dtype])
+    m = np.float32(QUANT[cache_dtype].max)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         v = np.clip(src.astype(np.float32) / per, -m, m)  # NaN stays NaN
         if cache_dtype == specs.INT8:
@@ -188,20 +185,7 @@ def scatter_pa_kv_cache(
     >>> int((key_cache == -1).sum())          # everything else untouched
     20
     """
-    meta = validate_scatter(
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        compress_lens=compress_lens,
-        compress_seq_offsets=compress_seq_offsets,
-        seq_lens=seq_lens,
-        cache_layout=cache_layout,
-        compress_mode=compress_mode,
-        k_scale=k_scale,
-        v_scale=v_scale,
-    )
+    meta = validate_scatter(**op_args(specs.SCATTER_PA_KV_CACHE, locals()))
     pairs = [(key, key_cache)]
     if value is not None and value_cache is not None:  # validate_scatter: both or neither
         pairs.append((value, value_cache))
@@ -212,6 +196,18 @@ def scatter_pa_kv_cache(
                 src = quantise(src, scale, str(name_of(cache.dtype)))
             _write_tokens(meta, src, cache, slots)
         return
+    _write_compressed(meta, pairs, slot_mapping, compress_lens, compress_seq_offsets, seq_lens)
+
+
+def _write_compressed(
+    meta: ScatterMeta,
+    pairs: list[tuple[np.ndarray, np.ndarray]],
+    slot_mapping: np.ndarray,
+    compress_lens: np.ndarray | None,
+    compress_seq_offsets: np.ndarray | None,
+    seq_lens: np.ndarray | None,
+) -> None:
+    """docs/SPEC.md S6 for every (tensor, cache) pair of a validated 4-D key call."""
     # validate_scatter required these two for a 4-D key (and offsets for rope / omni).
     assert compress_lens is not None and seq_lens is not None
     shape_bh = (meta.batch, meta.num_heads)
@@ -316,6 +312,29 @@ def plan_row(
     return RowPlan(status, actual_seq, copy, skipped=False)
 
 
+def _copy_row(
+    meta: GatherMeta,
+    r: int,
+    plan: RowPlan,
+    pairs: list[tuple[np.ndarray, np.ndarray]],
+    selection_kv_block_table: np.ndarray,
+    full_kv_block_table: np.ndarray,
+    full_kv_actual_seq: np.ndarray,
+) -> int:
+    """docs/SPEC.md G4: the copied slots of row r from the full caches into the selection
+    caches (each pair a (selection, full) cache); returns the row's actual_seq."""
+    b, s = divmod(r, meta.seq)
+    eff = int(full_kv_actual_seq[b]) - (meta.seq - 1 - s)
+    tbs, sbs, fbs = meta.tbs, meta.sel_block_size, meta.full_block_size
+    _, src_pos, dst_q = _row_tokens(plan, eff, tbs)
+    src_blk = full_kv_block_table[b, src_pos // fbs]
+    dst_blk = selection_kv_block_table[r, dst_q // sbs]
+    for sel, full in pairs:
+        # Same-dtype fancy-index copies move the elements' bytes unchanged.
+        sel[dst_blk, dst_q % sbs] = full[src_blk, src_pos % fbs]
+    return plan.actual_seq
+
+
 def _row_tokens(plan: RowPlan, eff: int, tbs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Token-level copies of one row: ``(slot, src_pos, dst_q)``, int64 ``[N]`` each.
 
@@ -418,40 +437,20 @@ def gather_selection_kv_cache(
     [10.0, 18.0, 4.0]
     """
     meta, plans = validate_gather(
-        selection_k_rope,
-        selection_kv_cache,
-        selection_kv_block_table,
-        selection_kv_block_status,
-        selection_topk_indices,
-        full_k_rope,
-        full_kv_cache,
-        full_kv_block_table,
-        full_kv_actual_seq,
-        full_q_actual_seq,
+        **op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals()),
         selection_topk_block_size=selection_topk_block_size,
         place=plan_row,  # every row planned from its old status (G5) and checked
     )
 
     # Everything is valid: from here on, only writes.
-    tbs, sbs, fbs = meta.tbs, meta.sel_block_size, meta.full_block_size
-    pairs = [(selection_kv_cache, full_kv_cache)]
-    if meta.k_rope_dim:
-        pairs.append((selection_k_rope, full_k_rope))
     actual_seq = np.zeros(meta.rows, dtype=np.int32)
     if not plans:  # B*S == 0: an empty batch reads and writes nothing (docs/SPEC.md G2)
         return actual_seq
+    pairs = [(selection_kv_cache, full_kv_cache), (selection_k_rope, full_k_rope)]
+    tables = (selection_kv_block_table, full_kv_block_table, full_kv_actual_seq)
     new_status = np.stack([p.status for p in plans])
     for r, plan in enumerate(plans):
-        if plan.skipped:
-            continue
-        b, s = divmod(r, meta.seq)
-        eff = int(full_kv_actual_seq[b]) - (meta.seq - 1 - s)
-        _, src_pos, dst_q = _row_tokens(plan, eff, tbs)
-        src_blk = full_kv_block_table[b, src_pos // fbs]
-        dst_blk = selection_kv_block_table[r, dst_q // sbs]
-        for sel, full in pairs:
-            # Same-dtype fancy-index copies move the elements' bytes unchanged.
-            sel[dst_blk, dst_q % sbs] = full[src_blk, src_pos % fbs]
-        actual_seq[r] = plan.actual_seq
+        if not plan.skipped:
+            actual_seq[r] = _copy_row(meta, r, plan, pairs[: 1 + bool(meta.k_rope_dim)], *tables)
     selection_kv_block_status[...] = new_status.reshape(selection_kv_block_status.shape)
     return actual_seq

@@ -18,7 +18,7 @@ import numpy as np
 
 from pytrt_kv import _cuda, ops
 from pytrt_kv.contract.dtypes import numpy_dtype
-from pytrt_kv.contract.scatter import nz_last_dim
+from pytrt_kv.contract.layouts import LAYOUTS
 from pytrt_kv.reference import gather_selection_kv_cache as ref_gather
 from pytrt_kv.reference import scatter_pa_kv_cache as ref_scatter
 
@@ -45,10 +45,7 @@ def scatter_cases(rng):
     for layout, D in (("nd", 32), ("hnd", 32), ("nz", 32), ("hnd", 24)):
         for dtype in ("bfloat16", "int8", "float32"):
             T, H, NB, BS = 37, 2, 7, 9
-            L = nz_last_dim(numpy_dtype(dtype))
-            shape = {"nd": (NB, BS, H, D), "hnd": (NB, H, BS, D), "nz": (NB, H * D // L, BS, L)}[
-                layout
-            ]
+            shape = LAYOUTS[layout].shape(NB, BS, H, D, numpy_dtype(dtype).itemsize)
             key = rand(rng, (T, H, D), dtype if dtype != "int8" else "float32").astype(
                 numpy_dtype(dtype)
             )

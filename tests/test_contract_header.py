@@ -198,3 +198,20 @@ def test_mirror_check_sees_a_swap_of_same_sized_fields():
     assert mirror_mismatches(fields, retyped) == [
         f"field {k} (numBlocks): C++ int64_t, mirror c_int"
     ]
+
+
+def test_header_carries_the_layout_and_quant_tables():
+    from pytrt_kv.contract.layouts import LAYOUTS, NZ_SEGMENT_BYTES
+    from pytrt_kv.contract.quant import QUANT
+
+    text = (ROOT / "plugins" / "kernels" / "kvContract.h").read_text()
+    axes = ", ".join(str(lay.row_axis) for lay in LAYOUTS.values())
+    assert f"kLAYOUT_ROW_AXIS[kNB_LAYOUTS]{{{axes}}};" in text
+    names = ", ".join(f'"{n}"' for n in LAYOUTS)
+    assert f"kLAYOUT_NAMES[kNB_LAYOUTS]{{{names}}};" in text
+    assert f"kNZ_SEGMENT_BYTES{{{NZ_SEGMENT_BYTES}}};" in text
+    for name, q in QUANT.items():
+        base = f"kQUANT_{name.upper()}"
+        assert f"constexpr float {base}_MAX{{{q.max!r}f}};" in text
+        assert f"constexpr uint8_t {base}_NAN_BITS{{0x{q.nan_bits:02X}U}};" in text
+    assert "kQUANT_FLOAT8_E4M3FN_NAN_BITS{0x7FU}" in text  # docs/SPEC.md S9

@@ -355,12 +355,15 @@ def test_make_feeds_reads_neither_argv_nor_the_environment(dynamic_model, monkey
 
 
 def test_feeds_module_never_touches_argv_or_the_environment():
-    """No os/sys import and no environ/argv/getenv attribute in pytrt_kv/graph/feeds.py."""
+    """No os/sys import and no environ/argv/getenv attribute in pytrt_kv/graph/feeds.py
+    and the modules it draws from (feeds_*.py)."""
     import ast
 
-    tree = ast.parse((REPO / "pytrt_kv" / "graph" / "feeds.py").read_text())
+    paths = sorted((REPO / "pytrt_kv" / "graph").glob("feeds*.py"))
+    assert len(paths) >= 4, paths
+    nodes = [n for p in paths for n in ast.walk(ast.parse(p.read_text()))]
     bad = []
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
             bad += [f"import {x}" for x in mods if x in ("os", "sys")]

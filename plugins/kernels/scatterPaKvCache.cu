@@ -505,12 +505,8 @@ cudaError_t launchTokens(ScatterParams const& p, cudaStream_t stream)
         TokenRows& r = a.rows[k];
         r.src = static_cast<char const*>(k == 0 ? p.key : p.value);
         r.dst = static_cast<char*>(k == 0 ? p.keyCache : p.valueCache);
-        switch (p.layout)
-        {
-        case CacheLayout::kND: r.segBytes = rowBytes; break;
-        case CacheLayout::kHND: r.segBytes = rowBytes / p.numHeads; break;
-        case CacheLayout::kNZ: r.segBytes = 32; break;
-        }
+        // The segment rule of the layout table (contract/layouts.py via kvContract.h).
+        r.segBytes = contract::layoutSegmentBytes(static_cast<int32_t>(p.layout), rowBytes, p.numHeads);
         r.nseg = static_cast<int32_t>(rowBytes / r.segBytes);
         maxVectorsBytes = std::max(maxVectorsBytes, rowBytes);
     }
@@ -552,12 +548,8 @@ cudaError_t launchQuantTokens(ScatterParams const& p, int32_t numTensors, cudaSt
         r.dst = static_cast<char*>(k == 0 ? p.keyCache : p.valueCache);
         r.scale = static_cast<float const*>(k == 0 ? p.kScale : p.vScale);
         r.perHead = (k == 0 ? p.kScaleCount : p.vScaleCount) > 1;
-        switch (p.layout)
-        {
-        case CacheLayout::kND: r.segBytes = rowElems; break;
-        case CacheLayout::kHND: r.segBytes = headSize; break;
-        case CacheLayout::kNZ: r.segBytes = 32; break;
-        }
+        // The quantised caches are 1-byte types: segment bytes = elements (kvContract.h).
+        r.segBytes = contract::layoutSegmentBytes(static_cast<int32_t>(p.layout), rowElems, p.numHeads);
         r.nseg = static_cast<int32_t>(rowElems / r.segBytes);
         dstAlign
             = static_cast<uint64_t>(vectorWidth({static_cast<uint64_t>(dstAlign), reinterpret_cast<uint64_t>(r.dst),

@@ -19,9 +19,9 @@ import numpy as np
 
 from . import limits, specs
 from .alias import array_range, check_no_alias
+from .args import index_inputs, op_call, op_tensors
 from .dtypes import name_of
 from .errors import describe, type_error, value_error
-from .scatter import Read
 
 __all__ = [
     "GatherMeta",
@@ -41,17 +41,15 @@ MAX_TOPK = limits.MAX_TOPK
 INT32_MAX = 2**31 - 1
 
 #: The ten tensors of the op, in its order.
-GATHER_ARG_NAMES = _ARG_NAMES = (
-    "selection_k_rope",
-    "selection_kv_cache",
+GATHER_ARG_NAMES = _ARG_NAMES = specs.GATHER_SELECTION_KV_CACHE.input_names
+
+#: The tensors whose values check_gather_values reads.
+_VALUE_ARGS = (
     "selection_kv_block_table",
     "selection_kv_block_status",
     "selection_topk_indices",
-    "full_k_rope",
-    "full_kv_cache",
     "full_kv_block_table",
     "full_kv_actual_seq",
-    "full_q_actual_seq",
 )
 
 #: The arguments a gather writes in place (the eager GPU API adds its ``out``).
@@ -138,14 +136,7 @@ def _check_gather_dtypes(by_name: dict[str, Any]) -> str:
                 "(all four caches share one dtype)",
                 describe(by_name[name]),
             )
-    for name in (
-        "selection_kv_block_table",
-        "selection_kv_block_status",
-        "selection_topk_indices",
-        "full_kv_block_table",
-        "full_kv_actual_seq",
-        "full_q_actual_seq",
-    ):
+    for name in index_inputs(specs.GATHER_SELECTION_KV_CACHE):
         _dtype(name, by_name[name], specs.GATHER_INDEX_DTYPES)
     return cache_dtype
 
@@ -355,19 +346,8 @@ def _check_selection_table(
     return stab[0], stab[1]
 
 
-def check_gather(
-    selection_k_rope: Any,
-    selection_kv_cache: Any,
-    selection_kv_block_table: Any,
-    selection_kv_block_status: Any,
-    selection_topk_indices: Any,
-    full_k_rope: Any,
-    full_kv_cache: Any,
-    full_kv_block_table: Any,
-    full_kv_actual_seq: Any,
-    full_q_actual_seq: Any,
-    selection_topk_block_size: Any = 64,
-) -> GatherMeta:
+@op_call(specs.GATHER_SELECTION_KV_CACHE)
+def check_gather(call: dict[str, Any]) -> GatherMeta:
     """Validate the shapes, dtypes and attribute of a gather call (docs/SPEC.md G2).
 
     Values are never read, so the arguments may be NumPy arrays, torch tensors or CuPy
@@ -376,7 +356,8 @@ def check_gather(
     Parameters
     ----------
     The ten tensors of :func:`gather_selection_kv_cache`, in its order, and
-    ``selection_topk_block_size`` (TBS).
+    ``selection_topk_block_size`` (TBS): the op spec's signature
+    (:func:`pytrt_kv.contract.args.op_call`).
 
     Returns
     -------
@@ -403,22 +384,10 @@ def check_gather(
     >>> meta.layout, meta.batch, meta.seq, meta.topk, meta.k_rope_dim
     ('BSND', 2, 1, 4, 64)
     """
-    tensors = (
-        selection_k_rope,
-        selection_kv_cache,
-        selection_kv_block_table,
-        selection_kv_block_status,
-        selection_topk_indices,
-        full_k_rope,
-        full_kv_cache,
-        full_kv_block_table,
-        full_kv_actual_seq,
-        full_q_actual_seq,
-    )
-    shapes = {name: _shape(name, x) for name, x in zip(_ARG_NAMES, tensors)}
-    by_name = dict(zip(_ARG_NAMES, tensors))
+    by_name = op_tensors(specs.GATHER_SELECTION_KV_CACHE, call)
+    shapes = {name: _shape(name, x) for name, x in by_name.items()}
     cache_dtype = _check_gather_dtypes(by_name)
-    tbs = _check_tbs(selection_topk_block_size)
+    tbs = _check_tbs(call["selection_topk_block_size"])
     c = _check_caches(shapes, by_name)
     batch, full_max_block_num = _check_batch(shapes, by_name)
     layout, seq, heads, topk = _check_rows(shapes, by_name, batch)
@@ -545,7 +514,7 @@ def check_gather_values(
     sel_table = np.asarray(selection_kv_block_table)
     full_table = np.asarray(full_kv_block_table)
     kv_lens = [int(x) for x in np.asarray(full_kv_actual_seq)]
-    tbs, sbs, fbs = meta.tbs, meta.sel_block_size, meta.full_block_size
+    tbs, fbs = meta.tbs, meta.full_block_size
 
     capacity = meta.full_max_block_num * fbs
     for b, kv_len in enumerate(kv_lens):
@@ -569,50 +538,63 @@ def check_gather_values(
         plans.append(plan)
         if plan.skipped:
             continue
-        # SBS and FBS are multiples of TBS (G2), so the tokens of one id lie in one column
-        # of full_kv_block_table and those of one slot in one column of its selection
-        # table row: the ranges are checked per id, before any per-token array exists
-        # (a huge TBS must not allocate for tokens that are refused anyway).
-        slot = np.flatnonzero(plan.copy).astype(np.int64)
-        ids = plan.status[slot].astype(np.int64)
-        src_col = ids * tbs // fbs
-        bad = np.flatnonzero(src_col >= meta.full_max_block_num)
-        if bad.size:  # unreachable after the capacity rule; kept as a guard
-            k = bad[0]
-            raise value_error(
-                f"selection_topk_indices row {r}",
-                f"ids whose tokens lie in "
-                f"the {meta.full_max_block_num} columns of full_kv_block_table",
-                f"id {ids[k]} needing column {src_col[k]}",
-            )
-        src_blk = full_table[b, src_col]
-        bad = np.flatnonzero((src_blk < 0) | (src_blk >= meta.full_block_num))
-        if bad.size:
-            k = bad[0]
-            raise value_error(
-                f"full_kv_block_table[{b}, {src_col[k]}]",
-                f"a block in [0, F_BLOCK_NUM = {meta.full_block_num}) (read "
-                f"for id {ids[k]} of row {r})",
-                int(src_blk[k]),
-            )
-
-        dst_q = slot * tbs
-        dst_col = dst_q // sbs
-        dst_blk = sel_table[r, dst_col]
-        bad = np.flatnonzero((dst_blk < 0) | (dst_blk >= meta.sel_block_num))
-        if bad.size:
-            k = bad[0]
-            raise value_error(
-                f"selection_kv_block_table[{r}, {dst_col[k]}]",
-                f"a block in [0, S_BLOCK_NUM = {meta.sel_block_num}) (written for slot {slot[k]})",
-                int(dst_blk[k]),
-            )
-        # A slot writes at most TBS tokens from a TBS-aligned offset of its block: two
-        # slots' writes overlap exactly when their first tokens share an address.
-        written.append((r, slot, dst_blk.astype(np.int64) * sbs + dst_q % sbs))
+        written.append(_row_writes(meta, r, b, plan, full_table, sel_table))
 
     _check_no_write_collision(written)
     return plans
+
+
+def _row_writes(
+    meta: GatherMeta,
+    r: int,
+    b: int,
+    plan: Placement,
+    full_table: np.ndarray,
+    sel_table: np.ndarray,
+) -> tuple[int, np.ndarray, np.ndarray]:
+    """The table entries row r's plan dereferences, checked (DECISIONS G4, G5); returns
+    (r, copied slots, the flat selection address of each slot's first token)."""
+    tbs, sbs, fbs = meta.tbs, meta.sel_block_size, meta.full_block_size
+    # SBS and FBS are multiples of TBS (G2), so the tokens of one id lie in one column
+    # of full_kv_block_table and those of one slot in one column of its selection
+    # table row: the ranges are checked per id, before any per-token array exists
+    # (a huge TBS must not allocate for tokens that are refused anyway).
+    slot = np.flatnonzero(plan.copy).astype(np.int64)
+    ids = plan.status[slot].astype(np.int64)
+    src_col = ids * tbs // fbs
+    bad = np.flatnonzero(src_col >= meta.full_max_block_num)
+    if bad.size:  # unreachable after the capacity rule; kept as a guard
+        k = bad[0]
+        raise value_error(
+            f"selection_topk_indices row {r}",
+            f"ids whose tokens lie in the {meta.full_max_block_num} columns of full_kv_block_table",
+            f"id {ids[k]} needing column {src_col[k]}",
+        )
+    src_blk = full_table[b, src_col]
+    bad = np.flatnonzero((src_blk < 0) | (src_blk >= meta.full_block_num))
+    if bad.size:
+        k = bad[0]
+        raise value_error(
+            f"full_kv_block_table[{b}, {src_col[k]}]",
+            f"a block in [0, F_BLOCK_NUM = {meta.full_block_num}) (read "
+            f"for id {ids[k]} of row {r})",
+            int(src_blk[k]),
+        )
+
+    dst_q = slot * tbs
+    dst_col = dst_q // sbs
+    dst_blk = sel_table[r, dst_col]
+    bad = np.flatnonzero((dst_blk < 0) | (dst_blk >= meta.sel_block_num))
+    if bad.size:
+        k = bad[0]
+        raise value_error(
+            f"selection_kv_block_table[{r}, {dst_col[k]}]",
+            f"a block in [0, S_BLOCK_NUM = {meta.sel_block_num}) (written for slot {slot[k]})",
+            int(dst_blk[k]),
+        )
+    # A slot writes at most TBS tokens from a TBS-aligned offset of its block: two
+    # slots' writes overlap exactly when their first tokens share an address.
+    return r, slot, dst_blk.astype(np.int64) * sbs + dst_q % sbs
 
 
 def _check_no_write_collision(written: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
@@ -657,22 +639,8 @@ def check_gather_numpy(meta: GatherMeta, args: Sequence[Any]) -> None:
     )
 
 
-def validate_gather(
-    selection_k_rope: Any,
-    selection_kv_cache: Any,
-    selection_kv_block_table: Any,
-    selection_kv_block_status: Any,
-    selection_topk_indices: Any,
-    full_k_rope: Any,
-    full_kv_cache: Any,
-    full_kv_block_table: Any,
-    full_kv_actual_seq: Any,
-    full_q_actual_seq: Any,
-    *,
-    selection_topk_block_size: Any = 64,
-    place: Callable[[Sequence[int], Sequence[int], int, int, int, int], P] | None = None,
-    read: Read = "numpy",
-) -> tuple[GatherMeta, list[P]]:
+@op_call(specs.GATHER_SELECTION_KV_CACHE, place=None, read="numpy")
+def validate_gather(call: dict[str, Any]) -> tuple[GatherMeta, list[Any]]:
     """Every rule of docs/SPEC.md G on one call, before anything is written.
 
     Tensors and TBS as :func:`pytrt_kv.reference.gather_selection_kv_cache`; ``read`` as
@@ -680,19 +648,10 @@ def validate_gather(
     ``place`` as in :func:`check_gather_values`, required unless ``read`` is None.
     Returns the meta and every row's plan (none when ``read`` is None).
     """
-    tensors = (
-        selection_k_rope,
-        selection_kv_cache,
-        selection_kv_block_table,
-        selection_kv_block_status,
-        selection_topk_indices,
-        full_k_rope,
-        full_kv_cache,
-        full_kv_block_table,
-        full_kv_actual_seq,
-        full_q_actual_seq,
-    )
-    meta = check_gather(*tensors, selection_topk_block_size=selection_topk_block_size)
+    place, read = call.pop("place"), call.pop("read")
+    named = op_tensors(specs.GATHER_SELECTION_KV_CACHE, call)
+    tensors = tuple(named.values())
+    meta = check_gather(**call)
     if read is None:
         return meta, []
     if place is None:
@@ -702,11 +661,7 @@ def validate_gather(
     fetch = (lambda x: x) if read == "numpy" else read
     plans = check_gather_values(
         meta,
-        selection_kv_block_table=fetch(selection_kv_block_table),
-        selection_kv_block_status=fetch(selection_kv_block_status),
-        selection_topk_indices=fetch(selection_topk_indices),
-        full_kv_block_table=fetch(full_kv_block_table),
-        full_kv_actual_seq=fetch(full_kv_actual_seq),
+        **{name: fetch(named[name]) for name in _VALUE_ARGS},
         place=place,
     )
     return meta, plans

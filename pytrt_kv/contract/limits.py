@@ -11,10 +11,13 @@ metadata, scikit-build-core's regex provider), ``pytrt_kv.__version__`` is it, a
 reads it back from the generated header (``project(VERSION)``, ``build_info.json``,
 ``pytrt_kv_version()``).
 
-Nothing here imports anything, so every layer (and the build) can read it.
+Nothing here imports anything but the import-free layout table, so every layer (and the
+build) can read it.
 """
 
 from __future__ import annotations
+
+from .layouts import LAYOUTS
 
 #: Package version (PEP 440 "major.minor.patch"); the one place to bump it.
 VERSION = "0.1.0"
@@ -66,7 +69,7 @@ DTYPE_CODES: dict[str, int] = {
     "int64": 8,
 }
 #: ``kernels::CacheLayout`` (docs/SPEC.md S2) of each ``cache_layout`` value.
-LAYOUT_CODES: dict[str, int] = {"nd": 0, "nz": 1, "hnd": 2}
+LAYOUT_CODES: dict[str, int] = {name: lay.code for name, lay in LAYOUTS.items()}
 #: ``kernels::CompressMode`` (docs/SPEC.md S6) of each ``compress_mode`` value.
 MODE_CODES: dict[str, int] = {"rope": 0, "omni": 1, "alibi": 2}
 #: ``pytrt_kv_pointer_info`` kinds: where a buffer's memory lives.

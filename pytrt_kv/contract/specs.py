@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .layouts import LAYOUTS
+
 #: TensorRT plugin namespace, equal to the ONNX domain of our custom ops.
 NAMESPACE = "pytrt_kv"
 #: ONNX domain (same string as the plugin namespace).
@@ -55,9 +57,8 @@ SCATTER_ROPE_DTYPES: tuple[str, ...] = (FLOAT16, BFLOAT16, FLOAT32)
 SCATTER_INDEX_DTYPES: tuple[str, ...] = (INT32, INT64)
 #: docs/SPEC.md S9: quantise on write, float key/value into one of these caches.
 SCATTER_QUANT_SOURCE_DTYPES: tuple[str, ...] = (FLOAT16, BFLOAT16, FLOAT32)
+#: Their max, rounding and NaN rule: ``contract/quant.py`` (one row per dtype).
 SCATTER_QUANT_CACHE_DTYPES: tuple[str, ...] = (FLOAT8_E4M3, INT8)
-#: docs/SPEC.md S9: largest magnitude each quantised cache dtype takes (the clamp bound).
-SCATTER_QUANT_MAX: Mapping[str, float] = {FLOAT8_E4M3: 448.0, INT8: 127.0}
 #: docs/SPEC.md S9: k_scale / v_scale dtype.
 SCATTER_SCALE_DTYPES: tuple[str, ...] = (FLOAT32,)
 #: docs/SPEC.md G2: the four cache tensors of the gather share one of these.
@@ -73,7 +74,8 @@ GATHER_CACHE_DTYPES: tuple[str, ...] = (
 GATHER_INDEX_DTYPES: tuple[str, ...] = (INT32,)
 
 # --- attribute values ----------------------------------------------------------------
-CACHE_LAYOUTS: tuple[str, ...] = ("nd", "nz", "hnd")
+#: docs/SPEC.md S2-S5: shapes and addressing of each are ``contract/layouts.py``.
+CACHE_LAYOUTS: tuple[str, ...] = tuple(LAYOUTS)
 COMPRESS_MODES: tuple[str, ...] = ("rope", "omni", "alibi")
 
 

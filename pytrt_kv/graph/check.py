@@ -200,18 +200,9 @@ def _scatter(
 
         stand = {k: _Stand(v) for k, v in given.items()}
         meta = check_scatter(
-            stand["key"],
-            stand.get("value"),
-            stand["key_cache"],
-            stand.get("value_cache"),
-            stand["slot_mapping"],
-            compress_lens=stand.get("compress_lens"),
-            compress_seq_offsets=stand.get("compress_seq_offsets"),
-            seq_lens=stand.get("seq_lens"),
+            **{n: stand.get(n) for n in specs.SCATTER_PA_KV_CACHE.input_names},
             cache_layout=attrs["cache_layout"] or None,
             compress_mode=attrs["compress_mode"] or None,
-            k_scale=stand.get("k_scale"),
-            v_scale=stand.get("v_scale"),
         )
         attrs["cache_layout"] = meta.layout or ""
         attrs["compress_mode"] = meta.mode or ""
@@ -266,6 +257,11 @@ _LAYOUT_FREE_DIMS = {
 }
 
 
+def _one_of(names: tuple[str, ...]) -> str:
+    """``('a', 'b', 'c')`` -> ``"'a', 'b' or 'c'"``."""
+    return ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}"
+
+
 def _layout_with_dynamic_tokens(
     given: Mapping[str, TensorInfo], attrs: dict[str, Any], where: str
 ) -> str:
@@ -287,7 +283,7 @@ def _layout_with_dynamic_tokens(
         raise ValueError(
             f"{where}cache_layout: expected one of {list(specs.CACHE_LAYOUTS)}, because the "
             f"layout cannot be detected from dynamic dims other than T and NB: "
-            f"{', '.join(dynamic)}; pass cache_layout='nd', 'nz' or 'hnd', got nothing"
+            f"{', '.join(dynamic)}; pass cache_layout={_one_of(specs.CACHE_LAYOUTS)}, got nothing"
         )
     # A dynamic T or NB takes the value a static counterpart has (else 1), so that the
     # stand-ins agree with each other wherever the model is static.
@@ -303,18 +299,9 @@ def _layout_with_dynamic_tokens(
         shape = tuple(d if isinstance(d, int) else fill.get(name, 1) for d in shapes[name])
         stand[name] = _Stand(TensorInfo(shape, info.dtype))
     meta = check_scatter(
-        stand["key"],
-        stand.get("value"),
-        stand["key_cache"],
-        stand.get("value_cache"),
-        stand["slot_mapping"],
-        compress_lens=stand.get("compress_lens"),
-        compress_seq_offsets=stand.get("compress_seq_offsets"),
-        seq_lens=stand.get("seq_lens"),
+        **{n: stand.get(n) for n in specs.SCATTER_PA_KV_CACHE.input_names},
         cache_layout=None,
         compress_mode=attrs["compress_mode"] or None,
-        k_scale=stand.get("k_scale"),
-        v_scale=stand.get("v_scale"),
     )
     assert meta.layout is not None  # a 3-D key always has a layout
     return meta.layout
