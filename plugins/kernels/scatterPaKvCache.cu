@@ -282,7 +282,8 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterRunsKernel(RunArgs<Inde
                     {
                         acc += FloatIO<MeanT>::toFloat(reinterpret_cast<MeanT const*>(tokenRow(t))[e]);
                     }
-                    reinterpret_cast<MeanT*>(dst)[e] = FloatIO<MeanT>::fromFloat(acc / static_cast<float>(run.width));
+                    reinterpret_cast<MeanT*>(dst)[e]
+                        = FloatIO<MeanT>::fromFloat(asGpuResult(acc / static_cast<float>(run.width)));
                 }
             }
             continue;

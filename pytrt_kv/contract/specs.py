@@ -58,6 +58,9 @@ SCATTER_QUANT_SOURCE_DTYPES: tuple[str, ...] = (FLOAT16, BFLOAT16, FLOAT32)
 SCATTER_QUANT_CACHE_DTYPES: tuple[str, ...] = (FLOAT8_E4M3, INT8)
 #: docs/SPEC.md S9: largest magnitude each quantised cache dtype takes (the clamp bound).
 SCATTER_QUANT_MAX: Mapping[str, float] = {FLOAT8_E4M3: 448.0, INT8: 127.0}
+#: docs/SPEC.md S9: the byte a NaN is written as, whatever its sign (the GPU's canonical
+#: e4m3 NaN); int8 has none (a NaN source is refused).
+SCATTER_QUANT_NAN: Mapping[str, int] = {FLOAT8_E4M3: 0x7F}
 #: docs/SPEC.md S9: k_scale / v_scale dtype.
 SCATTER_SCALE_DTYPES: tuple[str, ...] = (FLOAT32,)
 #: docs/SPEC.md G2: the four cache tensors of the gather share one of these.
