@@ -3,7 +3,7 @@
  * implement is include/pytrtKvEmu.h.
  *
  *   emuDevice.cpp       errors (last error, sticky faults), the device description
- *   emuMemory.cpp       allocations (exact size, poisoned tails), the live-range registry,
+ *   emuMemory.cpp       allocations (of their exact size), the live-range registry,
  *                       the kernels' checked accesses, copies and fills
  *   emuStreams.cpp      one queue per stream, the seeded interleaving between them,
  *                       launches and their records, synchronization
@@ -45,8 +45,6 @@
 #if defined(PYTRT_KV_EMU_ASAN)
 extern "C" void __sanitizer_start_switch_fiber(void** fakeStackSave, void const* bottom, size_t size);
 extern "C" void __sanitizer_finish_switch_fiber(void* fakeStackSave, void const** bottomOld, size_t* sizeOld);
-extern "C" void __asan_poison_memory_region(void const volatile* addr, size_t size);
-extern "C" void __asan_unpoison_memory_region(void const volatile* addr, size_t size);
 #endif
 #if defined(PYTRT_KV_EMU_TSAN)
 extern "C" void* __tsan_get_current_fiber();

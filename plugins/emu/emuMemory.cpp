@@ -5,9 +5,9 @@
  * - A kernel's global loads and stores (the cache-hint intrinsics and the kernels'
  *   loadGlobal/storeGlobal, kvHostDevice.h) must fall inside a live device or pinned range,
  *   else cudaErrorIllegalAddress (sticky, as on a GPU), reported with the source line.
- * - The allocator rounds up (256-byte device, 4096-byte pinned alignment, as CUDA's); under
- *   AddressSanitizer the tail past the requested size is poisoned, so a one-byte overflow by
- *   any access, checked or not, is a heap-buffer-overflow.
+ * - Allocations have their exact requested size (posix_memalign; 256-byte device, 4096-byte
+ *   pinned alignment, as CUDA's): under AddressSanitizer a one-byte overflow by any access,
+ *   checked or not, is a heap-buffer-overflow.
  * - Copies and fills must stay inside their allocations; those touching pageable host
  *   memory run at once (CUDA stages them before returning).
  */
@@ -35,8 +35,7 @@ enum class Kind
 
 struct Range
 {
-    size_t bytes;     //!< what was asked for: every check uses this
-    size_t allocated; //!< what the allocator gave (the poisoned tail is allocated - bytes)
+    size_t bytes; //!< what was asked for (and allocated): every check uses this
     Kind kind;
 };
 
@@ -82,22 +81,19 @@ bool overlapsAny(uintptr_t a, size_t bytes)
     return it->first + it->second.bytes > a;
 }
 
-//! \p bytes of fresh device or pinned memory, \p align-aligned, filled with 0xCD (device
-//! memory is uninitialized: never rely on zeros), its rounded-up tail poisoned for ASan.
+//! Exactly \p bytes of fresh device or pinned memory, \p align-aligned, filled with 0xCD
+//! (device memory is uninitialized: never rely on zeros). Not rounded up: ASan's redzone
+//! starts at the first byte past the request.
 cudaError_t allocate(void** ptr, size_t bytes, size_t align, Kind kind)
 {
-    size_t const allocated = (std::max<size_t>(bytes, 1) + align - 1) / align * align;
-    void* p = std::aligned_alloc(align, allocated);
-    if (p == nullptr)
+    void* p = nullptr;
+    if (posix_memalign(&p, align, bytes) != 0 || p == nullptr)
     {
         return fail(cudaErrorMemoryAllocation);
     }
     std::memset(p, 0xCD, bytes);
-#if defined(PYTRT_KV_EMU_ASAN)
-    __asan_poison_memory_region(static_cast<char*>(p) + bytes, allocated - bytes);
-#endif
     std::lock_guard<std::mutex> lock(gMemMutex);
-    gRanges[reinterpret_cast<uintptr_t>(p)] = Range{bytes, allocated, kind};
+    gRanges[reinterpret_cast<uintptr_t>(p)] = Range{bytes, kind};
     *ptr = p;
     return cudaSuccess;
 }
@@ -116,16 +112,10 @@ cudaError_t release(void* ptr, Kind kind, cudaError_t notFound)
     {
         return fail(notFound);
     }
-    size_t const allocated = it->second.allocated;
     gRanges.erase(it);
     gGeneration.fetch_add(1, std::memory_order_relaxed);
     if (kind != Kind::kREGISTERED)
     {
-#if defined(PYTRT_KV_EMU_ASAN)
-        __asan_unpoison_memory_region(ptr, allocated);
-#else
-        (void) allocated;
-#endif
         std::free(ptr);
     }
     return stickyOrSuccess();
@@ -248,7 +238,7 @@ cudaError_t cudaHostRegister(void* ptr, size_t bytes, unsigned int flags)
     {
         return fail(cudaErrorHostMemoryAlreadyRegistered);
     }
-    gRanges[reinterpret_cast<uintptr_t>(ptr)] = Range{bytes, bytes, Kind::kREGISTERED};
+    gRanges[reinterpret_cast<uintptr_t>(ptr)] = Range{bytes, Kind::kREGISTERED};
     return cudaSuccess;
 }
 

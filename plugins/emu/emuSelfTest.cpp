@@ -155,7 +155,7 @@ int runGather(std::string const& mode)
 }
 
 //! One byte past the allocation, by a plain store the emulator does not check (not
-//! storeGlobal): only AddressSanitizer can see it, through the poisoned tail.
+//! storeGlobal): only AddressSanitizer can see it, since allocations have their exact size.
 __global__ void rawStoreKernel(unsigned char* p, int n)
 {
     p[n] = 1; // the overflow
