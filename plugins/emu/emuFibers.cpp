@@ -86,8 +86,9 @@ struct Scheduler
     ucontext_t main;
     void const* mainStackBottom{nullptr};
     size_t mainStackBytes{0};
-    void* mainTsan{nullptr};           //!< the stream's fiber, which runs the scheduler
-    void* const* tsanThreads{nullptr}; //!< the stream's fibers for the block's threads
+    std::atomic<void*> mainTsan{nullptr}; //!< the stream's fiber, which runs the scheduler (atomic:
+                                          //!< exiting threads read it after their last release)
+    void* const* tsanThreads{nullptr};    //!< the stream's fibers for the block's threads
     std::atomic<Fiber*> current{nullptr};
     std::function<void()> const* body{nullptr};
     LaunchRecord* record{nullptr};
@@ -166,7 +167,7 @@ void switchToMain(Scheduler& s, bool exiting)
 {
     Fiber& f = *s.current.load(std::memory_order_relaxed);
 #if defined(PYTRT_KV_EMU_TSAN)
-    __tsan_switch_to_fiber(s.mainTsan, 1);
+    __tsan_switch_to_fiber(s.mainTsan.load(std::memory_order_relaxed), 1);
 #endif
 #if defined(PYTRT_KV_EMU_ASAN)
     __sanitizer_start_switch_fiber(exiting ? nullptr : &f.asanFakeStack, s.mainStackBottom, s.mainStackBytes);
@@ -284,7 +285,7 @@ void abandonBlock(Scheduler& s)
         {
             __tsan_switch_to_fiber(s.tsanThreads[t], 1);
             __tsan_release(&s.record->tsanEnd);
-            __tsan_switch_to_fiber(s.mainTsan, 1);
+            __tsan_switch_to_fiber(s.mainTsan.load(std::memory_order_relaxed), 1);
         }
     }
     __tsan_acquire(&s.record->tsanEnd);
@@ -298,8 +299,14 @@ bool runBlock(Scheduler& s, uint3 blockIdx, dim3 block, dim3 grid)
 {
     if (__start_pytrt_kv_emu_shared != nullptr && __stop_pytrt_kv_emu_shared != nullptr)
     {
+#if defined(PYTRT_KV_EMU_TSAN)
+        __tsan_ignore_thread_begin(); // the emulator's poisoning is no access of a kernel's
+#endif
         std::memset(__start_pytrt_kv_emu_shared, kSHARED_POISON,
             static_cast<size_t>(__stop_pytrt_kv_emu_shared - __start_pytrt_kv_emu_shared));
+#if defined(PYTRT_KV_EMU_TSAN)
+        __tsan_ignore_thread_end();
+#endif
     }
     int const threads = s.threads;
     s.blockArrived.store(0, std::memory_order_relaxed);
@@ -384,9 +391,16 @@ bool runBlock(Scheduler& s, uint3 blockIdx, dim3 block, dim3 grid)
     return true;
 }
 
+//! The scheduler (fibers, stacks, barrier state) of the kernels of this OS thread; under
+//! ThreadSanitizer one per stream, so that two streams' kernels share no memory of the
+//! emulator's that could order them (their races stay visible).
 Scheduler& schedulerFor(int threads)
 {
+#if defined(PYTRT_KV_EMU_TSAN)
+    Scheduler*& sched = *reinterpret_cast<Scheduler**>(&streamScheduler());
+#else
     thread_local Scheduler* sched = nullptr;
+#endif
     if (sched == nullptr)
     {
         sched = new Scheduler();
@@ -423,7 +437,7 @@ void runKernel(LaunchRecord& record, dim3 grid, dim3 block, std::function<void()
     s.body = &body;
     s.record = &record;
 #if defined(PYTRT_KV_EMU_TSAN)
-    s.mainTsan = __tsan_get_current_fiber();
+    s.mainTsan.store(__tsan_get_current_fiber(), std::memory_order_relaxed);
     s.tsanThreads = streamThreadFibers(threads);
 #endif
     bool ok = true;

@@ -53,6 +53,8 @@ extern "C" void __tsan_destroy_fiber(void* fiber);
 extern "C" void __tsan_switch_to_fiber(void* fiber, unsigned flags);
 extern "C" void __tsan_acquire(void* addr);
 extern "C" void __tsan_release(void* addr);
+extern "C" void __tsan_ignore_thread_begin();
+extern "C" void __tsan_ignore_thread_end();
 #endif
 
 namespace pytrt_kv
@@ -129,6 +131,8 @@ std::recursive_mutex& deviceMutex();
 //! work runs now: each stream has its own, so two streams' kernels are never ordered
 //! through a reused fiber (a race between streams is reported).
 void* const* streamThreadFibers(int threads);
+//! The running stream's slot for its own kernel scheduler (emuFibers.cpp owns what it holds).
+void*& streamScheduler();
 #endif
 
 // --- kernels (emuFibers.cpp) -----------------------------------------------------------------

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <shared_mutex>
 
 namespace pytrt_kv
 {
@@ -39,7 +40,9 @@ struct Range
     Kind kind;
 };
 
-std::mutex gMemMutex;
+// Kernels look allocations up under a shared lock: readers do not order each other, so two
+// streams' kernels are not ordered through it (ThreadSanitizer); the host changes the map.
+std::shared_mutex gMemMutex;
 std::map<uintptr_t, Range> gRanges; // base -> range (never overlapping)
 //! Bumped when a range goes away: the per-thread lookup caches below then miss.
 std::atomic<uint64_t> gGeneration{1};
@@ -92,7 +95,7 @@ cudaError_t allocate(void** ptr, size_t bytes, size_t align, Kind kind)
         return fail(cudaErrorMemoryAllocation);
     }
     std::memset(p, 0xCD, bytes);
-    std::lock_guard<std::mutex> lock(gMemMutex);
+    std::lock_guard<std::shared_mutex> lock(gMemMutex);
     gRanges[reinterpret_cast<uintptr_t>(p)] = Range{bytes, kind};
     *ptr = p;
     return cudaSuccess;
@@ -106,7 +109,7 @@ cudaError_t release(void* ptr, Kind kind, cudaError_t notFound)
     }
     drain(); // frees synchronize the device
     std::lock_guard<std::recursive_mutex> device(deviceMutex());
-    std::lock_guard<std::mutex> lock(gMemMutex);
+    std::lock_guard<std::shared_mutex> lock(gMemMutex);
     auto it = gRanges.find(reinterpret_cast<uintptr_t>(ptr));
     if (it == gRanges.end() || it->second.kind != kind)
     {
@@ -124,7 +127,7 @@ cudaError_t release(void* ptr, Kind kind, cudaError_t notFound)
 
 int where(void const* p, size_t bytes)
 {
-    std::lock_guard<std::mutex> lock(gMemMutex);
+    std::lock_guard<std::shared_mutex> lock(gMemMutex);
     auto inside = findRange(p, bytes);
     if (inside != gRanges.end())
     {
@@ -155,7 +158,7 @@ bool deviceAccess(void const* p, size_t bytes, bool write, bool counted, char co
         && a - base <= size - bytes;
     if (!ok)
     {
-        std::lock_guard<std::mutex> lock(gMemMutex);
+        std::shared_lock<std::shared_mutex> lock(gMemMutex);
         auto it = findRange(p, bytes);
         ok = it != gRanges.end();
         if (ok)
@@ -233,7 +236,7 @@ cudaError_t cudaHostRegister(void* ptr, size_t bytes, unsigned int flags)
     {
         return fail(cudaErrorInvalidValue);
     }
-    std::lock_guard<std::mutex> lock(gMemMutex);
+    std::lock_guard<std::shared_mutex> lock(gMemMutex);
     if (overlapsAny(reinterpret_cast<uintptr_t>(ptr), bytes))
     {
         return fail(cudaErrorHostMemoryAlreadyRegistered);
@@ -257,7 +260,7 @@ cudaError_t cudaHostGetDevicePointer(void** devicePtr, void* hostPtr, unsigned i
     {
         return fail(cudaErrorInvalidValue);
     }
-    std::lock_guard<std::mutex> lock(gMemMutex);
+    std::lock_guard<std::shared_mutex> lock(gMemMutex);
     auto it = findRange(hostPtr, 1);
     if (it == gRanges.end() || it->second.kind == Kind::kDEVICE)
     {
@@ -273,7 +276,7 @@ cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attr, void const* pt
     {
         return fail(cudaErrorInvalidValue);
     }
-    std::lock_guard<std::mutex> lock(gMemMutex);
+    std::lock_guard<std::shared_mutex> lock(gMemMutex);
     auto it = findRange(ptr, 1);
     *attr = cudaPointerAttributes{cudaMemoryTypeUnregistered, -1, nullptr, nullptr};
     if (it == gRanges.end())

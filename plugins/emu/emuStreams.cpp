@@ -62,6 +62,7 @@ struct StreamState
     char done{0};   //!< stream -> host and dependants: released after each op
     void* fiber{nullptr};
     std::vector<void*> threadFibers;
+    void* scheduler{nullptr};
 };
 
 std::recursive_mutex gDeviceMutex; // held while queued work runs, and by frees
@@ -77,7 +78,8 @@ std::deque<std::unique_ptr<LaunchRecord>> gRecords;
 constexpr size_t kMAX_RECORDS = 4096;
 
 thread_local std::atomic<LaunchRecord*> tRecord{nullptr};
-thread_local StreamState* tRunningStream = nullptr;
+// Atomics: the stream fibers and the host share them (see LaunchRecord).
+thread_local std::atomic<StreamState*> tRunningStream{nullptr};
 
 StreamState& stateOf(StreamKey key)
 {
@@ -131,7 +133,7 @@ uint64_t nextInterleave()
 
 //! Take the next op to run (under gQueueMutex): one of the first pending ops of each
 //! stream that may start now, picked by the interleaving. False when nothing is pending.
-bool takeNext(Op& out)
+bool takeNext(std::unique_ptr<Op>& out)
 {
     if (gPending.empty())
     {
@@ -163,17 +165,21 @@ bool takeNext(Op& out)
         }
     }
     size_t const pick = gInterleave == 0 ? ready.front() : ready[nextInterleave() % ready.size()];
-    out = std::move(gPending[pick]);
+    out = std::make_unique<Op>(std::move(gPending[pick]));
     gPending.erase(gPending.begin() + static_cast<std::ptrdiff_t>(pick));
     return true;
 }
 
-void runOp(Op& op)
+//! Run \p op on its stream and destroy it there. Under ThreadSanitizer the stream is a
+//! fiber: entered with synchronization (the host issued the work before), left without
+//! (the host learns what ran only when it synchronizes), so the op, which its kernel's
+//! threads read, is freed on the stream and the host never touches it again.
+void runOp(Op* op)
 {
     StreamState* st = nullptr;
     {
         std::lock_guard<std::mutex> lock(gQueueMutex);
-        st = &stateOf(op.stream);
+        st = &stateOf(op->stream);
     }
 #if defined(PYTRT_KV_EMU_TSAN)
     void* host = __tsan_get_current_fiber();
@@ -181,26 +187,26 @@ void runOp(Op& op)
     {
         st->fiber = __tsan_create_fiber(0);
     }
-    __tsan_switch_to_fiber(st->fiber, 1 /* no synchronization: the stream rules below */);
+    __tsan_switch_to_fiber(st->fiber, 0);
     __tsan_acquire(&st->issued);
     {
         std::lock_guard<std::mutex> lock(gQueueMutex);
         for (auto const& other : gStates)
         {
-            if (op.stream == kLEGACY || other.first == kLEGACY)
+            if (op->stream == kLEGACY || other.first == kLEGACY)
             {
                 __tsan_acquire(&other.second->done);
             }
         }
     }
 #endif
-    StreamState* previous = tRunningStream;
-    tRunningStream = st;
-    op.run();
-    tRunningStream = previous;
+    StreamState* previous = tRunningStream.exchange(st, std::memory_order_relaxed);
+    op->run();
+    delete op;
+    tRunningStream.store(previous, std::memory_order_relaxed);
 #if defined(PYTRT_KV_EMU_TSAN)
     __tsan_release(&st->done);
-    __tsan_switch_to_fiber(host, 1);
+    __tsan_switch_to_fiber(host, 1 /* no synchronization: see above */);
 #endif
 }
 
@@ -252,7 +258,7 @@ void drain()
     std::lock_guard<std::recursive_mutex> device(gDeviceMutex);
     for (;;)
     {
-        Op op;
+        std::unique_ptr<Op> op;
         {
             std::lock_guard<std::mutex> lock(gQueueMutex);
             if (!takeNext(op))
@@ -262,7 +268,7 @@ void drain()
         }
         if (sticky() == cudaSuccess)
         {
-            runOp(op); // after a fault the context is dead: queued work is dropped
+            runOp(op.release()); // after a fault the context is dead: queued work is dropped
         }
     }
     hostSawEverything();
@@ -282,10 +288,24 @@ void dropQueued()
 }
 
 #if defined(PYTRT_KV_EMU_TSAN)
-void* const* streamThreadFibers(int threads)
+namespace
+{
+StreamState& runningStream()
 {
     static StreamState gHostRun; // a kernel run outside any stream (not done by the runtime)
-    StreamState& st = tRunningStream != nullptr ? *tRunningStream : gHostRun;
+    StreamState* running = tRunningStream.load(std::memory_order_relaxed);
+    return running != nullptr ? *running : gHostRun;
+}
+} // namespace
+
+void*& streamScheduler()
+{
+    return runningStream().scheduler;
+}
+
+void* const* streamThreadFibers(int threads)
+{
+    StreamState& st = runningStream();
     while (static_cast<int>(st.threadFibers.size()) < threads)
     {
         st.threadFibers.push_back(__tsan_create_fiber(0));
