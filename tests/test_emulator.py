@@ -491,10 +491,14 @@ def _san_env(sanitize: str) -> dict[str, str]:
     return env
 
 
+_CASES_LOCK = threading.Lock()
+_TEMP_DIRS: list[Path] = []
+
+
 @functools.cache
-def _harness_cases() -> list[str]:
-    """The harness cases, generated once for all builds."""
+def _harness_cases_once() -> list[str]:
     out = Path(tempfile.mkdtemp(prefix="pytrt_kv_harness_cases_"))
+    _TEMP_DIRS.append(out)
     gen = _run(
         [sys.executable, REPO / "plugins" / "harness" / "makeCases.py", out],
         300,
@@ -502,6 +506,12 @@ def _harness_cases() -> list[str]:
     )
     assert gen.returncode == 0, gen.stderr
     return sorted(str(p) for p in out.iterdir() if (p / "case.txt").is_file())
+
+
+def _harness_cases() -> list[str]:
+    """The harness cases, generated once for all builds (the builds' threads ask at once)."""
+    with _CASES_LOCK:
+        return _harness_cases_once()
 
 
 def _kernel_slice(out: Path, sanitize: str) -> subprocess.CompletedProcess:
@@ -596,6 +606,8 @@ def _start_builds_early(request):
         _work("")
     yield
     _stop_all()
+    for d in _TEMP_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(params=list(BUILDS.values()), ids=list(BUILDS))
