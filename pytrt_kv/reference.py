@@ -63,8 +63,9 @@ def _write_tokens(meta: ScatterMeta, src: np.ndarray, cache: np.ndarray, slots: 
 
 def quantise(src: np.ndarray, scale: np.ndarray, cache_dtype: str) -> np.ndarray:
     """docs/SPEC.md S9: ``convert(clamp(float32(x) / float32(scale[h]), -M, M))`` for
-    ``src [T, H, D]`` and a scale ``[]`` or ``[H]``; round to nearest even; NaN stays NaN
-    in float8_e4m3fn (int8 sources must hold no NaN: the caller checks)."""
+    ``src [T, H, D]`` and a scale ``[]`` or ``[H]``; round to nearest even; a NaN is
+    ``0x7F`` in float8_e4m3fn whatever its sign (the GPU's canonical NaN; int8 sources
+    must hold no NaN: the caller checks)."""
     s = np.asarray(scale, np.float32).reshape(-1)
     per = s[None, :, None] if s.size > 1 else s[0]
     m = np.float32(QUANT[cache_dtype].max)
@@ -72,7 +73,10 @@ def quantise(src: np.ndarray, scale: np.ndarray, cache_dtype: str) -> np.ndarray
         v = np.clip(src.astype(np.float32) / per, -m, m)  # NaN stays NaN
         if cache_dtype == specs.INT8:
             return np.rint(v).astype(np.int8)
-        return v.astype(numpy_dtype(cache_dtype))
+        out = v.astype(numpy_dtype(cache_dtype))
+    # GPU float arithmetic drops a NaN's sign (and payload): -NaN is 0x7F, not 0xFF.
+    out.view(np.uint8)[np.isnan(v)] = QUANT[cache_dtype].nan_bits
+    return out
 
 
 def _mean_row(tokens: np.ndarray) -> np.ndarray:

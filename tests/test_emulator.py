@@ -6,9 +6,15 @@
   barriers (forward, reverse, random with yields at atomics).
 - Faults: a kernel access outside live device/pinned memory is a sticky
   cudaErrorIllegalAddress, reported by the next synchronizing call, as on a GPU.
+- Faults at the source line: one element past an allocation by a plain store, a plain
+  load or an intrinsic is reported with the kernel, thread and file:line.
+- Streams: two threads' per-thread default streams race visibly when they share a
+  workspace (issue 16's C3 keying put back), never with pytrt_kv's keying.
 - Sanitizer builds (CMake, PYTRT_KV_EMU_SANITIZE): the harness `run` cases and the kernel
   tests are clean under AddressSanitizer + UBSan and ThreadSanitizer, and an injected bug
-  is reported by each (pytrt_kv_emu_selftest).
+  is reported by each (pytrt_kv_emu_selftest): a raw one-byte overflow of device and
+  pinned memory (ASan), undefined behaviour (UBSan), a missing barrier and two unordered
+  streams (TSan). The builds are made once, cached by content and run in the background.
 
 Everything here runs without a GPU; the Python half needs the emulated kernel library
 (built by scripts/test.sh), the C++ half cmake and g++.
@@ -16,10 +22,18 @@ Everything here runs without a GPU; the Python half needs the emulated kernel li
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import hashlib
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -116,8 +130,6 @@ print(json.dumps(out))
 def test_gather_copy_work_is_the_copied_tokens_bytes():
     r = _in_emulator(_GATHER_WORK)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    import json
-
     steps = json.loads(r.stdout.strip().splitlines()[-1])
     tbs, kv, rope, item = 4, 48, 8, 2
     row_bytes = (kv + rope) * item
@@ -163,8 +175,6 @@ print(json.dumps(out))
 def test_scatter_moves_exactly_the_written_rows():
     r = _in_emulator(_SCATTER_WORK)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    import json
-
     for step in json.loads(r.stdout.strip().splitlines()[-1]):
         (launch,) = step["launches"]
         assert launch["name"] == "scatterTokensKernel"
@@ -268,54 +278,209 @@ def test_unknown_device_choice_names_the_variable(monkeypatch):
         _lib.emulated()
 
 
-# --- the C++ builds under sanitizers --------------------------------------------------------
+# --- streams: a race between two streams is visible ----------------------------------------
+
+_STREAM_RACE = r"""
+import json, sys, threading
+import numpy as np
+from pytrt_kv import ops
+from pytrt_kv._cuda import WorkspaceCache, emu
+from pytrt_kv.reference import gather_selection_kv_cache as ref_gather
+from support import device as dv
+from test_ops_gather import Case, op_args, to_device_args
+
+if sys.argv[1] == "c3":  # issue 16's C3 put back: one workspace per handle, whatever the thread
+    WorkspaceCache.key = staticmethod(lambda device, stream: (device, stream, 0))
+rng = np.random.default_rng(3)
+PER_THREAD = 2  # cudaStreamPerThread: one handle, a different stream in each thread
+
+
+def make(B, K):
+    case = Case(rng, B=B, S=1, K=K, tbs=1, sbs=16, fbs=16, kv=32, rope=8, fmax=8)
+    case.new_topk(0.0)
+    return case
+
+
+# The larger workspace first, so that (with C3's keying) both threads then take it as is.
+warm = to_device_args(make(3, 64), False)
+ops.gather_selection_kv_cache(*op_args(warm), selection_topk_block_size=1, stream=PER_THREAD)
+dv.synchronize()
+rounds, keep = [], []
+for _ in range(6):
+    cases = [make(2, 40), make(3, 24)]
+    devs = [to_device_args(c, False) for c in cases]  # uploads synchronize: before the threads
+    wants = [ref_gather(*c.args(), selection_topk_block_size=1) for c in cases]
+    outs = [None, None]
+    go = threading.Barrier(2)
+
+    def work(i):
+        go.wait()
+        outs[i] = ops.gather_selection_kv_cache(
+            *op_args(devs[i]), selection_topk_block_size=1, stream=PER_THREAD
+        )
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        dv.synchronize()  # both threads' work runs here, the two streams interleaved
+        right = all(
+            dv.to_numpy(outs[i]).tolist() == wants[i].tolist()
+            and dv.to_numpy(devs[i][3]).tolist() == cases[i].status.tolist()
+            and (dv.to_numpy(devs[i][1]).view(np.uint16) == cases[i].sel_kv.view(np.uint16)).all()
+            for i in (0, 1)
+        )
+        rounds.append("right" if right else "wrong")
+    except RuntimeError as e:
+        rounds.append("error: " + str(e)[:60])
+        emu.reset()
+    keep.append((devs, outs))  # nothing freed (a free synchronizes) while threads issue work
+print(json.dumps(rounds))
+"""
+
+
+@emu_lib
+@pytest.mark.parametrize("keying", ["c3", "per_thread"])
+def test_two_threads_per_thread_streams_race_only_with_a_shared_workspace(keying):
+    """Two threads gather on their per-thread default streams, unsynchronized. With the
+    workspace keyed per thread (pytrt_kv's) every round is right; with issue 16's C3
+    keying put back, the seeded interleaving of the two streams makes one thread's copy
+    read the other's plan: wrong data or an illegal address (with PYTRT_KV_EMU_STREAMS=issue,
+    one queue in issue order as before, all six rounds came out right)."""
+    r = _in_emulator(_STREAM_RACE.replace("sys.argv[1]", repr(keying)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rounds = json.loads(r.stdout.strip().splitlines()[-1])
+    if keying == "per_thread":
+        assert rounds == ["right"] * 6, rounds
+    else:
+        assert any(x != "right" for x in rounds), rounds
+
+
+# --- the C++ builds: made once, cached by content, run in the background ---------------------
+#
+# Three builds (plain, AddressSanitizer + UBSan, ThreadSanitizer) of the emulated device, its
+# self-test and the plugin harness. Each lives in a fixed folder (PYTRT_KV_EMU_TEST_BUILDS, by
+# default build/emu-tests in the checkout) with a stamp of everything it was built from
+# (sources, compiler, options): an unchanged tree runs no CMake at all, a changed one
+# rebuilds incrementally. The module's first test starts all the work in background threads
+# (each build, then its self-test modes, harness cases and, under ASan, the kernel tests),
+# so the builds overlap the Python tests above and each other; the tests below wait for
+# their part and check it.
 
 CMAKE = cmake_command()
-
-
-def _build(out, sanitize: str) -> subprocess.CompletedProcess:
-    cmd = [
-        CMAKE,
-        "-S",
-        REPO,
-        "-B",
-        out,
-        "-DPYTRT_KV_EMU=ON",
-        f"-DPYTRT_KV_EMU_SANITIZE={sanitize}",
-        "-DCMAKE_BUILD_TYPE=Release",
-    ]
-    inc = trt_include_dir()
-    targets = ["pytrt_kv_emu_selftest", "pytrt_kv_kernels_emu"]
-    if inc is not None:
-        cmd.append(f"-DTensorRT_INCLUDE_DIR={inc}")
-        targets.append("pytrt_kv_plugin_harness_emu")
-    if shutil.which("ninja"):
-        cmd += ["-G", "Ninja"]
-    # PYTRT_KV_CUDA_ARCHS picks the CUDA architectures where nvcc exists (one: faster).
-    env = dict(os.environ, PYTRT_KV_CUDA_ARCHS="86")
-    conf = subprocess.run(
-        [str(c) for c in cmd], capture_output=True, text=True, timeout=600, env=env
-    )
-    if conf.returncode != 0:
-        return conf
-    return subprocess.run(
-        [CMAKE, "--build", str(out), "-j2", "--target", *targets],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-
-
-@pytest.fixture(
-    scope="module", params=["", "address", "thread"], ids=["plain", "asan+ubsan", "tsan"]
+BUILDS = {"plain": "", "asan+ubsan": "address", "tsan": "thread"}
+# Self-test modes (plugins/emu/emuSelfTest.cpp) run in every build, and per sanitizer.
+MODES_ANY = ("ok", "illegal", "store1", "load1", "intrinsic1")
+MODES_SAN = {
+    "": (),
+    "address": ("raw_device", "raw_pinned", "ub"),
+    "thread": ("race", "streams", "ordered"),
+}
+# A slice of the kernel tests that covers every kernel and path (both scatter kernels,
+# every layout and vector width, rope means; the gather plan at K 1..2048, TBS > 1, pinned
+# full caches, skipped rows and tables, quantising random bytes) at a fraction of the grid's time.
+_KERNEL_SLICE = (
+    "bit_exact and (K33 or K5_tbs3 or 7x2x64 or 3x9x2) or unaligned or pinned or skipped "
+    "or duplicates or out_of_range or zero or (quantise_bit_exact and hnd) or narrow_chunks "
+    "or plain_value or (random_bytes and nd and head)"
 )
-def emu_build(request, tmp_path_factory):
-    if CMAKE is None:
-        pytest.skip("cmake not installed (the test extra installs it)")
-    out = tmp_path_factory.mktemp(f"emu-{request.param or 'plain'}")
-    b = _build(out, request.param)
-    assert b.returncode == 0, b.stdout[-6000:] + b.stderr[-6000:]
-    return request.param, out
+
+
+def _build_root() -> Path:
+    return Path(os.environ.get("PYTRT_KV_EMU_TEST_BUILDS") or REPO / "build" / "emu-tests")
+
+
+def _digest(sanitize: str) -> str:
+    """Everything a build depends on: the CMake and C++ sources, the compilers, the options."""
+    h = hashlib.sha256()
+    files = [REPO / "CMakeLists.txt", *sorted((REPO / "cmake").rglob("*"))]
+    files += sorted((REPO / "plugins").rglob("*"))
+    for f in files:
+        if f.is_file() and "__pycache__" not in f.parts:
+            h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
+    cxx = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
+    h.update(f"{sanitize}\0{CMAKE}\0{cxx}\0{trt_include_dir()}\0{shutil.which('nvcc')}".encode())
+    return h.hexdigest()
+
+
+_PROCS: set[subprocess.Popen] = set()
+_PROCS_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+
+
+def _run(cmd, timeout: int, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run in its own process group, killed with it when the module ends."""
+    if _STOPPING.is_set():
+        raise RuntimeError("the module ended before this ran")
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
+    with _PROCS_LOCK:
+        _PROCS.add(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n[killed after {timeout} s]"
+    finally:
+        with _PROCS_LOCK:
+            _PROCS.discard(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _stop_all() -> None:
+    """Kill what is still running (an early end: -x, a keyboard interrupt)."""
+    _STOPPING.set()
+    with _PROCS_LOCK:
+        for proc in _PROCS:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _build(out: Path, sanitize: str) -> subprocess.CompletedProcess:
+    """Configure (once) and build ``out`` unless its stamp says it is current."""
+    stamp = out / "pytrt_kv_test_stamp"
+    digest = _digest(sanitize)
+    if stamp.is_file() and stamp.read_text() == digest:
+        return subprocess.CompletedProcess([], 0, "cached: unchanged sources\n", "")
+    targets = ["pytrt_kv_emu_selftest", "pytrt_kv_kernels_emu"]
+    inc = trt_include_dir()
+    if not (out / "CMakeCache.txt").is_file():
+        cmd = [
+            CMAKE,
+            "-S",
+            REPO,
+            "-B",
+            out,
+            "-DPYTRT_KV_EMU=ON",
+            f"-DPYTRT_KV_EMU_SANITIZE={sanitize}",
+        ]
+        cmd += ["-DCMAKE_BUILD_TYPE=Release"]
+        if inc is not None:
+            cmd.append(f"-DTensorRT_INCLUDE_DIR={inc}")
+        if shutil.which("ninja"):
+            cmd += ["-G", "Ninja"]
+        # PYTRT_KV_CUDA_ARCHS picks the CUDA architectures where nvcc exists (one: faster).
+        conf = _run(cmd, 600, env=dict(os.environ, PYTRT_KV_CUDA_ARCHS="86"))
+        if conf.returncode != 0:
+            return conf
+    if inc is not None:
+        targets.append("pytrt_kv_plugin_harness_emu")
+    # -j1: the three builds (and the runs) share the machine's cores.
+    b = _run([CMAKE, "--build", out, "-j1", "--target", *targets], 2400)
+    if b.returncode == 0:
+        stamp.write_text(digest)
+    return b
 
 
 def _san_env(sanitize: str) -> dict[str, str]:
@@ -326,77 +491,214 @@ def _san_env(sanitize: str) -> dict[str, str]:
     return env
 
 
-def _selftest(build, mode):
-    sanitize, out = build
-    return subprocess.run(
-        [str(out / "bin" / "pytrt_kv_emu_selftest"), mode],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_san_env(sanitize),
+_CASES_LOCK = threading.Lock()
+_TEMP_DIRS: list[Path] = []
+
+
+@functools.cache
+def _harness_cases_once() -> list[str]:
+    out = Path(tempfile.mkdtemp(prefix="pytrt_kv_harness_cases_"))
+    _TEMP_DIRS.append(out)
+    gen = _run(
+        [sys.executable, REPO / "plugins" / "harness" / "makeCases.py", out],
+        300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
+    assert gen.returncode == 0, gen.stderr
+    return sorted(str(p) for p in out.iterdir() if (p / "case.txt").is_file())
+
+
+def _harness_cases() -> list[str]:
+    """The harness cases, generated once for all builds (the builds' threads ask at once)."""
+    with _CASES_LOCK:
+        return _harness_cases_once()
+
+
+def _kernel_slice(out: Path, sanitize: str) -> subprocess.CompletedProcess:
+    """The kernel tests' slice in a second pytest with the sanitizer runtime preloaded."""
+    runtime = _run(["g++", "-print-file-name=libasan.so"], 60).stdout.strip()
+    env = _san_env(sanitize)
+    env.update(
+        LD_PRELOAD=runtime,
+        PYTRT_KV_LIB_DIR=str(out / "lib"),
+        PYTHONPATH=os.pathsep.join(
+            p for p in (str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")) if p
+        ),
+    )
+    tests = [
+        REPO / "tests" / f
+        for f in ("test_ops_scatter.py", "test_ops_gather.py", "test_quantise.py")
+    ]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--device", "emu"]
+    return _run([*cmd, "-k", _KERNEL_SLICE, *tests], 1800, env=env, cwd=REPO / "tests")
+
+
+class _Work:
+    """One build's background work: the build, then what runs on it."""
+
+    def __init__(self, sanitize: str):
+        self.sanitize = sanitize
+        self.out = _build_root() / (sanitize or "plain")
+        self.results: dict[str, concurrent.futures.Future] = {
+            k: concurrent.futures.Future()
+            for k in ("build", "harness", "kernels", *MODES_ANY, *MODES_SAN[sanitize])
+        }
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _set(self, key: str, fn) -> None:
+        try:
+            self.results[key].set_result(fn())
+        except BaseException as e:  # a timeout or missing tool: the test waiting on it says so
+            self.results[key].set_exception(e)
+
+    def _run(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._set("build", lambda: _build(self.out, self.sanitize))
+        built = self.results["build"]
+        if built.exception() is not None or built.result().returncode != 0:
+            for f in self.results.values():
+                if not f.done():
+                    f.set_exception(RuntimeError("the build failed"))
+            return
+        exe = self.out / "bin" / "pytrt_kv_emu_selftest"
+        for mode in (*MODES_ANY, *MODES_SAN[self.sanitize]):
+            self._set(mode, lambda m=mode: _run([exe, m], 300, env=_san_env(self.sanitize)))
+        harness = self.out / "bin" / "pytrt_kv_plugin_harness_emu"
+        if trt_include_dir() is not None:
+            cases = _harness_cases()
+            self._set(
+                "harness",
+                lambda: (
+                    len(cases),
+                    _run([harness, "run", *cases], 1800, env=_san_env(self.sanitize)),
+                ),
+            )
+        else:
+            self.results["harness"].set_result(None)
+        if self.sanitize == "address":
+            self._set("kernels", lambda: _kernel_slice(self.out, self.sanitize))
+        else:
+            self.results["kernels"].set_result(None)
+
+    def get(self, key: str):
+        # Generous: on a shared 2-core machine the three builds and their runs queue up.
+        return self.results[key].result(timeout=3600)
+
+
+_WORK: dict[str, _Work] = {}
+_WORK_LOCK = threading.Lock()
+
+
+def _work(sanitize: str) -> _Work:
+    with _WORK_LOCK:
+        if not _WORK:
+            for s in BUILDS.values():  # all at once: they overlap each other and the tests
+                _WORK[s] = _Work(s)
+        return _WORK[sanitize]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_builds_early(request):
+    """Start the C++ work when this module's first test runs (the Python tests above then
+    overlap it), when a test that needs it is selected; kill what still runs at its end."""
+    wanted = any("emu_build" in getattr(i, "fixturenames", ()) for i in request.session.items)
+    if wanted and CMAKE is not None:
+        _work("")
+    yield
+    _stop_all()
+    for d in _TEMP_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(params=list(BUILDS.values()), ids=list(BUILDS))
+def emu_build(request):
+    if CMAKE is None:
+        pytest.skip("cmake not installed (the test extra installs it)")
+    work = _work(request.param)
+    b = work.get("build")
+    assert b.returncode == 0, b.stdout[-6000:] + b.stderr[-6000:]
+    return work
+
+
+def _source_line(path: str, marker: str) -> str:
+    """``file:line`` of the first line of ``path`` (under plugins/) containing ``marker``."""
+    lines = (REPO / "plugins" / path).read_text().splitlines()
+    (n,) = [i + 1 for i, line in enumerate(lines) if marker in line][:1]
+    return f"{Path(path).name}:{n}"
 
 
 def test_selftest_valid_run_is_clean(emu_build):
-    r = _selftest(emu_build, "ok")
+    r = emu_build.get("ok")
     assert r.returncode == 0 and "selftest ok: cudaSuccess" in r.stdout, r.stdout + r.stderr[-4000:]
     assert "Sanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr[-4000:]
 
 
-def test_each_check_reports_its_injected_bug(emu_build):
-    sanitize, _ = emu_build
-    # Any build: a store outside every allocation is an illegal address.
-    r = _selftest(emu_build, "illegal")
+@pytest.mark.parametrize(
+    "mode, access, where",
+    [
+        ("illegal", "store of 16 bytes", ("kernels/kvDispatch.cuh", "__stwb(reinterpret_cast<V*>")),
+        (
+            "store1",
+            "store of 4 bytes",
+            ("kernels/gatherPlan.h", "storeGlobal(a.actualSeq + row.r, total)"),
+        ),
+        ("load1", "load of 4 bytes", ("kernels/gatherPlan.h", "loadGlobal(a.kvLen + b)")),
+        (
+            "intrinsic1",
+            "store of 16 bytes",
+            ("kernels/kvDispatch.cuh", "__stwb(reinterpret_cast<V*>"),
+        ),
+    ],
+)
+def test_one_element_overflows_are_reported_at_their_source_line(emu_build, mode, access, where):
+    """Any build: an access one element past an allocation (exact sizes, not rounded up)
+    by a plain store, a plain load and an intrinsic is an illegal address, reported with the
+    kernel, the thread and the source line of the access."""
+    r = emu_build.get(mode)
     assert r.returncode == 1 and "cudaErrorIllegalAddress" in r.stdout, r.stdout + r.stderr[-3000:]
-    assert "illegal address: store" in r.stderr and "gatherCopyKernel" in r.stderr
+    kernel = "gatherCopyKernel" if "Dispatch" in where[0] else "gatherPlanKernel"
+    line = _source_line(*where)
+    assert f"illegal address: {access}" in r.stderr and kernel in r.stderr, r.stderr[-3000:]
+    assert f"{line}) by thread" in r.stderr, (line, r.stderr[-3000:])
+
+
+def test_each_sanitizer_reports_its_injected_bug(emu_build):
+    sanitize = emu_build.sanitize
     if sanitize == "address":
-        r = _selftest(emu_build, "overflow")
-        assert "AddressSanitizer: heap-buffer-overflow" in r.stderr, r.stderr[-4000:]
-        assert "gatherPlanKernel" in r.stderr
-        r = _selftest(emu_build, "ub")
+        for mode in (
+            "raw_device",
+            "raw_pinned",
+        ):  # one byte past 13 bytes: seen since allocations are not rounded up
+            r = emu_build.get(mode)
+            assert "AddressSanitizer: heap-buffer-overflow" in r.stderr, (mode, r.stderr[-4000:])
+            assert "WRITE of size 1" in r.stderr and "rawStoreKernel" in r.stderr, r.stderr[-4000:]
+            assert _source_line("emu/emuSelfTest.cpp", "p[n] = 1;") in r.stderr, r.stderr[-4000:]
+        r = emu_build.get("ub")
         assert "runtime error: shift exponent 32" in r.stderr, r.stderr[-4000:]
-    if sanitize == "thread":
-        r = _selftest(emu_build, "race")
+    elif sanitize == "thread":
+        r = emu_build.get("race")
         assert "ThreadSanitizer: data race" in r.stderr, r.stderr[-4000:]
         assert "gatherPlanKernel" in r.stderr
+        r = emu_build.get("streams")  # two streams, nothing ordering them
+        assert "ThreadSanitizer: data race" in r.stderr and "fillKernel" in r.stderr, r.stderr[
+            -4000:
+        ]
+        r = emu_build.get("ordered")  # the same, ordered by a stream synchronize: clean
+        assert r.returncode == 0 and "ThreadSanitizer" not in r.stderr, r.stderr[-4000:]
+    else:
+        pytest.skip("the plain build has no sanitizer: its checks are the emulator's own (above)")
 
 
-def test_harness_run_cases_on_the_emulated_device(emu_build, tmp_path):
+def test_harness_run_cases_on_the_emulated_device(emu_build):
     """The plugins' enqueue, bit-exact against the reference on every harness case,
     plain and under each sanitizer."""
-    sanitize, out = emu_build
     if trt_include_dir() is None:
         pytest.skip("TensorRT headers: set TensorRT_INCLUDE_DIR (or TensorRT_ROOT)")
-    gen = subprocess.run(
-        [sys.executable, REPO / "plugins" / "harness" / "makeCases.py", tmp_path],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert gen.returncode == 0, gen.stderr
-    cases = sorted(str(p) for p in tmp_path.iterdir() if (p / "case.txt").is_file())
-    assert len(cases) >= 60
-    r = subprocess.run(
-        [str(out / "bin" / "pytrt_kv_plugin_harness_emu"), "run", *cases],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=_san_env(sanitize),
-    )
+    n, r = emu_build.get("harness")
+    assert n >= 60
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert f"harness run: {len(cases)} cases" in r.stdout and " 0 failed" in r.stdout, r.stdout
+    assert f"harness run: {n} cases" in r.stdout and " 0 failed" in r.stdout, r.stdout
     assert "Sanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr[-4000:]
-
-
-# A slice of the kernel tests that covers every kernel and path (both scatter kernels,
-# every layout and vector width, rope means; the gather plan at K 1..2048, TBS > 1, pinned
-# full caches, skipped rows and tables) at a fraction of the full grid's time.
-_KERNEL_SLICE = (
-    "bit_exact and (K33 or K5_tbs3 or 7x2x64 or 3x9x2) or unaligned or pinned or skipped "
-    "or duplicates or out_of_range or zero or (quantise_bit_exact and hnd) or narrow_chunks "
-    "or plain_value"
-)
 
 
 def test_kernel_tests_under_the_sanitizer(emu_build):
@@ -404,49 +706,17 @@ def test_kernel_tests_under_the_sanitizer(emu_build):
     runs the whole kernel suite, tests/test_ops_*.py; ThreadSanitizer cannot be preloaded
     into an uninstrumented Python, so the TSan build runs the harness cases and the
     self-test instead.)"""
-    sanitize, out = emu_build
-    if sanitize != "address":
-        pytest.skip(f"the {sanitize or 'plain'} build: see the docstring")
-    runtime = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True)
-    env = _san_env(sanitize)
-    env.update(
-        LD_PRELOAD=runtime.stdout.strip(),
-        PYTRT_KV_LIB_DIR=str(out / "lib"),
-        PYTHONPATH=os.pathsep.join(
-            p for p in (str(REPO / "tests"), os.environ.get("PYTHONPATH", "")) if p
-        ),
-    )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--device",
-            "emu",
-            "-k",
-            _KERNEL_SLICE,
-            str(REPO / "tests" / "test_ops_scatter.py"),
-            str(REPO / "tests" / "test_ops_gather.py"),
-            str(REPO / "tests" / "test_quantise.py"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env=env,
-        cwd=REPO / "tests",
-    )
+    if emu_build.sanitize != "address":
+        pytest.skip(f"the {emu_build.sanitize or 'plain'} build: see the docstring")
+    r = emu_build.get("kernels")
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
     assert "Sanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr[-4000:]
 
 
 def test_cuda_architectures_come_from_the_environment(emu_build):
-    """The configure above ran with PYTRT_KV_CUDA_ARCHS=86 (docs/TENSORRT.md)."""
-    _, out = emu_build
-    cache = (out / "CMakeCache.txt").read_text()
+    """The configure ran with PYTRT_KV_CUDA_ARCHS=86 (docs/TENSORRT.md)."""
+    cache = (emu_build.out / "CMakeCache.txt").read_text()
     if "CMAKE_CUDA_ARCHITECTURES:" not in cache:
         pytest.skip("no nvcc here: the CUDA architectures are not configured")
     assert "CMAKE_CUDA_ARCHITECTURES:STRING=86\n" in cache

@@ -44,13 +44,27 @@ def e4m3_bits(values) -> list[int]:
         (-(2.0**-12), 1.0, 0x80),  # rounds to -0
         (6.0, 2.0, 0x44),  # divided by the scale first: 3.0 = 1.5 * 2^1
         (float("nan"), 1.0, 0x7F),
-        (-float("nan"), 1.0, 0xFF),
+        (-float("nan"), 1.0, 0x7F),  # the GPU's canonical NaN: the sign is dropped
     ],
 )
 def test_reference_e4m3_encodings(x, scale, want):
     got = quantise(np.array([[[x]]], np.float32), np.array(scale, np.float32), E4M3)
     assert got.dtype == ml_dtypes.float8_e4m3fn
     assert e4m3_bits(got) == [want]
+
+
+@pytest.mark.parametrize("src", SOURCES)
+def test_reference_writes_every_nan_as_0x7f(src):
+    """Every NaN bit pattern of the source (both signs, any payload) is 0x7F (SPEC S9)."""
+    dt = dtypes.numpy_dtype(src)
+    bits = {
+        "float16": [0x7C01, 0x7E00, 0x7FFF, 0xFC01, 0xFE00, 0xFFFF],
+        "bfloat16": [0x7F81, 0x7FC0, 0x7FFF, 0xFF81, 0xFFC0, 0xFFFF],
+        "float32": [0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFF800001, 0xFFC00000, 0xFFFFFFFF],
+    }[src]
+    x = np.array(bits, {2: np.uint16, 4: np.uint32}[dt.itemsize]).view(dt).reshape(1, 1, -1)
+    for scale in (1.0, 0.375):
+        assert e4m3_bits(quantise(x, np.array(scale, np.float32), E4M3)) == [0x7F] * len(bits)
 
 
 @pytest.mark.parametrize(
@@ -201,6 +215,17 @@ def wide_values(rng, shape, dtype: str, *, nan: bool) -> np.ndarray:
     return x.astype(dtypes.numpy_dtype(dtype)).reshape(shape)
 
 
+def random_bytes(rng, shape, dtype: str, *, nan: bool) -> np.ndarray:
+    """Every bit pattern equally likely: NaNs of both signs with any payload, infinities,
+    subnormals (float16 ~3% NaN). ``nan=False`` (int8 caches refuse NaN) makes NaNs 0."""
+    dt = dtypes.numpy_dtype(dtype)
+    n = int(np.prod(shape))
+    x = rng.integers(0, 256, n * dt.itemsize, dtype=np.uint8).view(dt).reshape(shape)
+    if not nan:
+        x[np.isnan(x.astype(np.float32))] = 0
+    return x
+
+
 def cache_shape(layout: str, nb: int, bs: int, h: int, d: int, dtype: str) -> tuple[int, ...]:
     if layout == "nd":
         return (nb, bs, h, d)
@@ -265,6 +290,38 @@ def test_quantise_bit_exact(rng, layout, src, cache, per_head):
     want, got = run_both(kw)
     assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
     assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["nd", "nz"])
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("per_head", [False, True], ids=["tensor", "head"])
+def test_quantise_random_bytes_bit_exact(rng, layout, src, cache, per_head):
+    """Random bytes as key and value (not only finite data): the kernels write what the
+    reference writes, every e4m3 NaN as 0x7F whatever its sign (SPEC S9)."""
+    T, H, D, NB, BS = 29, 4, 32, 8, 8
+    nan = cache == E4M3
+    key = random_bytes(rng, (T, H, D), src, nan=nan)
+    value = random_bytes(rng, (T, H, D), src, nan=nan)
+    if nan:  # the data holds negative NaNs, so the rule is exercised
+        assert (np.signbit(key.astype(np.float32)) & np.isnan(key.astype(np.float32))).any()
+    kw = dict(
+        key=key,
+        value=value,
+        key_cache=sentinel(cache_shape(layout, NB, BS, H, D, cache), cache),
+        value_cache=sentinel(cache_shape(layout, NB, BS, H, D, cache), cache),
+        slot_mapping=_slots(rng, T, NB * BS),
+        cache_layout=layout,
+        k_scale=_scale(rng, per_head, H),
+        v_scale=_scale(rng, per_head, H),
+    )
+    want, got = run_both(kw)
+    assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
+    assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
+    if nan:
+        u = got["key_cache"].view(np.uint8)
+        assert 0xFF not in u and 0x7F in u
 
 
 @gpu

@@ -3,15 +3,26 @@
  * it claims (docs/EMULATION.md, "Known to catch"): each mode must be REPORTED, so a test
  * that runs them proves the check works in that build.
  *
- *   pytrt_kv_emu_selftest ok        a valid gather: exit 0
- *   pytrt_kv_emu_selftest illegal   the selection cache is smaller than its declared shape:
- *                                   the copy kernel's stores leave the allocation, the
- *                                   emulator reports cudaErrorIllegalAddress (any build)
- *   pytrt_kv_emu_selftest overflow  the status rows are smaller than declared: the plan
- *                                   kernel's plain stores overflow the heap (ASan reports)
- *   pytrt_kv_emu_selftest race      the plan kernel with its barrier after planLoad removed:
- *                                   threads read shared memory others write (TSan reports)
- *   pytrt_kv_emu_selftest ub        a kernel shifting by 32 (UBSan reports)
+ *   pytrt_kv_emu_selftest ok         a valid gather: exit 0
+ *   pytrt_kv_emu_selftest illegal    the selection cache is smaller than its declared shape:
+ *                                    the copy kernel's stores leave the allocation, the
+ *                                    emulator reports cudaErrorIllegalAddress (any build)
+ *   pytrt_kv_emu_selftest store1     actual_seq one element short: the plan kernel's plain
+ *                                    store of the last row's total is reported at its line
+ *   pytrt_kv_emu_selftest load1      full_kv_actual_seq one element short: the plan kernel's
+ *                                    plain load of the last row's length, at its line
+ *   pytrt_kv_emu_selftest intrinsic1 the selection cache one element short: the copy
+ *                                    kernel's last vector store (__stwb), at its line
+ *   pytrt_kv_emu_selftest raw_device a kernel storing one byte past a 13-byte cudaMalloc
+ *   pytrt_kv_emu_selftest raw_pinned ... and past a 13-byte cudaHostAlloc, with a raw store
+ *                                    the emulator does not check: ASan reports (exact sizes)
+ *   pytrt_kv_emu_selftest race       the plan kernel with its barrier after planLoad removed:
+ *                                    threads read shared memory others write (TSan reports)
+ *   pytrt_kv_emu_selftest streams    two streams write one buffer with nothing ordering
+ *                                    them (TSan reports a race between the two kernels)
+ *   pytrt_kv_emu_selftest ordered    the same two kernels with the first stream synchronized
+ *                                    in between: no report (exit 0)
+ *   pytrt_kv_emu_selftest ub         a kernel shifting by 32 (UBSan reports)
  *
  * The kernel source is the unchanged gatherSelectionKvCache.cu, included here after a macro
  * that lets one __syncthreads() call be skipped ("race" only).
@@ -105,15 +116,17 @@ int runGather(std::string const& mode)
     std::vector<int32_t> kvLen(B, fMax * FBS), actual(B, 0);
 
     GatherSelectionParams p{};
-    // "illegal": room for one selection block only; "overflow": status for one row only.
-    p.selectionKvCache = upload(sel, mode == "illegal" ? static_cast<size_t>(SBS * KV) : sel.size());
+    // "illegal": room for one selection block only; "...1": one element short.
+    size_t const selElems
+        = mode == "illegal" ? static_cast<size_t>(SBS * KV) : sel.size() - (mode == "intrinsic1" ? 1 : 0);
+    p.selectionKvCache = upload(sel, selElems);
     p.selectionKvBlockTable = upload(selTable, selTable.size());
-    p.selectionKvBlockStatus = upload(status, mode == "overflow" ? static_cast<size_t>(K + 1) : status.size());
+    p.selectionKvBlockStatus = upload(status, status.size());
     p.selectionTopkIndices = upload(topk, topk.size());
     p.fullKvCache = upload(full, full.size());
     p.fullKvBlockTable = upload(fullTable, fullTable.size());
-    p.fullKvActualSeq = upload(kvLen, kvLen.size());
-    p.selectionKvActualSeq = upload(actual, actual.size());
+    p.fullKvActualSeq = upload(kvLen, kvLen.size() - (mode == "load1" ? 1 : 0));
+    p.selectionKvActualSeq = upload(actual, actual.size() - (mode == "store1" ? 1 : 0));
     p.cacheType = DataType::kFLOAT16;
     p.batch = B;
     p.seqPerBatch = 1;
@@ -141,6 +154,57 @@ int runGather(std::string const& mode)
     return e == cudaSuccess ? 0 : 1;
 }
 
+//! One byte past the allocation, by a plain store the emulator does not check (not
+//! storeGlobal): only AddressSanitizer can see it, since allocations have their exact size.
+__global__ void rawStoreKernel(unsigned char* p, int n)
+{
+    p[n] = 1; // the overflow
+}
+
+int runRaw(bool pinned)
+{
+    int const n = 13;
+    void* p = nullptr;
+    cudaError_t e = pinned ? cudaHostAlloc(&p, n, cudaHostAllocDefault) : cudaMalloc(&p, n);
+    if (e == cudaSuccess)
+    {
+        PYTRT_KV_LAUNCH("rawStoreKernel", rawStoreKernel, 1, 1, nullptr, static_cast<unsigned char*>(p), n);
+        e = cudaDeviceSynchronize();
+    }
+    std::printf("selftest raw_%s: %s\n", pinned ? "pinned" : "device", cudaGetErrorName(e));
+    return e == cudaSuccess ? 0 : 1;
+}
+
+__global__ void fillKernel(int* p, int v)
+{
+    p[threadIdx.x] = v;
+}
+
+//! Two streams write one buffer: unordered ("streams") or ordered by a synchronize.
+int runStreams(bool ordered)
+{
+    int* p = nullptr;
+    cudaStream_t s1 = nullptr;
+    cudaStream_t s2 = nullptr;
+    cudaMalloc(reinterpret_cast<void**>(&p), 64 * sizeof(int));
+    cudaStreamCreate(&s1);
+    cudaStreamCreate(&s2);
+    PYTRT_KV_LAUNCH("fillKernel", fillKernel, 1, 64, s1, p, 1);
+    if (ordered)
+    {
+        cudaStreamSynchronize(s1);
+    }
+    PYTRT_KV_LAUNCH("fillKernel", fillKernel, 1, 64, s2, p, 2);
+    cudaError_t const e = cudaDeviceSynchronize();
+    int host[64];
+    cudaMemcpy(host, p, sizeof(host), cudaMemcpyDeviceToHost);
+    std::printf("selftest %s: %s, p[0] = %d\n", ordered ? "ordered" : "streams", cudaGetErrorName(e), host[0]);
+    cudaStreamDestroy(s1);
+    cudaStreamDestroy(s2);
+    cudaFree(p);
+    return e == cudaSuccess ? 0 : 1;
+}
+
 int runUb()
 {
     int* out = nullptr;
@@ -155,14 +219,26 @@ int runUb()
 int main(int argc, char** argv)
 {
     std::string const mode = argc > 1 ? argv[1] : "";
-    if (mode == "ok" || mode == "illegal" || mode == "overflow" || mode == "race")
+    if (mode == "ok" || mode == "illegal" || mode == "store1" || mode == "load1" || mode == "intrinsic1"
+        || mode == "race")
     {
         return runGather(mode);
+    }
+    if (mode == "raw_device" || mode == "raw_pinned")
+    {
+        return runRaw(mode == "raw_pinned");
+    }
+    if (mode == "streams" || mode == "ordered")
+    {
+        return runStreams(mode == "ordered");
     }
     if (mode == "ub")
     {
         return runUb();
     }
-    std::fprintf(stderr, "usage: %s ok | illegal | overflow | race | ub\n", argc > 0 ? argv[0] : "selftest");
+    std::fprintf(stderr,
+        "usage: %s ok | illegal | store1 | load1 | intrinsic1 | raw_device | raw_pinned | race | streams | ordered "
+        "| ub\n",
+        argc > 0 ? argv[0] : "selftest");
     return 2;
 }

@@ -247,13 +247,13 @@ PYTRT_KV_HD bool planBeginAt(PlanArgs const& a, int32_t r, int32_t b, int32_t s,
     row.hashSlots = 32;
     if (r < a.rows)
     {
-        row.g = rowGeometry(a.kvLen[b], a.seqPerBatch, s, a.tbs);
+        row.g = rowGeometry(loadGlobal(a.kvLen + b), a.seqPerBatch, s, a.tbs);
     }
     if (r >= a.rows || row.g.skipped)
     {
         if (tid == 0)
         {
-            a.actualSeq[r] = 0; // rows past B*S are not addressed; skipped rows return 0
+            storeGlobal(a.actualSeq + r, int32_t{0}); // rows past B*S are not addressed; skipped rows return 0
         }
         return false;
     }
@@ -305,8 +305,8 @@ PYTRT_KV_HD void planLoad(PlanArgs const& a, PlanRow const& row, PlanShared& sh,
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
         int32_t const j = tid + i * kPLAN_THREADS;
-        oldIds[i] = j < k ? status[j] : -1;
-        newIds[i] = j < k ? topk[j] : -1;
+        oldIds[i] = j < k ? loadGlobal(status + j) : -1;
+        newIds[i] = j < k ? loadGlobal(topk + j) : -1;
     }
     int32_t localOld = 0;
     int32_t localValid = 0;
@@ -478,8 +478,9 @@ PYTRT_KV_HD MissEntry planResolve(PlanArgs const& a, PlanRow const& row, int32_t
     {
         return m; // an id past the tables: skipped, never read
     }
-    int64_t const fullBlock = a.fullTable[static_cast<int64_t>(row.b) * a.fullMaxBlockNum + fullCol];
-    int64_t const selBlock = a.selectionTable[static_cast<int64_t>(row.r) * a.selectionMaxBlockNum + selCol];
+    int64_t const fullBlock = loadGlobal(a.fullTable + static_cast<int64_t>(row.b) * a.fullMaxBlockNum + fullCol);
+    int64_t const selBlock
+        = loadGlobal(a.selectionTable + static_cast<int64_t>(row.r) * a.selectionMaxBlockNum + selCol);
     if (fullBlock < 0 || fullBlock >= a.fullBlockNum || selBlock < 0 || selBlock >= a.selectionBlockNum)
     {
         return m;
@@ -545,25 +546,25 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
     }
     for (int32_t j = t.n + tid; j < k; j += kPLAN_THREADS)
     {
-        status[j] = -1;
+        storeGlobal(status + j, int32_t{-1});
     }
     PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
         if (statusSlot[i] >= 0)
         {
-            status[statusSlot[i]] = sh.topk[first + i];
+            storeGlobal(status + statusSlot[i], sh.topk[first + i]);
         }
         if (missed[i])
         {
-            a.misses[sh.missBase + t.missRank++] = miss[i];
+            storeGlobal(a.misses + sh.missBase + t.missRank++, miss[i]);
         }
     }
     if (tid == 0)
     {
         int32_t const total = sh.total;
-        status[k] = total;
-        a.actualSeq[row.r] = total;
+        storeGlobal(status + k, total);
+        storeGlobal(a.actualSeq + row.r, total);
     }
 }
 

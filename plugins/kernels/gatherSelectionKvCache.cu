@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kPLAN_THREADS) gatherPlanKernel(PlanArgs const
     planInit(row, sh, tid);
     // Issued with the phase-2 loads; every read of the old status row precedes the
     // barrier after planLoad, every write follows it.
-    int32_t const oldTotal = a.status[static_cast<int64_t>(row.r) * (a.topkCount + 1) + a.topkCount];
+    int32_t const oldTotal = loadGlobal(a.status + static_cast<int64_t>(row.r) * (a.topkCount + 1) + a.topkCount);
     __syncthreads();
     planLoad(a, row, sh, tid);
     __syncthreads();
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) gatherCopyKernel(CopyArgs cons
     int64_t const stride = static_cast<int64_t>(gridDim.x) * groupsPerBlock;
     // The list the plan just wrote: tasks are (miss, token), token fastest, so
     // neighbouring groups read neighbouring rows of one full block.
-    int64_t const tasks = static_cast<int64_t>(*a.missCount) * a.tbs.divisor;
+    int64_t const tasks = static_cast<int64_t>(loadGlobal(a.missCount)) * a.tbs.divisor;
     int32_t const kvVectors = static_cast<int32_t>(a.kvBytes / W);
     int32_t const allVectors = kvVectors + static_cast<int32_t>(a.ropeBytes / W);
     for (int64_t task = static_cast<int64_t>(blockIdx.x) * groupsPerBlock + threadIdx.x / a.group; task < tasks;
@@ -119,10 +119,10 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) gatherCopyKernel(CopyArgs cons
         int64_t const m
             = (a.tbs.shift >= 0 || task > INT_MAX) ? a.tbs.div(task) : a.tbs.div32(static_cast<int32_t>(task));
         int32_t const i = static_cast<int32_t>(task - m * a.tbs.divisor);
-        MissEntry const* entry = a.misses + m;
-        int64_t const srcRow = entry->srcRow;
-        int64_t const dstRow = entry->dstRow;
-        if (i >= entry->size || srcRow < 0 || dstRow < 0)
+        MissEntry const entry = loadGlobal(a.misses + m);
+        int64_t const srcRow = entry.srcRow;
+        int64_t const dstRow = entry.dstRow;
+        if (i >= entry.size || srcRow < 0 || dstRow < 0)
         {
             continue; // past a partial id, or an id whose table entries are out of range
         }

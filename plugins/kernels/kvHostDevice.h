@@ -19,10 +19,45 @@
 #define PYTRT_KV_UNROLL
 #endif
 
+#if defined(PYTRT_KV_EMU)
+#include "pytrtKvEmu.h"
+#endif
+
 namespace pytrt_kv
 {
 namespace kernels
 {
+
+// Plain global-memory loads and stores of the kernels (index tensors, tables, status rows,
+// miss lists, single elements): `*p` under nvcc (zero cost, inlined); on the emulated
+// device checked against the live allocations like the cache-hint intrinsics and reported
+// at the caller's source line (docs/EMULATION.md). Host code (the host planning path) is
+// not checked. Shared memory is accessed directly.
+#if defined(PYTRT_KV_EMU)
+template <typename T>
+inline T loadGlobal(T const* p, char const* file = __builtin_FILE(), int line = __builtin_LINE())
+{
+    return ::pytrt_kv::emu::deviceLoad(p, false, file, line);
+}
+
+template <typename T>
+inline void storeGlobal(T* p, T const& v, char const* file = __builtin_FILE(), int line = __builtin_LINE())
+{
+    ::pytrt_kv::emu::deviceStore(p, v, false, file, line);
+}
+#else
+template <typename T>
+PYTRT_KV_HD T loadGlobal(T const* p)
+{
+    return *p;
+}
+
+template <typename T>
+PYTRT_KV_HD void storeGlobal(T* p, T const& v)
+{
+    *p = v;
+}
+#endif
 
 //! Division of non-negative values by a positive divisor fixed at launch: a shift and a
 //! mask when the divisor is a power of two (block sizes and TBS usually are), so the

@@ -38,8 +38,30 @@ PYTRT_KV_HD uint32_t shiftRoundEven(uint32_t m, int32_t shift)
     return q + ((rem > half || (rem == half && (q & 1U) != 0U)) ? 1U : 0U);
 }
 
+//! The e4m3 NaN every NaN is written as (docs/SPEC.md S9): NVIDIA's canonical one.
+constexpr uint8_t kE4M3_NAN = 0x7F;
+
+//! \p v as GPU float arithmetic leaves it: NVIDIA's float instructions return the
+//! canonical NaN (0x7FFFFFFF) for any NaN result, while a host CPU keeps an operand's sign
+//! and payload. Applied to the results of the kernels' float arithmetic, so the emulated
+//! device and the host path give the GPU's bits; on the GPU it is the identity.
+PYTRT_KV_HD float asGpuResult(float v)
+{
+#if defined(__CUDA_ARCH__)
+    return v;
+#else
+    if (v != v)
+    {
+        uint32_t const canonical = 0x7FFFFFFFU;
+        std::memcpy(&v, &canonical, sizeof(v));
+    }
+    return v;
+#endif
+}
+
 //! float8 e4m3fn bits of \p v, |v| <= 448 or NaN (the caller clamps): round to nearest
-//! even, subnormals included; NaN keeps its sign (0x7F / 0xFF), zero too.
+//! even, subnormals included; any NaN is kE4M3_NAN (as __nv_cvt_float_to_fp8 writes the
+//! canonical NaN a GPU division gives); zero keeps its sign.
 PYTRT_KV_HD uint8_t floatToE4m3(float v)
 {
     uint32_t const bits = floatBits(v);
@@ -47,7 +69,7 @@ PYTRT_KV_HD uint8_t floatToE4m3(float v)
     uint32_t const a = bits & 0x7FFFFFFFU;
     if (a > 0x7F800000U)
     {
-        return static_cast<uint8_t>(sign | 0x7FU);
+        return kE4M3_NAN;
     }
     if (a < 0x00800000U)
     {
@@ -105,7 +127,7 @@ struct QuantInt8
 template <typename Q>
 PYTRT_KV_HD uint8_t quantise(float x, float scale)
 {
-    float v = x / scale;
+    float v = asGpuResult(x / scale);
     v = v > Q::kMAX ? Q::kMAX : (v < -Q::kMAX ? -Q::kMAX : v);
     return Q::convert(v);
 }

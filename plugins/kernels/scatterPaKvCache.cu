@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterTokensKernel(TokenArgs<
         TokenRows const& r = (task & tensorShift) == 0 ? a.rows[0] : a.rows[1];
         // The slot load is issued first; copyVectors issues the source loads (always in
         // bounds: key[t]) before the slot is tested in ready(), so both latencies overlap.
-        IndexT const rawSlot = a.slots[t];
+        IndexT const rawSlot = loadGlobal(a.slots + t);
         char const* src = r.src + t * (r.nseg * r.segBytes);
         char* dstBase = nullptr;
         auto ready = [&]() {
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterQuantTokensKernel(Quant
     {
         int64_t const t = task >> tensorShift;
         QuantRows const& r = (task & tensorShift) == 0 ? a.rows[0] : a.rows[1];
-        IndexT const rawSlot = a.slots[t];
+        IndexT const rawSlot = loadGlobal(a.slots + t);
         Divider const cps = r.chunksPerSegment;
         int32_t const nChunks = r.nseg * static_cast<int32_t>(cps.divisor);
         char const* src = r.src + t * nChunks * static_cast<int64_t>(kSRC_BYTES);
@@ -251,14 +251,14 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterRunsKernel(RunArgs<Inde
         int64_t const bh = rest / a.maxSeqLen;
         int64_t const b = bh / a.heads;
         int64_t const h = bh - b * a.heads;
-        int64_t const base = static_cast<int64_t>(a.slots[bh]);
+        int64_t const base = static_cast<int64_t>(loadGlobal(a.slots + bh));
         if (base < 0)
         {
             continue; // padding run
         }
-        int64_t const offset = a.offsets != nullptr ? static_cast<int64_t>(a.offsets[bh]) : int64_t{-1};
-        CompressRun const run = compressRun(
-            a.mode, static_cast<int64_t>(a.seqLens[b]), static_cast<int64_t>(a.lens[bh]), offset, a.maxSeqLen);
+        int64_t const offset = a.offsets != nullptr ? static_cast<int64_t>(loadGlobal(a.offsets + bh)) : int64_t{-1};
+        CompressRun const run = compressRun(a.mode, static_cast<int64_t>(loadGlobal(a.seqLens + b)),
+            static_cast<int64_t>(loadGlobal(a.lens + bh)), offset, a.maxSeqLen);
         int32_t const source = compressRowSource(a.mode, run, i);
         // base may be any non-negative index value: test before adding so that nothing
         // wraps around.
@@ -280,9 +280,10 @@ __global__ void __launch_bounds__(kBLOCK_THREADS) scatterRunsKernel(RunArgs<Inde
                     float acc = 0.0F;
                     for (int32_t t = run.offset; t < run.offset + run.width; ++t)
                     {
-                        acc += FloatIO<MeanT>::toFloat(reinterpret_cast<MeanT const*>(tokenRow(t))[e]);
+                        acc += FloatIO<MeanT>::toFloat(loadGlobal(reinterpret_cast<MeanT const*>(tokenRow(t)) + e));
                     }
-                    reinterpret_cast<MeanT*>(dst)[e] = FloatIO<MeanT>::fromFloat(acc / static_cast<float>(run.width));
+                    storeGlobal(reinterpret_cast<MeanT*>(dst) + e,
+                        FloatIO<MeanT>::fromFloat(asGpuResult(acc / static_cast<float>(run.width))));
                 }
             }
             continue;

@@ -4,14 +4,16 @@
  *
  * - Qualifiers (__global__, __device__, __shared__, ...), dim3 / vector types, the
  *   built-in index variables, __syncthreads() with real barrier semantics (the threads of
- *   a block are fibers, runtime in emuRuntime.cpp), the warp shuffle with per-warp
- *   lockstep semantics, atomics, the load/store cache-hint intrinsics (bounds-checked
- *   against the live allocations and counted per launch), fp16/bf16 conversions with the
- *   GPU's rounding and canonical NaN.
+ *   a block are fibers: emuFibers.cpp), the warp shuffle with per-warp lockstep semantics,
+ *   atomics, the load/store cache-hint intrinsics (bounds-checked against the live
+ *   allocations, reported at their source line, counted per launch; the kernels' plain
+ *   global accesses go through loadGlobal/storeGlobal, kvHostDevice.h, checked the same
+ *   way), fp16/bf16 conversions with the GPU's rounding and canonical NaN.
  * - The runtime subset our code calls (the cuda* functions below), with CUDA's numeric
- *   error codes and last-error semantics. Work on a stream is deferred and executed in
- *   issue order when something waits for it, so a host read that forgets to synchronize
- *   sees stale memory, as on a GPU.
+ *   error codes and last-error semantics. Work on a stream is deferred to its own queue
+ *   and executed when something waits, the streams interleaved by a seeded schedule
+ *   (emuStreams.cpp), so a host read that forgets to synchronize sees stale memory and two
+ *   unordered streams race, as on a GPU.
  * - PYTRT_KV_LAUNCH (plugins/kernels/kvLaunch.h) maps to pytrt_kv::emu::launch.
  *
  * Everything is C++ in namespace pytrt_kv::emu (the cuda* names are brought to the global
@@ -165,7 +167,7 @@ namespace pytrt_kv
 namespace emu
 {
 
-// --- the runtime subset (emuRuntime.cpp) ----------------------------------------------
+// --- the runtime subset (emuDevice/Memory/Streams.cpp) ----------------------------------
 
 cudaError_t cudaGetLastError();
 cudaError_t cudaPeekAtLastError();
@@ -227,27 +229,30 @@ void syncthreads();
 //! Lockstep exchange of one 64-bit value among the lanes of \p mask; returns the value of
 //! lane \p srcLane (own value when \p srcLane is outside the mask's lanes).
 uint64_t warpExchange(unsigned int mask, uint64_t value, int srcLane);
-//! A kernel access of \p bytes at \p p: true when it lies inside live device, pinned or
-//! mapped memory (counted for the launch), false after recording an illegal address.
-bool deviceAccess(void const* p, size_t bytes, bool write) noexcept;
+//! A kernel access of \p bytes at \p p from \p file:\p line: true when it lies inside live
+//! device, pinned or mapped memory (\p counted: in the launch's work counters), false after
+//! recording an illegal address. Host code (no kernel running) is not checked.
+bool deviceAccess(void const* p, size_t bytes, bool write, bool counted, char const* file, int line) noexcept;
 //! A point where another thread of the block may run (atomics, with a shuffled schedule).
 void maybeYield();
 
+//! A checked kernel load (\p counted: a cache-hint intrinsic, in the work counters).
 template <typename T>
-T deviceLoad(T const* p)
+T deviceLoad(T const* p, bool counted, char const* file, int line)
 {
     T v{};
-    if (deviceAccess(p, sizeof(T), false))
+    if (deviceAccess(p, sizeof(T), false, counted, file, line))
     {
         std::memcpy(&v, p, sizeof(T));
     }
     return v;
 }
 
+//! A checked kernel store (see deviceLoad).
 template <typename T>
-void deviceStore(T* p, T v)
+void deviceStore(T* p, T const& v, bool counted, char const* file, int line)
 {
-    if (deviceAccess(p, sizeof(T), true))
+    if (deviceAccess(p, sizeof(T), true, counted, file, line))
     {
         std::memcpy(p, &v, sizeof(T));
     }
@@ -349,23 +354,24 @@ inline int atomicMin(int* p, int x)
     return old;
 }
 
-// Cache-hint loads and stores: bounds-checked against live allocations and counted.
+// Cache-hint loads and stores: bounds-checked against live allocations, reported at the
+// caller's source line, and counted (the extra parameters take the caller's location).
 template <typename T>
-T __ldg(T const* p)
+T __ldg(T const* p, char const* file = __builtin_FILE(), int line = __builtin_LINE())
 {
-    return ::pytrt_kv::emu::deviceLoad(p);
+    return ::pytrt_kv::emu::deviceLoad(p, true, file, line);
 }
 
 template <typename T>
-T __ldcs(T const* p)
+T __ldcs(T const* p, char const* file = __builtin_FILE(), int line = __builtin_LINE())
 {
-    return ::pytrt_kv::emu::deviceLoad(p);
+    return ::pytrt_kv::emu::deviceLoad(p, true, file, line);
 }
 
 template <typename T>
-void __stwb(T* p, T v)
+void __stwb(T* p, T v, char const* file = __builtin_FILE(), int line = __builtin_LINE())
 {
-    ::pytrt_kv::emu::deviceStore(p, v);
+    ::pytrt_kv::emu::deviceStore(p, v, true, file, line);
 }
 
 inline float __half2float(__half h)
