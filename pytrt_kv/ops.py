@@ -396,7 +396,11 @@ def _check_gather_limits(meta: Any) -> None:
     checks = (
         ("selection_kv_block_status", "B*S", meta.batch * meta.seq),
         ("selection_topk_indices", "B*S*K", meta.batch * meta.seq * meta.topk),
-        ("selection_kv_cache", "(KV + K_ROPE) * itemsize", (meta.kv_dim + meta.k_rope_dim) * itemsize),
+        (
+            "selection_kv_cache",
+            "(KV + K_ROPE) * itemsize",
+            (meta.kv_dim + meta.k_rope_dim) * itemsize,
+        ),
     )
     for arg, what, n in checks:
         if n > KERNEL_INT32_MAX:
@@ -556,9 +560,7 @@ def prepare_gather(
 
     # Shapes first, then the kernels' limits: both before any value is read back (a
     # read allocates host memory) and before the output or workspace is allocated.
-    meta = check_gather(
-        *(bufs[k] for k in named), selection_topk_block_size=selection_topk_block_size
-    )
+    meta = check_gather(**bufs, selection_topk_block_size=selection_topk_block_size)
     _check_gather_limits(meta)
     if validate:
         meta, _ = validate_gather(

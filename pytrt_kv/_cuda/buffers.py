@@ -61,6 +61,7 @@ def checked_shape(arg: str, shape: Any, itemsize: int) -> tuple[int, ...]:
         )
     return tuple(out)
 
+
 #: Where a buffer lives (pytrt_kv_pointer_info kinds).
 HOST, PINNED, DEVICE, MANAGED = (
     limits.POINTER_KINDS[k] for k in ("host", "pinned", "device", "managed")
