@@ -13,14 +13,31 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ..contract import dtypes, specs
+from . import partial
 
 #: A dimension: an int when static, a str (symbolic name) or None when dynamic.
 Dim = Any
+
+E = TypeVar("E", bound=Exception)
+
+
+def ruled(rule: str, exc: E) -> E:
+    """``exc`` carrying the name of the model-check rule it breaks (``exc.rule``,
+    docs/GRAPH_MODE.md "Model checks"): :func:`pytrt_kv.graph.lint.check_model` reads the
+    name from the error, never from its text."""
+    exc.rule = rule  # type: ignore[attr-defined]
+    return exc
+
+
+def rule_of(exc: BaseException, default: str) -> str:
+    """The rule ``exc`` carries (:func:`ruled`), else ``default``."""
+    rule = getattr(exc, "rule", None)
+    return rule if isinstance(rule, str) else default
 
 
 @dataclass(frozen=True)
@@ -71,29 +88,37 @@ def dtype_name(dtype: Any) -> str:
     return dtypes.name_of(dtype)
 
 
+def _attribute_error(kind: type[Exception], message: str) -> Exception:
+    return ruled("schema.attribute", kind(message))
+
+
 def check_attributes(op: specs.OpSpec, attributes: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Attributes with defaults filled in; refuses unknown names, wrong types and values."""
     out: dict[str, Any] = {}
     allowed = set(op.attribute_names) | set(specs.PLUGIN_NODE_ATTRIBUTES)
     for name, value in attributes.items():
         if name not in allowed:
-            raise ValueError(
+            raise _attribute_error(
+                ValueError,
                 f"{where}attribute {name!r}: expected one of {sorted(allowed)}, "
-                f"got an unknown attribute"
+                f"got an unknown attribute",
             )
         if name in specs.PLUGIN_NODE_ATTRIBUTES:
             want = specs.PLUGIN_NODE_ATTRIBUTES[name]
             if isinstance(value, bytes):
                 value = value.decode()
             if value != want:
-                raise ValueError(f"{where}attribute {name!r}: expected {want!r}, got {value!r}")
+                raise _attribute_error(
+                    ValueError, f"{where}attribute {name!r}: expected {want!r}, got {value!r}"
+                )
             continue
         spec = op.attribute(name)
         if spec.type == "int":
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(
+                raise _attribute_error(
+                    TypeError,
                     f"{where}attribute {name!r}: expected an int, got "
-                    f"{type(value).__name__} {value!r}"
+                    f"{type(value).__name__} {value!r}",
                 )
             value = int(value)
         else:
@@ -102,22 +127,25 @@ def check_attributes(op: specs.OpSpec, attributes: Mapping[str, Any], where: str
             if value is None:
                 value = ""
             if not isinstance(value, str):
-                raise TypeError(
+                raise _attribute_error(
+                    TypeError,
                     f"{where}attribute {name!r}: expected a string, got "
-                    f"{type(value).__name__} {value!r}"
+                    f"{type(value).__name__} {value!r}",
                 )
         if spec.choices and value not in spec.choices:
-            raise ValueError(
+            raise _attribute_error(
+                ValueError,
                 f"{where}attribute {name!r}: expected one of "
-                f"{[c for c in spec.choices if c != '']}, got {value!r}"
+                f"{[c for c in spec.choices if c != '']}, got {value!r}",
             )
         out[name] = value
     for spec in op.attributes:
         out.setdefault(spec.name, spec.default)
     if op is specs.GATHER_SELECTION_KV_CACHE and out["selection_topk_block_size"] < 1:
-        raise ValueError(
+        raise _attribute_error(
+            ValueError,
             f"{where}attribute 'selection_topk_block_size': expected an int "
-            f">= 1, got {out['selection_topk_block_size']}"
+            f">= 1, got {out['selection_topk_block_size']}",
         )
     return out
 
@@ -158,13 +186,19 @@ def validate_node(
     given = {k: v for k, v in inputs.items() if v is not None}
     unknown = [k for k in given if k not in op.input_names]
     if unknown:
-        raise ValueError(
-            f"{where}inputs: expected names among {list(op.input_names)}, got unknown {unknown}"
+        raise ruled(
+            "schema.input",
+            ValueError(
+                f"{where}inputs: expected names among {list(op.input_names)}, got unknown {unknown}"
+            ),
         )
     for t in op.inputs:
         if not t.optional and t.name not in given:
-            raise ValueError(
-                f"{where}{t.name}: expected a tensor (required input of {op.name}), got None"
+            raise ruled(
+                "schema.input",
+                ValueError(
+                    f"{where}{t.name}: expected a tensor (required input of {op.name}), got None"
+                ),
             )
     attrs = check_attributes(op, attributes, where)
     # Pre-check dtypes from specs (also covers dynamic shapes, which the checkers
@@ -172,18 +206,33 @@ def validate_node(
     for name, info in given.items():
         spec = op.input(name)
         if info.dtype not in spec.dtypes:
-            raise TypeError(
-                f"{where}{name}: expected dtype in {list(spec.dtypes)}, got {info.describe()}"
+            raise ruled(
+                "schema.dtype",
+                TypeError(
+                    f"{where}{name}: expected dtype in {list(spec.dtypes)}, got {info.describe()}"
+                ),
             )
     static = all(info.static for info in given.values())
     try:
+        # What the dtypes, ranks and static dims decide whatever the dynamic dims are
+        # (partial.py), then the contract itself where every shape is static.
         if op is specs.SCATTER_PA_KV_CACHE:
+            partial.scatter_dtypes(given, attrs["cache_layout"])
+            if not static:
+                partial.scatter_dynamic(given)
             attrs = _scatter(given, attrs, static, where)
         else:
+            partial.gather_dtypes(given)
+            if not static:
+                partial.gather_dynamic(given, attrs["selection_topk_block_size"])
             _gather(given, attrs, static, where)
     except (ValueError, TypeError) as exc:
+        # The contract's own errors: dtype problems are TypeErrors, shape ones
+        # ValueErrors (docs/SPEC.md S, G "errors"); partial.py's carry their rule.
+        rule = rule_of(exc, "schema.dtype" if isinstance(exc, TypeError) else "schema.shape")
         if where and not str(exc).startswith(where):
-            raise type(exc)(f"{where}{exc}") from None
+            raise ruled(rule, type(exc)(f"{where}{exc}")) from None
+        ruled(rule, exc)
         raise
     # An empty string attribute means "not set"; leaving it out keeps nodes minimal.
     attrs = {k: v for k, v in attrs.items() if v != ""}
@@ -225,13 +274,20 @@ def _scatter(
     if rank == 3 and not attrs["cache_layout"]:
         attrs["cache_layout"] = _layout_with_dynamic_tokens(given, attrs, where)
     if rank is not None and rank not in (3, 4):
-        raise ValueError(
-            f"{where}key: expected rank 3 [T, H, Dk] or 4 [B, Smax, H, Dk], got {key.describe()}"
+        raise ruled(
+            "schema.shape",
+            ValueError(
+                f"{where}key: expected rank 3 [T, H, Dk] or 4 [B, Smax, H, Dk], got "
+                f"{key.describe()}"
+            ),
         )
     if rank == 4 and attrs["cache_layout"]:
-        raise ValueError(
-            f"{where}cache_layout: expected nothing for a 4-D key "
-            f"(compressing write), got {attrs['cache_layout']!r}"
+        raise ruled(
+            "schema.attribute",
+            ValueError(
+                f"{where}cache_layout: expected nothing for a 4-D key "
+                f"(compressing write), got {attrs['cache_layout']!r}"
+            ),
         )
     return attrs
 
@@ -250,10 +306,14 @@ def check_token_dims(given: Mapping[str, TensorInfo], where: str) -> None:
     named = next(((n, d) for n, d in dims.items() if isinstance(d, str)), None)
     fixed = next((n for n, d in dims.items() if isinstance(d, int)), None)
     if named is not None and fixed is not None:
-        raise ValueError(
+        raise _token_dims_error(
             f"{where}{fixed}: expected dim 0 dynamic as {named[0]}'s {named[1]!r} (key, value "
             f"and slot_mapping dim 0 are one token count T), got {given[fixed].describe()}"
         )
+
+
+def _token_dims_error(message: str) -> Exception:
+    return ruled("schema.shape", ValueError(message))
 
 
 #: Dims of a 3-D scatter that never decide the layout: T and NB (docs/SPEC.md S2).
@@ -264,6 +324,10 @@ _LAYOUT_FREE_DIMS = {
     "key_cache": (0,),
     "value_cache": (0,),
 }
+
+
+def _layout_error(message: str) -> Exception:
+    return ruled("schema.attribute", ValueError(message))
 
 
 def _layout_with_dynamic_tokens(
@@ -284,7 +348,7 @@ def _layout_with_dynamic_tokens(
             if not isinstance(d, int) and axis not in free:
                 dynamic.append(f"{name} {info.describe()} (dim {axis})")
     if dynamic:
-        raise ValueError(
+        raise _layout_error(
             f"{where}cache_layout: expected one of {list(specs.CACHE_LAYOUTS)}, because the "
             f"layout cannot be detected from dynamic dims other than T and NB: "
             f"{', '.join(dynamic)}; pass cache_layout='nd', 'nz' or 'hnd', got nothing"
