@@ -490,10 +490,13 @@ def check_model(
             skip.add(idx)
             continue
         try:
+            if node.op_type == specs.SCATTER_PA_KV_CACHE.name:
+                # First: without cache_layout the contract would ask for it only where
+                # the shapes fit several layouts.
+                model_rules.check_scatter_node(node, types, consts)
             _contract_check(node, types)
             if node.op_type == specs.SCATTER_PA_KV_CACHE.name:
                 nodes.check_declared_token_dims(node, types)
-                model_rules.check_scatter_node(node, types, consts)
             if tensorrt:
                 model_rules.check_tensorrt_dtypes(node, types)
         except (ValueError, TypeError) as exc:
