@@ -244,6 +244,14 @@ def _scatter(
     given: Mapping[str, TensorInfo], attrs: dict[str, Any], static: bool, where: str
 ) -> dict[str, Any]:
     key = given["key"]
+    if key.shape is not None and len(key.shape) == 4 and attrs["cache_layout"]:
+        raise ruled(
+            "schema.attribute",
+            ValueError(
+                f"{where}cache_layout: expected nothing for a 4-D key "
+                f"(compressing write), got {attrs['cache_layout']!r}"
+            ),
+        )
     if static:
         from ..contract.scatter import check_scatter
 
@@ -279,14 +287,6 @@ def _scatter(
             ValueError(
                 f"{where}key: expected rank 3 [T, H, Dk] or 4 [B, Smax, H, Dk], got "
                 f"{key.describe()}"
-            ),
-        )
-    if rank == 4 and attrs["cache_layout"]:
-        raise ruled(
-            "schema.attribute",
-            ValueError(
-                f"{where}cache_layout: expected nothing for a 4-D key "
-                f"(compressing write), got {attrs['cache_layout']!r}"
             ),
         )
     return attrs
