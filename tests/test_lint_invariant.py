@@ -200,12 +200,23 @@ MUTATIONS = [
 ]  # fmt: skip
 
 
+def _concrete(model) -> dict[str, tuple[int, ...]]:
+    """Input name -> shape of a base model (all static): the sizes its mutants run and
+    build with where a mutation made a dim symbolic or removed the shape."""
+    return {
+        vi.name: tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
+        for vi in _real_inputs(model)
+    }
+
+
 def corpus():
-    """(id, model): the unmutated bases, PER_BASE seeded mutants of each, an empty model."""
+    """(id, model, base shapes): the unmutated bases, PER_BASE seeded mutants of each,
+    an empty model."""
     r = random.Random(SEED)
     out = []
     for base_name, base in _bases().items():
-        out.append((base_name, base))
+        shapes = _concrete(base)
+        out.append((base_name, base, shapes))
         made = 0
         while made < PER_BASE:
             mutate = r.choice(MUTATIONS)
@@ -213,13 +224,26 @@ def corpus():
             m.CopyFrom(base)
             if mutate(m, r) is False:
                 continue
-            out.append((f"{base_name}/{made}-{mutate.__name__[2:]}", m))
+            out.append((f"{base_name}/{made}-{mutate.__name__[2:]}", m, shapes))
             made += 1
-    out.append(("empty-file", onnx.ModelProto()))
+    out.append(("empty-file", onnx.ModelProto(), {}))
     return out
 
 
 CORPUS = corpus()
+
+
+def _dynamic_shapes(model, shapes) -> dict[str, tuple[int, ...]]:
+    """The base's shapes of the inputs of ``model`` that are not static (symbolic dims
+    or no shape), for make_feeds and the build's profile."""
+    out = {}
+    for vi in _real_inputs(model):
+        tt = vi.type.tensor_type
+        if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+            continue
+        if vi.name in shapes:
+            out[vi.name] = shapes[vi.name]
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -252,14 +276,14 @@ def _refused_alike(call, line, kind):
 
 def test_the_corpus_is_small_varied_and_seeded():
     assert 40 <= len(CORPUS) <= 80
-    assert [i for i, _ in corpus()] == [i for i, _ in CORPUS]
-    refused = sum(1 for _, m in CORPUS if check_model(m, tensorrt=True))
+    assert [i for i, _, _ in corpus()] == [i for i, _, _ in CORPUS]
+    refused = sum(1 for _, m, _ in CORPUS if check_model(m, tensorrt=True))
     # Both outcomes are exercised: most mutants break a rule, some stay valid.
     assert 20 <= refused < len(CORPUS) - 5, refused
 
 
-@pytest.mark.parametrize("mid,model", CORPUS, ids=[i for i, _ in CORPUS])
-def test_the_checks_agree_with_every_path(mid, model, tmp_path, capsys):
+@pytest.mark.parametrize("mid,model,shapes", CORPUS, ids=[i for i, _, _ in CORPUS])
+def test_the_checks_agree_with_every_path(mid, model, shapes, tmp_path, capsys):
     from pytrt_kv.polygraphy import PytrtKvRefRunner
     from pytrt_kv.trt import build_plan
 
@@ -282,8 +306,9 @@ def test_the_checks_agree_with_every_path(mid, model, tmp_path, capsys):
         _refused_alike(lambda: runtime.make_evaluator(str(src)), line, kind)
         runner = PytrtKvRefRunner(str(src))
         _refused_alike(runner.activate, line, kind)
-    elif _static(model):
-        feeds = make_feeds(model, seed=SEED)
+    else:
+        # Accepted: it runs, with the base's sizes where the mutant left them open.
+        feeds = make_feeds(model, seed=SEED, shapes=_dynamic_shapes(model, shapes))
         outputs = runtime.run(model, feeds)
         assert set(outputs) == {o.name for o in model.graph.output}
 
@@ -317,25 +342,29 @@ def _rtx_unavailable() -> str:
 
 
 def _rtx_sample():
-    """One accepted, static mutant per base (not the base itself): the builds are slow."""
-    seen, out = set(), []
-    for mid, m in CORPUS:
-        base = mid.split("/")[0]
-        if "/" not in mid or base in seen or base == "example":
+    """The accepted models that TensorRT-RTX builds (the builds are slow): the first
+    accepted mutant of each mutation kind, then of each base not yet represented."""
+    kinds, bases, out = set(), set(), []
+    for mid, m, shapes in CORPUS:
+        if "/" not in mid or check_model(m, tensorrt=True):
             continue
-        if not check_model(m, tensorrt=True) and _static(m):
-            seen.add(base)
-            out.append((mid, m))
+        base, kind = mid.split("/")[0], mid.split("/")[1].split("-", 1)[1]
+        if kind in kinds and base in bases:
+            continue
+        kinds.add(kind)
+        bases.add(base)
+        out.append((mid, m, shapes))
     return out
 
 
 @pytest.mark.skipif(bool(_rtx_unavailable()), reason=_rtx_unavailable() or "-")
-@pytest.mark.parametrize("mid,model", _rtx_sample(), ids=[i for i, _ in _rtx_sample()])
-def test_an_accepted_model_builds_with_tensorrt_rtx(mid, model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mid,model,shapes", _rtx_sample(), ids=[i for i, _, _ in _rtx_sample()])
+def test_an_accepted_model_builds_with_tensorrt_rtx(mid, model, shapes, tmp_path, monkeypatch):
     monkeypatch.undo()  # the real TensorRT-RTX here
     monkeypatch.setattr(lint, "_installed_record", lambda: ARCHS)
     from pytrt_kv.trt import build_plan
 
     src = tmp_path / "m.onnx"
     onnx.save(model, src)
-    assert len(build_plan(src, flavour="rtx", targets=["sm89"])) > 1000
+    profile = _dynamic_shapes(model, shapes)
+    assert len(build_plan(src, flavour="rtx", targets=["sm89"], shapes=profile)) > 1000
