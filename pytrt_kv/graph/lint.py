@@ -472,7 +472,11 @@ def check_model(
                 for e in model_rules.input_declarations(model)]  # fmt: skip
     opsets = {o.domain: o.version for o in model.opset_import}
     types = nodes.declared_types(model)
+    model_rules.inferred_types(model, types)
     consts = model_rules.constants(model)
+    if tensorrt:
+        problems += [_from_exception(e, None, "tensorrt.dtype")
+                     for e in model_rules.tensorrt_io_dtypes(model)]  # fmt: skip
     skip: set[int] = set()
     for idx, node in enumerate(model.graph.node):
         try:

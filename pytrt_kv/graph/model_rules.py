@@ -29,7 +29,7 @@ from onnx import numpy_helper
 
 from ..contract import dtypes, specs
 from .check import ruled
-from .nodes import Type, describe, node_where
+from .nodes import Type, describe, node_where, type_of
 
 SCATTER = specs.SCATTER_PA_KV_CACHE
 
@@ -55,6 +55,85 @@ def check_not_empty(model: onnx.ModelProto) -> None:
                 f"graph), got {what}"
             ),
         )
+
+
+#: ONNX element types TensorRT's ONNX parser takes for a graph input or output (checked
+#: with TensorRT-RTX 1.7: float8_e5m2 and int16 fail in ``importInput`` with a bare
+#: "Failed to convert ONNX data type to TensorRT data type").
+TENSORRT_IO_ELEM_TYPES = frozenset(
+    {
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.UINT8,
+        onnx.TensorProto.INT8,
+        onnx.TensorProto.INT32,
+        onnx.TensorProto.INT64,
+        onnx.TensorProto.BOOL,
+        onnx.TensorProto.FLOAT16,
+        onnx.TensorProto.DOUBLE,
+        onnx.TensorProto.BFLOAT16,
+        onnx.TensorProto.FLOAT8E4M3FN,
+        onnx.TensorProto.INT4,
+    }
+)
+
+
+def _dtype_name(elem: int) -> str:
+    return describe((elem, None)).rsplit("[", 1)[0]
+
+
+def tensorrt_io_dtypes(model: onnx.ModelProto) -> list[Exception]:
+    """One ``tensorrt.dtype`` error per graph input or output whose dtype TensorRT's ONNX
+    parser cannot import."""
+    inits = {i.name for i in model.graph.initializer}
+    allowed = ", ".join(_dtype_name(e) for e in sorted(TENSORRT_IO_ELEM_TYPES))
+    out: list[Exception] = []
+    for kind, vis in (("graph input", model.graph.input), ("graph output", model.graph.output)):
+        for vi in vis:
+            if vi.name in inits or not vi.type.HasField("tensor_type"):
+                continue
+            elem = vi.type.tensor_type.elem_type
+            if elem and elem not in TENSORRT_IO_ELEM_TYPES:
+                out.append(
+                    ruled(
+                        "tensorrt.dtype",
+                        ValueError(
+                            f"{vi.name}: expected a {kind} dtype TensorRT imports ({allowed}), "
+                            f"got {_dtype_name(elem)}"
+                        ),
+                    )
+                )
+    return out
+
+
+def inferred_types(model: onnx.ModelProto, types: dict[str, Type]) -> None:
+    """Add to ``types`` the types ONNX shape inference gives the inputs of pytrt_kv nodes
+    that no declaration names (outputs of standard ops between two of our nodes): the
+    types ``prepare_for_tensorrt`` and the TensorRT parser see. Inference is best effort:
+    a model it cannot infer keeps its declared types."""
+    wanted = {n for node in model.graph.node if node.domain == specs.DOMAIN for n in node.input}
+    missing = {n for n in wanted if n and n not in types}
+    if not missing:
+        return
+    from . import schemas  # noqa: F401,PLC0415 - registers the op schemas
+
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - one of our nodes refused: infer around them
+        bare = onnx.ModelProto()
+        bare.CopyFrom(model)
+        for node in bare.graph.node:
+            if node.domain == specs.DOMAIN:
+                node.domain = specs.DOMAIN + ".uninferred"  # no schema: skipped
+        bare.opset_import.append(onnx.helper.make_opsetid(specs.DOMAIN + ".uninferred", 1))
+        try:
+            inferred = onnx.shape_inference.infer_shapes(bare)
+        except Exception:  # noqa: BLE001 - a convenience: the declarations still decide
+            return
+    # A standard op's output that is also a graph output is declared there (inference
+    # leaves graph outputs out of value_info).
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+        if vi.name in missing and vi.type.HasField("tensor_type"):
+            types[vi.name] = type_of(vi.type)
 
 
 def input_declarations(model: onnx.ModelProto) -> list[Exception]:

@@ -35,13 +35,14 @@ def declared_types(model: onnx.ModelProto) -> dict[str, Type]:
     out: dict[str, Type] = {}
     for vi in list(model.graph.input) + list(model.graph.value_info):
         if vi.type.HasField("tensor_type"):
-            out[vi.name] = _type_of(vi.type)
+            out[vi.name] = type_of(vi.type)
     for init in model.graph.initializer:
         out[init.name] = (init.data_type, tuple(init.dims))
     return out
 
 
-def _type_of(tp: onnx.TypeProto) -> Type:
+def type_of(tp: onnx.TypeProto) -> Type:
+    """(elem type, dims) of a tensor TypeProto (dims: int, name or None)."""
     tt = tp.tensor_type
     if not tt.HasField("shape"):
         return tt.elem_type, None
@@ -297,7 +298,7 @@ def check_output_declarations(model: onnx.ModelProto, types: Mapping[str, Type])
         The declared rank or a static dim differs.
     """
     declared = {
-        o.name: _type_of(o.type) for o in model.graph.output if o.type.HasField("tensor_type")
+        o.name: type_of(o.type) for o in model.graph.output if o.type.HasField("tensor_type")
     }
     for node in model.graph.node:
         if node.domain != specs.DOMAIN or node.op_type not in specs.OPS:
