@@ -83,13 +83,16 @@ def _dtype_name(elem: int) -> str:
 
 def tensorrt_io_dtypes(model: onnx.ModelProto) -> list[Exception]:
     """One ``tensorrt.dtype`` error per graph input or output whose dtype TensorRT's ONNX
-    parser cannot import."""
+    parser cannot import (those of pytrt_kv nodes: :func:`check_tensorrt_dtypes`)."""
     inits = {i.name for i in model.graph.initializer}
+    # A tensor of a pytrt_kv node is named by check_tensorrt_dtypes, with its argument.
+    ours = {n for node in model.graph.node if node.domain == specs.DOMAIN for n in node.input}
+    ours |= {n for node in model.graph.node if node.domain == specs.DOMAIN for n in node.output}
     allowed = ", ".join(_dtype_name(e) for e in sorted(TENSORRT_IO_ELEM_TYPES))
     out: list[Exception] = []
     for kind, vis in (("graph input", model.graph.input), ("graph output", model.graph.output)):
         for vi in vis:
-            if vi.name in inits or not vi.type.HasField("tensor_type"):
+            if vi.name in inits or vi.name in ours or not vi.type.HasField("tensor_type"):
                 continue
             elem = vi.type.tensor_type.elem_type
             if elem and elem not in TENSORRT_IO_ELEM_TYPES:
