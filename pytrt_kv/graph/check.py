@@ -279,7 +279,7 @@ def _scatter(
     rank = None if key.shape is None else len(key.shape)
     if rank == 3:
         check_token_dims(given, where)
-    if rank == 3 and not attrs["cache_layout"]:
+        # Detected when not given, checked against the cache shapes when given.
         attrs["cache_layout"] = _layout_with_dynamic_tokens(given, attrs, where)
     if rank is not None and rank not in (3, 4):
         raise ruled(
@@ -333,9 +333,10 @@ def _layout_error(message: str) -> Exception:
 def _layout_with_dynamic_tokens(
     given: Mapping[str, TensorInfo], attrs: dict[str, Any], where: str
 ) -> str:
-    """cache_layout of a 3-D scatter whose only dynamic dims are T and NB: detected by
-    check_scatter on stand-ins with T = NB = 1; otherwise a ValueError saying what to
-    pass."""
+    """cache_layout of a 3-D scatter whose only dynamic dims are T and NB: detected (or,
+    when given, checked against the shapes) by check_scatter on stand-ins with T and NB
+    taken from a static counterpart, else 1; with other dynamic dims the given layout,
+    or a ValueError saying what to pass."""
     from ..contract.scatter import check_scatter
 
     dynamic = []
@@ -348,6 +349,8 @@ def _layout_with_dynamic_tokens(
             if not isinstance(d, int) and axis not in free:
                 dynamic.append(f"{name} {info.describe()} (dim {axis})")
     if dynamic:
+        if attrs["cache_layout"]:
+            return str(attrs["cache_layout"])  # given; the shapes cannot tell more
         raise _layout_error(
             f"{where}cache_layout: expected one of {list(specs.CACHE_LAYOUTS)}, because the "
             f"layout cannot be detected from dynamic dims other than T and NB: "
@@ -375,7 +378,7 @@ def _layout_with_dynamic_tokens(
         compress_lens=stand.get("compress_lens"),
         compress_seq_offsets=stand.get("compress_seq_offsets"),
         seq_lens=stand.get("seq_lens"),
-        cache_layout=None,
+        cache_layout=attrs["cache_layout"] or None,
         compress_mode=attrs["compress_mode"] or None,
         k_scale=stand.get("k_scale"),
         v_scale=stand.get("v_scale"),
