@@ -230,6 +230,37 @@ def _concrete(model) -> dict[str, tuple[int, ...]]:
     }
 
 
+def d_cache_dtype(m, r):
+    """Another float dtype for the first cache input of the first pytrt_kv node."""
+    del r
+    node = _ours(m)[0]
+    name = node.input[2 if node.op_type == "ScatterPaKvCache" else 1]
+    for vi in _real_inputs(m):
+        if vi.name == name:
+            tt = vi.type.tensor_type
+            tt.elem_type = TP.BFLOAT16 if tt.elem_type != TP.BFLOAT16 else TP.FLOAT16
+            return True
+    return False
+
+
+def d_drop_tbs(m, r):
+    del r
+    nodes = [n for n in _ours(m) if n.op_type == "GatherSelectionKvCache"]
+    if not nodes:
+        return False
+    _set_attr(nodes[0], "selection_topk_block_size", None)  # the default, 64
+    return True
+
+
+#: Directed mutants made of every base (where they apply): the rule each one targets is
+#: not left to the seed.
+DIRECTED = [
+    (m_drop_cache_layout,),
+    (m_leading_dims_symbolic, d_cache_dtype),
+    (m_leading_dims_symbolic, d_drop_tbs),
+]
+
+
 def corpus():
     """(id, model, base shapes): the unmutated bases, PER_BASE seeded mutants of each,
     an empty model."""
@@ -250,6 +281,13 @@ def corpus():
             kind = "+".join(mutate.__name__[2:] for mutate in chosen)
             out.append((f"{base_name}/{made}-{kind}", m, shapes))
             made += 1
+        for chosen in DIRECTED:
+            m = onnx.ModelProto()
+            m.CopyFrom(base)
+            if any(mutate(m, r) is False for mutate in chosen):
+                continue
+            kind = "+".join(mutate.__name__[2:] for mutate in chosen)
+            out.append((f"{base_name}/directed-{kind}", m, shapes))
     out.append(("empty-file", onnx.ModelProto(), {}))
     return out
 
@@ -299,7 +337,7 @@ def _refused_alike(call, line, kind):
 
 
 def test_the_corpus_is_small_varied_and_seeded():
-    assert 50 <= len(CORPUS) <= 90
+    assert 60 <= len(CORPUS) <= 100
     assert [i for i, _, _ in corpus()] == [i for i, _, _ in CORPUS]
     refused = sum(1 for _, m, _ in CORPUS if check_model(m, tensorrt=True))
     # Both outcomes are exercised: most mutants break a rule, some stay valid.
