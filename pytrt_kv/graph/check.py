@@ -13,31 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from ..contract import dtypes, specs
 from . import partial
+from .rules import rule_of, ruled
 
 #: A dimension: an int when static, a str (symbolic name) or None when dynamic.
 Dim = Any
-
-E = TypeVar("E", bound=Exception)
-
-
-def ruled(rule: str, exc: E) -> E:
-    """``exc`` carrying the name of the model-check rule it breaks (``exc.rule``,
-    docs/GRAPH_MODE.md "Model checks"): :func:`pytrt_kv.graph.lint.check_model` reads the
-    name from the error, never from its text."""
-    exc.rule = rule  # type: ignore[attr-defined]
-    return exc
-
-
-def rule_of(exc: BaseException, default: str) -> str:
-    """The rule ``exc`` carries (:func:`ruled`), else ``default``."""
-    rule = getattr(exc, "rule", None)
-    return rule if isinstance(rule, str) else default
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from typing import Any
 import onnx
 
 from ..contract import dtypes, specs
-from . import check, model_rules, nodes
+from . import check, model_rules, nodes, rules
 
 #: Ops through which a cache stays the same data (a view): docs/GRAPH_MODE.md's example
 #: feeds the scatter's ``*_out`` to the gather through a Reshape.
@@ -73,7 +73,7 @@ class Problem:
 
 def _from_exception(exc: Exception, node: onnx.NodeProto | None, default: str) -> Problem:
     """A Problem from a ``"node 'n' (Op): arg: expected ..., got ..."`` error; its rule is
-    the one the error carries (``check.ruled``), else ``default``."""
+    the one the error carries (``rules.ruled``), else ``default``."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if node is not None:
         where = nodes.node_where(node)
@@ -85,7 +85,7 @@ def _from_exception(exc: Exception, node: onnx.NodeProto | None, default: str) -
         node.name if node is not None else "",
         node.op_type if node is not None else "",
         arg,
-        check.rule_of(exc, default),
+        rules.rule_of(exc, default),
         rest,
         TypeError if isinstance(exc, TypeError) else ValueError,
     )
@@ -395,7 +395,7 @@ def _contract_check(node: onnx.NodeProto, types: dict[str, nodes.Type]) -> None:
         spec = op.inputs[i]
         dtype = dtypes.ONNX_TO_NAME.get(elem)
         if dtype is None or dtype not in spec.dtypes:
-            raise check.ruled(
+            raise rules.ruled(
                 "schema.dtype",
                 TypeError(
                     f"{where}{spec.name}: expected dtype in {list(spec.dtypes)}, got "
@@ -473,7 +473,14 @@ def check_model(
     opsets = {o.domain: o.version for o in model.opset_import}
     types = nodes.declared_types(model)
     model_rules.inferred_types(model, types)
-    consts = model_rules.constants(model)
+    scales = {
+        n.input[i]
+        for n in model.graph.node
+        if _ours(n) and n.op_type == specs.SCATTER_PA_KV_CACHE.name
+        for i in (8, 9)
+        if i < len(n.input) and n.input[i]
+    }
+    consts = model_rules.constants(model, scales)
     if tensorrt:
         problems += [_from_exception(e, None, "tensorrt.dtype")
                      for e in model_rules.tensorrt_io_dtypes(model)]  # fmt: skip

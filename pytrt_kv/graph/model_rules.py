@@ -3,7 +3,7 @@
 ``prepare_for_tensorrt``, the TensorRT parser or builder, the plugin creators) would
 otherwise refuse with its own message, or not at all (issue 31).
 
-Every function raises (or returns) errors that carry their rule (``check.ruled``):
+Every function raises (or returns) errors that carry their rule (``rules.ruled``):
 
 - ``model``: a file that holds no model (a 0-byte file parses as an empty ModelProto);
 - ``graph.input-declaration``: a graph input declared without a dtype or a shape (rank;
@@ -28,8 +28,8 @@ import onnx
 from onnx import numpy_helper
 
 from ..contract import dtypes, specs
-from .check import ruled
 from .nodes import Type, describe, node_where, type_of
+from .rules import ruled
 
 SCATTER = specs.SCATTER_PA_KV_CACHE
 
@@ -108,6 +108,34 @@ def tensorrt_io_dtypes(model: onnx.ModelProto) -> list[Exception]:
     return out
 
 
+#: Initializers with more elements than this are weights: shape inference needs only
+#: their type and shape (shape-like constants, for Reshape and Slice, are small).
+_WEIGHT_ELEMENTS = 64
+
+
+def _without_weights(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without its weights: large initializers become graph inputs of the same
+    type and shape, so shape inference costs milliseconds instead of serializing every
+    weight (a 135M-parameter model took seconds per check); the weights are not copied."""
+    light = onnx.ModelProto()
+    light.ir_version = model.ir_version
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    g, src = light.graph, model.graph
+    g.name = src.name
+    g.node.extend(src.node)
+    g.input.extend(src.input)
+    g.output.extend(src.output)
+    g.value_info.extend(src.value_info)
+    declared = {vi.name for vi in src.input}
+    for init in src.initializer:
+        if int(np.prod(init.dims, dtype=np.int64)) <= _WEIGHT_ELEMENTS:
+            g.initializer.append(init)
+        elif init.name not in declared:
+            g.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, init.dims))
+    return light
+
+
 def inferred_types(model: onnx.ModelProto, types: dict[str, Type]) -> None:
     """Add to ``types`` the types ONNX shape inference gives the inputs of pytrt_kv nodes
     that no declaration names (outputs of standard ops between two of our nodes): the
@@ -119,11 +147,11 @@ def inferred_types(model: onnx.ModelProto, types: dict[str, Type]) -> None:
         return
     from . import schemas  # noqa: F401,PLC0415 - registers the op schemas
 
+    light = _without_weights(model)
     try:
-        inferred = onnx.shape_inference.infer_shapes(model)
+        inferred = onnx.shape_inference.infer_shapes(light)
     except Exception:  # noqa: BLE001 - one of our nodes refused: infer around them
-        bare = onnx.ModelProto()
-        bare.CopyFrom(model)
+        bare = light
         for node in bare.graph.node:
             if node.domain == specs.DOMAIN:
                 node.domain = specs.DOMAIN + ".uninferred"  # no schema: skipped
@@ -166,17 +194,21 @@ def input_declarations(model: onnx.ModelProto) -> list[Exception]:
     return out
 
 
-def constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Values of the initializers and of the outputs of Constant nodes with a tensor
-    ``value`` (the constants a model can give an op input)."""
+def constants(model: onnx.ModelProto, names: set[str]) -> dict[str, np.ndarray]:
+    """Values of ``names`` that are initializers or outputs of Constant nodes with a
+    tensor ``value`` (the constants a model can give an op input); only those are read."""
     out: dict[str, np.ndarray] = {}
     for init in model.graph.initializer:
+        if init.name not in names:
+            continue
         try:
             out[init.name] = numpy_helper.to_array(init)
         except Exception:  # noqa: BLE001 - an unreadable initializer: not ours to judge
             continue
     for node in model.graph.node:
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or not node.output:
+            continue
+        if node.output[0] not in names:
             continue
         for a in node.attribute:
             if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:

@@ -17,7 +17,8 @@ import onnx
 from onnx import helper
 
 from ..contract import dtypes, specs
-from .check import TensorInfo, check_attributes, check_token_dims, ruled
+from .check import TensorInfo, check_attributes, check_token_dims
+from .rules import ruled
 
 #: A tensor's (ONNX elem type, shape): dims are ints, names (str) or None; shape None
 #: when even the rank is unknown.

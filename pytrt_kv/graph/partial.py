@@ -6,7 +6,7 @@ model with a symbolic dim (``T``, ``B``) used to skip them entirely, so a dtype
 disagreement or a ``selection_topk_block_size`` that does not divide a static block size
 passed the model checks and failed later, in the reference or inside TensorRT (issue 31).
 These functions check what the declared dtypes, ranks and static dims already decide, with
-the contract's messages. Each error carries its rule (:func:`.check.ruled`):
+the contract's messages. Each error carries its rule (:func:`.rules.ruled`):
 ``schema.dtype`` for dtypes, ``schema.shape`` for ranks and dims, ``schema.input`` for a
 tensor that must be present.
 """
@@ -14,19 +14,14 @@ tensor that must be present.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..contract import specs
 from ..contract.gather import INT32_MAX, MAX_TOPK
+from .rules import ruled as _ruled
 
-if TYPE_CHECKING:
-    from .check import TensorInfo
-
-
-def _ruled(rule: str, exc: Exception) -> Exception:
-    from .check import ruled  # noqa: PLC0415 - check imports this module
-
-    return ruled(rule, exc)
+#: A check.TensorInfo (``.shape``, ``.dtype``, ``.describe()``); check imports this module.
+TensorInfo = Any
 
 
 def _dtype_error(arg: str, expected: str, got: str) -> Exception:
