@@ -11,9 +11,10 @@ For every model of the corpus:
   (``tensorrt=True``), ``prepare_for_tensorrt``, ``pytrt-kv prepare``, ``build_plan``
   and ``pytrt-kv build`` refuse it with that line too, before TensorRT is imported;
 - ``check_model`` accepts it and every input shape is concrete => the runtime runs it on
-  ``make_feeds`` inputs and ``prepare_for_tensorrt`` takes it; and (where TensorRT-RTX and
-  the plugin library are installed) a handful of accepted models, one per base, are built
-  by TensorRT-RTX: no path ever surfaces a bare TensorRT error.
+  ``make_feeds`` inputs (the base's sizes where a mutant left a dim open) and
+  ``prepare_for_tensorrt`` takes it; and (where TensorRT-RTX and the plugin library are
+  installed) every accepted mutant is built by TensorRT-RTX (seventeen single-op and
+  example models, seconds): no path ever surfaces a bare TensorRT error.
 
 docs/GRAPH_MODE.md, "Model checks".
 """
@@ -404,7 +405,7 @@ def _rtx_unavailable() -> str:
 
 
 def _rtx_sample():
-    """Every accepted mutant (about ten: the bases themselves are test_rtx_build's)."""
+    """Every accepted mutant (the bases themselves are test_rtx_build's)."""
     return [
         (mid, m, shapes)
         for mid, m, shapes in CORPUS
