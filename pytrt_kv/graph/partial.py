@@ -189,12 +189,7 @@ def gather_dynamic(given: Mapping[str, TensorInfo], tbs: int) -> None:
     ):
         r = _rank(given, name)
         if r is not None and r not in ranks:
-            want = {
-                3: "3-D",
-                2: "2-D",
-                1: "1-D",
-            }
-            text = " or ".join(want.get(k, f"{k}-D") for k in ranks)
+            text = " or ".join(f"{k}-D" for k in ranks)
             raise _shape_error(name, f"a {text} tensor (docs/SPEC.md G2)", given[name].describe())
     st, tk = _rank(given, "selection_kv_block_status"), _rank(given, "selection_topk_indices")
     if st is not None and tk is not None and st != tk:
