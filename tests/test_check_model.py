@@ -631,3 +631,37 @@ def test_the_record_is_the_one_beside_the_kernels(tmp_path, monkeypatch):
     monkeypatch.setattr(_lib, "_package_lib_dir", lambda: tmp_path / "none")
     monkeypatch.setattr(_lib, "installed_lib_dir", lambda: None)
     assert [p.rule for p in check_model(valid(), targets=["sm89"])] == ["target"]
+
+
+def test_tensorrt_rules_apply_to_the_tensorrt_paths_only(tmp_path, capsys):
+    """A float8_e5m2 cache: the CPU runtime runs it, so plain checks accept it; prepare,
+    the build and `pytrt-kv check --tensorrt`/`--target` refuse it with one line
+    (rule tensorrt.dtype), before TensorRT is imported."""
+    e5m2 = TP.FLOAT8E5M2
+    model = _model(
+        [_scatter(cache_layout="nd")],
+        [_vi("key", e5m2, [3, 2, 16]), _vi("key_cache", e5m2, [4, 2, 2, 16]), SLOT],
+        [_vi("key_cache_out", e5m2, [4, 2, 2, 16])],
+    )
+    assert check_model(model) == []
+    problems = check_model(model, tensorrt=True)
+    assert [p.rule for p in problems] == ["tensorrt.dtype"]
+    line = str(problems[0])
+    assert line.startswith("node 's' (ScatterPaKvCache): key: expected a dtype TensorRT can pass")
+    from pytrt_kv.graph.feeds import make_feeds
+
+    runtime.run(model, make_feeds(model, seed=0))
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    capsys.readouterr()
+    assert main(["check", str(src)]) == 0
+    assert main(["check", str(src), "--tensorrt"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == line
+    with pytest.raises(ValueError) as exc:
+        prepare_for_tensorrt(model)
+    assert str(exc.value) == line
+    from pytrt_kv.trt import build_plan
+
+    with pytest.raises(ValueError) as exc:
+        build_plan(src, targets=["sm89"], flavour="rtx")
+    assert str(exc.value) == line
