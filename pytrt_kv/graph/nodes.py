@@ -155,6 +155,18 @@ def validate_node(node: onnx.NodeProto, types: Mapping[str, Type] | None = None)
                 f"({', '.join(op.output_names)}), got {n_out}: {list(node.output)}"
             ),
         )
+    _check_outputs(node, op, types or {}, where)
+    _check_no_shared_updates(node, op, types or {})
+    return attrs
+
+
+def _check_outputs(
+    node: onnx.NodeProto, op: specs.OpSpec, types: Mapping[str, Type], where: str
+) -> None:
+    """Every required output named (a cache update whose input ``types`` shows to hold
+    no elements may stay unnamed); a scatter's value pair both or neither, with
+    ``value_cache_out`` exactly when there is a value cache."""
+    n_in, n_out = len(node.input), len(node.output)
     ins = list(node.input) + [""] * (len(op.inputs) - n_in)
     required = [t.name for t in op.outputs if not t.optional]
     if op is specs.SCATTER_PA_KV_CACHE:
@@ -187,7 +199,7 @@ def validate_node(node: onnx.NodeProto, types: Mapping[str, Type] | None = None)
                 "schema.output",
                 ValueError(f"{where}{name}: expected a graph tensor (output {i}), got none"),
             )
-        shape = (types or {}).get(ins[src], (0, None))[1]
+        shape = types.get(ins[src], (0, None))[1]
         if shape is not None and 0 in shape:
             continue  # a zero-element input (a placeholder): nothing is updated
         raise ruled(
@@ -197,8 +209,6 @@ def validate_node(node: onnx.NodeProto, types: Mapping[str, Type] | None = None)
                 f"an unnamed output would drop the cache update), got none"
             ),
         )
-    _check_no_shared_updates(node, op, types or {})
-    return attrs
 
 
 def _check_no_shared_updates(

@@ -164,6 +164,17 @@ def default_rtx_targets(trt, record: str | None = None) -> list[str]:
     return picked
 
 
+def _targets_without_a_gpu(trt) -> list[str] | None:
+    """TensorRT-RTX on a machine without a GPU: :func:`default_rtx_targets`, decided in
+    this process against the kernels it loads (the build child is handed the list);
+    None (the flavour's default) otherwise."""
+    if flavour_of(trt) != "rtx":
+        return None
+    from .._driver import cuda_devices  # noqa: PLC0415
+
+    return None if cuda_devices()[0] else default_rtx_targets(trt)
+
+
 def _set_targets(trt, config, targets: Sequence[Any] | None) -> None:
     if flavour_of(trt) != "rtx":
         if targets:
@@ -346,13 +357,8 @@ def build_plan(
     trt = import_tensorrt(flavour)
     if dims:
         shapes = {**shapes_from_dims(model, dims), **(shapes or {})}
-    if flavour_of(trt) == "rtx" and targets is None and not in_child:
-        from .._driver import cuda_devices  # noqa: PLC0415
-
-        if not cuda_devices()[0]:
-            # Decided here, against the kernels this process loads (the build child is
-            # handed the list): never every architecture TensorRT-RTX knows.
-            targets = default_rtx_targets(trt)
+    if targets is None and not in_child:
+        targets = _targets_without_a_gpu(trt)
     kwargs = dict(
         timing_cache=timing_cache,
         shapes=shapes,
