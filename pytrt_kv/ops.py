@@ -21,6 +21,19 @@ addressing.
   call with a given size. Make one call with the largest sizes on the capture stream
   before capturing; pass ``out=`` so that the gather allocates no output during capture.
 
+- Outputs: the gather returns ``selection_kv_actual_seq``. Without ``out=`` it comes
+  from the framework of ``selection_kv_cache`` (torch's or CuPy's caching allocator),
+  else from a per-(device, stream) pool of pytrt_kv's own device arrays: a result that
+  is dropped gives its memory back to the pool and the next call on that stream reuses
+  it, so a steady-state decode loop makes no ``cudaMalloc``/``cudaFree`` per call
+  (``cudaFree`` synchronizes the device). Keep a result referenced while another stream
+  still reads it (torch's ``record_stream`` rule). Passing ``out=`` allocates nothing.
+- Buffers are checked before anything is allocated, read or written: negative dims,
+  byte counts that overflow an int64, zero strides (elements sharing memory), read-only
+  buffers (``__cuda_array_interface__`` ``data[1]``) where the call writes, and the
+  kernels' 32-bit limits (docs/SPEC.md G2: B*S*K, B*S, a token row's bytes) are
+  ValueErrors naming the argument and its shape.
+
 - Thread safety: nothing here locks the caches. Calls (and :class:`Launch` replays) that
   update the same caches from several threads or streams must be serialized by the
   caller (one stream, or events between streams); an argument that shares memory with
@@ -49,11 +62,11 @@ import numpy as np
 
 from . import _cuda
 from ._cuda import Buffer
-from .contract import specs
+from .contract import dtypes, specs
 from .contract.alias import buffer_range, check_no_alias
 from .contract.args import op_args, op_call, op_tensors
 from .contract.errors import describe, value_error
-from .contract.gather import GATHER_WRITTEN, validate_gather
+from .contract.gather import GATHER_WRITTEN, check_gather, validate_gather
 from .contract.scatter import SCATTER_WRITTEN, validate_scatter
 from .reference import plan_row
 
@@ -67,6 +80,8 @@ __all__ = [
 ]
 
 _WORKSPACES = _cuda.WorkspaceCache()
+#: The gather's own outputs (no out=, no framework allocator): reused per stream.
+_OUTPUTS = _cuda.OutputPool()
 
 
 def _buffers(named: dict[str, Any]) -> dict[str, Buffer | None]:
@@ -76,6 +91,17 @@ def _buffers(named: dict[str, Any]) -> dict[str, Buffer | None]:
 def _place(bufs: dict[str, Buffer | None], host_ok: tuple = ()) -> int:
     """Check contiguity and memory placement; return the device of the call."""
     for name, buf in bufs.items():
+        if buf is not None and buf.strides is not None and buf.nbytes:
+            zero = [i for i, (d, st) in enumerate(zip(buf.shape, buf.strides)) if d > 1 and st == 0]
+            if zero:
+                # Elements that share memory: a kernel writing them races with itself
+                # (and reads them as one); refused with the shape, like any strided buffer.
+                raise value_error(
+                    name,
+                    "a C-contiguous buffer whose elements do not overlap",
+                    f"{describe(buf)} with strides {list(buf.strides)} (stride 0 on dim "
+                    f"{zero[0]}: its {buf.shape[zero[0]]} entries are one memory)",
+                )
         if buf is not None and not buf.contiguous:
             raise value_error(
                 name,
@@ -115,6 +141,19 @@ def _place(bufs: dict[str, Buffer | None], host_ok: tuple = ()) -> int:
     if device is None:
         raise value_error("arguments", "at least one non-empty GPU buffer", "none")
     return device
+
+
+def _check_writable(bufs: dict[str, Buffer | None], written: tuple) -> None:
+    """A buffer its producer marks read-only (``__cuda_array_interface__`` ``data[1]``, a
+    NumPy array that is not writeable) is refused where the call writes it."""
+    for name in written:
+        buf = bufs.get(name)
+        if buf is not None and buf.readonly and buf.nbytes:
+            raise value_error(
+                name,
+                "a writable buffer (the call writes it in place)",
+                f"a read-only {describe(buf)} (its __cuda_array_interface__ data[1] is True)",
+            )
 
 
 def _check_alias(bufs: dict[str, Buffer | None], written: tuple) -> None:
@@ -234,6 +273,7 @@ def prepare_scatter(call: dict[str, Any]) -> Launch:
     def site() -> tuple[int, int]:
         """Placement, aliasing and the stream: after the shape checks (no GPU work on a
         malformed call), before the first value is read back."""
+        _check_writable(bufs, SCATTER_WRITTEN)
         device = _place(bufs)
         _check_alias(bufs, SCATTER_WRITTEN)
         return device, _cuda.resolve_stream(stream, list(named.values()), device)
@@ -299,6 +339,34 @@ def _gather_params(meta: Any, bufs: dict[str, Buffer | None]) -> _cuda.GatherSel
     return p
 
 
+#: The kernels count the gather's plan entries (B*S*K, the miss list), its rows (B*S) and
+#: a token row's bytes ((KV + K_ROPE) * itemsize) in 32 bits (docs/SPEC.md G2).
+KERNEL_INT32_MAX = 2**31 - 1
+
+
+def _check_gather_limits(meta: Any) -> None:
+    """docs/SPEC.md G2's kernel limits, checked before any output or workspace is
+    allocated (a B*S*K over the limit once asked for a 137 GB workspace first)."""
+    itemsize = dtypes.itemsize(meta.cache_dtype)
+    checks = (
+        ("selection_kv_block_status", "B*S", meta.batch * meta.seq),
+        ("selection_topk_indices", "B*S*K", meta.batch * meta.seq * meta.topk),
+        (
+            "selection_kv_cache",
+            "(KV + K_ROPE) * itemsize",
+            (meta.kv_dim + meta.k_rope_dim) * itemsize,
+        ),
+    )
+    for arg, what, n in checks:
+        if n > KERNEL_INT32_MAX:
+            raise value_error(
+                arg,
+                f"{what} <= 2^31-1 (the kernels count it in 32 bits, docs/SPEC.md G2)",
+                f"{what} = {n} (B={meta.batch}, S={meta.seq}, K={meta.topk}, "
+                f"KV={meta.kv_dim}, K_ROPE={meta.k_rope_dim})",
+            )
+
+
 def gather_workspace_size(batch: int, seq: int, topk: int) -> int:
     """Device scratch bytes of one gather call with these sizes (what the library's
     ``getGatherSelectionWorkspaceSize`` returns; the TensorRT plugin reserves the same)."""
@@ -307,8 +375,10 @@ def gather_workspace_size(batch: int, seq: int, topk: int) -> int:
     return int(_cuda.kernels().pytrt_kv_gather_workspace_size(ctypes.byref(p)))
 
 
-def _new_output(like: Buffer, rows: int, device: int) -> Any:
-    """selection_kv_actual_seq [R] int32 from the framework of ``like``."""
+def _new_output(like: Buffer, rows: int, device: int, stream: int) -> Any:
+    """selection_kv_actual_seq [R] int32 from the framework of ``like`` (torch's and
+    CuPy's caching allocators), else from :data:`_OUTPUTS`: no cudaMalloc/cudaFree per
+    call in a steady-state loop (module docstring, "Outputs")."""
     mod = type(like.obj).__module__
     if mod.startswith("torch") and "torch" in sys.modules:
         torch = sys.modules["torch"]
@@ -317,7 +387,7 @@ def _new_output(like: Buffer, rows: int, device: int) -> Any:
         cupy = sys.modules["cupy"]
         with cupy.cuda.Device(device):
             return cupy.empty(rows, dtype=np.int32)
-    return _cuda.DeviceArray((rows,), np.int32, device)
+    return _OUTPUTS.take((rows,), np.int32, device, stream)
 
 
 def gather_selection_kv_cache(
@@ -404,21 +474,28 @@ def prepare_gather(call: dict[str, Any]) -> Launch:
             rows = bufs["selection_kv_block_table"].shape[0]  # type: ignore[union-attr]  # R
             if out_buf.shape != (rows,) or out_buf.dtype != np.dtype(np.int32):
                 raise value_error("out", f"int32[{rows}]", describe(out_buf))
+        _check_writable(placed, GATHER_WRITTEN + ("out",))
         device = _place(placed, host_ok=("full_k_rope", "full_kv_cache"))
         _check_alias(placed, GATHER_WRITTEN + ("out",))
         return device, _cuda.resolve_stream(stream, list(named.values()), device), out_buf
 
-    meta, _ = validate_gather(
-        **bufs,
-        selection_topk_block_size=call["selection_topk_block_size"],
-        place=plan_row,
-        read=(lambda b: _cuda.read_back(b, site()[1])) if validate else None,
-    )
+    # Shapes first, then the kernels' limits: both before any value is read back (a
+    # read allocates host memory) and before the output or workspace is allocated.
+    tbs = call["selection_topk_block_size"]
+    meta = check_gather(**bufs, selection_topk_block_size=tbs)
+    _check_gather_limits(meta)
+    if validate:
+        meta, _ = validate_gather(
+            **bufs,
+            selection_topk_block_size=tbs,
+            place=plan_row,
+            read=lambda b: _cuda.read_back(b, site()[1]),
+        )
     device, handle, out_buf = site()
     if out_buf is None:
         sel_kv = bufs["selection_kv_cache"]
         assert sel_kv is not None  # validate_gather refused a missing tensor
-        out = _new_output(sel_kv, meta.rows, device)
+        out = _new_output(sel_kv, meta.rows, device, handle)
         out_buf = _cuda.buffer("out", out)
     p = _gather_params(meta, bufs)
     p.selectionKvActualSeq = _ptr(out_buf)

@@ -230,6 +230,92 @@ def _no_domain():
     return m
 
 
+def _cache_returned():
+    """The cache input itself is also a graph output, and no other node reads it: the
+    runner binds key_cache_out to key_cache's memory, so that output would show the
+    updated cache while the CPU runtime returns the old one (issue 31: a mutant that
+    dropped this rule survived every test)."""
+    m = valid()
+    m.graph.output.append(_vi("key_cache", F16, [4, 2, 2, 16]))
+    return m
+
+
+def _viewed_cache_returned():
+    """The scatter updates a Reshape of key_cache, and key_cache is a graph output."""
+    shape = helper.make_tensor("shape", TP.INT64, [4], [4, 2, 2, 16])
+    nodes = [
+        helper.make_node("Reshape", ["key_cache", "shape"], ["kv"], name="r"),
+        _scatter(kc="kv", cache_layout="nd"),
+    ]
+    outs = [KCO, _vi("key_cache", F16, [4, 2, 2, 16])]
+    return _model(nodes, [KEY, KC, SLOT], outs, [_vi("kv", F16, [4, 2, 2, 16])], [shape])
+
+
+def _no_cache_layout():
+    """A 3-D key without cache_layout: the plugin creator refuses it (docs/SPEC.md O),
+    which once surfaced only inside the TensorRT-RTX build."""
+    m = valid()
+    kept = [a for a in m.graph.node[0].attribute if a.name != "cache_layout"]
+    del m.graph.node[0].attribute[:]
+    m.graph.node[0].attribute.extend(kept)
+    return m
+
+
+def _input_without_shape():
+    m = valid()
+    m.graph.input[2].type.tensor_type.ClearField("shape")
+    return m
+
+
+def _dynamic_dtype_mismatch():
+    """key float16, key_cache bfloat16 with a symbolic T: the dtype rules used to be
+    skipped when any dim was symbolic."""
+    key = _vi("key", F16, ["T", 2, 16])
+    kc = _vi("key_cache", TP.BFLOAT16, [4, 2, 2, 16])
+    slot = _vi("slot_mapping", I32, ["T"])
+    return _model(
+        [_scatter(cache_layout="nd")],
+        [key, kc, slot],
+        [_vi("key_cache_out", TP.BFLOAT16, [4, 2, 2, 16])],
+    )
+
+
+def _constant_scale(value):
+    """A quantising scatter whose k_scale is an initializer holding ``value``."""
+
+    def make():
+        kc = _vi("key_cache", TP.FLOAT8E4M3FN, [4, 2, 2, 16])
+        scale = helper.make_tensor("k_scale", TP.FLOAT, [], [value])
+        node = helper.make_node(
+            "ScatterPaKvCache",
+            ["key", "", "key_cache", "", "slot_mapping", "", "", "", "k_scale"],
+            ["key_cache_out"],
+            name="s",
+            domain="pytrt_kv",
+            plugin_namespace="pytrt_kv",
+            plugin_version="1",
+            cache_layout="nd",
+        )
+        out = _vi("key_cache_out", TP.FLOAT8E4M3FN, [4, 2, 2, 16])
+        return _model([node], [KEY, kc, SLOT], [out], initializers=[scale])
+
+    return make
+
+
+def _gather_default_tbs_dynamic():
+    """No selection_topk_block_size (64) with SBS = FBS = 16 and a symbolic B: the
+    divisibility rule used to be skipped with any symbolic dim."""
+    m = _gather_model()
+    node = m.graph.node[0]
+    kept = [a for a in node.attribute if a.name != "selection_topk_block_size"]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    for vi in m.graph.input:
+        if vi.name in ("full_kv_actual_seq", "full_q_actual_seq", "full_kv_block_table"):
+            vi.type.tensor_type.shape.dim[0].dim_param = "B"
+    return m
+
+
 N = re.escape("node 's' (ScatterPaKvCache): ")
 G = re.escape("node 'g' (GatherSelectionKvCache): ")
 B = re.escape("node 'b' (ScatterPaKvCache): ")
@@ -336,6 +422,57 @@ CASES = {
         _bad_output_declaration,
         "^" + N + r"key_cache_out: expected float16\[4, 2, 2, 16\] .* "
         r"\[graph\.output-declaration\]$",
+    ),
+    "cache input also a graph output": (
+        _cache_returned,
+        "^" + N + r"key_cache: expected 'key_cache' read by this node only .*got also read by "
+        r"the graph outputs \[graph\.cache-shared\]$",
+    ),
+    "viewed cache input also a graph output": (
+        _viewed_cache_returned,
+        "^" + N + r"key_cache: expected 'kv' read by this node only .*got also read by "
+        r"the graph outputs \(through 'key_cache', of which 'kv' is a view\) "
+        r"\[graph\.cache-shared\]$",
+    ),
+    # issue 31: what a later path refused while the checks passed
+    "3-D key without cache_layout": (
+        _no_cache_layout,
+        "^" + N + r"attribute 'cache_layout': expected one of \['nd', 'nz', 'hnd'\] "
+        r"\(required with a 3-D key.*got none \[schema\.attribute\]$",
+    ),
+    "graph input without a shape": (
+        _input_without_shape,
+        r"^slot_mapping: expected a graph input declared with a dtype and a shape .*got "
+        r"int32\[\.\.\.\] without a shape \[graph\.input-declaration\]$",
+    ),
+    "dtypes disagree with a symbolic dim": (
+        _dynamic_dtype_mismatch,
+        "^" + N + r"key_cache: expected dtype float16 \(same as key\).*got bfloat16 "
+        r"\(bfloat16\[4, 2, 2, 16\]\) \[schema\.dtype\]$",
+    ),
+    "constant k_scale 0": (
+        _constant_scale(0.0),
+        "^" + N + r"k_scale: expected finite scales > 0 \(docs/SPEC.md S9\), got k_scale = 0\.0 "
+        r"in the constant 'k_scale' \[constant\.scale\]$",
+    ),
+    "constant k_scale NaN": (
+        _constant_scale(float("nan")),
+        r"k_scale = nan .*\[constant\.scale\]$",
+    ),
+    "constant k_scale negative": (_constant_scale(-1.0), r"k_scale = -1\.0 .*\[constant\.scale\]$"),
+    "constant k_scale inf": (
+        _constant_scale(float("inf")),
+        r"k_scale = inf .*\[constant\.scale\]$",
+    ),
+    "default TBS not dividing SBS, symbolic B": (
+        _gather_default_tbs_dynamic,
+        "^" + G + r"selection_topk_block_size: expected a divisor of SBS = 16 \(block size of "
+        r"selection_kv_cache\), got 64 \[schema\.shape\]$",
+    ),
+    "empty model (a 0-byte file)": (
+        onnx.ModelProto,
+        r"^model: expected an ONNX model \(an ir_version, an opset_import and a graph\), got "
+        r"an empty ModelProto \(a 0-byte or non-ONNX file\?\) \[model\]$",
     ),
     # targets
     "target the kernels lack": (
@@ -494,3 +631,37 @@ def test_the_record_is_the_one_beside_the_kernels(tmp_path, monkeypatch):
     monkeypatch.setattr(_lib, "_package_lib_dir", lambda: tmp_path / "none")
     monkeypatch.setattr(_lib, "installed_lib_dir", lambda: None)
     assert [p.rule for p in check_model(valid(), targets=["sm89"])] == ["target"]
+
+
+def test_tensorrt_rules_apply_to_the_tensorrt_paths_only(tmp_path, capsys):
+    """A float8_e5m2 cache: the CPU runtime runs it, so plain checks accept it; prepare,
+    the build and `pytrt-kv check --tensorrt`/`--target` refuse it with one line
+    (rule tensorrt.dtype), before TensorRT is imported."""
+    e5m2 = TP.FLOAT8E5M2
+    model = _model(
+        [_scatter(cache_layout="nd")],
+        [_vi("key", e5m2, [3, 2, 16]), _vi("key_cache", e5m2, [4, 2, 2, 16]), SLOT],
+        [_vi("key_cache_out", e5m2, [4, 2, 2, 16])],
+    )
+    assert check_model(model) == []
+    problems = check_model(model, tensorrt=True)
+    assert [p.rule for p in problems] == ["tensorrt.dtype"]
+    line = str(problems[0])
+    assert line.startswith("node 's' (ScatterPaKvCache): key: expected a dtype TensorRT can pass")
+    from pytrt_kv.graph.feeds import make_feeds
+
+    runtime.run(model, make_feeds(model, seed=0))
+    src = tmp_path / "m.onnx"
+    onnx.save(model, src)
+    capsys.readouterr()
+    assert main(["check", str(src)]) == 0
+    assert main(["check", str(src), "--tensorrt"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == line
+    with pytest.raises(ValueError) as exc:
+        prepare_for_tensorrt(model)
+    assert str(exc.value) == line
+    from pytrt_kv.trt import build_plan
+
+    with pytest.raises(ValueError) as exc:
+        build_plan(src, targets=["sm89"], flavour="rtx")
+    assert str(exc.value) == line

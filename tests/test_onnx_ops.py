@@ -308,9 +308,10 @@ def test_shape_inference_fills_outputs():
     [("hnd", (3, 16, 4, 8)), ("nz", (3, 8, 4, 16))],  # [NB, H, BS, D] / [NB, H*D/16, BS, 16]
 )
 def test_feeds_for_a_node_without_cache_layout_use_the_detected_block_size(layout, cache):
-    # A hand-written node may leave cache_layout empty (the runtime then detects it); the
-    # loader must read BS from the detected layout's dim, not from dim 1 (H or H*D/L here,
-    # larger than BS), else it draws slots past NB*BS.
+    # A hand-written node may leave cache_layout empty: the loader must read BS from the
+    # detected layout's dim, not from dim 1 (H or H*D/L here, larger than BS), else it
+    # draws slots past NB*BS. The model checks refuse such a node (docs/SPEC.md O:
+    # cache_layout is required with a 3-D key, issue 31), so it runs once the layout is set.
     T, H, D = 6, 16, 8
     node = onnx.helper.make_node(
         "ScatterPaKvCache",
@@ -338,10 +339,16 @@ def test_feeds_for_a_node_without_cache_layout_use_the_detected_block_size(layou
         ],
     )
     NB, BS = cache[0], cache[2]
+    with pytest.raises(ValueError, match=r"attribute 'cache_layout': .*required with a 3-D key"):
+        runtime.run(model, make_feeds(model, 0))
     for seed in range(4):
         feeds = make_feeds(model, seed)
         assert feeds["slot_mapping"].max() < NB * BS
-        out = runtime.run(model, feeds)["key_cache_out"]
+        fixed = onnx.ModelProto()
+        fixed.CopyFrom(model)
+        fixed.graph.node[0].attribute.append(onnx.helper.make_attribute("cache_layout", layout))
+        assert make_feeds(fixed, seed)["slot_mapping"].tolist() == feeds["slot_mapping"].tolist()
+        out = runtime.run(fixed, feeds)["key_cache_out"]
         expected = feeds["key_cache"].copy()
         scatter_pa_kv_cache(
             feeds["key"], None, expected, None, feeds["slot_mapping"], cache_layout=layout

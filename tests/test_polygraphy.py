@@ -449,7 +449,9 @@ def scatter_model_small():
 
 def test_paged_step_reads_the_hnd_block_size_from_dim_2():
     """A paged step whose scatter writes an hnd cache [NB, H, BS, D] (docs/SPEC.md S2, S5)
-    and leaves cache_layout to be detected: BS is dim 2, not the head count of dim 1."""
+    and leaves cache_layout to be detected: BS is dim 2, not the head count of dim 1. The
+    model checks refuse the node without cache_layout (docs/SPEC.md O, issue 31): it runs
+    with the layout put back, on the same feeds."""
     from onnx import TensorProto, helper
 
     B, H, D, NB, BS, W = 2, 3, 8, 8, 4, 2
@@ -474,7 +476,12 @@ def test_paged_step_reads_the_hnd_block_size_from_dim_2():
         pos = lens - 1
         assert (slots // BS == tables[np.arange(B), pos // BS]).all(), (tables, slots, pos)
         assert (slots % BS == pos % BS).all()
-        runtime.run(m, f)
+        with pytest.raises(ValueError, match=r"'cache_layout': .*required with a 3-D key"):
+            runtime.run(m, f)
+        fixed = onnx.ModelProto()
+        fixed.CopyFrom(m)
+        fixed.graph.node[0].attribute.append(helper.make_attribute("cache_layout", "hnd"))
+        runtime.run(fixed, f)
 
 
 @pytest.mark.parametrize(

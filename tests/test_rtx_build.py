@@ -285,8 +285,8 @@ def test_caches_tensorrt_cannot_carry_are_refused_by_name(tmp_path, dtype):
     )
     with pytest.raises(
         ValueError,
-        match=rf"ScatterPaKvCache: key: expected a dtype TensorRT can pass to a "
-        rf"plugin .*got {dtype}",
+        match=rf"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): key: expected a dtype TensorRT "
+        rf"can pass to a plugin .*got {dtype} .*\[tensorrt\.dtype\]$",
     ):
         _build(model, tmp_path, targets=["sm89"])
 
@@ -311,6 +311,36 @@ def test_targets_are_parsed_and_checked(tmp_path):
         _build(model, tmp_path, targets=["sm130"])
     with pytest.raises(ValueError, match=r"^targets: expected compute capabilities such as"):
         _build(model, tmp_path, targets=["ampere"])
+
+
+def test_without_targets_a_cpu_build_is_for_the_kernels_architectures(tmp_path, monkeypatch):
+    """No GPU and no --target: the plan is for every compute capability TensorRT-RTX knows
+    that the installed kernels run on, never SM75 (TensorRT-RTX's builder once failed there
+    with a bare error about Turing FP32 GEMM, issue 31); without a record of the kernels'
+    architectures the build is refused naming --target, before TensorRT builds anything."""
+    import tensorrt_rtx
+
+    from pytrt_kv import _driver
+    from pytrt_kv.cli import main
+    from pytrt_kv.graph import lint
+    from pytrt_kv.trt import build
+
+    monkeypatch.setattr(_driver, "cuda_devices", lambda: ([], "no CUDA driver (test)"))
+    record = "80-real;86-real;89-real;90-real;120"
+    assert build.default_rtx_targets(tensorrt_rtx, record) == [
+        "SM80", "SM86", "SM89", "SM120", "SM121"
+    ]  # fmt: skip
+    assert build.default_rtx_targets(tensorrt_rtx, "89-real") == ["SM89"]
+    model = scatter_model("nd", "float16", "int32")
+    want = _build(model, tmp_path, "a.onnx", targets=["sm80", "sm86", "sm89", "sm120", "sm121"])
+    assert _build(model, tmp_path, "b.onnx", targets=None) == want
+    for bad, why in (("", "record no CUDA architectures"), ("100-real", "none of the")):
+        monkeypatch.setattr(lint, "_installed_record", lambda bad=bad: bad)
+        with pytest.raises(ValueError, match=rf"^targets: expected --target .*{why}"):
+            _build(model, tmp_path, "c.onnx", targets=None)
+        path = tmp_path / "c.onnx"
+        assert main(["build", str(path), "--flavour", "rtx", "-o", str(tmp_path / "c.plan")]) == 1
+        assert not (tmp_path / "c.plan").exists()
 
 
 def test_targets_change_the_plan(tmp_path):

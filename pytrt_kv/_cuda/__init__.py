@@ -33,7 +33,15 @@ from .abi import (
 )
 from .bindings import binding_view
 from .buffers import DEVICE, HOST, MANAGED, PINNED, Buffer, BufferView, _is_torch, buffer, locate
-from .memory import DeviceArray, HostArray, PinnedHost, WorkspaceCache, copy_to_host, read_back
+from .memory import (
+    DeviceArray,
+    HostArray,
+    OutputPool,
+    PinnedHost,
+    WorkspaceCache,
+    copy_to_host,
+    read_back,
+)
 from .streams import resolve_stream, stream_handle
 
 __all__ = [
@@ -64,6 +72,7 @@ __all__ = [
     "HostArray",
     "PinnedHost",
     "WorkspaceCache",
+    "OutputPool",
     "copy_to_host",
     "read_back",
     "resolve_stream",

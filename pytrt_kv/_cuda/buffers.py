@@ -9,6 +9,7 @@ and without synchronizing; :func:`locate` asks the driver where the memory lives
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +18,49 @@ import numpy as np
 
 from ..contract import limits, specs
 from ..contract.dtypes import NUMPY, name_of
-from ..contract.errors import describe, type_error
+from ..contract.errors import describe, type_error, value_error
 from .abi import check_status, kernels
+
+#: Largest byte count of one buffer: what an int64 (and the kernels' size_t/int64_t
+#: arithmetic) holds. A larger product of dims wraps in NumPy's int64 (issue 31:
+#: ``DeviceArray((2**62 + 1, 1, 1, 4))`` allocated 16 bytes).
+MAX_BYTES = 2**63 - 1
+
+
+def checked_shape(arg: str, shape: Any, itemsize: int) -> tuple[int, ...]:
+    """``shape`` as a tuple of Python ints, refused unless every dim is an integer >= 0
+    and the byte count ``prod(shape) * itemsize`` fits in an int64 (:data:`MAX_BYTES`).
+
+    Computed with Python integers (no wrap), before anything is allocated or written.
+
+    Raises
+    ------
+    ValueError
+        Naming ``arg`` and the shape.
+    TypeError
+        A dim that is not an integer (a bool, a float, None).
+    """
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise type_error(arg, "a shape (a sequence of ints)", repr(shape)) from None
+    out = []
+    for axis, d in enumerate(dims):
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+            raise type_error(arg, f"integer dims, dim {axis} an int", f"shape {list(dims)!r}")
+        out.append(int(d))
+    if any(d < 0 for d in out):
+        axis = next(i for i, d in enumerate(out) if d < 0)
+        raise value_error(arg, f"dims >= 0 (dim {axis} is {out[axis]})", f"shape {out}")
+    nbytes = math.prod(out) * int(itemsize)
+    if nbytes > MAX_BYTES:
+        raise value_error(
+            arg,
+            f"at most 2^63-1 bytes (an int64 byte count; itemsize {itemsize})",
+            f"shape {out}: {nbytes} bytes",
+        )
+    return tuple(out)
+
 
 #: Where a buffer lives (pytrt_kv_pointer_info kinds).
 HOST, PINNED, DEVICE, MANAGED = (
@@ -45,14 +87,21 @@ class Buffer:
     keepalive: Any = None
     strides: tuple[int, ...] | None = None  #: in bytes; None = C order
 
+    readonly: bool = False  #: the producer says the memory must not be written
+
+    def __post_init__(self) -> None:
+        # Every buffer entering pytrt_kv is checked here, before anything reads its
+        # bytes: negative dims and byte counts that wrap an int64 are refused.
+        self.shape = checked_shape(self.arg, self.shape, self.dtype.itemsize)
+
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _c_contiguous(shape: Sequence[int], strides: Sequence[int] | None, itemsize: int) -> bool:
     """Strides in bytes (None = C order); size-1 and empty dims never break contiguity."""
-    if strides is None or int(np.prod(shape, dtype=np.int64)) == 0:
+    if strides is None or any(int(d) <= 0 for d in shape):  # empty (or refused later)
         return True
     expected = itemsize
     for dim, st in zip(reversed(shape), reversed(strides)):
@@ -105,21 +154,69 @@ def _from_torch(arg: str, t: Any) -> Buffer:
     )
 
 
-def _from_cai(arg: str, obj: Any, cai: dict[str, Any], opaque_ok: bool = False) -> Buffer:
-    shape = tuple(int(d) for d in cai["shape"])
-    typestr = cai["typestr"]
-    if typestr[1] == "V" and opaque_ok and getattr(obj, "dtype", None) is None:
+#: The ``__cuda_array_interface__`` typestr of float8_e5m2 as ml_dtypes writes it, which
+#: NumPy cannot parse (``data type '<f1' not understood``); every other 1-byte float of
+#: ml_dtypes is ``V1``.
+_E5M2_TYPESTRS = ("<f1", "|f1", ">f1", "=f1")
+
+
+def _cai_dtype(arg: str, obj: Any, typestr: str, opaque_ok: bool) -> np.dtype:
+    """The dtype of a ``__cuda_array_interface__`` buffer: its ``dtype`` attribute when
+    it has one (bfloat16 and float8 have no typestr of their own), else the typestr;
+    the two must agree in size."""
+    size = typestr[2:]
+    dt = getattr(obj, "dtype", None)
+    if dt is not None:
+        dtype = _numpy_dtype(arg, obj, None)
+        if not size.isdigit() or int(size) != dtype.itemsize:
+            raise type_error(
+                arg,
+                f"a __cuda_array_interface__ typestr of {dtype.itemsize} bytes "
+                f"(dtype {name_of(dtype)})",
+                f"typestr {typestr!r}",
+            )
+        return dtype
+    if typestr in _E5M2_TYPESTRS:
+        return NUMPY[specs.FLOAT8_E5M2]
+    if typestr[1:2] == "V" and opaque_ok:
         # bfloat16 / float8 have no array-interface letter (torch publishes bfloat16 as
         # "<V2"); a raw void dtype of that size: the engine's dtype decides.
-        dtype = np.dtype(typestr)
-    else:
-        dtype = _numpy_dtype(arg, obj, np.dtype(typestr) if typestr[1] != "V" else None)
+        return np.dtype(typestr)
+    try:
+        parsed = np.dtype(typestr)
+    except TypeError:
+        parsed = None
+    if parsed is None or parsed.kind == "V":
+        raise type_error(
+            arg,
+            f"a dtype in {sorted(NUMPY)} (an object with a dtype attribute for bfloat16 "
+            f"and float8_e4m3fn, whose typestr is only a size)",
+            f"__cuda_array_interface__ typestr {typestr!r} and no dtype attribute",
+        )
+    return _numpy_dtype(arg, obj, parsed)
+
+
+def _from_cai(arg: str, obj: Any, cai: dict[str, Any], opaque_ok: bool = False) -> Buffer:
+    try:
+        shape = tuple(int(d) for d in cai["shape"])
+    except (TypeError, ValueError):
+        raise type_error(arg, "integer dims", f"shape {cai.get('shape')!r}") from None
+    dtype = _cai_dtype(arg, obj, str(cai["typestr"]), opaque_ok)
     strides = cai.get("strides")
     strides = None if strides is None else tuple(int(s) for s in strides)
-    ptr = int(cai["data"][0] or 0)
+    data = cai["data"]
+    ptr = int(data[0] or 0)
+    readonly = bool(data[1]) if len(data) > 1 else False
     # CAI v3 "stream": the producer's stream; we order work on the caller's stream only.
     return Buffer(
-        arg, obj, ptr, shape, dtype, _c_contiguous(shape, strides, dtype.itemsize), strides=strides
+        arg,
+        obj,
+        ptr,
+        shape,
+        dtype,
+        _c_contiguous(shape, strides, dtype.itemsize),
+        strides=strides,
+        readonly=readonly,
     )
 
 
@@ -234,9 +331,19 @@ def buffer(arg: str, obj: Any, *, opaque_ok: bool = False) -> Buffer:
             HOST,
             -1,
             strides=tuple(int(s) for s in obj.strides),
+            readonly=not obj.flags.writeable,
         )
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         return _from_dlpack(arg, obj)
+    if isinstance(obj, (np.generic, int, float)) and not isinstance(obj, bool):
+        # A scalar (k_scale=np.float32(0.5)) is a value on the host, not a buffer: say
+        # what to pass instead of describing it like a 0-d array.
+        raise type_error(
+            arg,
+            "a CUDA buffer (a scalar such as a scale is passed as a 0-d or 1-d GPU array, "
+            "e.g. torch.tensor(0.5, device='cuda') or DeviceArray.from_numpy(np.float32(0.5)))",
+            f"the Python/NumPy scalar {type(obj).__module__}.{type(obj).__name__} {obj!r}",
+        )
     raise type_error(
         arg,
         "a CUDA buffer: torch tensor, CuPy array, PyCUDA GPUArray or any "

@@ -5,6 +5,7 @@ mapped host memory), copies to the host, and the gather's :class:`WorkspaceCache
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import threading
 from typing import Any
@@ -15,7 +16,7 @@ from ..contract.dtypes import name_of, numpy_dtype
 from ..contract.errors import describe, type_error, value_error
 from . import abi
 from .abi import check_status, kernels
-from .buffers import HOST, Buffer, BufferView, locate
+from .buffers import HOST, Buffer, BufferView, checked_shape, locate
 from .streams import stream_handle
 
 
@@ -34,10 +35,12 @@ class DeviceArray:
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: Any, device: int = -1):
-        self.shape = tuple(int(d) for d in shape)
+        self.ptr = 0  # free() is safe on an instance refused below
         self.dtype = numpy_dtype(dtype)
+        # Negative dims and byte counts that wrap an int64 are refused before cudaMalloc.
+        self.shape = checked_shape("shape", shape, self.dtype.itemsize)
         self.device = device
-        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         ptr = ctypes.c_void_p()
         # Zero-element arrays still get a valid address (TensorRT refuses null ones).
         check_status(
@@ -183,9 +186,10 @@ class HostArray(PinnedHost):
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: Any):
-        self.shape = tuple(int(d) for d in shape)
+        self._ptr = 0  # close() is safe on an instance refused below
         self.dtype = numpy_dtype(dtype)
-        nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.shape = checked_shape("shape", shape, self.dtype.itemsize)
+        nbytes = math.prod(self.shape) * self.dtype.itemsize
         # Whole pages of its own (cudaHostRegister refuses a page registered twice), and a
         # valid address for zero-element arrays too (TensorRT refuses null ones).
         page = mmap.PAGESIZE
@@ -242,3 +246,80 @@ class WorkspaceCache:
                 buf = DeviceArray((size,), np.uint8, device)
                 self._current[key] = buf
             return buf.ptr, buf.nbytes
+
+
+class _PooledArray(DeviceArray):
+    """A :class:`DeviceArray` from an :class:`OutputPool`: freeing it (or dropping the
+    last reference) hands its memory back to the pool instead of ``cudaFree``."""
+
+    def __init__(
+        self,
+        pool: OutputPool,
+        key: tuple[int, int, int, int],
+        shape: tuple[int, ...],
+        dtype: Any,
+        device: int,
+        ptr: int | None,
+    ):
+        self._pool, self._key = pool, key
+        if ptr is None:
+            super().__init__(shape, dtype, device)
+            return
+        self.dtype = numpy_dtype(dtype)
+        self.shape = checked_shape("shape", shape, self.dtype.itemsize)
+        self.device = device
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self.ptr = ptr
+
+    def free(self) -> None:
+        ptr = getattr(self, "ptr", 0)
+        if ptr and self._pool.give_back(self._key, ptr):
+            self.ptr = 0
+            return
+        super().free()
+
+
+class OutputPool:
+    """Device memory for the outputs the eager gather allocates itself (its
+    ``selection_kv_actual_seq`` when ``out=`` is not given and no framework allocator is
+    at hand), so that a steady-state decode loop makes no ``cudaMalloc``/``cudaFree`` per
+    call (on a GPU ``cudaFree`` synchronizes the device).
+
+    An array handed out returns its memory here when it is freed or garbage collected;
+    the next request of the same byte size on the same (device, stream) key
+    (:meth:`WorkspaceCache.key`) reuses it. Reuse is limited to one stream, like torch's
+    caching allocator: work queued there before runs first. A result read on another
+    stream must stay referenced until that read is done (torch's ``record_stream``
+    rule). At most :attr:`MAX_FREE` free arrays are kept per key; more are freed."""
+
+    MAX_FREE = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[tuple[int, int, int, int], list[int]] = {}
+
+    def take(self, shape: tuple[int, ...], dtype: Any, device: int, stream: int) -> DeviceArray:
+        """A device array of ``shape``/``dtype`` for work on ``stream`` (reused memory
+        when the pool holds some of that size for that stream)."""
+        dt = numpy_dtype(dtype)
+        shape = checked_shape("shape", shape, dt.itemsize)
+        key = (*WorkspaceCache.key(device, stream), max(math.prod(shape) * dt.itemsize, 1))
+        with self._lock:
+            free = self._free.get(key)
+            ptr = free.pop() if free else None
+        return _PooledArray(self, key, shape, dt, device, ptr)
+
+    def give_back(self, key: tuple[int, int, int, int], ptr: int) -> bool:
+        """Keep ``ptr`` for reuse; False when the pool for ``key`` is full (then the
+        caller frees it)."""
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            if len(free) >= self.MAX_FREE:
+                return False
+            free.append(ptr)
+            return True
+
+    def held(self) -> int:
+        """Free arrays held for reuse (for tests)."""
+        with self._lock:
+            return sum(len(v) for v in self._free.values())

@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SM",
         help="TensorRT-RTX: compute capabilities to build for, e.g. sm80 sm89 sm120 "
-        "(default: this GPU, or every one TensorRT-RTX knows when there is none)",
+        "(default: this GPU, or, when there is none, every one TensorRT-RTX knows that the "
+        "installed kernels were built for)",
     )
     parser.add_argument(
         "--flavour",
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     dims = parse_dims(args.dim)
     shapes = parse_shapes(args.shapes)
     # The model checks before TensorRT is imported (build_plan repeats them).
-    validate_model(_load_onnx(args.model), targets=args.target)
+    validate_model(_load_onnx(args.model), targets=args.target, tensorrt=True)
 
     out = Path(args.output) if args.output else Path(args.model).with_suffix(".plan")
     trt = import_tensorrt(args.flavour)

@@ -1,6 +1,7 @@
 """``pytrt-kv check``: every rule that decides whether a model with pytrt_kv nodes is
 valid (:func:`pytrt_kv.graph.check_model`: node schema, graph rules, ``--target``
-architectures of the installed kernels). One line per problem, naming the node, the
+architectures of the installed kernels; with ``--target`` or ``--tensorrt`` the rules of
+the TensorRT paths too). One line per problem, naming the node, the
 tensor and the rule; exit status 1 when there is one. ``runtime.run``, ``prepare`` and
 ``build`` refuse the same models with the first of these lines (docs/GRAPH_MODE.md,
 "Model checks")."""
@@ -19,7 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SM",
         help="compute capabilities an engine will be built for (sm80 sm89 sm120...): each "
-        "must be one the installed kernels were compiled for",
+        "must be one the installed kernels were compiled for; implies --tensorrt",
+    )
+    parser.add_argument(
+        "--tensorrt",
+        action="store_true",
+        help="also the rules of the TensorRT paths (prepare, build): dtypes TensorRT cannot "
+        "pass to a plugin (uint8, float8_e5m2), which the CPU runtime runs",
     )
 
 
@@ -31,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from ..trt.build import _load_onnx
 
     model = _load_onnx(args.model)
-    problems = check_model(model, targets=args.target)
+    problems = check_model(model, targets=args.target, tensorrt=bool(args.tensorrt or args.target))
     for p in problems:
         print(p)
     if args.target and kernel_architectures() is None:

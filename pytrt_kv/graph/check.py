@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from ..contract import dtypes, specs
+from . import partial
+from .rules import rule_of, ruled
 
 #: A dimension: an int when static, a str (symbolic name) or None when dynamic.
 Dim = Any
@@ -71,29 +73,37 @@ def dtype_name(dtype: Any) -> str:
     return dtypes.name_of(dtype)
 
 
+def _attribute_error(kind: type[Exception], message: str) -> Exception:
+    return ruled("schema.attribute", kind(message))
+
+
 def check_attributes(op: specs.OpSpec, attributes: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Attributes with defaults filled in; refuses unknown names, wrong types and values."""
     out: dict[str, Any] = {}
     allowed = set(op.attribute_names) | set(specs.PLUGIN_NODE_ATTRIBUTES)
     for name, value in attributes.items():
         if name not in allowed:
-            raise ValueError(
+            raise _attribute_error(
+                ValueError,
                 f"{where}attribute {name!r}: expected one of {sorted(allowed)}, "
-                f"got an unknown attribute"
+                f"got an unknown attribute",
             )
         if name in specs.PLUGIN_NODE_ATTRIBUTES:
             want = specs.PLUGIN_NODE_ATTRIBUTES[name]
             if isinstance(value, bytes):
                 value = value.decode()
             if value != want:
-                raise ValueError(f"{where}attribute {name!r}: expected {want!r}, got {value!r}")
+                raise _attribute_error(
+                    ValueError, f"{where}attribute {name!r}: expected {want!r}, got {value!r}"
+                )
             continue
         spec = op.attribute(name)
         if spec.type == "int":
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(
+                raise _attribute_error(
+                    TypeError,
                     f"{where}attribute {name!r}: expected an int, got "
-                    f"{type(value).__name__} {value!r}"
+                    f"{type(value).__name__} {value!r}",
                 )
             value = int(value)
         else:
@@ -102,22 +112,25 @@ def check_attributes(op: specs.OpSpec, attributes: Mapping[str, Any], where: str
             if value is None:
                 value = ""
             if not isinstance(value, str):
-                raise TypeError(
+                raise _attribute_error(
+                    TypeError,
                     f"{where}attribute {name!r}: expected a string, got "
-                    f"{type(value).__name__} {value!r}"
+                    f"{type(value).__name__} {value!r}",
                 )
         if spec.choices and value not in spec.choices:
-            raise ValueError(
+            raise _attribute_error(
+                ValueError,
                 f"{where}attribute {name!r}: expected one of "
-                f"{[c for c in spec.choices if c != '']}, got {value!r}"
+                f"{[c for c in spec.choices if c != '']}, got {value!r}",
             )
         out[name] = value
     for spec in op.attributes:
         out.setdefault(spec.name, spec.default)
     if op is specs.GATHER_SELECTION_KV_CACHE and out["selection_topk_block_size"] < 1:
-        raise ValueError(
+        raise _attribute_error(
+            ValueError,
             f"{where}attribute 'selection_topk_block_size': expected an int "
-            f">= 1, got {out['selection_topk_block_size']}"
+            f">= 1, got {out['selection_topk_block_size']}",
         )
     return out
 
@@ -158,13 +171,19 @@ def validate_node(
     given = {k: v for k, v in inputs.items() if v is not None}
     unknown = [k for k in given if k not in op.input_names]
     if unknown:
-        raise ValueError(
-            f"{where}inputs: expected names among {list(op.input_names)}, got unknown {unknown}"
+        raise ruled(
+            "schema.input",
+            ValueError(
+                f"{where}inputs: expected names among {list(op.input_names)}, got unknown {unknown}"
+            ),
         )
     for t in op.inputs:
         if not t.optional and t.name not in given:
-            raise ValueError(
-                f"{where}{t.name}: expected a tensor (required input of {op.name}), got None"
+            raise ruled(
+                "schema.input",
+                ValueError(
+                    f"{where}{t.name}: expected a tensor (required input of {op.name}), got None"
+                ),
             )
     attrs = check_attributes(op, attributes, where)
     # Pre-check dtypes from specs (also covers dynamic shapes, which the checkers
@@ -172,18 +191,33 @@ def validate_node(
     for name, info in given.items():
         spec = op.input(name)
         if info.dtype not in spec.dtypes:
-            raise TypeError(
-                f"{where}{name}: expected dtype in {list(spec.dtypes)}, got {info.describe()}"
+            raise ruled(
+                "schema.dtype",
+                TypeError(
+                    f"{where}{name}: expected dtype in {list(spec.dtypes)}, got {info.describe()}"
+                ),
             )
     static = all(info.static for info in given.values())
     try:
+        # What the dtypes, ranks and static dims decide whatever the dynamic dims are
+        # (partial.py), then the contract itself where every shape is static.
         if op is specs.SCATTER_PA_KV_CACHE:
+            partial.scatter_dtypes(given, attrs["cache_layout"])
+            if not static:
+                partial.scatter_dynamic(given)
             attrs = _scatter(given, attrs, static, where)
         else:
+            partial.gather_dtypes(given)
+            if not static:
+                partial.gather_dynamic(given, attrs["selection_topk_block_size"])
             _gather(given, attrs, static, where)
     except (ValueError, TypeError) as exc:
+        # The contract's own errors: dtype problems are TypeErrors, shape ones
+        # ValueErrors (docs/SPEC.md S, G "errors"); partial.py's carry their rule.
+        rule = rule_of(exc, "schema.dtype" if isinstance(exc, TypeError) else "schema.shape")
         if where and not str(exc).startswith(where):
-            raise type(exc)(f"{where}{exc}") from None
+            raise ruled(rule, type(exc)(f"{where}{exc}")) from None
+        ruled(rule, exc)
         raise
     # An empty string attribute means "not set"; leaving it out keeps nodes minimal.
     attrs = {k: v for k, v in attrs.items() if v != ""}
@@ -195,6 +229,14 @@ def _scatter(
     given: Mapping[str, TensorInfo], attrs: dict[str, Any], static: bool, where: str
 ) -> dict[str, Any]:
     key = given["key"]
+    if key.shape is not None and len(key.shape) == 4 and attrs["cache_layout"]:
+        raise ruled(
+            "schema.attribute",
+            ValueError(
+                f"{where}cache_layout: expected nothing for a 4-D key "
+                f"(compressing write), got {attrs['cache_layout']!r}"
+            ),
+        )
     if static:
         from ..contract.scatter import check_scatter
 
@@ -213,16 +255,15 @@ def _scatter(
     rank = None if key.shape is None else len(key.shape)
     if rank == 3:
         check_token_dims(given, where)
-    if rank == 3 and not attrs["cache_layout"]:
+        # Detected when not given, checked against the cache shapes when given.
         attrs["cache_layout"] = _layout_with_dynamic_tokens(given, attrs, where)
     if rank is not None and rank not in (3, 4):
-        raise ValueError(
-            f"{where}key: expected rank 3 [T, H, Dk] or 4 [B, Smax, H, Dk], got {key.describe()}"
-        )
-    if rank == 4 and attrs["cache_layout"]:
-        raise ValueError(
-            f"{where}cache_layout: expected nothing for a 4-D key "
-            f"(compressing write), got {attrs['cache_layout']!r}"
+        raise ruled(
+            "schema.shape",
+            ValueError(
+                f"{where}key: expected rank 3 [T, H, Dk] or 4 [B, Smax, H, Dk], got "
+                f"{key.describe()}"
+            ),
         )
     return attrs
 
@@ -241,10 +282,14 @@ def check_token_dims(given: Mapping[str, TensorInfo], where: str) -> None:
     named = next(((n, d) for n, d in dims.items() if isinstance(d, str)), None)
     fixed = next((n for n, d in dims.items() if isinstance(d, int)), None)
     if named is not None and fixed is not None:
-        raise ValueError(
+        raise _token_dims_error(
             f"{where}{fixed}: expected dim 0 dynamic as {named[0]}'s {named[1]!r} (key, value "
             f"and slot_mapping dim 0 are one token count T), got {given[fixed].describe()}"
         )
+
+
+def _token_dims_error(message: str) -> Exception:
+    return ruled("schema.shape", ValueError(message))
 
 
 #: Dims of a 3-D scatter that never decide the layout: T and NB (docs/SPEC.md S2).
@@ -262,12 +307,17 @@ def _one_of(names: tuple[str, ...]) -> str:
     return ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}"
 
 
+def _layout_error(message: str) -> Exception:
+    return ruled("schema.attribute", ValueError(message))
+
+
 def _layout_with_dynamic_tokens(
     given: Mapping[str, TensorInfo], attrs: dict[str, Any], where: str
 ) -> str:
-    """cache_layout of a 3-D scatter whose only dynamic dims are T and NB: detected by
-    check_scatter on stand-ins with T = NB = 1; otherwise a ValueError saying what to
-    pass."""
+    """cache_layout of a 3-D scatter whose only dynamic dims are T and NB: detected (or,
+    when given, checked against the shapes) by check_scatter on stand-ins with T and NB
+    taken from a static counterpart, else 1; with other dynamic dims the given layout,
+    or a ValueError saying what to pass."""
     from ..contract.scatter import check_scatter
 
     dynamic = []
@@ -280,7 +330,9 @@ def _layout_with_dynamic_tokens(
             if not isinstance(d, int) and axis not in free:
                 dynamic.append(f"{name} {info.describe()} (dim {axis})")
     if dynamic:
-        raise ValueError(
+        if attrs["cache_layout"]:
+            return str(attrs["cache_layout"])  # given; the shapes cannot tell more
+        raise _layout_error(
             f"{where}cache_layout: expected one of {list(specs.CACHE_LAYOUTS)}, because the "
             f"layout cannot be detected from dynamic dims other than T and NB: "
             f"{', '.join(dynamic)}; pass cache_layout={_one_of(specs.CACHE_LAYOUTS)}, got nothing"
@@ -300,7 +352,7 @@ def _layout_with_dynamic_tokens(
         stand[name] = _Stand(TensorInfo(shape, info.dtype))
     meta = check_scatter(
         **{n: stand.get(n) for n in specs.SCATTER_PA_KV_CACHE.input_names},
-        cache_layout=None,
+        cache_layout=attrs["cache_layout"] or None,
         compress_mode=attrs["compress_mode"] or None,
     )
     assert meta.layout is not None  # a 3-D key always has a layout

@@ -39,7 +39,7 @@ from typing import Any
 import onnx
 
 from ..contract import dtypes, specs
-from . import check, nodes
+from . import check, model_rules, nodes, rules
 
 #: Ops through which a cache stays the same data (a view): docs/GRAPH_MODE.md's example
 #: feeds the scatter's ``*_out`` to the gather through a Reshape.
@@ -71,8 +71,9 @@ class Problem:
         return self.kind(str(self))
 
 
-def _from_exception(exc: Exception, node: onnx.NodeProto | None, rule: str | None) -> Problem:
-    """A Problem from a ``"node 'n' (Op): arg: expected ..., got ..."`` error."""
+def _from_exception(exc: Exception, node: onnx.NodeProto | None, default: str) -> Problem:
+    """A Problem from a ``"node 'n' (Op): arg: expected ..., got ..."`` error; its rule is
+    the one the error carries (``rules.ruled``), else ``default``."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if node is not None:
         where = nodes.node_where(node)
@@ -80,32 +81,14 @@ def _from_exception(exc: Exception, node: onnx.NodeProto | None, rule: str | Non
     arg, sep, rest = text.partition(": ")
     if not sep:
         arg, rest = "model", text
-    if rule is None:
-        rule = _schema_rule(node, arg, rest, exc)
     return Problem(
         node.name if node is not None else "",
         node.op_type if node is not None else "",
         arg,
-        rule,
+        rules.rule_of(exc, default),
         rest,
         TypeError if isinstance(exc, TypeError) else ValueError,
     )
-
-
-def _schema_rule(node: onnx.NodeProto | None, arg: str, rest: str, exc: Exception) -> str:
-    """The rule of an error ``nodes.validate_node`` raised, from the argument it names."""
-    if arg == "op_type":
-        return "schema.op"
-    if arg.startswith("attribute"):
-        return "schema.attribute"
-    if "is updated in place), got" in rest:
-        return "graph.two-caches"
-    op = specs.OPS.get(node.op_type) if node is not None else None
-    if arg == "outputs" or (op is not None and arg in op.output_names):
-        return "schema.output"
-    if arg == "inputs" or (op is not None and (arg in op.input_names or "," in arg)):
-        return "schema.input"
-    return "schema.dtype" if isinstance(exc, TypeError) else "schema.shape"
 
 
 # --- targets ------------------------------------------------------------------------
@@ -152,7 +135,8 @@ def kernel_architectures(record: str) -> tuple[list[int], list[int]] | None:
     return (sass, ptx) if sass or ptx else None
 
 
-def _runs_on(target: int, sass: Sequence[int], ptx: Sequence[int]) -> bool:
+def runs_on(target: int, sass: Sequence[int], ptx: Sequence[int]) -> bool:
+    """True when kernels with machine code for ``sass`` and PTX of ``ptx`` run on SM ``target``."""
     # Machine code for X.y runs on X.z with z >= y; PTX is compiled for any newer GPU.
     return any(a // 10 == target // 10 and a <= target for a in sass) or any(
         a <= target for a in ptx
@@ -169,7 +153,7 @@ def check_targets(targets: Iterable[Any], record: str | None) -> list[Problem]:
     if archs is None:
         return []
     sass, ptx = archs
-    bad = [n for n in names if not _runs_on(int(n[2:]), sass, ptx)]
+    bad = [n for n in names if not runs_on(int(n[2:]), sass, ptx)]
     if not bad:
         return []
     listed = [f"SM{a}" for a in sorted(set(sass))]
@@ -411,9 +395,12 @@ def _contract_check(node: onnx.NodeProto, types: dict[str, nodes.Type]) -> None:
         spec = op.inputs[i]
         dtype = dtypes.ONNX_TO_NAME.get(elem)
         if dtype is None or dtype not in spec.dtypes:
-            raise TypeError(
-                f"{where}{spec.name}: expected dtype in {list(spec.dtypes)}, got "
-                f"{nodes.describe((elem, shape))} ({name!r})"
+            raise rules.ruled(
+                "schema.dtype",
+                TypeError(
+                    f"{where}{spec.name}: expected dtype in {list(spec.dtypes)}, got "
+                    f"{nodes.describe((elem, shape))} ({name!r})"
+                ),
             )
         known[spec.name] = check.TensorInfo(shape, dtype)
     for out_name, in_name in op.aliases.items():
@@ -423,8 +410,10 @@ def _contract_check(node: onnx.NodeProto, types: dict[str, nodes.Type]) -> None:
         if dst and src in types and dst not in types:
             types[dst] = types[src]
     present = [n for n in node.input[: len(op.inputs)] if n]
-    if len(known) != len(present) or any(not v.static for v in known.values()):
-        return
+    if len(known) != len(present):
+        return  # an input of unknown type (no declaration): nothing more to compare
+    # Static shapes: the whole contract; dynamic ones: what the dtypes, ranks and static
+    # dims decide (check.validate_node, partial.py).
     absent = (
         specs.absent_placeholders({k: v.shape for k, v in known.items()})
         if op is specs.SCATTER_PA_KV_CACHE
@@ -450,6 +439,7 @@ def check_model(
     *,
     targets: Sequence[Any] | None = None,
     kernel_archs: str | None = None,
+    tensorrt: bool = False,
 ) -> list[Problem]:
     """Every problem of ``model`` (module docstring), in node order; [] when valid.
 
@@ -463,6 +453,9 @@ def check_model(
         CMake's ``CUDA_ARCHITECTURES`` of the kernels (``"80-real;89-real;120"``);
         default: the ``build_info.json`` beside the kernels library that would be loaded
         (no check without one).
+    tensorrt : bool
+        Add the rules of the TensorRT paths (``tensorrt.*``: ``prepare_for_tensorrt``,
+        the engine build); the CPU runtime runs models these refuse.
 
     Raises
     ------
@@ -471,9 +464,26 @@ def check_model(
     """
     if not isinstance(model, onnx.ModelProto):
         raise TypeError(f"model: expected an onnx.ModelProto, got {type(model).__name__}")
-    problems: list[Problem] = []
+    try:
+        model_rules.check_not_empty(model)
+    except ValueError as exc:
+        return [_from_exception(exc, None, "model")]
+    problems = [_from_exception(e, None, "graph.input-declaration")
+                for e in model_rules.input_declarations(model)]  # fmt: skip
     opsets = {o.domain: o.version for o in model.opset_import}
     types = nodes.declared_types(model)
+    model_rules.inferred_types(model, types)
+    scales = {
+        n.input[i]
+        for n in model.graph.node
+        if _ours(n) and n.op_type == specs.SCATTER_PA_KV_CACHE.name
+        for i in (8, 9)
+        if i < len(n.input) and n.input[i]
+    }
+    consts = model_rules.constants(model, scales)
+    if tensorrt:
+        problems += [_from_exception(e, None, "tensorrt.dtype")
+                     for e in model_rules.tensorrt_io_dtypes(model)]  # fmt: skip
     skip: set[int] = set()
     for idx, node in enumerate(model.graph.node):
         try:
@@ -487,16 +497,22 @@ def check_model(
         try:
             nodes.validate_node(node, types)
         except (ValueError, TypeError) as exc:
-            problems.append(_from_exception(exc, node, None))
+            problems.append(_from_exception(exc, node, "schema.input"))
             skip.add(idx)
             continue
         try:
+            if node.op_type == specs.SCATTER_PA_KV_CACHE.name:
+                # First: without cache_layout the contract would ask for it only where
+                # the shapes fit several layouts.
+                model_rules.check_scatter_node(node, types, consts)
             _contract_check(node, types)
             if node.op_type == specs.SCATTER_PA_KV_CACHE.name:
                 nodes.check_declared_token_dims(node, types)
+            if tensorrt:
+                model_rules.check_tensorrt_dtypes(node, types)
         except (ValueError, TypeError) as exc:
-            dtype = isinstance(exc, TypeError) or "expected dtype" in str(exc)
-            problems.append(_from_exception(exc, node, "schema.dtype" if dtype else "schema.shape"))
+            default = "schema.dtype" if isinstance(exc, TypeError) else "schema.shape"
+            problems.append(_from_exception(exc, node, default))
             skip.add(idx)
     try:
         nodes.check_output_declarations(model, types)
@@ -516,9 +532,10 @@ def validate_model(
     *,
     targets: Sequence[Any] | None = None,
     kernel_archs: str | None = None,
+    tensorrt: bool = False,
 ) -> None:
     """Raise the first problem :func:`check_model` finds, as the ValueError or TypeError
     ``"node 'n' (Op): <argument>: expected ..., got ... [rule]"``."""
-    problems = check_model(model, targets=targets, kernel_archs=kernel_archs)
+    problems = check_model(model, targets=targets, kernel_archs=kernel_archs, tensorrt=tensorrt)
     if problems:
         raise problems[0].error()

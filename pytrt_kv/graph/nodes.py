@@ -18,6 +18,7 @@ from onnx import helper
 
 from ..contract import dtypes, specs
 from .check import TensorInfo, check_attributes, check_token_dims
+from .rules import ruled
 
 #: A tensor's (ONNX elem type, shape): dims are ints, names (str) or None; shape None
 #: when even the rank is unknown.
@@ -35,13 +36,14 @@ def declared_types(model: onnx.ModelProto) -> dict[str, Type]:
     out: dict[str, Type] = {}
     for vi in list(model.graph.input) + list(model.graph.value_info):
         if vi.type.HasField("tensor_type"):
-            out[vi.name] = _type_of(vi.type)
+            out[vi.name] = type_of(vi.type)
     for init in model.graph.initializer:
         out[init.name] = (init.data_type, tuple(init.dims))
     return out
 
 
-def _type_of(tp: onnx.TypeProto) -> Type:
+def type_of(tp: onnx.TypeProto) -> Type:
+    """(elem type, dims) of a tensor TypeProto (dims: int, name or None)."""
     tt = tp.tensor_type
     if not tt.HasField("shape"):
         return tt.elem_type, None
@@ -85,15 +87,21 @@ def validate_node(node: onnx.NodeProto, types: Mapping[str, Type] | None = None)
     """
     where = node_where(node)
     if node.op_type not in specs.OPS:
-        raise ValueError(
-            f"{where}op_type: expected one of {sorted(specs.OPS)} in domain "
-            f"{specs.DOMAIN!r}, got {node.op_type!r}"
+        raise ruled(
+            "schema.op",
+            ValueError(
+                f"{where}op_type: expected one of {sorted(specs.OPS)} in domain "
+                f"{specs.DOMAIN!r}, got {node.op_type!r}"
+            ),
         )
     op = specs.OPS[node.op_type]
     attrs: dict[str, Any] = {}
     for a in node.attribute:
         if a.name in attrs:
-            raise ValueError(f"{where}attribute {a.name!r}: expected once, got it repeated")
+            raise ruled(
+                "schema.attribute",
+                ValueError(f"{where}attribute {a.name!r}: expected once, got it repeated"),
+            )
         spec = next((x for x in op.attributes if x.name == a.name), None)
         want = (
             onnx.AttributeProto.INT
@@ -101,52 +109,85 @@ def validate_node(node: onnx.NodeProto, types: Mapping[str, Type] | None = None)
             else onnx.AttributeProto.STRING
         )
         if (spec is not None or a.name in specs.PLUGIN_NODE_ATTRIBUTES) and a.type != want:
-            raise TypeError(
-                f"{where}attribute {a.name!r}: expected "
-                f"{onnx.AttributeProto.AttributeType.Name(want)}, got "
-                f"{onnx.AttributeProto.AttributeType.Name(a.type)} "
-                f"{helper.get_attribute_value(a)!r}"
+            raise ruled(
+                "schema.attribute",
+                TypeError(
+                    f"{where}attribute {a.name!r}: expected "
+                    f"{onnx.AttributeProto.AttributeType.Name(want)}, got "
+                    f"{onnx.AttributeProto.AttributeType.Name(a.type)} "
+                    f"{helper.get_attribute_value(a)!r}"
+                ),
             )
         attrs[a.name] = helper.get_attribute_value(a)
     for name, value in specs.PLUGIN_NODE_ATTRIBUTES.items():
         if name not in attrs:
-            raise ValueError(
-                f"{where}attribute {name!r}: expected {value!r} (read by the TensorRT ONNX "
-                f"parser), got none"
+            raise ruled(
+                "schema.attribute",
+                ValueError(
+                    f"{where}attribute {name!r}: expected {value!r} (read by the TensorRT ONNX "
+                    f"parser), got none"
+                ),
             )
     attrs = check_attributes(op, attrs, where)
 
     n_in, n_out = len(node.input), len(node.output)
     if n_in > len(op.inputs):
-        raise ValueError(
-            f"{where}inputs: expected at most {len(op.inputs)} "
-            f"({', '.join(op.input_names)}), got {n_in}: {list(node.input)}"
+        raise ruled(
+            "schema.input",
+            ValueError(
+                f"{where}inputs: expected at most {len(op.inputs)} "
+                f"({', '.join(op.input_names)}), got {n_in}: {list(node.input)}"
+            ),
         )
     for i, t in enumerate(op.inputs):
         if not t.optional and (i >= n_in or not node.input[i]):
-            raise ValueError(
-                f"{where}{t.name}: expected a graph tensor (required input {i}), got none"
+            raise ruled(
+                "schema.input",
+                ValueError(
+                    f"{where}{t.name}: expected a graph tensor (required input {i}), got none"
+                ),
             )
     if n_out > len(op.outputs):
-        raise ValueError(
-            f"{where}outputs: expected at most {len(op.outputs)} "
-            f"({', '.join(op.output_names)}), got {n_out}: {list(node.output)}"
+        raise ruled(
+            "schema.output",
+            ValueError(
+                f"{where}outputs: expected at most {len(op.outputs)} "
+                f"({', '.join(op.output_names)}), got {n_out}: {list(node.output)}"
+            ),
         )
+    _check_outputs(node, op, types or {}, where)
+    _check_no_shared_updates(node, op, types or {})
+    return attrs
+
+
+def _check_outputs(
+    node: onnx.NodeProto, op: specs.OpSpec, types: Mapping[str, Type], where: str
+) -> None:
+    """Every required output named (a cache update whose input ``types`` shows to hold
+    no elements may stay unnamed); a scatter's value pair both or neither, with
+    ``value_cache_out`` exactly when there is a value cache."""
+    n_in, n_out = len(node.input), len(node.output)
     ins = list(node.input) + [""] * (len(op.inputs) - n_in)
     required = [t.name for t in op.outputs if not t.optional]
     if op is specs.SCATTER_PA_KV_CACHE:
         v, vc = ins[op.input_index("value")], ins[op.input_index("value_cache")]
         if bool(v) != bool(vc):
-            raise ValueError(
-                f"{where}value, value_cache: expected both or neither, got {v!r} and {vc!r}"
+            raise ruled(
+                "schema.input",
+                ValueError(
+                    f"{where}value, value_cache: expected both or neither, got {v!r} and {vc!r}"
+                ),
             )
         vco = op.output_index("value_cache_out")
         if vc:
             required.append("value_cache_out")
         elif vco < n_out and node.output[vco]:
-            raise ValueError(
-                f"{where}value_cache_out: expected no output for a key-only write (no "
-                f"value_cache), got {node.output[vco]!r}"
+            raise ruled(
+                "schema.output",
+                ValueError(
+                    f"{where}value_cache_out: expected no output for a key-only write (no "
+                    f"value_cache), got {node.output[vco]!r}"
+                ),
             )
     for name in required:
         i = op.output_index(name)
@@ -154,16 +195,20 @@ def validate_node(node: onnx.NodeProto, types: Mapping[str, Type] | None = None)
             continue
         src = op.aliased_input_index(i)
         if src < 0:
-            raise ValueError(f"{where}{name}: expected a graph tensor (output {i}), got none")
-        shape = (types or {}).get(ins[src], (0, None))[1]
+            raise ruled(
+                "schema.output",
+                ValueError(f"{where}{name}: expected a graph tensor (output {i}), got none"),
+            )
+        shape = types.get(ins[src], (0, None))[1]
         if shape is not None and 0 in shape:
             continue  # a zero-element input (a placeholder): nothing is updated
-        raise ValueError(
-            f"{where}{name}: expected a graph tensor (output {i}, the updated {ins[src]!r}; "
-            f"an unnamed output would drop the cache update), got none"
+        raise ruled(
+            "schema.output",
+            ValueError(
+                f"{where}{name}: expected a graph tensor (output {i}, the updated {ins[src]!r}; "
+                f"an unnamed output would drop the cache update), got none"
+            ),
         )
-    _check_no_shared_updates(node, op, types or {})
-    return attrs
 
 
 def _check_no_shared_updates(
@@ -185,9 +230,12 @@ def _check_no_shared_updates(
                 first, second = sorted((i, j))
                 a, b = op.inputs[first].name, op.inputs[second].name
                 written = b if second in updated else a
-                raise ValueError(
-                    f"{node_where(node)}{b}: expected a graph tensor other than {a}'s "
-                    f"({written} is updated in place), got {name!r} for both"
+                raise ruled(
+                    "graph.two-caches",
+                    ValueError(
+                        f"{node_where(node)}{b}: expected a graph tensor other than {a}'s "
+                        f"({written} is updated in place), got {name!r} for both"
+                    ),
                 )
 
 
@@ -197,23 +245,36 @@ def check_domain(node: onnx.NodeProto, opsets: Mapping[str, int]) -> None:
     domain."""
     domain = node.domain or ""
     if domain in ("", "ai.onnx") and not any(d in opsets for d in ("", "ai.onnx")):
-        raise ValueError(
-            f"{node_where(node)}domain '': expected in the model's opset_import, got {dict(opsets)}"
+        raise ruled(
+            "domain",
+            ValueError(
+                f"{node_where(node)}domain '': expected in the model's opset_import, got "
+                f"{dict(opsets)}"
+            ),
         )
     if node.op_type in specs.OPS and domain != specs.DOMAIN and domain not in opsets:
-        raise ValueError(
-            f"{node_where(node)}domain: expected {specs.DOMAIN!r} (the domain of "
-            f"pytrt_kv's ops), got {domain!r}"
+        raise ruled(
+            "domain",
+            ValueError(
+                f"{node_where(node)}domain: expected {specs.DOMAIN!r} (the domain of "
+                f"pytrt_kv's ops), got {domain!r}"
+            ),
         )
     if domain == specs.DOMAIN and opsets.get(domain) != specs.DOMAIN_VERSION:
-        raise ValueError(
-            f"{node_where(node)}domain {domain!r}: expected in the model's opset_import "
-            f"(version {specs.DOMAIN_VERSION}), got {dict(opsets)}"
+        raise ruled(
+            "domain",
+            ValueError(
+                f"{node_where(node)}domain {domain!r}: expected in the model's opset_import "
+                f"(version {specs.DOMAIN_VERSION}), got {dict(opsets)}"
+            ),
         )
     if domain not in ("", "ai.onnx") and domain not in opsets:
-        raise ValueError(
-            f"{node_where(node)}domain {domain!r}: expected in the model's "
-            f"opset_import, got {dict(opsets)}"
+        raise ruled(
+            "domain",
+            ValueError(
+                f"{node_where(node)}domain {domain!r}: expected in the model's "
+                f"opset_import, got {dict(opsets)}"
+            ),
         )
 
 
@@ -248,7 +309,7 @@ def check_output_declarations(model: onnx.ModelProto, types: Mapping[str, Type])
         The declared rank or a static dim differs.
     """
     declared = {
-        o.name: _type_of(o.type) for o in model.graph.output if o.type.HasField("tensor_type")
+        o.name: type_of(o.type) for o in model.graph.output if o.type.HasField("tensor_type")
     }
     for node in model.graph.node:
         if node.domain != specs.DOMAIN or node.op_type not in specs.OPS:
@@ -268,13 +329,13 @@ def check_output_declarations(model: onnx.ModelProto, types: Mapping[str, Type])
                 f"by graph output {name!r}"
             )
             if elem and d_elem and elem != d_elem:
-                raise TypeError(want)
+                raise ruled("graph.output-declaration", TypeError(want))
             if shape is None or d_shape is None:
                 continue
             if len(shape) != len(d_shape) or any(
                 isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(shape, d_shape)
             ):
-                raise ValueError(want)
+                raise ruled("graph.output-declaration", ValueError(want))
 
 
 def check_declared_token_dims(node: onnx.NodeProto, types: Mapping[str, Type]) -> None:

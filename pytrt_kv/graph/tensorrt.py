@@ -133,8 +133,9 @@ def prepare_for_tensorrt(model):
     onnx = _onnx()
     from .lint import validate_model  # noqa: PLC0415
 
-    # The checks the CPU runtime makes, so a model fails the same way in both.
-    validate_model(model)
+    # The checks the CPU runtime makes, plus the TensorRT ones (unsupported dtypes), so a
+    # model fails with the line of pytrt-kv check everywhere.
+    validate_model(model, tensorrt=True)
     m = onnx.ModelProto()
     m.CopyFrom(model)
     types = _tensor_types(m)

@@ -125,6 +125,56 @@ def rtx_targets(trt) -> list[str]:
     return [name for name in members if name.startswith("SM")]
 
 
+def default_rtx_targets(trt, record: str | None = None) -> list[str]:
+    """What a TensorRT-RTX build without ``targets`` on a machine without a GPU builds
+    for: every compute capability TensorRT-RTX knows on which the installed kernels run
+    (their ``cuda_architectures``, ``build_info.json``; ``record`` overrides it). Building
+    for all TensorRT-RTX knows would include SM75, which the kernels are not built for
+    and on which the builder fails inside TensorRT (issue 31).
+
+    Raises
+    ------
+    ValueError
+        No record of the kernels' architectures, or none TensorRT-RTX builds for: the
+        message names ``--target``.
+    """
+    from ..graph.lint import _installed_record, kernel_architectures, runs_on  # noqa: PLC0415
+
+    record = _installed_record() if record is None else record
+    known = rtx_targets(trt)
+    archs = kernel_architectures(record or "")
+    if archs is None:
+        raise value_error(
+            "targets",
+            f"--target (targets=) naming the compute capabilities to build for: there is no "
+            f"GPU here and the installed kernels record no CUDA architectures to default to "
+            f"(build_info.json cuda_architectures {record!r}); TensorRT-RTX "
+            f"{trt.__version__} builds for {', '.join(known)}",
+            "none",
+        )
+    picked = [n for n in known if runs_on(int(n[2:]), *archs)]
+    if not picked:
+        raise value_error(
+            "targets",
+            f"--target (targets=): none of the compute capabilities TensorRT-RTX "
+            f"{trt.__version__} builds for ({', '.join(known)}) runs the installed kernels "
+            f"(cuda_architectures {record!r})",
+            "none",
+        )
+    return picked
+
+
+def _targets_without_a_gpu(trt) -> list[str] | None:
+    """TensorRT-RTX on a machine without a GPU: :func:`default_rtx_targets`, decided in
+    this process against the kernels it loads (the build child is handed the list);
+    None (the flavour's default) otherwise."""
+    if flavour_of(trt) != "rtx":
+        return None
+    from .._driver import cuda_devices  # noqa: PLC0415
+
+    return None if cuda_devices()[0] else default_rtx_targets(trt)
+
+
 def _set_targets(trt, config, targets: Sequence[Any] | None) -> None:
     if flavour_of(trt) != "rtx":
         if targets:
@@ -140,7 +190,7 @@ def _set_targets(trt, config, targets: Sequence[Any] | None) -> None:
 
         if cuda_devices()[0]:
             return  # TensorRT-RTX's default: the GPU of this machine (CURRENT)
-        targets = rtx_targets(trt)  # no GPU: every architecture it knows
+        targets = default_rtx_targets(trt)  # no GPU: those the installed kernels run on
     names = [parse_target(t) for t in targets]
     if not names:
         raise value_error("targets", "at least one compute capability", "an empty list")
@@ -260,8 +310,9 @@ def build_plan(
         TensorRT verbose logging.
     targets : sequence of str or int, optional
         TensorRT-RTX only: the compute capabilities to build for (``"sm80"``, ``"8.9"``,
-        ``120``...). Default: this machine's GPU, or every capability TensorRT-RTX knows
-        when there is none.
+        ``120``...). Default: this machine's GPU, or, when there is none, every capability
+        TensorRT-RTX knows on which the installed kernels run (:func:`default_rtx_targets`;
+        a ValueError naming ``--target`` when that cannot be decided).
     flavour : {"tensorrt", "rtx"}, optional
         Which TensorRT builds (see :func:`pytrt_kv.trt.import_tensorrt`).
     progress : bool
@@ -302,10 +353,12 @@ def build_plan(
     # checked them against the kernels it loaded.
     in_child = bool(os.environ.get(_rtx.CHILD_ENV))
     model = _load_onnx(onnx_path)  # once: the checks, dims and the in-process build
-    validate_model(model, targets=None if in_child else targets)
+    validate_model(model, targets=None if in_child else targets, tensorrt=True)
     trt = import_tensorrt(flavour)
     if dims:
         shapes = {**shapes_from_dims(model, dims), **(shapes or {})}
+    if targets is None and not in_child:
+        targets = _targets_without_a_gpu(trt)
     kwargs = dict(
         timing_cache=timing_cache,
         shapes=shapes,
