@@ -169,38 +169,7 @@ def prepare_for_tensorrt(model):
             if a.name not in present and a.default is not None:
                 node.attribute.append(onnx.helper.make_attribute(a.name, a.default))
         if node.op_type == SCATTER.name:
-            key = ins[SCATTER.input_index("key")]
-            if key not in types or types[key][1] is None:
-                raise ValueError(
-                    f"{tag}: key: expected a tensor with a known dtype and rank "
-                    f"(graph input, initializer or value_info), got {key!r}"
-                )
-            key_type, key_shape = types[key]
-            compress = len(key_shape) == 4
-            idx_name = ins[SCATTER.input_index("slot_mapping")]
-            idx_type = types.get(idx_name, (onnx.TensorProto.INT32, None))[0]
-            iv, ivc = SCATTER.input_index("value"), SCATTER.input_index("value_cache")
-            if not ins[iv] and not ins[ivc]:  # validate_model refused one without the other
-                ins[iv] = empty_initializer(f"{tag}__absent_value", key_type)
-                ins[ivc] = empty_initializer(f"{tag}__absent_value_cache", key_type)
-            if compress:
-                for name in ("compress_lens", "seq_lens"):
-                    if not ins[SCATTER.input_index(name)]:
-                        raise ValueError(
-                            f"{tag}: {name}: expected a tensor for a 4-D key "
-                            f"{list(key_shape)}, got none"
-                        )
-                io = SCATTER.input_index("compress_seq_offsets")
-                if not ins[io]:
-                    ins[io] = empty_initializer(f"{tag}__absent_compress_seq_offsets", idx_type)
-            # Positional inputs: 5 (token write), 8 (compress tensors), 10 (the S9 scales);
-            # absent ones in between become zero-element placeholders.
-            scales = any(ins[8:10])
-            ins = ins[:10] if scales else ins[:8] if (compress or any(ins[5:8])) else ins[:5]
-            for k in range(5, len(ins)):
-                if not ins[k]:
-                    elem = idx_type if k < 8 else onnx.TensorProto.FLOAT
-                    ins[k] = empty_initializer(f"{tag}__absent_{SCATTER.inputs[k].name}", elem)
+            ins = _scatter_positional(tag, ins, types, empty_initializer)
         for k, name in enumerate(outs):
             if not name:
                 outs[k] = fresh(f"{tag}__unused_{op.outputs[k].name}")
@@ -209,6 +178,45 @@ def prepare_for_tensorrt(model):
         del node.output[:]
         node.output.extend(outs)
     return m
+
+
+def _scatter_positional(tag: str, ins: list[str], types, empty_initializer) -> list[str]:
+    """A scatter node's inputs in the plugin's positional form: an absent value pair, the
+    4-D key's compress tensors and the scales' slots filled with zero-element
+    placeholders (``empty_initializer(base, elem_type) -> name``)."""
+    onnx = _onnx()
+    key = ins[SCATTER.input_index("key")]
+    if key not in types or types[key][1] is None:
+        raise ValueError(
+            f"{tag}: key: expected a tensor with a known dtype and rank "
+            f"(graph input, initializer or value_info), got {key!r}"
+        )
+    key_type, key_shape = types[key]
+    compress = len(key_shape) == 4
+    idx_name = ins[SCATTER.input_index("slot_mapping")]
+    idx_type = types.get(idx_name, (onnx.TensorProto.INT32, None))[0]
+    iv, ivc = SCATTER.input_index("value"), SCATTER.input_index("value_cache")
+    if not ins[iv] and not ins[ivc]:  # validate_model refused one without the other
+        ins[iv] = empty_initializer(f"{tag}__absent_value", key_type)
+        ins[ivc] = empty_initializer(f"{tag}__absent_value_cache", key_type)
+    if compress:
+        for name in ("compress_lens", "seq_lens"):
+            if not ins[SCATTER.input_index(name)]:
+                raise ValueError(
+                    f"{tag}: {name}: expected a tensor for a 4-D key {list(key_shape)}, got none"
+                )
+        io = SCATTER.input_index("compress_seq_offsets")
+        if not ins[io]:
+            ins[io] = empty_initializer(f"{tag}__absent_compress_seq_offsets", idx_type)
+    # Positional inputs: 5 (token write), 8 (compress tensors), 10 (the S9 scales);
+    # absent ones in between become zero-element placeholders.
+    scales = any(ins[8:10])
+    ins = ins[:10] if scales else ins[:8] if (compress or any(ins[5:8])) else ins[:5]
+    for k in range(5, len(ins)):
+        if not ins[k]:
+            elem = idx_type if k < 8 else onnx.TensorProto.FLOAT
+            ins[k] = empty_initializer(f"{tag}__absent_{SCATTER.inputs[k].name}", elem)
+    return ins
 
 
 def _check_node_dtypes(tag: str, op, ins: list[str], types) -> None:

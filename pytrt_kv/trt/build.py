@@ -347,18 +347,7 @@ def build_plan(
     >>> from pytrt_kv.trt import build_plan                                # doctest: +SKIP
     >>> plan = build_plan("scatter.onnx", flavour="rtx", targets=["sm89"])  # doctest: +SKIP
     """
-    # Every model check first, before TensorRT is touched: the same one-line reason as
-    # runtime.run and pytrt-kv check (pytrt_kv.graph.lint), and nothing written. The
-    # TensorRT-RTX build child repeats the model checks but not the targets: its parent
-    # checked them against the kernels it loaded.
-    in_child = bool(os.environ.get(_rtx.CHILD_ENV))
-    model = _load_onnx(onnx_path)  # once: the checks, dims and the in-process build
-    validate_model(model, targets=None if in_child else targets, tensorrt=True)
-    trt = import_tensorrt(flavour)
-    if dims:
-        shapes = {**shapes_from_dims(model, dims), **(shapes or {})}
-    if targets is None and not in_child:
-        targets = _targets_without_a_gpu(trt)
+    model, trt, shapes, targets = _checked_model(onnx_path, shapes, dims, targets, flavour)
     kwargs = dict(
         timing_cache=timing_cache,
         shapes=shapes,
@@ -370,27 +359,48 @@ def build_plan(
         progress=progress,
         serialize_plugins=bool(serialize_plugins),
     )
-    if flavour_of(trt) == "rtx":
-        if timing_cache is not None:
-            raise value_error(
-                "timing_cache",
-                "none with TensorRT-RTX (its timing caches need a GPU; it builds without one)",
-                str(timing_cache),
-            )
-        if not _rtx.plugin_parsing_works_here():
-            if os.environ.get(_rtx.CHILD_ENV):
-                raise RuntimeError(
-                    f"{_rtx.UNVERSIONED} does not resolve even in the TensorRT-RTX "
-                    f"build process (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH')})"
-                )
-            plan = _rtx.build_in_worker(str(onnx_path), kwargs)
-            if engine_path is not None:
-                Path(engine_path).write_bytes(plan)
-            return plan
-    plan = _build_here(trt, onnx_path, model, **kwargs)
+    plan = _build_rtx_elsewhere(trt, onnx_path, kwargs) if flavour_of(trt) == "rtx" else None
+    if plan is None:
+        plan = _build_here(trt, onnx_path, model, **kwargs)
     if engine_path is not None:
         Path(engine_path).write_bytes(plan)
     return plan
+
+
+def _checked_model(onnx_path, shapes, dims, targets, flavour):
+    """Every model check first, before TensorRT is touched: the same one-line reason as
+    runtime.run and pytrt-kv check (pytrt_kv.graph.lint), and nothing written. The
+    TensorRT-RTX build child repeats the model checks but not the targets: its parent
+    checked them against the kernels it loaded. Returns the model (loaded once: the
+    checks, dims and the in-process build), TensorRT, the shapes and the targets."""
+    in_child = bool(os.environ.get(_rtx.CHILD_ENV))
+    model = _load_onnx(onnx_path)
+    validate_model(model, targets=None if in_child else targets, tensorrt=True)
+    trt = import_tensorrt(flavour)
+    if dims:
+        shapes = {**shapes_from_dims(model, dims), **(shapes or {})}
+    if targets is None and not in_child:
+        targets = _targets_without_a_gpu(trt)
+    return model, trt, shapes, targets
+
+
+def _build_rtx_elsewhere(trt, onnx_path, kwargs: dict[str, Any]) -> bytes | None:
+    """TensorRT-RTX: refuse a timing cache; build in a worker process when the plugin
+    parser cannot be resolved in this one (None: build here)."""
+    if kwargs["timing_cache"] is not None:
+        raise value_error(
+            "timing_cache",
+            "none with TensorRT-RTX (its timing caches need a GPU; it builds without one)",
+            str(kwargs["timing_cache"]),
+        )
+    if _rtx.plugin_parsing_works_here():
+        return None
+    if os.environ.get(_rtx.CHILD_ENV):
+        raise RuntimeError(
+            f"{_rtx.UNVERSIONED} does not resolve even in the TensorRT-RTX "
+            f"build process (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH')})"
+        )
+    return _rtx.build_in_worker(str(onnx_path), kwargs)
 
 
 def shapes_from_dims(model, dims: Mapping[str, Any]) -> dict[str, tuple[Shape, Shape, Shape]]:
