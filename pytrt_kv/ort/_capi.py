@@ -94,7 +94,14 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "KernelContext_GetInputCount": (_vp, _vp, ctypes.POINTER(_sz)),
     "KernelContext_GetOutputCount": (_vp, _vp, ctypes.POINTER(_sz)),
     "KernelContext_GetInput": (_vp, _vp, _sz, ctypes.POINTER(_vp)),
-    "KernelContext_GetOutput": (_vp, _vp, _sz, ctypes.POINTER(ctypes.c_int64), _sz, ctypes.POINTER(_vp)),
+    "KernelContext_GetOutput": (
+        _vp,
+        _vp,
+        _sz,
+        ctypes.POINTER(ctypes.c_int64),
+        _sz,
+        ctypes.POINTER(_vp),
+    ),
     "ReleaseStatus": (None, _vp),
     "ReleaseTensorTypeAndShapeInfo": (None, _vp),
 }
@@ -106,8 +113,7 @@ class OrtApi:
     def __init__(self, address: int):
         table = ctypes.cast(address, ctypes.POINTER(_vp))
         self._fn = {
-            name: ctypes.CFUNCTYPE(*_SIGNATURES[name])(table[index])
-            for name, index in _API.items()
+            name: ctypes.CFUNCTYPE(*_SIGNATURES[name])(table[index]) for name, index in _API.items()
         }
 
     def _call(self, name: str, *args) -> None:
@@ -166,7 +172,7 @@ class OrtApi:
         data = _vp()
         self._call("GetTensorMutableData", value, ctypes.byref(data))
         raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(int(data.value or 0))
-        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+        return np.frombuffer(memoryview(raw).cast("B"), dtype=dtype).reshape(shape)
 
 
 _c = ctypes.CFUNCTYPE

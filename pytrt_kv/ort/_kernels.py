@@ -11,6 +11,7 @@ the same way, and a refusal is the reference's ValueError/TypeError with the sam
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import numpy as np
 import onnx
@@ -21,7 +22,7 @@ from ..reference import gather_selection_kv_cache, scatter_pa_kv_cache
 from . import _capi
 
 #: ONNX type of an absent optional input's slot (ONNX Runtime never checks it).
-_ANY = onnx.TensorProto.FLOAT
+_ANY: int = onnx.TensorProto.FLOAT
 
 
 def _node_attrs(node: onnx.NodeProto) -> dict:
@@ -40,7 +41,9 @@ def _scatter(node: onnx.NodeProto):
     attrs = _attrs(op, _node_attrs(node))
 
     def compute(api: _capi.OrtApi, context: int) -> None:
-        x = _named(op, [api.input(context, i) for i in range(api.input_count(context))])
+        x: dict[str, Any] = _named(
+            op, [api.input(context, i) for i in range(api.input_count(context))]
+        )
         placeholders = _absent_placeholders(x)
         key_cache, value_cache = x["key_cache"], x["value_cache"]
         assert key_cache is not None  # a required input
@@ -82,7 +85,9 @@ def _gather(node: onnx.NodeProto):
     attrs = _attrs(op, _node_attrs(node))
 
     def compute(api: _capi.OrtApi, context: int) -> None:
-        x = _named(op, [api.input(context, i) for i in range(api.input_count(context))])
+        x: dict[str, Any] = _named(
+            op, [api.input(context, i) for i in range(api.input_count(context))]
+        )
         k_rope, kv, status = (
             x["selection_k_rope"],
             x["selection_kv_cache"],
@@ -121,7 +126,7 @@ def _gather(node: onnx.NodeProto):
 def _types(op: specs.OpSpec, node: onnx.NodeProto, types: dict[str, int]):
     """ONNX types of the op's inputs and outputs for this node (absent ones: any)."""
     where = f"node {node.name or '<unnamed>'!r} ({node.op_type}): "
-    ins = []
+    ins: list[int] = []
     for i, spec in enumerate(op.inputs):
         name = node.input[i] if i < len(node.input) else ""
         if not name:
@@ -133,7 +138,7 @@ def _types(op: specs.OpSpec, node: onnx.NodeProto, types: dict[str, int]):
                 f"(a graph input, initializer or inferable tensor), got none"
             )
         ins.append(types[name])
-    outs = []
+    outs: list[int] = []
     for spec in op.outputs:
         src = op.aliases.get(spec.name)
         outs.append(ins[op.input_index(src)] if src else dtypes.ONNX[specs.INT32])
