@@ -203,3 +203,83 @@ def test_cli_info_says_whether_sessions_work(capsys, monkeypatch):
     assert main(["info"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "sessions here" in x)
     assert "(test reason)" in line
+
+
+# --- Polygraphy: `polygraphy run m.onnx --onnxrt --pytrt-kv-ref` -------------------------
+
+
+def _example():
+    from onnx_export.example import build_example_model
+
+    return build_example_model()
+
+
+def test_retrieval_decode_steps_verified_on_onnxruntime():
+    """The RetrievalKV step (onnx_export/retrieval.py) on ONNX Runtime, checked step by
+    step by the project's own verifier against the NumPy reference (ids, slots, status
+    carried over, attention). Its inputs are the planner's: make_feeds cannot make them,
+    so Polygraphy's command line needs --load-inputs for this model."""
+    from onnx_export.retrieval import RetrievalSizes, build_retrieval_decode_step
+    from pytrt_kv.retrieval import RetrievalConfig
+    from pytrt_kv.retrieval.demo import run_steps
+
+    cfg = RetrievalConfig(
+        init_tokens=64, local_tokens=200, block_size=32, dense_boundary=256, offload_boundary=512
+    )
+    sizes = RetrievalSizes(batch=2, q_heads=6, kv_heads=2, head_dim=8, max_len=1024)
+    model = build_retrieval_decode_step(sizes, cfg)
+    session = ort.make_session(model)
+    names = [o.name for o in session.get_outputs()]
+
+    def run(feeds):
+        got = dict(zip(names, session.run(None, feeds)))
+        want = runtime.run(model, feeds)
+        for n in names:
+            if n != "attn_out":
+                assert got[n].tobytes() == want[n].tobytes(), n
+        return got
+
+    checks = run_steps(cfg, sizes, [300, 700], steps=3, seed=7, run=run)
+    assert len(checks) == 6 and any(c.step > 0 and c.record.kept > 0 for c in checks)
+
+
+@pytest.mark.parametrize("build", [_example], ids=["example"])
+def test_polygraphy_onnxrt_against_the_reference_runner(build, tmp_path):
+    import subprocess
+
+    import pytrt_kv.polygraphy.data_loader as loader
+    from support.env import polygraphy_command, polygraphy_env
+
+    path = tmp_path / "m.onnx"
+    onnx.save(build(), path)
+    args = ["run", path, "--onnxrt", "--pytrt-kv-ref", "--data-loader-script", loader.__file__]
+    args += ["--iterations", "2", "--atol", "0", "attn_out:1e-5", "--rtol", "0", "attn_out:1e-5"]
+    res = subprocess.run(
+        polygraphy_command() + [str(a) for a in args],
+        cwd=tmp_path,
+        env=polygraphy_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert "pytrt_kv.ort.make_session" in log  # the hook built the session
+    assert "Passed: 2/2 iterations" in log and "PASSED" in log
+
+
+def test_onnxrt_hook_leaves_other_models_to_polygraphy(tmp_path):
+    from polygraphy.backend.onnxrt import SessionFromOnnx
+
+    from pytrt_kv.polygraphy import install_onnxrt
+
+    assert install_onnxrt()
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    plain = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    plain.ir_version = 10
+    session = SessionFromOnnx(plain.SerializeToString())()
+    assert type(session).__name__ == "InferenceSession"
+    ours = SessionFromOnnx(_example().SerializeToString())()
+    assert type(session).__name__ != type(ours).__name__ == "PytrtKvSession"
