@@ -138,11 +138,17 @@ def _torch_compiling(x: Any) -> bool:
 
 
 def _torch_ops() -> Any:
+    """``torch.ops.pytrt_kv``, whose ops ``import pytrt_kv.torch_ops`` registers (that
+    module calls this one for CUDA tensors, so this one does not import it)."""
     import torch
 
-    from . import torch_ops  # noqa: F401 - registers torch.ops.pytrt_kv
-
-    return torch.ops.pytrt_kv
+    ns = torch.ops.pytrt_kv
+    if not hasattr(ns, "scatter_pa_kv_cache_"):
+        raise RuntimeError(
+            "pytrt_kv.ops under torch.compile: expected the torch ops registered (import "
+            "pytrt_kv.torch_ops before compiling), got torch.ops.pytrt_kv without them"
+        )
+    return ns
 
 
 def scatter_pa_kv_cache(

@@ -186,3 +186,15 @@ def test_cuda_tensors_run_the_kernels():
 
 def _decode_step_scatter_only(key, value, key_cache, value_cache, slot_mapping):
     torch.ops.pytrt_kv.scatter_pa_kv_cache_(key, value, key_cache, value_cache, slot_mapping)
+
+
+def test_ops_module_does_not_import_the_torch_ops():
+    """pytrt_kv.torch_ops imports pytrt_kv.ops (CUDA tensors), never the reverse: the
+    registration is the explicit `import pytrt_kv.torch_ops` (docs/ARCHITECTURE.md, no
+    import cycles)."""
+    import subprocess
+    import sys
+
+    code = "import sys, torch, pytrt_kv.ops; print('pytrt_kv.torch_ops' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
