@@ -283,3 +283,18 @@ def test_onnxrt_hook_leaves_other_models_to_polygraphy(tmp_path):
     assert type(session).__name__ == "InferenceSession"
     ours = SessionFromOnnx(_example().SerializeToString())()
     assert type(session).__name__ != type(ours).__name__ == "PytrtKvSession"
+
+
+def test_make_session_leaves_the_model_as_it_was():
+    from onnx_export.example import build_example_model
+
+    model = build_example_model()
+    before = model.SerializeToString(deterministic=True)
+    ort.make_session(model)
+    assert model.SerializeToString(deterministic=True) == before
+    bad = single_op_model("ScatterPaKvCache", _scatter_feeds())
+    bad.graph.node[0].attribute.extend([onnx.helper.make_attribute("alias_oi", 1)])
+    before = bad.SerializeToString(deterministic=True)
+    with pytest.raises(ValueError):
+        ort.make_session(bad)
+    assert bad.SerializeToString(deterministic=True) == before

@@ -96,12 +96,17 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto) -> tuple[onnx.ModelProto, li
     Each node becomes its own op (name from the node and its input dtypes): ONNX
     Runtime types a custom op's outputs from fixed input types, and our ops take many
     dtypes. The model is validated first (:func:`pytrt_kv.graph.validate_model`)."""
-    validate_model(model)
-    types = _element_types(model)
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    return out, _rewrite_in_place(out)
+
+
+def _rewrite_in_place(model: onnx.ModelProto) -> list:
+    """What :func:`rewrite_for_onnxruntime` does, on ``model`` itself; returns the ops."""
+    validate_model(model)
+    types = _element_types(model)
     ops = []
-    for node in out.graph.node:
+    for node in model.graph.node:
         if node.domain != specs.DOMAIN:
             continue
         original = onnx.NodeProto()
@@ -110,12 +115,31 @@ def rewrite_for_onnxruntime(model: onnx.ModelProto) -> tuple[onnx.ModelProto, li
         ops.append(op)
         node.domain = _capi.EXTENSIONS_DOMAIN
         node.op_type = op.name
-    imports = [o for o in out.opset_import if o.domain != specs.DOMAIN]
-    del out.opset_import[:]
-    out.opset_import.extend(imports)
+    imports = [o for o in model.opset_import if o.domain != specs.DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(imports)
     if ops and not any(o.domain == _capi.EXTENSIONS_DOMAIN for o in imports):
-        out.opset_import.append(onnx.helper.make_opsetid(_capi.EXTENSIONS_DOMAIN, 1))
-    return out, ops
+        model.opset_import.append(onnx.helper.make_opsetid(_capi.EXTENSIONS_DOMAIN, 1))
+    return ops
+
+
+def _serialized_for_onnxruntime(model: onnx.ModelProto) -> tuple[bytes, list]:
+    """The rewritten model serialized, and its ops, without a second copy of the
+    weights: ``model`` is rewritten, serialized and restored (node domains and types,
+    opset imports; nothing else changes)."""
+    nodes = [(n, n.domain, n.op_type) for n in model.graph.node if n.domain == specs.DOMAIN]
+    imports = []
+    for o in model.opset_import:  # copies: field presence is kept as it was
+        imports.append(onnx.OperatorSetIdProto())
+        imports[-1].CopyFrom(o)
+    try:
+        ops = _rewrite_in_place(model)
+        return model.SerializeToString(), ops
+    finally:
+        for node, domain, op_type in nodes:
+            node.domain, node.op_type = domain, op_type
+        del model.opset_import[:]
+        model.opset_import.extend(imports)
 
 
 def _onnx_type(x: np.ndarray) -> int | None:
@@ -238,7 +262,7 @@ def make_session(
 
     model = _load(model_or_path)
     library = _capi.extensions_library()
-    ort_model, ops = rewrite_for_onnxruntime(model)
+    model_bytes, ops = _serialized_for_onnxruntime(model)
     for op in ops:
         _capi.add_op(op)
     options = session_options.pop("sess_options", None) or onnxruntime.SessionOptions()
@@ -256,11 +280,12 @@ def make_session(
     inits = {i.name for i in model.graph.initializer}
     declared = {vi.name: vi.type for vi in model.graph.input if vi.name not in inits}
     session = _session_class()(
-        ort_model.SerializeToString(),
+        model_bytes,
         sess_options=options,
         providers=list(providers) if providers else ["CPUExecutionProvider"],
     )
     session._pytrt_kv_init(declared, [o.name for o in model.graph.output])
+    del model_bytes
     return session
 
 
