@@ -11,6 +11,7 @@ _PACKAGES = (
     "onnx",
     "onnx_graphsurgeon",
     "onnxruntime",
+    "onnxruntime_extensions",
     "polygraphy",
     "onnxscript",
     "torch",

@@ -169,6 +169,29 @@ def _ptr(buf: Buffer | None) -> int | None:
     return None if buf is None or buf.nbytes == 0 else buf.ptr
 
 
+def _torch_compiling(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor seen by torch.compile's tracer (docs/GRAPH_MODE.md,
+    "torch.compile")."""
+    torch = sys.modules.get("torch")
+    if torch is None or not type(x).__module__.startswith("torch"):
+        return False
+    return bool(torch.compiler.is_compiling())
+
+
+def _torch_ops() -> Any:
+    """``torch.ops.pytrt_kv``, whose ops ``import pytrt_kv.torch_ops`` registers (that
+    module calls this one for CUDA tensors, so this one does not import it)."""
+    import torch
+
+    ns = torch.ops.pytrt_kv
+    if not hasattr(ns, "scatter_pa_kv_cache_"):
+        raise RuntimeError(
+            "pytrt_kv.ops under torch.compile: expected the torch ops registered (import "
+            "pytrt_kv.torch_ops before compiling), got torch.ops.pytrt_kv without them"
+        )
+    return ns
+
+
 def scatter_pa_kv_cache(
     key: Any,
     value: Any,
@@ -225,6 +248,14 @@ def scatter_pa_kv_cache(
     Not synchronized: calls on the same caches from several threads or streams must be
     serialized by the caller (one stream, or events between them).
     """
+    if stream is None and not validate and _torch_compiling(key):
+        # Under torch.compile the ctypes launch cannot be traced: the registered op
+        # (pytrt_kv/torch_ops.py) keeps the call in the graph and runs this function.
+        _torch_ops().scatter_pa_kv_cache_(
+            key, value, key_cache, value_cache, slot_mapping, compress_lens,
+            compress_seq_offsets, seq_lens, cache_layout, compress_mode, k_scale, v_scale,
+        )  # fmt: skip
+        return
     launch = prepare_scatter(
         **op_args(specs.SCATTER_PA_KV_CACHE, locals()), stream=stream, validate=validate
     )
@@ -445,6 +476,14 @@ def gather_selection_kv_cache(
     Not synchronized: calls on the same selection caches and status from several threads
     or streams must be serialized by the caller.
     """
+    if stream is None and not validate and out is None and _torch_compiling(selection_kv_cache):
+        # As in scatter_pa_kv_cache: torch.compile sees the registered op.
+        return _torch_ops().gather_selection_kv_cache_(
+            selection_k_rope, selection_kv_cache, selection_kv_block_table,
+            selection_kv_block_status, selection_topk_indices, full_k_rope, full_kv_cache,
+            full_kv_block_table, full_kv_actual_seq, full_q_actual_seq,
+            selection_topk_block_size,
+        )  # fmt: skip
     return prepare_gather(
         **op_args(specs.GATHER_SELECTION_KV_CACHE, locals()),
         stream=stream,

@@ -21,6 +21,16 @@ def _trt_availability() -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+def _ort_availability() -> str:
+    """'' when ONNX Runtime sessions with our ops work here, else why not."""
+    try:
+        from ..ort import availability
+
+        return availability()
+    except Exception as exc:  # a broken ONNX Runtime install must not break `info`
+        return f"{type(exc).__name__}: {exc}"
+
+
 def run(args: argparse.Namespace) -> int:
     del args
     from .. import __version__, _lib
@@ -29,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"pytrt_kv {__version__}  (Python {platform.python_version()}, {platform.machine()})")
     print("\nPython packages:")
     for name, ver in _info.package_versions().items():
-        print(f"  {name:<18} {ver}")
+        print(f"  {name:<22} {ver}")
 
     print("\nNative libraries:")
     info = _lib.build_info()
@@ -64,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
                 else f"no installed {_lib.DIST_NAME} with libraries was found"
             )
         )
+
+    print("\nONNX Runtime (pytrt_kv.ort.make_session, polygraphy --onnxrt):")
+    ort_state = _ort_availability() or "usable (onnxruntime + onnxruntime-extensions)"
+    print(f"  {'sessions here':<18} {ort_state}")
 
     print("\nTensorRT flavours (engines: pytrt-kv build):")
     from ..trt._tensorrt import installed_flavours

@@ -1,0 +1,300 @@
+"""ONNX Runtime sessions with our ops (pytrt_kv.ort, docs/GRAPH_MODE.md "ONNX Runtime"):
+the same outputs as the CPU runtime, byte for byte, and the same refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from onnx_export import single_op_model
+from pytrt_kv import ort, runtime
+from pytrt_kv.graph.feeds import make_feeds
+from pytrt_kv.graph.tensorrt import prepare_for_tensorrt
+
+pytest.importorskip("onnxruntime")
+if ort.availability():
+    pytest.skip(ort.availability(), allow_module_level=True)
+
+#: Outputs computed by float math that ONNX Runtime's kernels round differently.
+FLOAT_MATH = {"attn_out": 1e-5}
+
+
+def _same(model, feeds, session=None):
+    """Run ``model`` on ONNX Runtime and on the CPU runtime; assert byte equality (dtype,
+    shape and bytes) of every output except float math (close)."""
+    session = session or ort.make_session(model)
+    before = {n: a.copy() for n, a in feeds.items()}
+    got = session.run(None, feeds)
+    want = runtime.run(model, feeds)
+    names = [o.name for o in session.get_outputs()]
+    assert names == [o.name for o in model.graph.output]
+    for name, g in zip(names, got):
+        w = want[name]
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        if name in FLOAT_MATH:
+            np.testing.assert_allclose(g, w, rtol=FLOAT_MATH[name], atol=FLOAT_MATH[name])
+        else:
+            assert g.tobytes() == w.tobytes(), name
+    for n, a in feeds.items():  # functional: the feeds are never written
+        assert a.tobytes() == before[n].tobytes(), n
+    return dict(zip(names, got))
+
+
+def _models():
+    from support.models import engine_test_models
+
+    return engine_test_models()
+
+
+@pytest.mark.parametrize("name,model", _models(), ids=[n for n, _ in _models()])
+def test_outputs_byte_equal_to_the_cpu_runtime(name, model):
+    for seed in range(2):
+        _same(model, make_feeds(model, seed=seed))
+
+
+def test_example_decode_loop_feeds_outputs_back():
+    from onnx_export.example import CACHE_OUTPUTS, build_example_model
+
+    model = build_example_model()
+    session = ort.make_session(model)
+    feeds = make_feeds(model, seed=3)
+    for step in range(3):
+        out = _same(model, feeds, session)
+        if step == 0:  # the new token was written
+            assert not np.array_equal(out["full_kv_cache_out"], feeds["full_kv_cache"])
+        for src, dst in CACHE_OUTPUTS.items():
+            feeds[src] = out[dst]
+
+
+def test_example_model_from_a_file_and_bytes(tmp_path):
+    from onnx_export.example import build_example_model
+
+    model = build_example_model()
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    feeds = make_feeds(model, seed=1)
+    a = ort.make_session(path).run(None, feeds)
+    b = ort.make_session(model.SerializeToString()).run(None, feeds)
+    assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+def test_prepared_model_with_placeholders_runs():
+    from support.models import scatter_model
+
+    model = prepare_for_tensorrt(scatter_model("nd", "float16", "int32", value=False))
+    _same(model, make_feeds(model, seed=0))
+
+
+def _refusal(model, feeds):
+    try:
+        runtime.run(model, feeds)
+    except (ValueError, TypeError) as exc:
+        return type(exc), str(exc)
+    raise AssertionError("the runtime accepted the feeds")
+
+
+def _scatter_feeds():
+    return {
+        "key": np.zeros((4, 2, 8), np.float16),
+        "value": np.zeros((4, 2, 8), np.float16),
+        "key_cache": np.zeros((8, 4, 2, 8), np.float16),
+        "value_cache": np.zeros((8, 4, 2, 8), np.float16),
+        "slot_mapping": np.zeros(4, np.int32),
+    }
+
+
+BAD_SCATTER = {
+    "duplicate-slot": lambda f: f.update(slot_mapping=np.array([1, 1, 2, 3], np.int32)),
+    "slot-out-of-range": lambda f: f.update(slot_mapping=np.array([1, 99, 2, 3], np.int32)),
+    "feed-shape": lambda f: f.update(slot_mapping=np.array([1, 2, 3], np.int32)),
+    "feed-dtype": lambda f: f.update(key=f["key"].astype(np.float32)),
+    "feed-missing": lambda f: f.pop("value"),
+    "feed-unknown": lambda f: f.update(extra=np.zeros(1, np.float32)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SCATTER))
+def test_scatter_refusals_are_the_runtimes(case):
+    model = single_op_model("ScatterPaKvCache", _scatter_feeds())
+    feeds = make_feeds(model, seed=0)
+    BAD_SCATTER[case](feeds)
+    kind, message = _refusal(model, feeds)
+    with pytest.raises(kind) as info:
+        ort.make_session(model).run(None, feeds)
+    assert str(info.value) == message
+
+
+def _gather_case():
+    from support.models import gather_model
+
+    model = gather_model("float16", False, 1)
+    return model, make_feeds(model, seed=0)
+
+
+def _bad_status(f):
+    f["selection_kv_block_status"] = f["selection_kv_block_status"].copy()
+    f["selection_kv_block_status"][0, 0, 0, :2] = 3
+
+
+def _bad_block(f):
+    f["full_kv_block_table"] = f["full_kv_block_table"].copy()
+    f["full_kv_block_table"][0, :] = 999
+
+
+def _bad_length(f):
+    f["full_kv_actual_seq"] = f["full_kv_actual_seq"].copy()
+    f["full_kv_actual_seq"][0] = 10**6
+
+
+@pytest.mark.parametrize("corrupt", [_bad_status, _bad_block, _bad_length])
+def test_gather_refusals_are_the_runtimes(corrupt):
+    model, feeds = _gather_case()
+    corrupt(feeds)
+    kind, message = _refusal(model, feeds)
+    with pytest.raises(kind) as info:
+        ort.make_session(model).run(None, feeds)
+    assert str(info.value) == message
+
+
+def test_invalid_model_is_refused_like_the_runtime():
+    model = single_op_model("ScatterPaKvCache", _scatter_feeds())
+    node = model.graph.node[0]
+    node.attribute.extend([onnx.helper.make_attribute("alias_oi", 1)])
+    with pytest.raises(ValueError) as want:
+        runtime.make_evaluator(model)
+    with pytest.raises(ValueError) as got:
+        ort.make_session(model)
+    assert str(got.value) == str(want.value)
+
+
+def test_session_options_are_checked_and_applied():
+    model = single_op_model("ScatterPaKvCache", _scatter_feeds())
+    with pytest.raises(ValueError, match="session_options: .*'intra_op_threads'"):
+        ort.make_session(model, intra_op_threads=1)
+    session = ort.make_session(model, intra_op_num_threads=1)
+    _same(model, make_feeds(model, seed=0), session)
+    with pytest.raises(TypeError, match="model_or_path: expected"):
+        ort.make_session(42)
+    with pytest.raises(FileNotFoundError, match="model_or_path"):
+        ort.make_session("/nonexistent/m.onnx")
+
+
+def test_same_node_registers_one_op():
+    from pytrt_kv.ort import _capi
+
+    model = single_op_model("ScatterPaKvCache", _scatter_feeds())
+    _, ops = ort.rewrite_for_onnxruntime(model)
+    _, again = ort.rewrite_for_onnxruntime(model)
+    assert [o.name for o in ops] == [o.name for o in again]
+    ort.make_session(model)
+    ort.make_session(model)
+    assert _capi.added(ops[0].name)
+    assert sum(1 for name in _capi._added if name == ops[0].name) == 1
+
+
+def test_cli_info_says_whether_sessions_work(capsys, monkeypatch):
+    from pytrt_kv.cli import main
+
+    assert main(["info"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "sessions here" in x)
+    assert "usable" in line
+    monkeypatch.setattr(ort, "availability", lambda: "onnxruntime-extensions: (test reason)")
+    assert main(["info"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "sessions here" in x)
+    assert "(test reason)" in line
+
+
+# --- Polygraphy: `polygraphy run m.onnx --onnxrt --pytrt-kv-ref` -------------------------
+
+
+def _example():
+    from onnx_export.example import build_example_model
+
+    return build_example_model()
+
+
+def test_retrieval_decode_steps_verified_on_onnxruntime():
+    """The RetrievalKV step (onnx_export/retrieval.py) on ONNX Runtime, checked step by
+    step by the project's own verifier against the NumPy reference (ids, slots, status
+    carried over, attention). Its inputs are the planner's: make_feeds cannot make them,
+    so Polygraphy's command line needs --load-inputs for this model."""
+    from onnx_export.retrieval import RetrievalSizes, build_retrieval_decode_step
+    from pytrt_kv.retrieval import RetrievalConfig
+    from pytrt_kv.retrieval.demo import run_steps
+
+    cfg = RetrievalConfig(
+        init_tokens=64, local_tokens=200, block_size=32, dense_boundary=256, offload_boundary=512
+    )
+    sizes = RetrievalSizes(batch=2, q_heads=6, kv_heads=2, head_dim=8, max_len=1024)
+    model = build_retrieval_decode_step(sizes, cfg)
+    session = ort.make_session(model)
+    names = [o.name for o in session.get_outputs()]
+
+    def run(feeds):
+        got = dict(zip(names, session.run(None, feeds)))
+        want = runtime.run(model, feeds)
+        for n in names:
+            if n != "attn_out":
+                assert got[n].tobytes() == want[n].tobytes(), n
+        return got
+
+    checks = run_steps(cfg, sizes, [300, 700], steps=3, seed=7, run=run)
+    assert len(checks) == 6 and any(c.step > 0 and c.record.kept > 0 for c in checks)
+
+
+@pytest.mark.parametrize("build", [_example], ids=["example"])
+def test_polygraphy_onnxrt_against_the_reference_runner(build, tmp_path):
+    import subprocess
+
+    import pytrt_kv.polygraphy.data_loader as loader
+    from support.env import polygraphy_command, polygraphy_env
+
+    path = tmp_path / "m.onnx"
+    onnx.save(build(), path)
+    args = ["run", path, "--onnxrt", "--pytrt-kv-ref", "--data-loader-script", loader.__file__]
+    args += ["--iterations", "2", "--atol", "0", "attn_out:1e-5", "--rtol", "0", "attn_out:1e-5"]
+    res = subprocess.run(
+        polygraphy_command() + [str(a) for a in args],
+        cwd=tmp_path,
+        env=polygraphy_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert "pytrt_kv.ort.make_session" in log  # the hook built the session
+    assert "Passed: 2/2 iterations" in log and "PASSED" in log
+
+
+def test_onnxrt_hook_leaves_other_models_to_polygraphy(tmp_path):
+    from polygraphy.backend.onnxrt import SessionFromOnnx
+
+    from pytrt_kv.polygraphy import install_onnxrt
+
+    assert install_onnxrt()
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    plain = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    plain.ir_version = 10
+    session = SessionFromOnnx(plain.SerializeToString())()
+    assert type(session).__name__ == "InferenceSession"
+    ours = SessionFromOnnx(_example().SerializeToString())()
+    assert type(session).__name__ != type(ours).__name__ == "PytrtKvSession"
+
+
+def test_make_session_leaves_the_model_as_it_was():
+    from onnx_export.example import build_example_model
+
+    model = build_example_model()
+    before = model.SerializeToString(deterministic=True)
+    ort.make_session(model)
+    assert model.SerializeToString(deterministic=True) == before
+    bad = single_op_model("ScatterPaKvCache", _scatter_feeds())
+    bad.graph.node[0].attribute.extend([onnx.helper.make_attribute("alias_oi", 1)])
+    before = bad.SerializeToString(deterministic=True)
+    with pytest.raises(ValueError):
+        ort.make_session(bad)
+    assert bad.SerializeToString(deterministic=True) == before
