@@ -135,12 +135,8 @@ def quantise_cases(rng):
             for cache_dt in ("float8_e4m3fn", "int8"):
                 for per_head in (False, True):
                     T, H, NB, BS = 21, 2, 5, 8
-                    L = nz_last_dim(numpy_dtype(cache_dt))
-                    shape = {
-                        "nd": (NB, BS, H, D),
-                        "hnd": (NB, H, BS, D),
-                        "nz": (NB, H * D // L, BS, L),
-                    }[layout]
+                    item = numpy_dtype(cache_dt).itemsize
+                    shape = LAYOUTS[layout].shape(NB, BS, H, D, item)
                     nan = cache_dt == "float8_e4m3fn"
                     key, value = (
                         wide(rng, (T, H, D), src, nan=nan),
