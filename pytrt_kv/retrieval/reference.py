@@ -31,7 +31,7 @@ def representation_width(kind: str, kv_heads: int, head_dim: int) -> int:
     return (2 if kind == MINMAX else 1) * kv_heads * head_dim
 
 
-def block_representations(keys: np.ndarray, part: Partition, kind: str = MINMAX) -> np.ndarray:
+def block_representations(keys: np.ndarray, part: Partition, kind: str = MEAN) -> np.ndarray:
     """R5 representation of every retrievable block.
 
     Parameters
@@ -75,7 +75,7 @@ def group_query(q: np.ndarray, kv_heads: int) -> np.ndarray:
     return q.reshape(kv_heads, q.shape[0] // kv_heads, q.shape[1]).sum(axis=1).reshape(-1)
 
 
-def score_query(q_group: np.ndarray, kind: str = MINMAX) -> np.ndarray:
+def score_query(q_group: np.ndarray, kind: str = MEAN) -> np.ndarray:
     """The query row that scores a representation by one inner product (R5):
     ``[relu(q), -relu(-q)]`` for minmax, ``q`` for mean."""
     q = np.asarray(q_group, dtype=np.float32)
@@ -86,7 +86,7 @@ def score_query(q_group: np.ndarray, kind: str = MINMAX) -> np.ndarray:
     raise ValueError(f"kind: expected one of {list(REPRESENTATIONS)}, got {kind!r}")
 
 
-def block_scores(q_group: np.ndarray, reps: np.ndarray, kind: str = MINMAX) -> np.ndarray:
+def block_scores(q_group: np.ndarray, reps: np.ndarray, kind: str = MEAN) -> np.ndarray:
     """R5 score of each block: float32 ``[nb]`` = ``reps @ score_query(q_group)``."""
     sq = score_query(q_group, kind)
     reps = np.asarray(reps, dtype=np.float32)
