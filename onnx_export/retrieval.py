@@ -4,10 +4,10 @@ Per row b (one new token, S = 1; sizes and layout from :mod:`.planner`)::
 
     ScatterPaKvCache        key, value of the new token -> full paged caches
                             [NBF, B, Hkv, D] (device or pinned host memory, R2)
-    ReduceSum / Relu        R5 query: q summed over each GQA group, heads concatenated;
-                            minmax: [relu(q), -relu(-q)]
-    MatMul / Where / TopK   block scores = block_repr . query over the row's
-                            retrievable blocks (-inf past them); top max_selected, ties
+    R5 scores               add_representation_scores: mean/minmax: q summed over
+                            each GQA group (minmax: [relu(q), -relu(-q)]) . block_repr;
+                            mass: per query head softmax over the row's blocks, summed
+    Where / TopK            -inf past the row's retrievable blocks; top max_selected, ties
                             to the lower id (ONNX TopK order = R4); ranks >= the row's
                             selected_blocks -> -1
     Concat                  ids in TBS units: [init ids | first_id + j | local ids],
@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 
 from pytrt_kv.contract import dtypes, specs
-from pytrt_kv.retrieval.config import MINMAX, RetrievalConfig
+from pytrt_kv.retrieval.config import MEAN, MINMAX, REPRESENTATIONS, RetrievalConfig
 from pytrt_kv.retrieval.planner import RetrievalSizes, StepLayout
 
 #: Graph inputs updated in place, with the output that is their new version.
@@ -52,6 +52,78 @@ CACHE_OUTPUTS = {
     "selection_value_cache": "selection_value_cache_out",
     "selection_kv_block_status": "selection_kv_block_status_out",
 }
+
+
+def add_representation_scores(
+    op, const, representation: str, reps, query, *, kv_heads: int, q_heads: int,
+    head_dim: int, scale: float, valid=None,
+):  # fmt: skip
+    """Block scores of one layer (docs/SPEC.md R5) as ONNX nodes, for any graph builder.
+
+    ``op(op_type, inputs, **attrs)`` adds a node and returns its output, ``const(array)``
+    adds a constant and returns it (onnx-graphsurgeon here, ``onnx_export.llama``'s
+    builder there). ``reps`` ``[B, NB, W]`` float32 (W = ``representation_width``),
+    ``query`` ``[B, Hq, D]`` float32 (post-RoPE); ``valid`` ``[B, NB]`` bool, the row's
+    retrievable blocks (required by "mass", whose per-head softmax must not see the
+    others). Returns ``[B, NB]`` float32 scores, equal to
+    ``pytrt_kv.retrieval.reference.score_blocks`` row by row; callers still mask the
+    invalid blocks with -inf before TopK.
+    """
+    if representation not in REPRESENTATIONS:
+        raise ValueError(
+            f"representation: expected one of {list(REPRESENTATIONS)}, got {representation!r}"
+        )
+    G, kd = q_heads // kv_heads, kv_heads * head_dim
+    i64 = np.int64
+    qh = op("Reshape", [query, const(np.array([0, kv_heads, G, head_dim], i64))])
+    if representation in (MEAN, MINMAX):  # q summed over each GQA group, heads concatenated
+        qg = op("ReduceSum", [qh, const(np.array([2], i64))], keepdims=0)
+        qg = op("Reshape", [qg, const(np.array([0, kd], i64))])
+        if representation == MINMAX:
+            neg = op("Neg", [op("Relu", [op("Neg", [qg])])])
+            qg = op("Concat", [op("Relu", [qg]), neg], axis=1)
+        s = op("MatMul", [reps, op("Unsqueeze", [qg, const(np.array([2], i64))])])
+        return op("Squeeze", [s, const(np.array([2], i64))])
+    # "mass": sum over query heads of softmax over blocks of scale * q_h . mean_b,g(h).
+    if valid is None:
+        raise ValueError("valid: expected the [B, NB] retrievable-block mask for 'mass', got None")
+    r = op("Reshape", [reps, const(np.array([0, 0, kv_heads, head_dim], i64))])
+    r = op("Transpose", [r], perm=[0, 2, 3, 1])  # [B, Hkv, D, NB]
+    s = op("Mul", [op("MatMul", [qh, r]), const(np.array(scale, np.float32))])
+    keep = op("Unsqueeze", [valid, const(np.array([1, 2], i64))])  # [B, 1, 1, NB]
+    s = op("Where", [keep, s, const(np.array(-np.inf, np.float32))])
+    p = op("Softmax", [s], axis=-1)  # [B, Hkv, G, NB]
+    return op("ReduceSum", [p, const(np.array([1, 2], i64))], keepdims=0)
+
+
+def add_representation_update(
+    op, const, representation: str, current, key_row, fresh, *, kv_width: int, block_size: int
+):
+    """A block's representation after one more key, as ONNX nodes (builders as in
+    :func:`add_representation_scores`): ``current`` ``[B, W]`` the block's row,
+    ``key_row`` ``[B, kv_width = Hkv*D]`` float32 the new key, ``fresh`` ``[B, 1]`` bool
+    (the key is the block's first: the old row is ignored). "minmax": running max and
+    min; "mean" and "mass": running sum of ``key / block_size``, the mean once the block is
+    complete (only complete blocks are ever scored, R3). Returns the new ``[B, W]`` row."""
+    if representation not in REPRESENTATIONS:
+        raise ValueError(
+            f"representation: expected one of {list(REPRESENTATIONS)}, got {representation!r}"
+        )
+    i64 = np.int64
+    if representation == MINMAX:
+        axis = const(np.array([1], i64))
+        hi = op(
+            "Slice", [current, const(np.array([0], i64)), const(np.array([kv_width], i64)), axis]
+        )
+        lo = op(
+            "Slice",
+            [current, const(np.array([kv_width], i64)), const(np.array([2 * kv_width], i64)), axis],
+        )
+        hi = op("Max", [op("Where", [fresh, const(np.array(-np.inf, np.float32)), hi]), key_row])
+        lo = op("Min", [op("Where", [fresh, const(np.array(np.inf, np.float32)), lo]), key_row])
+        return op("Concat", [hi, lo], axis=1)
+    base = op("Where", [fresh, const(np.array(0.0, np.float32)), current])
+    return op("Add", [base, op("Mul", [key_row, const(np.array(1.0 / block_size, np.float32))])])
 
 
 def build_retrieval_graph(
@@ -141,18 +213,8 @@ def build_retrieval_graph(
     fk3 = op("Reshape", [fk_out, shape(NBF, B, HD)], cdt, (NBF, B, HD))
     fv3 = op("Reshape", [fv_out, shape(NBF, B, HD)], cdt, (NBF, B, HD))
 
-    # 2. R5 query and block scores, R4 selection.
+    # 2. R5 block scores, R4 selection.
     qf = op("Cast", [inp["query"]], f32, (b, Hq, D), to=onnx.TensorProto.FLOAT)
-    qg = op("Reshape", [qf, shape(b, Hkv, G, D)], f32, (b, Hkv, G, D))
-    qg = op("ReduceSum", [qg, const("axes", np.array([2], np.int64))], f32, (b, Hkv, D), keepdims=0)
-    qg = op("Reshape", [qg, shape(b, HD)], f32, (b, HD))
-    if cfg.representation == MINMAX:
-        pos = op("Relu", [qg], f32, (b, HD))
-        neg = op("Neg", [op("Relu", [op("Neg", [qg], f32, (b, HD))], f32, (b, HD))], f32, (b, HD))
-        qg = op("Concat", [pos, neg], f32, (b, W), axis=1)
-    qcol = op("Unsqueeze", [qg, const("axes", np.array([2], np.int64))], f32, (b, W, 1))
-    scores = op("MatMul", [inp["block_repr"], qcol], f32, (b, NBMAX, 1))
-    scores = op("Reshape", [scores, shape(b, NBMAX)], f32, (b, NBMAX))
     in_range = op(
         "Less",
         [
@@ -161,6 +223,29 @@ def build_retrieval_graph(
         ],
         bool_,
         (b, NBMAX),
+    )
+
+    def any_op(op_type: str, inputs: list, **attrs) -> gs.Variable:
+        (out,) = g.layer(
+            op=op_type,
+            name=f"{op_type}_{next(counter)}",
+            inputs=inputs,
+            outputs=[V(f"{op_type.lower()}_{next(counter)}", None, None)],
+            attrs=attrs,
+        )
+        return out
+
+    scores = add_representation_scores(
+        any_op,
+        lambda a: const("c", a),
+        cfg.representation,
+        inp["block_repr"],
+        qf,
+        kv_heads=Hkv,
+        q_heads=Hq,
+        head_dim=D,
+        scale=scale,
+        valid=in_range,
     )
     scores = op("Where", [in_range, scores, neg_inf], f32, (b, NBMAX), name="block_scores")
     L = column(inp["full_kv_actual_seq"])

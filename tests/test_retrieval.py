@@ -15,8 +15,10 @@ from onnx_export.retrieval import build_retrieval_decode_step
 from pytrt_kv.cli.retrieval_demo import cpu_runner
 from pytrt_kv.retrieval import (
     DENSE,
+    MASS,
     MEAN,
     MINMAX,
+    REPRESENTATIONS,
     SPARSE,
     SPARSE_OFFLOAD,
     RetrievalConfig,
@@ -24,6 +26,7 @@ from pytrt_kv.retrieval import (
     block_scores,
     dense_attention,
     group_query,
+    score_blocks,
     select_blocks,
     sparse_decode_attention,
 )
@@ -208,10 +211,42 @@ def test_representations_and_scores(rng):
         block_representations(keys[:100], p)
 
 
+def test_mass_scores_are_per_head_softmax_sums(rng):
+    """R5 "mass": every query head's softmax over the blocks of scale * q_h . mean_b (its
+    own KV head's part), summed over heads; a head with huge logits counts no more than
+    one with small ones (unlike the GQA-summed "mean")."""
+    cfg = RetrievalConfig(**SMALL)
+    keys = rng.standard_normal((500, 3, 8)).astype(np.float32)
+    p = cfg.partition(500)
+    reps = block_representations(keys, p, MASS)
+    np.testing.assert_array_equal(reps, block_representations(keys, p, MEAN))
+    q = rng.standard_normal((6, 8)).astype(np.float32)
+    s = score_blocks(q, reps, MASS, 3, scale=0.5)
+    want = np.zeros(p.num_blocks)
+    for h in range(6):
+        logits = 0.5 * reps.reshape(-1, 3, 8)[:, h // 2] @ q[h].astype(np.float64)
+        e = np.exp(logits - logits.max())
+        want += e / e.sum()
+    np.testing.assert_allclose(s, want, rtol=1e-5)
+    assert abs(s.sum() - 6.0) < 1e-4  # each head's mass sums to one
+    # A head scaled up 100x changes "mean"'s ranking toward it, "mass" only through its
+    # own sharper softmax: still at most one unit of mass.
+    q2 = q.copy()
+    q2[0] *= 100
+    assert score_blocks(q2, reps, MASS, 3).max() <= 6.0 + 1e-4
+    np.testing.assert_allclose(
+        score_blocks(q, reps, MEAN, 3), block_scores(group_query(q, 3), reps, MEAN)
+    )
+    with pytest.raises(ValueError, match="reps"):
+        score_blocks(q, np.zeros((4, 48), np.float32), MASS, 3)
+    with pytest.raises(ValueError, match="kind"):
+        score_blocks(q, reps, "median", 3)
+
+
 # --- R6 --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rep", [MINMAX, MEAN])
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
 @pytest.mark.parametrize("L", [50, 300, 777])
 def test_topk_percent_one_equals_dense(rng, rep, L):
     cfg = RetrievalConfig(**SMALL, topk_percent=1.0, representation=rep)
@@ -333,7 +368,7 @@ def test_decode_step_model_is_checked():
     assert [o.name for o in model.graph.output][:2] == ["attn_out", "topk_indices"]
 
 
-@pytest.mark.parametrize("rep", [MINMAX, MEAN])
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_decode_steps_match_reference_sparse_and_offload(rep, dtype):
     """Rows in both sparse modes (R2) for several steps: ids, slots and attention equal

@@ -8,7 +8,13 @@ import importlib.util
 import numpy as np
 import pytest
 
-from pytrt_kv.retrieval import MEAN, MINMAX, RetrievalConfig, sparse_decode_attention
+from pytrt_kv.retrieval import (
+    MEAN,
+    MINMAX,
+    REPRESENTATIONS,
+    RetrievalConfig,
+    sparse_decode_attention,
+)
 from pytrt_kv.retrieval.reference import dense_attention
 
 torch = pytest.importorskip("torch", reason="torch is not installed (extra 'torch')")
@@ -18,7 +24,7 @@ class _Layer:
     layer_idx = 3
 
 
-@pytest.mark.parametrize("rep", [MINMAX, MEAN])
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
 @pytest.mark.parametrize("chunk", [7, 256])
 def test_study_attention_equals_reference(rng, rep, chunk):
     """Rows before sparse_from are dense and causal; every later row attends exactly what
@@ -130,10 +136,12 @@ def test_needles_never_lie_in_init_or_local():
     s = study.StudySettings(curve_block_sizes=(16, 128))
     hay = list(range(10_000))
     needles = [[-1] * 20, [-2] * 20]
+    init, local = s.span_windows()
+    assert (init, local) == (128, 896)  # the widest of the settings
     for depths in ([0.0, 1.0], [0.3, 0.9]):
         out = study.place_needles(s, hay, [-3] * 10, needles, depths, 3000)
         lo, hi = study.retrievable_span(s, 3000)
-        assert len(out) == 3000 and lo == s.init_tokens and hi <= 3000 - s.local_tokens
+        assert len(out) == 3000 and lo == init and hi <= 3000 - local
         for n in (-1, -2):
             at = [i for i, x in enumerate(out) if x == n]
             assert len(at) == 20 and lo <= at[0] and at[-1] < hi
@@ -142,11 +150,53 @@ def test_needles_never_lie_in_init_or_local():
 
 
 def test_wilson_interval():
-    from pytrt_kv.retrieval.study import wilson
+    from pytrt_kv.retrieval.study.statistics import wilson
 
     lo, hi = wilson(9, 10)
     assert 0.59 < lo < 0.60 and 0.98 < hi < 0.99  # the textbook 0.596 .. 0.982
     assert wilson(0, 5)[0] == 0.0 and wilson(5, 5)[1] == 1.0
+
+
+def test_mcnemar_exact():
+    """Exact two-sided McNemar: only discordant pairs count; 10 vs 0 discordant gives
+    p = 2 / 2**10; a balanced split gives 1."""
+    from pytrt_kv.retrieval.study.statistics import mcnemar
+
+    a = [1] * 10 + [1] * 5 + [0] * 5
+    b = [0] * 10 + [1] * 5 + [0] * 5
+    assert mcnemar(a, b) == (10, 0, 2 / 2**10)
+    assert mcnemar(b, a)[:2] == (0, 10)
+    assert mcnemar([1, 0, 1, 0], [0, 1, 0, 1]) == (2, 2, 1.0)
+    assert mcnemar([1, 1], [1, 1]) == (0, 0, 1.0)
+    # 7 vs 1: p = 2 * (1 + 8) / 256
+    assert abs(mcnemar([1] * 7 + [0], [0] * 7 + [1])[2] - 18 / 256) < 1e-12
+    with pytest.raises(ValueError, match="a, b"):
+        mcnemar([1, 0], [1])
+
+
+def test_depths_spread_over_the_whole_span():
+    """Issue 35: trial i of n at a length has its needle at depth (i + 0.5)/n, so the
+    same-budget window can reach the newest ones; curve trials are spread too."""
+    from pytrt_kv.retrieval import study
+
+    s = study.StudySettings(lengths=(2048, 8000), trials=(4, 10), curve_trials=2)
+    ts = [t for t in study.make_trials(s) if t.task == "single"]
+    assert [t.depth for t in ts if t.length == 2048] == [0.125, 0.375, 0.625, 0.875]
+    deep = [t.depth for t in ts if t.length == 8000]
+    assert deep[0] == 0.05 and deep[-1] == 0.95 and len(deep) == 10
+    assert [t.index for t in ts if t.length == 8000 and t.curves] == [0, 5]
+
+
+def test_tight_setting_is_an_eighth_at_8000_tokens():
+    """The default settings: 22% attended at 8000 tokens (recall 0.1, B32, init 128,
+    local 896) and 12.8% (init 64 + local 448 + 16 blocks of 32 recalled, the row's
+    own token in local)."""
+    from pytrt_kv.retrieval import study
+
+    main, tight = [m for m in study.StudySettings().main_methods() if m.name == "mean"]
+    shares = [study.budget_tokens(m.config(), 8001) / 8001 for m in (main, tight)]
+    assert 0.21 < shares[0] <= 0.25 and 0.12 < shares[1] <= 0.13, shares
+    assert study.budget_tokens(tight.config(), 8001) == 64 + 512 + 448 + 1
 
 
 #: The reduced study in the suite: single needle at 1536 tokens, one setting (recall 0.5,
@@ -217,6 +267,7 @@ def test_study_command_shows_progress_in_a_file(tmp_path):
     trial and per loss pass, each "i of n", with elapsed and ETA, written as they come
     (each line is in the file while the process still runs, not only at exit), then the
     report and the three files."""
+    import json
     import re
     import subprocess
     import sys
@@ -225,7 +276,7 @@ def test_study_command_shows_progress_in_a_file(tmp_path):
     log = tmp_path / "study.log"
     cmd = [
         sys.executable, "-m", "pytrt_kv", "study", "--out", str(tmp_path / "out"),
-        "--lengths", "1536", "--depths", "0.3,0.7", "--trials", "1", "--curve-trials", "0",
+        "--lengths", "1536", "--trials", "2", "--curve-trials", "0",
         "--multi-trials", "0", "--methods", "dense,window", "--curve-percents", "0.1",
         "--curve-block-sizes", "32", "--loss-context", "1536", "--loss-tokens", "128",
     ]  # fmt: skip
@@ -246,10 +297,17 @@ def test_study_command_shows_progress_in_a_file(tmp_path):
     assert seen_while_running, "no progress line reached the file before the process ended"
     lines = [ln for ln in text.splitlines() if re.search(r" of \d+ \(", ln)]
     clock = r": elapsed \d+\.\d min, ETA \d+\.\d min$"
-    want = [r"trial 1 of 2 \(single 1536 tokens depth 0.3 #0\)", r"trial 2 of 2 \(single"]
-    want += [r"loss 1 of 2 \(dense: ", r"loss 2 of 2 \(window 10% B32: "]
+    want = [r"trial 1 of 2 \(single 1536 tokens depth 0.25 #0\)", r"trial 2 of 2 \(single"]
+    want += [r"loss 1 of 3 \(dense: ", r"loss 2 of 3 \(window 10% B32 i128 l896: "]
+    want += [r"loss 3 of 3 \(window 6.8% B32 i64 l448: "]
     assert len(lines) == len(want), lines
     for line, pattern in zip(lines, want):
         assert re.match(pattern + r".*" + clock, line), line
-    assert text.index(lines[-1]) < text.index("Needle accuracy")
-    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"study.md", "study.json"}
+    assert text.index(lines[-1]) < text.index("**single, 1536 tokens**")
+    out = tmp_path / "out"
+    assert {p.name for p in out.iterdir()} >= {"study.md", "study.json", "retrieval_study.json"}
+    rows = json.loads((out / "retrieval_study.json").read_text())
+    assert set(rows) == {"default", "rows"} and len(rows["rows"]) == 3  # dense, 2 windows
+    want_keys = {"task", "length", "method", "recall", "block", "budget", "found", "asked"}
+    assert all(set(r) >= want_keys for r in rows["rows"])
+    assert {(r["method"], r["asked"]) for r in rows["rows"]} == {("dense", 2), ("window", 2)}

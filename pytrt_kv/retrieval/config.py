@@ -29,10 +29,11 @@ SPARSE = "sparse"
 SPARSE_OFFLOAD = "sparse_offload"
 MODES = (DENSE, SPARSE, SPARSE_OFFLOAD)
 
-#: R5 representations.
+#: R5 representations (the first is the default).
 MINMAX = "minmax"
 MEAN = "mean"
-REPRESENTATIONS = (MEAN, MINMAX)
+MASS = "mass"
+REPRESENTATIONS = (MEAN, MINMAX, MASS)
 
 #: Environment variable of each field (the first five are the seed's names).
 ENV_NAMES = {
