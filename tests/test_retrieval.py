@@ -499,3 +499,86 @@ def test_retrieval_demo_cli_reports_a_failure(capsys, monkeypatch):
     monkeypatch.setattr(retrieval_demo, "cpu_runner", corrupt)
     assert main(["retrieval-demo", "--steps", "2"]) == 1
     assert "FAILED: step 0 row 0: attention differs" in capsys.readouterr().out
+
+
+def _tiny_builder():
+    """The ``op``/``const`` pair of a plain ``onnx.helper`` graph (as a real-model
+    exporter has), for the builder-agnostic representation functions."""
+    from onnx import helper, numpy_helper
+
+    nodes, inits = [], []
+
+    def const(a):
+        name = f"c{len(inits)}"
+        inits.append(numpy_helper.from_array(np.asarray(a), name))
+        return name
+
+    def op(op_type, inputs, **attrs):
+        out = f"n{len(nodes)}"
+        nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
+        return out
+
+    def run(out, feeds):
+        from onnx import TensorProto
+        from onnx.reference import ReferenceEvaluator
+
+        types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(bool): TensorProto.BOOL}
+        ins = [helper.make_tensor_value_info(k, types[v.dtype], v.shape) for k, v in feeds.items()]
+        outs = [helper.make_tensor_value_info(out, TensorProto.FLOAT, [None, None])]
+        graph = helper.make_graph(nodes, "g", ins, outs, inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        onnx.checker.check_model(model, full_check=True)
+        return ReferenceEvaluator(model).run(None, feeds)[0]
+
+    return op, const, run
+
+
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
+def test_representation_scores_subgraph_equals_reference(rng, rep):
+    """``add_representation_scores`` (the subgraph the decode step and the real-model
+    graph share) built with a plain onnx.helper builder equals ``score_blocks`` on each
+    row's retrievable blocks; one KV head's keys are 10x larger, so a per-head mistake
+    shows."""
+    from onnx_export.retrieval import add_representation_scores
+
+    cfg = RetrievalConfig(**SMALL, representation=rep)
+    keys = rng.standard_normal((2, 700, 3, 8)).astype(np.float32)
+    keys[:, :, 1] *= 10
+    p = cfg.partition(700)
+    reps = np.stack([block_representations(k, p, rep) for k in keys])
+    q = rng.standard_normal((2, 6, 8)).astype(np.float32)
+    valid = np.arange(p.num_blocks)[None] < np.array([[p.num_blocks], [5]])
+    op, const, run = _tiny_builder()
+    out = add_representation_scores(
+        op, const, rep, "reps", "query", kv_heads=3, q_heads=6, head_dim=8, scale=0.4,
+        valid="valid",
+    )  # fmt: skip
+    got = run(out, {"reps": reps, "query": q, "valid": valid})
+    for b, nb in enumerate((p.num_blocks, 5)):
+        want = score_blocks(q[b], reps[b, :nb], rep, 3, scale=0.4)
+        np.testing.assert_allclose(got[b, :nb], want, rtol=2e-5, atol=1e-6, err_msg=f"row {b}")
+    with pytest.raises(ValueError, match="representation"):
+        add_representation_scores(op, const, "median", "r", "q", kv_heads=3, q_heads=6,
+                                  head_dim=8, scale=1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
+def test_representation_update_streams_to_the_block_representation(rng, rep):
+    """``add_representation_update`` fed a block's keys one by one (the first one marked
+    fresh, over a stale row) ends at ``block_representations`` of that block."""
+    from onnx_export.retrieval import add_representation_update
+
+    B, kd = 8, 12
+    keys = rng.standard_normal((B, 3, 4)).astype(np.float32)
+    width = 2 * kd if rep == MINMAX else kd
+    op, const, run = _tiny_builder()
+    out = add_representation_update(
+        op, const, rep, "cur", "key", "fresh", kv_width=kd, block_size=B
+    )
+    row = np.full((1, width), 99.0, np.float32)  # stale: the fresh key must replace it
+    for i in range(B):
+        feeds = {"cur": row, "key": keys[i].reshape(1, kd), "fresh": np.array([[i == 0]])}
+        row = run(out, feeds)
+    part = RetrievalConfig(init_tokens=0, local_tokens=1, block_size=B).partition(B + 1)
+    want = block_representations(keys, part, rep)
+    np.testing.assert_allclose(row, want, rtol=1e-5, atol=1e-6)
