@@ -582,3 +582,21 @@ def test_representation_update_streams_to_the_block_representation(rng, rep):
     part = RetrievalConfig(init_tokens=0, local_tokens=1, block_size=B).partition(B + 1)
     want = block_representations(keys, part, rep)
     np.testing.assert_allclose(row, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
+def test_centring_the_keys_changes_no_selection(rng, rep):
+    """docs/SPEC.md R5: subtracting the layer's mean key (any fixed vector) shifts every
+    block's score by the same amount (mean, minmax) or leaves it unchanged (mass, whose
+    per-head softmax ignores a shift): the selection is the same."""
+    cfg = RetrievalConfig(**SMALL, representation=rep)
+    keys = rng.standard_normal((900, 3, 8)).astype(np.float32) + 3.0 * rng.standard_normal(8)
+    p = cfg.partition(900)
+    mu = keys.astype(np.float64).mean(axis=0).astype(np.float32)
+    q = rng.standard_normal((6, 8)).astype(np.float32)
+    raw = score_blocks(q, block_representations(keys, p, rep), rep, 3)
+    centred = score_blocks(q, block_representations(keys - mu, p, rep), rep, 3)
+    shift = raw - centred
+    assert np.ptp(shift) < 1e-3 * max(1.0, np.abs(raw).max()), np.ptp(shift)
+    k = cfg.num_selected(p.num_blocks)
+    assert select_blocks(raw, k).tolist() == select_blocks(centred, k).tolist()
