@@ -311,3 +311,50 @@ def test_study_command_shows_progress_in_a_file(tmp_path):
     want_keys = {"task", "length", "method", "recall", "block", "budget", "found", "asked"}
     assert all(set(r) >= want_keys for r in rows["rows"])
     assert {(r["method"], r["asked"]) for r in rows["rows"]} == {("dense", 2), ("window", 2)}
+
+
+def test_report_from_rows():
+    """The report of synthetic rows: per-length tables with the budget, the ratio to the
+    oracle and McNemar against the baselines; retrieval_study.json's rows and default
+    (the representation with most needles at the longest length, tightest setting)."""
+    from pytrt_kv.retrieval import study
+    from pytrt_kv.retrieval.study import report
+
+    s = study.StudySettings(
+        lengths=(2048, 8000), trials=(12,), curve_trials=0, multi_trials=0,
+        methods=("dense", "window", "random", "random_fixed", "mean", "minmax", "oracle"),
+    )  # fmt: skip
+    hits = {"dense": 12, "window": 1, "random": 0, "random_fixed": 0, "mean": 10,
+            "minmax": 11, "oracle": 12}  # fmt: skip
+    tight = {"mean": 9, "minmax": 3}
+    budget = {"": 1.0, "10% ": 0.2, "6.8%": 0.125}
+    rows = []
+    for length in s.lengths:
+        for t in range(12):
+            for m in s.main_methods():
+                n = hits[m.name]
+                if m.setting.startswith("6.8%") and m.name in tight:
+                    n = tight[m.name]
+                rows.append(
+                    {"task": "single", "length": length, "depth": (t + 0.5) / 12,
+                     "trial": t + 100 * length, "method": m.label, "name": m.name,
+                     "setting": m.setting, "percent": m.percent, "block_size": m.block_size,
+                     "budget": budget[m.setting[:4]], "found": int(t < n), "values": 1}
+                )  # fmt: skip
+    summary = report.summarize(rows)
+    mean = next(
+        r for r in summary if r["method"] == "mean 10% B32 i128 l896" and r["length"] == 8000
+    )
+    assert (mean["found"], mean["asked"], mean["oracle_found"]) == (10, 12, 12)
+    assert abs(mean["of_oracle"] - 10 / 12) < 1e-12
+    out = report.json_rows(summary, s)
+    assert out["default"] == "mean"  # minmax leads at 10%, mean at the tight setting
+    assert {tuple(sorted(r)) for r in out["rows"]} == {
+        ("asked", "block", "budget", "found", "length", "method", "recall", "setting", "task")
+    }
+    md = report.markdown(s, rows, [], 60.0)
+    assert "**single, 8000 tokens**" in md and "**single, 2048 tokens**" in md
+    # mean vs window: 9 found by mean only, none by window only: p = 2/2**9 < 0.01.
+    assert "| mean 10% B32 i128 l896 | 20.0% | 10/12 | " in md
+    assert "9/0 p=0.0039*" in md
+    assert "Best representation at the tightest setting of the longest length: mean." in md
