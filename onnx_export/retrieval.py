@@ -96,6 +96,36 @@ def add_representation_scores(
     return op("ReduceSum", [p, const(np.array([1, 2], i64))], keepdims=0)
 
 
+def add_block_representations(op, const, representation: str, pages, valid, *, block_size: int):
+    """Every block's representation from its keys, as ONNX nodes (builders as in
+    :func:`add_representation_scores`; a prefill writes them all at once): ``pages``
+    ``[..., B, Hkv*D]`` float32 (each block's keys), ``valid`` ``[..., B, 1]`` bool (the
+    keys present). "minmax": max and min over the valid keys (0 where a block has none);
+    "mean" and "mass": sum of the valid keys / ``block_size`` (the mean of a complete
+    block; only complete blocks are scored, R3). Returns ``[..., W]``."""
+    if representation not in REPRESENTATIONS:
+        raise ValueError(
+            f"representation: expected one of {list(REPRESENTATIONS)}, got {representation!r}"
+        )
+    axis = const(np.array([-2], np.int64))
+    if representation == MINMAX:
+        hi = op("Where", [valid, pages, const(np.array(-np.inf, np.float32))])
+        lo = op("Where", [valid, pages, const(np.array(np.inf, np.float32))])
+        # ReduceMax/Min take axes as an attribute up to opset 17.
+        new = op(
+            "Concat",
+            [
+                op("ReduceMax", [hi], axes=[-2], keepdims=0),
+                op("ReduceMin", [lo], axes=[-2], keepdims=0),
+            ],
+            axis=-1,
+        )
+        return op("Where", [op("IsInf", [new]), const(np.array(0.0, np.float32)), new])
+    kept = op("Where", [valid, pages, const(np.array(0.0, np.float32))])
+    total = op("ReduceSum", [kept, axis], keepdims=0)
+    return op("Mul", [total, const(np.array(1.0 / block_size, np.float32))])
+
+
 def add_representation_update(
     op, const, representation: str, current, key_row, fresh, *, kv_width: int, block_size: int
 ):

@@ -518,13 +518,13 @@ def _tiny_builder():
         nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
         return out
 
-    def run(out, feeds):
+    def run(out, feeds, rank=2):
         from onnx import TensorProto
         from onnx.reference import ReferenceEvaluator
 
         types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(bool): TensorProto.BOOL}
         ins = [helper.make_tensor_value_info(k, types[v.dtype], v.shape) for k, v in feeds.items()]
-        outs = [helper.make_tensor_value_info(out, TensorProto.FLOAT, [None, None])]
+        outs = [helper.make_tensor_value_info(out, TensorProto.FLOAT, [None] * rank)]
         graph = helper.make_graph(nodes, "g", ins, outs, inits)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         onnx.checker.check_model(model, full_check=True)
@@ -600,3 +600,23 @@ def test_centring_the_keys_changes_no_selection(rng, rep):
     assert np.ptp(shift) < 1e-3 * max(1.0, np.abs(raw).max()), np.ptp(shift)
     k = cfg.num_selected(p.num_blocks)
     assert select_blocks(raw, k).tolist() == select_blocks(centred, k).tolist()
+
+
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
+def test_block_representations_subgraph_equals_reference(rng, rep):
+    """``add_block_representations`` over pages of keys (the prefill's way) equals
+    ``block_representations`` on complete blocks; a block without keys gives zeros."""
+    from onnx_export.retrieval import add_block_representations
+
+    B, kd, nb = 8, 12, 5
+    keys = rng.standard_normal((nb * B, 3, 4)).astype(np.float32)
+    pages = keys.reshape(1, nb, B, kd)
+    valid = np.ones((1, nb, B, 1), bool)
+    valid[0, -1] = False  # an empty page
+    op, const, run = _tiny_builder()
+    out = add_block_representations(op, const, rep, "pages", "valid", block_size=B)
+    got = run(out, {"pages": pages, "valid": valid}, rank=3)
+    part = RetrievalConfig(init_tokens=0, local_tokens=1, block_size=B).partition(nb * B + 1)
+    want = block_representations(keys, part, rep)
+    np.testing.assert_allclose(got[0, :-1], want[:-1], rtol=1e-5, atol=1e-6)
+    assert not got[0, -1].any()
