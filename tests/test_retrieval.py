@@ -15,8 +15,10 @@ from onnx_export.retrieval import build_retrieval_decode_step
 from pytrt_kv.cli.retrieval_demo import cpu_runner
 from pytrt_kv.retrieval import (
     DENSE,
+    MASS,
     MEAN,
     MINMAX,
+    REPRESENTATIONS,
     SPARSE,
     SPARSE_OFFLOAD,
     RetrievalConfig,
@@ -24,6 +26,7 @@ from pytrt_kv.retrieval import (
     block_scores,
     dense_attention,
     group_query,
+    score_blocks,
     select_blocks,
     sparse_decode_attention,
 )
@@ -39,6 +42,8 @@ SMALL = dict(
 
 
 def test_defaults_are_the_seeds():
+    """R1: the seed's windows and boundaries; R5: "mean", the seed's single vector and the
+    study's best selector (docs/RETRIEVAL.md)."""
     cfg = RetrievalConfig()
     assert (
         cfg.init_tokens,
@@ -48,7 +53,7 @@ def test_defaults_are_the_seeds():
         cfg.dense_boundary,
         cfg.offload_boundary,
         cfg.representation,
-    ) == (1024, 7192, 0.2, 128, 32768, 65536, "minmax")
+    ) == (1024, 7192, 0.2, 128, 32768, 65536, "mean")
 
 
 def test_from_env_reads_the_seed_names():
@@ -59,7 +64,7 @@ def test_from_env_reads_the_seed_names():
         "VLLM_RETRIEVAL_DENSE_BOUNDARY": "16K",
         "VLLM_RETRIEVAL_OFFLOAD_BOUNDARY": "48k",
         "VLLM_RETRIEVAL_BLOCK_SIZE": "64",
-        "VLLM_RETRIEVAL_REPRESENTATION": "MEAN",
+        "VLLM_RETRIEVAL_REPRESENTATION": "MINMAX",  # not the default: really read
         "UNRELATED": "x",
     }
     cfg = RetrievalConfig.from_env(env)
@@ -71,7 +76,7 @@ def test_from_env_reads_the_seed_names():
         cfg.offload_boundary,
         cfg.block_size,
         cfg.representation,
-    ) == (512, 4096, 0.1, 16384, 49152, 64, MEAN)
+    ) == (512, 4096, 0.1, 16384, 49152, 64, MINMAX)
     assert RetrievalConfig.from_env({}) == RetrievalConfig()
     assert RetrievalConfig.from_env({}, block_size=64).block_size == 64
 
@@ -206,10 +211,42 @@ def test_representations_and_scores(rng):
         block_representations(keys[:100], p)
 
 
+def test_mass_scores_are_per_head_softmax_sums(rng):
+    """R5 "mass": every query head's softmax over the blocks of scale * q_h . mean_b (its
+    own KV head's part), summed over heads; a head with huge logits counts no more than
+    one with small ones (unlike the GQA-summed "mean")."""
+    cfg = RetrievalConfig(**SMALL)
+    keys = rng.standard_normal((500, 3, 8)).astype(np.float32)
+    p = cfg.partition(500)
+    reps = block_representations(keys, p, MASS)
+    np.testing.assert_array_equal(reps, block_representations(keys, p, MEAN))
+    q = rng.standard_normal((6, 8)).astype(np.float32)
+    s = score_blocks(q, reps, MASS, 3, scale=0.5)
+    want = np.zeros(p.num_blocks)
+    for h in range(6):
+        logits = 0.5 * reps.reshape(-1, 3, 8)[:, h // 2] @ q[h].astype(np.float64)
+        e = np.exp(logits - logits.max())
+        want += e / e.sum()
+    np.testing.assert_allclose(s, want, rtol=1e-5)
+    assert abs(s.sum() - 6.0) < 1e-4  # each head's mass sums to one
+    # A head scaled up 100x changes "mean"'s ranking toward it, "mass" only through its
+    # own sharper softmax: still at most one unit of mass.
+    q2 = q.copy()
+    q2[0] *= 100
+    assert score_blocks(q2, reps, MASS, 3).max() <= 6.0 + 1e-4
+    np.testing.assert_allclose(
+        score_blocks(q, reps, MEAN, 3), block_scores(group_query(q, 3), reps, MEAN)
+    )
+    with pytest.raises(ValueError, match="reps"):
+        score_blocks(q, np.zeros((4, 48), np.float32), MASS, 3)
+    with pytest.raises(ValueError, match="kind"):
+        score_blocks(q, reps, "median", 3)
+
+
 # --- R6 --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rep", [MINMAX, MEAN])
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
 @pytest.mark.parametrize("L", [50, 300, 777])
 def test_topk_percent_one_equals_dense(rng, rep, L):
     cfg = RetrievalConfig(**SMALL, topk_percent=1.0, representation=rep)
@@ -331,7 +368,7 @@ def test_decode_step_model_is_checked():
     assert [o.name for o in model.graph.output][:2] == ["attn_out", "topk_indices"]
 
 
-@pytest.mark.parametrize("rep", [MINMAX, MEAN])
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_decode_steps_match_reference_sparse_and_offload(rep, dtype):
     """Rows in both sparse modes (R2) for several steps: ids, slots and attention equal
@@ -462,3 +499,124 @@ def test_retrieval_demo_cli_reports_a_failure(capsys, monkeypatch):
     monkeypatch.setattr(retrieval_demo, "cpu_runner", corrupt)
     assert main(["retrieval-demo", "--steps", "2"]) == 1
     assert "FAILED: step 0 row 0: attention differs" in capsys.readouterr().out
+
+
+def _tiny_builder():
+    """The ``op``/``const`` pair of a plain ``onnx.helper`` graph (as a real-model
+    exporter has), for the builder-agnostic representation functions."""
+    from onnx import helper, numpy_helper
+
+    nodes, inits = [], []
+
+    def const(a):
+        name = f"c{len(inits)}"
+        inits.append(numpy_helper.from_array(np.asarray(a), name))
+        return name
+
+    def op(op_type, inputs, **attrs):
+        out = f"n{len(nodes)}"
+        nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
+        return out
+
+    def run(out, feeds, rank=2):
+        from onnx import TensorProto
+        from onnx.reference import ReferenceEvaluator
+
+        types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(bool): TensorProto.BOOL}
+        ins = [helper.make_tensor_value_info(k, types[v.dtype], v.shape) for k, v in feeds.items()]
+        outs = [helper.make_tensor_value_info(out, TensorProto.FLOAT, [None] * rank)]
+        graph = helper.make_graph(nodes, "g", ins, outs, inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        onnx.checker.check_model(model, full_check=True)
+        return ReferenceEvaluator(model).run(None, feeds)[0]
+
+    return op, const, run
+
+
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
+def test_representation_scores_subgraph_equals_reference(rng, rep):
+    """``add_representation_scores`` (the subgraph the decode step and the real-model
+    graph share) built with a plain onnx.helper builder equals ``score_blocks`` on each
+    row's retrievable blocks; one KV head's keys are 10x larger, so a per-head mistake
+    shows."""
+    from onnx_export.retrieval import add_representation_scores
+
+    cfg = RetrievalConfig(**SMALL, representation=rep)
+    keys = rng.standard_normal((2, 700, 3, 8)).astype(np.float32)
+    keys[:, :, 1] *= 10
+    p = cfg.partition(700)
+    reps = np.stack([block_representations(k, p, rep) for k in keys])
+    q = rng.standard_normal((2, 6, 8)).astype(np.float32)
+    valid = np.arange(p.num_blocks)[None] < np.array([[p.num_blocks], [5]])
+    op, const, run = _tiny_builder()
+    out = add_representation_scores(
+        op, const, rep, "reps", "query", kv_heads=3, q_heads=6, head_dim=8, scale=0.4,
+        valid="valid",
+    )  # fmt: skip
+    got = run(out, {"reps": reps, "query": q, "valid": valid})
+    for b, nb in enumerate((p.num_blocks, 5)):
+        want = score_blocks(q[b], reps[b, :nb], rep, 3, scale=0.4)
+        np.testing.assert_allclose(got[b, :nb], want, rtol=2e-5, atol=1e-6, err_msg=f"row {b}")
+    with pytest.raises(ValueError, match="representation"):
+        add_representation_scores(op, const, "median", "r", "q", kv_heads=3, q_heads=6,
+                                  head_dim=8, scale=1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
+def test_representation_update_streams_to_the_block_representation(rng, rep):
+    """``add_representation_update`` fed a block's keys one by one (the first one marked
+    fresh, over a stale row) ends at ``block_representations`` of that block."""
+    from onnx_export.retrieval import add_representation_update
+
+    B, kd = 8, 12
+    keys = rng.standard_normal((B, 3, 4)).astype(np.float32)
+    width = 2 * kd if rep == MINMAX else kd
+    op, const, run = _tiny_builder()
+    out = add_representation_update(
+        op, const, rep, "cur", "key", "fresh", kv_width=kd, block_size=B
+    )
+    row = np.full((1, width), 99.0, np.float32)  # stale: the fresh key must replace it
+    for i in range(B):
+        feeds = {"cur": row, "key": keys[i].reshape(1, kd), "fresh": np.array([[i == 0]])}
+        row = run(out, feeds)
+    part = RetrievalConfig(init_tokens=0, local_tokens=1, block_size=B).partition(B + 1)
+    want = block_representations(keys, part, rep)
+    np.testing.assert_allclose(row, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
+def test_centring_the_keys_changes_no_selection(rng, rep):
+    """docs/SPEC.md R5: subtracting the layer's mean key (any fixed vector) shifts every
+    block's score by the same amount (mean, minmax) or leaves it unchanged (mass, whose
+    per-head softmax ignores a shift): the selection is the same."""
+    cfg = RetrievalConfig(**SMALL, representation=rep)
+    keys = rng.standard_normal((900, 3, 8)).astype(np.float32) + 3.0 * rng.standard_normal(8)
+    p = cfg.partition(900)
+    mu = keys.astype(np.float64).mean(axis=0).astype(np.float32)
+    q = rng.standard_normal((6, 8)).astype(np.float32)
+    raw = score_blocks(q, block_representations(keys, p, rep), rep, 3)
+    centred = score_blocks(q, block_representations(keys - mu, p, rep), rep, 3)
+    shift = raw - centred
+    assert np.ptp(shift) < 1e-3 * max(1.0, np.abs(raw).max()), np.ptp(shift)
+    k = cfg.num_selected(p.num_blocks)
+    assert select_blocks(raw, k).tolist() == select_blocks(centred, k).tolist()
+
+
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
+def test_block_representations_subgraph_equals_reference(rng, rep):
+    """``add_block_representations`` over pages of keys (the prefill's way) equals
+    ``block_representations`` on complete blocks; a block without keys gives zeros."""
+    from onnx_export.retrieval import add_block_representations
+
+    B, kd, nb = 8, 12, 5
+    keys = rng.standard_normal((nb * B, 3, 4)).astype(np.float32)
+    pages = keys.reshape(1, nb, B, kd)
+    valid = np.ones((1, nb, B, 1), bool)
+    valid[0, -1] = False  # an empty page
+    op, const, run = _tiny_builder()
+    out = add_block_representations(op, const, rep, "pages", "valid", block_size=B)
+    got = run(out, {"pages": pages, "valid": valid}, rank=3)
+    part = RetrievalConfig(init_tokens=0, local_tokens=1, block_size=B).partition(nb * B + 1)
+    want = block_representations(keys, part, rep)
+    np.testing.assert_allclose(got[0, :-1], want[:-1], rtol=1e-5, atol=1e-6)
+    assert not got[0, -1].any()

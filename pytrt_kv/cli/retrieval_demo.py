@@ -23,6 +23,9 @@ def cpu_runner(cfg, sizes) -> Callable[[dict[str, np.ndarray]], dict[str, np.nda
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..retrieval.config import REPRESENTATIONS, RetrievalConfig
+
+    default_rep = RetrievalConfig().representation
     parser.add_argument("--steps", type=int, default=6, help="decode steps (default 6)")
     parser.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
     parser.add_argument(
@@ -60,9 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--representation",
-        choices=("minmax", "mean"),
-        default="minmax",
-        help="block representation used for scoring (default minmax)",
+        choices=REPRESENTATIONS,
+        default=default_rep,
+        help=f"block representation used for scoring (docs/SPEC.md R5; default {default_rep})",
     )
     parser.add_argument("--q-heads", type=int, default=4, help="query heads (default 4)")
     parser.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")

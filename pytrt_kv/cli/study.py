@@ -25,21 +25,26 @@ def _floats(s: str) -> tuple[float, ...]:
     return tuple(float(x) for x in s.split(",") if x)
 
 
+def _settings(s: str) -> tuple[tuple[float, int, int, int], ...]:
+    """``"0.1:32:128:896,0.068:32:64:448"``: recall:block:init:local per setting."""
+    out = []
+    for item in s.split(","):
+        p, b, i, lo = item.split(":")
+        out.append((float(p), int(b), int(i), int(lo)))
+    return tuple(out)
+
+
 #: option -> (StudySettings field, parser); unset options keep the --size value.
 _OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "lengths": ("lengths", _ints),
-    "depths": ("depths", _floats),
-    "trials": ("trials", int),
-    "percent": ("percent", float),
-    "block_size": ("block_size", int),
+    "trials": ("trials", _ints),
+    "settings": ("settings", _settings),
     "curve_percents": ("curve_percents", _floats),
     "curve_block_sizes": ("curve_block_sizes", _ints),
     "curve_trials": ("curve_trials", int),
     "multi_lengths": ("multi_lengths", _ints),
     "multi_trials": ("multi_trials", int),
     "methods": ("methods", lambda s: tuple(x for x in s.split(",") if x)),
-    "init_tokens": ("init_tokens", int),
-    "local_tokens": ("local_tokens", int),
     "loss_context": ("loss_context", int),
     "loss_tokens": ("loss_tokens", int),
     "seed": ("seed", int),
@@ -47,7 +52,7 @@ _OVERRIDES: dict[str, tuple[str, Callable[[str], Any]]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..retrieval.study import HEAD_SELECTORS, METHODS, SIZES, StudySettings
+    from ..retrieval.study import ALL_SELECTORS, METHODS, SIZES, StudySettings, estimate_seconds
 
     d = StudySettings()
     parser.add_argument(
@@ -62,25 +67,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--size",
         choices=tuple(SIZES),
         default="full",
-        help="full (default; about 75 min on 2 idle CPU cores), medium (about 25), or quick "
-        "(minutes); the options below override single settings",
+        help=f"full (default; about {estimate_seconds(d) / 60:.0f} min on 2 idle CPU cores), "
+        f"medium (about {estimate_seconds(StudySettings(**SIZES['medium'])) / 60:.0f}), or "  # type: ignore[arg-type]
+        "quick (minutes); the options below override single settings",
     )
     parser.add_argument("--quick", action="store_true", help="same as --size quick (a smoke run)")
     helps = {
         "lengths": f"needle-grid context lengths, tokens ('K' suffix allowed; {d.lengths})",
-        "depths": f"needle depths, fractions of the retrievable span ({d.depths})",
-        "trials": f"needle trials per (length, depth) cell ({d.trials})",
-        "percent": f"main recall fraction ({d.percent})",
-        "block_size": f"main block size ({d.block_size})",
+        "trials": f"single-needle trials per length, one count or one per length ({d.trials});"
+        " trial i of n has its needle at depth (i + 0.5)/n of the retrievable span",
+        "settings": "budget settings run on every trial, recall:block:init:local, the first "
+        "the main one (" + ",".join(f"{p:g}:{b}:{i}:{lo}" for p, b, i, lo in d.settings) + ")",
         "curve_percents": f"recall fractions of the curves ({d.curve_percents})",
         "curve_block_sizes": f"block sizes of the curves ({d.curve_block_sizes})",
-        "curve_trials": f"trials per cell that also run the curve settings ({d.curve_trials})",
+        "curve_trials": f"trials per length that also run the curve settings ({d.curve_trials})",
         "multi_lengths": f"multi-key / multi-value context lengths ({d.multi_lengths})",
         "multi_trials": f"multi-key / multi-value trials per length ({d.multi_trials})",
-        "methods": f"subset of {','.join(METHODS)} (default: all of them), or the "
-        f"per-KV-head variants {','.join(HEAD_SELECTORS)}",
-        "init_tokens": f"resident initial tokens ({d.init_tokens})",
-        "local_tokens": f"sliding-window tokens ({d.local_tokens})",
+        "methods": f"comma-separated methods (default {','.join(METHODS)}); any of dense,"
+        f"{','.join(ALL_SELECTORS)}",
         "loss_context": f"tokens of the loss text, 0: skip the loss ({d.loss_context})",
         "loss_tokens": f"tokens scored at its end ({d.loss_tokens})",
         "seed": f"random seed ({d.seed})",
@@ -103,7 +107,11 @@ def settings_from_args(args: argparse.Namespace):
                 changes[name] = parse(value)
             except ValueError:
                 what = getattr(parse, "__name__", "value").strip("_")
-                what = {"int": "an integer", "float": "a number"}.get(what, "a list of numbers")
+                what = {
+                    "int": "an integer",
+                    "float": "a number",
+                    "settings": "recall:block:init:local items",
+                }.get(what, "a list of numbers")
                 raise ValueError(
                     f"--{opt.replace('_', '-')}: expected {what}, got {value!r}"
                 ) from None

@@ -13,16 +13,28 @@ from a full cache that may live in pinned host memory) and attended with init an
 - :mod:`.planner`: host planner that feeds GatherSelectionKvCache and tracks offload;
 - the ONNX decode step, :func:`onnx_export.retrieval.build_retrieval_decode_step`, lives
   in the export layer (docs/ARCHITECTURE.md: pytrt_kv never imports onnx_export);
-- :mod:`.study` (extra ``study``): accuracy study on SmolLM2-135M (``pytrt-kv study``).
+- :mod:`.study` (extra ``study``, a package): accuracy study on SmolLM2-135M
+  (``pytrt-kv study``).
 """
 
-from .config import DENSE, MEAN, MINMAX, SPARSE, SPARSE_OFFLOAD, Partition, RetrievalConfig
+from .config import (
+    DENSE,
+    MASS,
+    MEAN,
+    MINMAX,
+    REPRESENTATIONS,
+    SPARSE,
+    SPARSE_OFFLOAD,
+    Partition,
+    RetrievalConfig,
+)
 from .planner import RetrievalPlanner, RetrievalSizes
 from .reference import (
     block_representations,
     block_scores,
     dense_attention,
     group_query,
+    score_blocks,
     select_blocks,
     sparse_decode_attention,
 )
@@ -35,10 +47,13 @@ __all__ = [
     "SPARSE_OFFLOAD",
     "MINMAX",
     "MEAN",
+    "MASS",
+    "REPRESENTATIONS",
     "block_representations",
     "block_scores",
     "dense_attention",
     "group_query",
+    "score_blocks",
     "select_blocks",
     "sparse_decode_attention",
     "RetrievalPlanner",

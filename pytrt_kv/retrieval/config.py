@@ -29,10 +29,11 @@ SPARSE = "sparse"
 SPARSE_OFFLOAD = "sparse_offload"
 MODES = (DENSE, SPARSE, SPARSE_OFFLOAD)
 
-#: R5 representations.
+#: R5 representations (the first is the default).
 MINMAX = "minmax"
 MEAN = "mean"
-REPRESENTATIONS = (MINMAX, MEAN)
+MASS = "mass"
+REPRESENTATIONS = (MEAN, MINMAX, MASS)
 
 #: Environment variable of each field (the first five are the seed's names).
 ENV_NAMES = {
@@ -69,7 +70,7 @@ class RetrievalConfig:
     dense_boundary, offload_boundary : int
         R2 prompt-length boundaries.
     representation : str
-        "minmax" (default) or "mean" (R5).
+        A name of :data:`REPRESENTATIONS` (R5); default "mean".
 
     Examples
     --------
@@ -85,7 +86,7 @@ class RetrievalConfig:
     block_size: int = 128
     dense_boundary: int = 32768
     offload_boundary: int = 65536
-    representation: str = MINMAX
+    representation: str = MEAN
 
     def __post_init__(self) -> None:
         for name in (

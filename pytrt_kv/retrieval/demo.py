@@ -122,44 +122,19 @@ def run_steps(
             f"{want_ids.reshape(sizes.batch, -1).tolist()}",
         )
 
-        # Full caches: the new token at its slot, nothing else changed.
-        for name, new in (("full_key_cache", k_new), ("full_value_cache", v_new)):
-            want = caches[name].copy()
-            slot = feeds["slot_mapping"].astype(np.int64)
-            want[slot // B, slot % B] = new
-            _check(
-                np.array_equal(_bits(out[name + "_out"]), _bits(want)),
-                f"step {step}: {name}_out differs beyond the new token's slot",
-            )
+        _check_full_caches(step, out, caches, feeds["slot_mapping"], k_new, v_new, B)
 
         records = planner.commit(
             got_ids, out["selection_kv_block_status_out"], out["selection_kv_actual_seq"]
         )
         status = out["selection_kv_block_status_out"].reshape(sizes.batch, -1)
-        K = planner.layout.topk
         for b, (res, rec) in enumerate(zip(results, records)):
-            L = hist_k[b].shape[0]
+            _check_slots(step, b, out, status[b], planner, hist_k[b], hist_v[b])
             _check(
                 rec.resident_tokens == len(res.positions),
                 f"step {step} row {b}: {rec.resident_tokens} resident tokens, reference "
                 f"attends {len(res.positions)}",
             )
-            # Every slot holds its id's tokens, bit for bit (keys and values).
-            for j, v in enumerate(status[b, :K].tolist()):
-                if v < 0:
-                    continue
-                size = min(B, L - v * B)
-                blk = planner.selection_block_table[b, j]
-                for name, hist in (
-                    ("selection_key_cache_out", hist_k[b]),
-                    ("selection_value_cache_out", hist_v[b]),
-                ):
-                    got = out[name][blk, :size]
-                    want = hist[v * B : v * B + size].reshape(size, -1)
-                    _check(
-                        np.array_equal(_bits(got), _bits(want)),
-                        f"step {step} row {b}: slot {j} (id {v}) of {name} is wrong",
-                    )
             got = out["attn_out"][b]
             err_ref = float(np.abs(got - res.out).max())
             _check(
@@ -177,3 +152,35 @@ def run_steps(
                 )
         caches = {name: out[name + "_out"] for name in caches}
     return checks
+
+
+def _check_slots(step: int, b: int, out: dict, status_row: np.ndarray, planner, hist_k, hist_v):
+    """Every selection slot of row b holds its id's tokens, bit for bit (keys and values)."""
+    B, K, L = planner.layout.block_size, planner.layout.topk, hist_k.shape[0]
+    for j, v in enumerate(status_row[:K].tolist()):
+        if v < 0:
+            continue
+        size = min(B, L - v * B)
+        blk = planner.selection_block_table[b, j]
+        for name, hist in (
+            ("selection_key_cache_out", hist_k),
+            ("selection_value_cache_out", hist_v),
+        ):
+            got = out[name][blk, :size]
+            want = hist[v * B : v * B + size].reshape(size, -1)
+            _check(
+                np.array_equal(_bits(got), _bits(want)),
+                f"step {step} row {b}: slot {j} (id {v}) of {name} is wrong",
+            )
+
+
+def _check_full_caches(step: int, out: dict, caches: dict, slot_mapping, k_new, v_new, B: int):
+    """Full caches: the new token at its slot, nothing else changed."""
+    slot = np.asarray(slot_mapping).astype(np.int64)
+    for name, new in (("full_key_cache", k_new), ("full_value_cache", v_new)):
+        want = caches[name].copy()
+        want[slot // B, slot % B] = new
+        _check(
+            np.array_equal(_bits(out[name + "_out"]), _bits(want)),
+            f"step {step}: {name}_out differs beyond the new token's slot",
+        )

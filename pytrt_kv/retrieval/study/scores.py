@@ -1,0 +1,181 @@
+"""How each study method scores the retrievable blocks of one layer (torch).
+
+Every method returns scores ``[c, nb]`` (``[Hkv, c, nb]`` for the per-KV-head variants)
+and the attention keeps the k best (R4), so all methods attend the same number of
+tokens. Baselines: ``window`` (the k most recent blocks), ``random`` (k random blocks per
+row and layer), ``random_fixed`` (k random blocks per row, the same in every layer),
+``oracle`` (the k blocks with the largest true softmax mass of the layer's query heads;
+an upper bound that needs the full attention). Selectors (docs/SPEC.md R5 and the
+candidates measured in docs/RETRIEVAL.md), with ``q_h`` the query of head h, ``g(h)``
+its KV head and ``s = scaling``:
+
+* ``mean``: ``sum_g q_g . mean_b,g`` (``q_g`` summed over the group), the R5 default;
+* ``minmax``: R5's Quest bound ``[relu(q), -relu(-q)] . [M, m]``;
+* ``mass``: ``sum_h softmax_b(s q_h . mean_b,g(h))``: each query head's estimated
+  attention mass over the blocks, summed over heads (as the oracle sums true masses);
+* ``massz``: as ``mass``, with each head's softmax normalised by its true init + local
+  mass as well (``B exp(s q_h . mean_b)`` per block);
+* ``kmeans2``: two centroids per block and KV head (Lloyd from the block's halves, 4
+  steps), score ``sum_h max_j s q_h . c_b,g(h),j``; ``kmeans2_mass``: the same logits
+  through the per-head softmax of ``mass``;
+* ``blockmass`` (diagnostic, not a compact representation: it reads every key): each
+  head's exact attention mass over the blocks, ``softmax_b(logsumexp_i s q_h . k_i)``,
+  summed over heads; the oracle without the init + local part of the normaliser.
+* ``mean_head``, ``minmax_head``: per KV head (Quest-style), each head its own k blocks.
+"""
+
+from __future__ import annotations
+
+from ..config import MEAN, MINMAX
+
+BASELINES = ("window", "random", "random_fixed", "oracle")
+#: Selectors computed from per-head logits of block vectors: name -> (vectors, aggregate).
+VECTOR_SELECTORS = {
+    "mass": ("mean", "mass"),
+    "massz": ("mean", "massz"),
+    "kmeans2": ("kmeans2", "sum"),
+    "kmeans2_mass": ("kmeans2", "mass"),
+    "blockmass": ("keys", "mass"),
+}
+REP_SELECTORS = (MEAN, MINMAX, *VECTOR_SELECTORS)
+HEAD_SELECTORS = (MEAN + "_head", MINMAX + "_head")
+ALL_SELECTORS = BASELINES + REP_SELECTORS + HEAD_SELECTORS
+
+
+def selector_scores(
+    method: str, cfg, q, k, causal, allowed, valid, G: int, scale: float, seed: int, cache: dict
+):
+    """Scores of the retrievable blocks for rows ``q [Hq, c, D]`` over keys
+    ``k [Hkv, Lk, D]``; ``causal``/``allowed`` ``[c, Lk]`` (allowed: init + local),
+    ``valid [c, nb]`` (the row's retrievable blocks); ``cache`` keeps the block
+    representations of this forward."""
+    import torch
+
+    c, nb = valid.shape
+    if method == "window":  # the most recent blocks: a window widened to the budget
+        return torch.arange(nb, dtype=torch.float32).expand(c, nb)
+    if method in ("random", "random_fixed"):
+        return torch.rand(c, nb, generator=torch.Generator().manual_seed(seed))
+    if method == "oracle":
+        return _oracle(cfg, q, k, causal, nb, G, scale)
+    if method in (MEAN, MINMAX):
+        return _linear(method, cfg, q, k, nb, G, cache)
+    if method in HEAD_SELECTORS:
+        return _per_head(method, cfg, q, k, nb, G, cache)
+    if method in VECTOR_SELECTORS:
+        return _vector_scores(method, cfg, q, k, allowed, valid, G, scale, cache)
+    raise ValueError(f"method: expected one of {list(ALL_SELECTORS)}, got {method!r}")
+
+
+def _blocks(cfg, k):
+    """``[Hkv, n, B, D]``: every block complete in the keys (later chunks see more)."""
+    Hkv, Lk, D = k.shape
+    Bs, init = cfg.block_size, cfg.init_tokens
+    n = max(0, (Lk - cfg.local_tokens - init) // Bs)
+    return k[:, init : init + n * Bs].reshape(Hkv, n, Bs, D)
+
+
+def _oracle(cfg, q, k, causal, nb: int, G: int, scale: float):
+    import torch
+
+    Hq, c, D = q.shape
+    Hkv = k.shape[0]
+    Bs, init = cfg.block_size, cfg.init_tokens
+    s = torch.matmul(q.reshape(Hkv, G, c, D), k[:, None].transpose(-1, -2)) * scale
+    s = s.reshape(Hq, c, k.shape[1])
+    p = torch.softmax(s.masked_fill(~causal[None], float("-inf")), dim=-1)
+    return p[:, :, init : init + nb * Bs].reshape(Hq, c, nb, Bs).sum(dim=(0, 3))
+
+
+def _linear(kind: str, cfg, q, k, nb: int, G: int, cache: dict):
+    """R5 scores ``[c, nb]``, as ``reference.block_scores`` (heads concatenated)."""
+    import torch
+
+    Hq, c, D = q.shape
+    Hkv = k.shape[0]
+    if kind not in cache:
+        blocks = _blocks(cfg, k).permute(1, 2, 0, 3)  # [n, B, Hkv, D]
+        blocks = blocks.reshape(blocks.shape[0], blocks.shape[1], Hkv * D)
+        if kind == MINMAX:
+            cache[kind] = torch.cat([blocks.amax(dim=1), blocks.amin(dim=1)], dim=1)
+        else:
+            cache[kind] = blocks.mean(dim=1)
+    reps = cache[kind][:nb]
+    qg = q.reshape(Hkv, G, c, D).sum(dim=1).permute(1, 0, 2).reshape(c, Hkv * D)
+    if kind == MINMAX:
+        qg = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=1)
+    return qg @ reps.T
+
+
+def _per_head(kind: str, cfg, q, k, nb: int, G: int, cache: dict):
+    """Per-KV-head R5 scores ``[Hkv, c, nb]``: each head's own block representation,
+    scored with its own query group (summed over its G query heads), as Quest does."""
+    import torch
+
+    Hq, c, D = q.shape
+    Hkv = k.shape[0]
+    if kind not in cache:
+        blocks = _blocks(cfg, k)
+        if kind == MINMAX + "_head":
+            cache[kind] = torch.cat([blocks.amax(dim=-2), blocks.amin(dim=-2)], dim=-1)
+        else:
+            cache[kind] = blocks.mean(dim=2)
+    reps = cache[kind][:, :nb]  # [Hkv, nb, D or 2D]
+    qg = q.reshape(Hkv, G, c, D).sum(dim=1)  # [Hkv, c, D]
+    if kind == MINMAX + "_head":
+        qg = torch.cat([qg.clamp(min=0), qg.clamp(max=0)], dim=-1)
+    return qg @ reps.transpose(-1, -2)
+
+
+def kmeans2(blocks, steps: int = 4):
+    """Two centroids per block and head: ``[..., B, D]`` -> ``[..., 2, D]``. Lloyd's
+    algorithm from the means of the block's first and second halves; a point goes to the
+    nearer centroid (ties to the first); an emptied centroid keeps its place."""
+    import torch
+
+    half = blocks.shape[-2] // 2
+    cen = torch.stack([blocks[..., :half, :].mean(-2), blocks[..., half:, :].mean(-2)], dim=-2)
+    for _ in range(steps):
+        d = ((blocks[..., :, None, :] - cen[..., None, :, :]) ** 2).sum(-1)  # [..., B, 2]
+        w = torch.nn.functional.one_hot(d.argmin(-1), 2).to(blocks.dtype)  # [..., B, 2]
+        cnt = w.sum(-2)  # [..., 2]
+        new = (w.transpose(-1, -2) @ blocks) / cnt.clamp(min=1)[..., None]
+        cen = torch.where(cnt[..., None] > 0, new, cen)
+    return cen
+
+
+def _vector_scores(method: str, cfg, q, k, allowed, valid, G: int, scale: float, cache: dict):
+    """``[c, nb]`` from per-head logits ``l[h, c, b]`` of each block's vectors (max over
+    them; logsumexp over all keys for ``blockmass``), aggregated as named."""
+    import torch
+
+    vectors, agg = VECTOR_SELECTORS[method]
+    Hq, c, D = q.shape
+    Hkv = k.shape[0]
+    nb = valid.shape[1]
+    if vectors not in cache:
+        blocks = _blocks(cfg, k)
+        if vectors == "mean":
+            cache[vectors] = blocks.mean(dim=2, keepdim=True)
+        elif vectors == "kmeans2":
+            cache[vectors] = kmeans2(blocks)
+        else:
+            cache[vectors] = blocks
+    vec = cache[vectors][:, :nb]  # [Hkv, nb, r, D]
+    qh = q.reshape(Hkv, G, c, D)
+    logits = torch.einsum("hgcd,hnrd->hgcnr", qh, vec) * scale
+    if vectors == "keys":
+        logits = torch.logsumexp(logits, dim=-1)
+    else:
+        logits = logits.amax(dim=-1)  # [Hkv, G, c, nb]
+    if agg == "sum":
+        return logits.sum(dim=(0, 1))
+    logits = logits.masked_fill(~valid, float("-inf"))
+    if agg == "mass":
+        return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+    # massz: B exp(l) per block against the head's true init + local mass.
+    s = torch.matmul(qh, k[:, None].transpose(-1, -2)) * scale  # [Hkv, G, c, Lk]
+    rest = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), dim=-1)  # [Hkv, G, c]
+    est = logits + torch.log(torch.tensor(float(cfg.block_size)))
+    z = torch.logsumexp(torch.cat([rest[..., None], est], dim=-1), dim=-1, keepdim=True)
+    return torch.exp(est - z).sum(dim=(0, 1))
