@@ -25,13 +25,25 @@ from .export import KV_CACHE_DTYPES, export_decoder
 from .families import FAMILIES, decoder_spec, family_of
 from .load import ModelUnavailable, find_model, load_model, load_tokenizer
 from .oracle import reference_decode_step, reference_greedy, reference_sparse_greedy
-from .runner import BlockAllocator, DecoderRunner, Generation, check_capacity, save_graphs
+from .runner import (
+    LOGIT_RTOL,
+    BlockAllocator,
+    DecoderRunner,
+    Generation,
+    check_capacity,
+    compare_greedy,
+    logit_bound,
+    save_graphs,
+)
 from .sparse import selection_width
 from .spec import NON_MATH, DecoderSpec, Family
 
 __all__ = [
     "FAMILIES",
     "KV_CACHE_DTYPES",
+    "LOGIT_RTOL",
+    "compare_greedy",
+    "logit_bound",
     "NON_MATH",
     "BlockAllocator",
     "DecoderRunner",

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -153,6 +154,7 @@ def export_decoder(
     retrieval: Any = None,
     max_pages: int | None = None,
     dtype: str = "float32",
+    held: dict[str, np.ndarray] | None = None,
 ) -> onnx.ModelProto:
     """The prefill (``decode=False``) or decode graph of ``model`` (a transformers causal
     LM of a family in ``families.FAMILIES``); both name their weights alike (the
@@ -164,13 +166,17 @@ def export_decoder(
     ``retrieval`` (a ``RetrievalConfig``): the RetrievalKV variant (docs/LLAMA.md
     "Sparse decode"); needs ``block_size == retrieval.block_size`` and, for the decode
     graph, the static block-table width ``max_pages``. Every unsupported config field or
-    argument is refused here, before any weight is read."""
+    argument is refused here, before any weight is read.
+
+    ``held``: a dict that receives the weights of 64 KiB or more (the graph declares
+    them with ``location`` ``graph.IN_RUNNER``); the runner passes one dict to both
+    graphs, so the weights are held once."""
     _check_args(block_size, kv_cache_dtype, dtype)
     s = decoder_spec(model.config)
     fp8 = kv_cache_dtype == "fp8"
     if retrieval is not None:
         sparse.check_retrieval(retrieval, block_size, decode, max_pages, fp8, s.windows)
-    g = Graph(dtype)
+    g = Graph(dtype, held)
     sd = model.state_dict()  # tensors converted one at a time, as each is written
 
     def w(key: str, transpose: bool = True) -> str:

@@ -32,13 +32,38 @@ def dtype_of(name: str) -> tuple[Any, int]:
     return DTYPES[name]
 
 
-class Graph:
-    """Nodes and initializers of one graph; ``dt``/``onnx_dt``: the activation type."""
+#: Weights of at least this many bytes go to a ``held`` dict when one is given.
+HELD_BYTES = 1 << 16
+#: The ``location`` of a weight kept outside the graph, in a ``held`` dict.
+IN_RUNNER = "<held by DecoderRunner.weights>"
 
-    def __init__(self, dtype: str = "float32") -> None:
+
+def placeholder(name: str, value: np.ndarray) -> onnx.TensorProto:
+    """A weight's declaration (name, dims, type) whose bytes are held elsewhere."""
+    t = onnx.TensorProto()
+    t.name = name
+    t.dims.extend(value.shape)
+    t.data_type = helper.np_dtype_to_tensor_dtype(value.dtype)
+    t.data_location = TensorProto.EXTERNAL
+    t.external_data.add(key="location", value=IN_RUNNER)
+    return t
+
+
+def is_held(t: onnx.TensorProto) -> bool:
+    return t.data_location == TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == IN_RUNNER for e in t.external_data
+    )
+
+
+class Graph:
+    """Nodes and initializers of one graph; ``dt``/``onnx_dt``: the activation type.
+    ``held``: where large weights go instead of the graph (see :func:`placeholder`)."""
+
+    def __init__(self, dtype: str = "float32", held: dict[str, np.ndarray] | None = None):
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self.dt, self.onnx_dt = dtype_of(dtype)
+        self.held = held
         self._n = 0
 
     def name(self, base: str) -> str:
@@ -55,7 +80,11 @@ class Graph:
         return self.const(np.asarray(value, np.float32).astype(self.dt), self.dt)
 
     def weight(self, name: str, value: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        if self.held is not None and value.nbytes >= HELD_BYTES:
+            self.held.setdefault(name, np.ascontiguousarray(value))
+            self.inits.append(placeholder(name, value))
+        else:
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
         return name
 
     def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs):

@@ -12,12 +12,39 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from .export import export_decoder
 from .families import decoder_spec
-from .graph import dtype_of
+from .graph import dtype_of, is_held
 from .sparse import reps_width, selection_width
+
+#: The bound on |our logits - transformers' logits|, relative to the largest |logit| of
+#: the step (at least 1), per ``dtype`` (docs/YOUR_MODEL.md "Tolerances"). Half types
+#: may also pick another token at a near tie (within the bound of the best).
+LOGIT_RTOL = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}
+
+
+def logit_bound(dtype: str, reference: np.ndarray) -> float:
+    """The absolute bound for logits compared with ``reference`` (``LOGIT_RTOL``)."""
+    return LOGIT_RTOL[dtype] * max(1.0, float(np.abs(reference).max()))
+
+
+def compare_greedy(
+    got: list[int], logits: np.ndarray, want: list[int], want_logits: np.ndarray, dtype: str
+) -> tuple[bool, int, float, float]:
+    """Our greedy tokens and logits ``[tokens, V]`` against the reference's:
+    ``(ok, first differing step or len, largest logit difference up to it, bound)``. A
+    differing token is ok only in a half type at a near tie of the reference."""
+    n = len(got)
+    same = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), n)
+    bound = logit_bound(dtype, want_logits[: same + 1])
+    diff = float(np.abs(logits[: same + 1] - want_logits[: same + 1]).max())
+    ok = diff <= bound
+    if same < n:
+        row = want_logits[same]
+        ok = ok and dtype != "float32" and float(row.max() - row[got[same]]) <= bound
+    return ok, same, diff, bound
 
 
 class BlockAllocator:
@@ -108,6 +135,21 @@ class Generation:
         return n / max(self.prefill_s + self.decode_s, 1e-9)
 
 
+def _weights_as_inputs(graph: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph the CPU runtime runs: the held weights declared as inputs (fed from
+    :attr:`DecoderRunner.weights` at each step, by reference: no copy)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(graph)
+    held = [t for t in out.graph.initializer if is_held(t)]
+    kept = [t for t in out.graph.initializer if not is_held(t)]
+    out.graph.input.extend(
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in held
+    )
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    return out
+
+
 class DecoderRunner:
     """Greedy generation with the prefill and decode graphs of ``model`` on the CPU
     runtime; the caches live here and are replaced by each step's ``*_out``.
@@ -139,11 +181,28 @@ class DecoderRunner:
         kw = dict(
             block_size=block_size, kv_cache_dtype=kv_cache_dtype, retrieval=retrieval, dtype=dtype
         )
+        self.weights: dict[str, np.ndarray] = {}
+        kw["held"] = self.weights
         self.prefill_graph = export_decoder(model, **kw)
         self.decode_graph = export_decoder(model, decode=True, max_pages=max_pages, **kw)
-        self._prefill = runtime.make_evaluator(self.prefill_graph)
-        self._decode = runtime.make_evaluator(self.decode_graph)
+        self._prefill = runtime.make_evaluator(_weights_as_inputs(self.prefill_graph))
+        self._decode = runtime.make_evaluator(_weights_as_inputs(self.decode_graph))
         self.scales = dict(scales or {})
+
+    def full_graph(self, which: str) -> onnx.ModelProto:
+        """A copy of the ``"prefill"`` or ``"decode"`` graph with its weights inside
+        (the runner's graphs declare them; :attr:`weights` holds them once for both)."""
+        from onnx import numpy_helper  # noqa: PLC0415
+
+        graphs = {"prefill": self.prefill_graph, "decode": self.decode_graph}
+        if which not in graphs:
+            raise ValueError(f"which: expected 'prefill' or 'decode', got {which!r}")
+        out = onnx.ModelProto()
+        out.CopyFrom(graphs[which])
+        for t in out.graph.initializer:
+            if is_held(t):
+                t.CopyFrom(numpy_helper.from_array(self.weights[t.name], t.name))
+        return out
 
     def _caches(self, batch: int = 0) -> dict[str, np.ndarray]:
         """The state the graphs update: paged caches; with retrieval, the page
@@ -192,7 +251,8 @@ class DecoderRunner:
         names = [o.name for o in graph.graph.output]
         wanted = {i.name for i in graph.graph.input}
         state = {n: v for n, v in caches.items() if n in wanted}
-        out = dict(zip(names, evaluator.run(None, {**feeds, **state, **self.scales})))
+        run = {**feeds, **state, **self.scales, **self.weights}
+        out = dict(zip(names, evaluator.run(None, run)))
         for name in state:
             if f"{name}_out" in out:  # sel_block_tables is only read
                 caches[name] = out[f"{name}_out"]
@@ -273,8 +333,7 @@ def save_graphs(runner: DecoderRunner, folder: str | os.PathLike) -> tuple[str, 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     data = "llama_weights.bin"
-    pre = onnx.ModelProto()
-    pre.CopyFrom(runner.prefill_graph)
+    pre = runner.full_graph("prefill")
     convert_model_to_external_data(
         pre, all_tensors_to_one_file=True, location=data, size_threshold=4096
     )
@@ -284,8 +343,10 @@ def save_graphs(runner: DecoderRunner, folder: str | os.PathLike) -> tuple[str, 
         if t.data_location == TensorProto.EXTERNAL:
             where[t.name] = {e.key: e.value for e in t.external_data}
     del pre
-    dec = onnx.ModelProto()
-    dec.CopyFrom(runner.decode_graph)
+    dec = runner.decode_graph  # its weights are in the prefill's file: refer to them
+    dec_out = onnx.ModelProto()
+    dec_out.CopyFrom(dec)
+    dec = dec_out
     for t in dec.graph.initializer:
         ext = where.get(t.name)
         if ext is None or t.name.startswith("c_"):
@@ -295,5 +356,12 @@ def save_graphs(runner: DecoderRunner, folder: str | os.PathLike) -> tuple[str, 
         del t.external_data[:]
         for k, v in ext.items():
             t.external_data.add(key=k, value=v)
+    missing = [
+        t.name
+        for t in dec.graph.initializer
+        if t.data_location == TensorProto.EXTERNAL and t.name not in where
+    ]
+    if missing:
+        raise ValueError(f"runner: decode weights {missing[:3]} are not in the prefill graph")
     onnx.save(dec, str(out / "decode.onnx"))
     return str(out / "prefill.onnx"), str(out / "decode.onnx")
