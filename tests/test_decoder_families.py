@@ -167,3 +167,35 @@ def test_sparse_equals_the_retrieval_study(name, rep, dtype):
     gap = np.abs(np.stack(dense.last_logits, 1) - np.stack(runner.last_logits, 1)).max()
     print(f"{name} {rep} {dtype}: sparse within {worst:.1e}, dense vs sparse {gap:.3f}")
     assert gap > 10 * LOGIT_RTOL[dtype] * np.abs(np.stack(runner.last_logits)).max()
+
+
+def test_saved_graphs_carry_the_weights_the_runner_holds(tmp_path):
+    """The runner holds each weight once (its graphs declare them); save_graphs writes
+    both graphs with the weights in one shared file, and the saved prefill computes the
+    runner's logits."""
+    import os
+
+    import onnx
+
+    from onnx_export.decoder import BlockAllocator, DecoderRunner, save_graphs
+    from pytrt_kv import runtime
+
+    model = tiny_model("Qwen3Config", head_dim=16, vocab_size=512)  # a 128 KiB table
+    runner = DecoderRunner(model, block_size=4, num_blocks=24)
+    held = [t.name for t in runner.decode_graph.graph.initializer if t.data_location == 1]
+    assert "model_embed_tokens_weight" in held and set(held) <= set(runner.weights)
+    prefill, decode = save_graphs(runner, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "decode.onnx",
+        "llama_weights.bin",
+        "prefill.onnx",
+    ]
+    _, feeds = runner._prefill_feeds(BlockAllocator(24, 4), PROMPTS)
+    want = runner._step(runner._prefill, runner.prefill_graph, dict(feeds), runner._caches())
+    got = runtime.run(prefill, {**feeds, **runner._caches()})["logits"]
+    assert np.array_equal(got, want)
+    assert os.path.getsize(tmp_path / "llama_weights.bin") >= sum(
+        a.nbytes for a in runner.weights.values()
+    )
+    assert all(t.data_location == 1 for t in onnx.load(decode, load_external_data=False)
+               .graph.initializer if t.name in runner.weights)  # fmt: skip

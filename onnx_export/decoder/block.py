@@ -143,13 +143,16 @@ def _softmax_av(g: Graph, scores: str, v: str) -> str:
 def attend_fresh(g: Graph, s: DecoderSpec, q: str, k: str, v: str, bias: str) -> str:
     """Prefill attention over the batch's own keys/values: q ``[T, Hq, D]``, k, v
     ``[T, Hkv, D]``, bias ``[1, 1, T, T]`` -> ``[T, Hq*D]``. Memory: the scores
-    ``[Hkv, G, T, T]``, never a gathered copy of the pages per token."""
+    ``[Hkv, G, T, T]`` (three per layer: product, masked, softmax), never a gathered copy
+    of the pages per token (``[T, W*BS, Hkv*D]``, what this graph did before)."""
     d, kvh, grp = s.head_dim, s.kv_heads, s.group
+    # The scale goes on q (linear in T), not on the [.., T, T] scores: the CPU runtime
+    # keeps every intermediate of a run, so each T x T tensor per layer counts.
+    q = g.op("Mul", [q, g.fconst(1.0 / np.sqrt(d))])
     qg = g.op("Transpose", [g.op("Reshape", [q, g.const([0, kvh, grp, d])])], perm=[1, 2, 0, 3])
     kt = g.op("Unsqueeze", [g.op("Transpose", [k], perm=[1, 2, 0]), g.const([1])])  # [Hkv,1,D,T]
     vt = g.op("Unsqueeze", [g.op("Transpose", [v], perm=[1, 0, 2]), g.const([1])])  # [Hkv,1,T,D]
-    scores = g.op("Mul", [g.op("MatMul", [qg, kt]), g.fconst(1.0 / np.sqrt(d))])
-    out = _softmax_av(g, g.op("Add", [scores, bias]), vt)  # [Hkv, G, T, D]
+    out = _softmax_av(g, g.op("Add", [g.op("MatMul", [qg, kt]), bias]), vt)  # [Hkv, G, T, D]
     out = g.op("Transpose", [out], perm=[2, 0, 1, 3])
     return g.op("Reshape", [out, g.const([0, s.heads * d])])
 
