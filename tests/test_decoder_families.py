@@ -85,17 +85,17 @@ def tiny_model(cls_name: str, dtype: str = "float32", seed: int = 0, **overrides
     return model.to(getattr(torch, dtype))
 
 
-def _compare(runner, dtype: str, reference) -> float:
+def _compare(runner, dtype: str, reference, prompts=PROMPTS) -> float:
     """Generate PROMPTS; assert the tokens equal the reference's and the logits are within
     the bound of ``dtype`` (``LOGIT_RTOL``; half types: a token may part only at a near
     tie of the reference, the logits compared up to there); return the largest
     difference."""
     from onnx_export.decoder import compare_greedy
 
-    out, _, _ = runner.generate(PROMPTS, TOKENS)
+    out, _, _ = runner.generate(prompts, TOKENS)
     logits = np.stack(runner.last_logits, axis=1)
     worst = 0.0
-    for b, prompt in enumerate(PROMPTS):
+    for b, prompt in enumerate(prompts):
         want, want_logits = reference(prompt)
         ok, same, diff, bound = compare_greedy(out[b], logits[b], want, want_logits, dtype)
         assert ok, (b, out[b], want, same, diff, bound)
@@ -135,6 +135,8 @@ def _retrieval(representation: str):
                            representation=representation)  # fmt: skip
 
 
+#: Long enough that a quarter of the pages between init and local is a real choice.
+SPARSE_PROMPTS = [list(range(3, 40)), [(7 * i) % 120 + 3 for i in range(30)]]
 SPARSE = [
     ("llama", "minmax", "float32"),
     ("mistral-no-window", "mean", "float32"),
@@ -156,14 +158,15 @@ def test_sparse_equals_the_retrieval_study(name, rep, dtype):
     _, cls_name, over = next(c for c in CASES if c[0] == name)
     model = tiny_model(cls_name, dtype, **over)
     cfg = _retrieval(rep)
-    prompts_len = max(map(len, PROMPTS)) + TOKENS
-    runner = DecoderRunner(model, block_size=4, num_blocks=24, retrieval=cfg,
+    prompts_len = max(map(len, SPARSE_PROMPTS)) + TOKENS
+    runner = DecoderRunner(model, block_size=4, num_blocks=40, retrieval=cfg,
                            max_pages=-(-prompts_len // 4), dtype=dtype)  # fmt: skip
     assert runner.decode_graph.graph.input[-1].name.startswith("sel_")
     worst = _compare(runner, dtype,
-                     lambda p: reference_sparse_greedy(p, TOKENS, cfg, model=model))  # fmt: skip
-    dense = DecoderRunner(model, block_size=4, num_blocks=24, dtype=dtype)
-    dense.generate(PROMPTS, TOKENS)
+                     lambda p: reference_sparse_greedy(p, TOKENS, cfg, model=model),
+                     SPARSE_PROMPTS)  # fmt: skip
+    dense = DecoderRunner(model, block_size=4, num_blocks=40, dtype=dtype)
+    dense.generate(SPARSE_PROMPTS, TOKENS)
     gap = np.abs(np.stack(dense.last_logits, 1) - np.stack(runner.last_logits, 1)).max()
     print(f"{name} {rep} {dtype}: sparse within {worst:.1e}, dense vs sparse {gap:.3f}")
     assert gap > 10 * LOGIT_RTOL[dtype] * np.abs(np.stack(runner.last_logits)).max()
