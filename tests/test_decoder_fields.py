@@ -130,3 +130,30 @@ def test_sparse_with_a_sliding_window_is_refused_before_export():
     )
     with pytest.raises(NotImplementedError, match="config.sliding_window: retrieval"):
         export_decoder(model, block_size=4, decode=True, retrieval=cfg, max_pages=8)
+
+
+def test_generate_without_the_study_extra_names_it_in_one_line(monkeypatch, capsys):
+    """No torch/transformers: one line naming the extra and the real install command."""
+    import importlib.util as iu
+
+    from pytrt_kv.cli import main
+
+    real = iu.find_spec
+
+    def find_spec(name, *args):
+        return None if name in ("torch", "transformers") else real(name, *args)
+
+    monkeypatch.setattr(iu, "find_spec", find_spec)
+    rc = main(["generate", "--prompt", "hi", "--model", __file__.replace(".py", ".gguf")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    # The path is checked first (a missing file is named), then the libraries.
+    assert "model:" in err[0] and "does not exist" in err[0]
+    import onnx_export.decoder.load as load
+
+    monkeypatch.setattr(load, "find_model", lambda path=None: __import__("pathlib").Path("m.gguf"))
+    rc = main(["generate", "--prompt", "hi"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1, err
+    assert "torch, transformers not installed (the 'study' extra)" in err[0]
+    assert "-m pip install '" in err[0] and "[study]'" in err[0] and "/path/to" not in err[0]

@@ -325,3 +325,17 @@ def test_sparse_graphs_build_with_tensorrt_rtx(sparse_llama, tmp_path):
         plan = build_plan(path, flavour="rtx", targets=["sm89"], dims=dims)
         print(f"{path}: {len(plan) / 1e6:.0f} MB plan in {time.perf_counter() - t0:.1f} s")
         assert len(plan) > 500_000_000
+
+
+def test_generate_refuses_a_small_cache_before_the_model_loads(monkeypatch, capsys):
+    import onnx_export.decoder.load as load
+    from pytrt_kv.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(load, "load_model", no_model)
+    rc = main(["generate", "--prompt", PROMPTS[2], "--tokens", "8", "--block-size", "4",
+               "--num-blocks", "3"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 1 and "num_blocks: 1 prompts of" in err and "give --num-blocks >=" in err, err
