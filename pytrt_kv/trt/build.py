@@ -342,10 +342,7 @@ def build_plan(
         dtype TensorRT cannot carry, a ``timing_cache`` TensorRT refused, a dynamic
         input without ``shapes``, or ``targets`` TensorRT-RTX does not know.
 
-    Examples
-    --------
-    >>> from pytrt_kv.trt import build_plan                                # doctest: +SKIP
-    >>> plan = build_plan("scatter.onnx", flavour="rtx", targets=["sm89"])  # doctest: +SKIP
+    Examples: ``build_plan("scatter.onnx", flavour="rtx", targets=["sm89"])``.
     """
     model, trt, shapes, targets = _checked_model(onnx_path, shapes, dims, targets, flavour)
     kwargs = dict(
