@@ -127,21 +127,16 @@ def build_example_graph(
     """
     import onnx_graphsurgeon as gs
 
-    from .graphsurgeon import add_gather_selection_kv_cache, add_scatter_pa_kv_cache
+    from .graphsurgeon import add_scatter_pa_kv_cache
 
     z = sizes.validate()
     B = BATCH_DIM if dynamic else z.batch
     Bc = -1 if dynamic else z.batch  # the batch dim in Reshape targets
     Hq, KV, R = z.heads, z.kv_dim, z.rope_dim
     NB, FBS, FMAX, K = z.num_blocks, z.block_size, z.max_blocks_per_seq, z.topk
-    SBS, SMAX, SNB, P = (
-        z.selection_block_size,
-        z.selection_max_blocks,
-        z.selection_num_blocks,
-        z.max_tokens,
-    )
+    SBS, SMAX, SNB = z.selection_block_size, z.selection_max_blocks, z.selection_num_blocks
     cdt = dtypes.numpy_dtype(z.dtype)
-    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+    i32 = np.dtype(np.int32)
 
     g = gs.Graph(opset=specs.ONNX_OPSET, name="pytrt_kv_sparse_decode_step")
     V = gs.Variable
@@ -204,6 +199,57 @@ def build_example_graph(
         (NB, FBS, R),
     )
 
+    topk, neg_inf = _indexer_topk(g, op, const, inp, full_kv3, z, B, Bc)
+
+    sel_rope_out, sel_kv_out, status_out, actual = _gather(
+        g, inp, topk, full_rope3, full_kv3, alias_io
+    )
+    attn = _attention(g, op, const, inp, sel_kv_out, sel_rope_out, actual, neg_inf, z, B, Bc)
+
+    outs = [full_kv_out, full_rope_out, sel_rope_out, sel_kv_out, status_out, actual]
+    g.outputs = [attn, topk, *outs]
+    return g
+
+
+def _gather(g, inp, topk, full_rope3, full_kv3, alias_io: int):
+    """Step 4 of :func:`build_example_graph`: gather the selected tokens into the
+    selection cache, reusing resident ones; returns the op's four outputs."""
+    from .graphsurgeon import add_gather_selection_kv_cache
+
+    # 4. Gather the selected tokens into the selection cache (reusing resident ones).
+    return add_gather_selection_kv_cache(
+        g,
+        inp["selection_k_rope"],
+        inp["selection_kv_cache"],
+        inp["selection_kv_block_table"],
+        inp["selection_kv_block_status"],
+        topk,
+        full_rope3,
+        full_kv3,
+        inp["full_kv_block_table"],
+        inp["full_kv_actual_seq"],
+        inp["full_q_actual_seq"],
+        selection_topk_block_size=1,
+        alias_io=alias_io,
+        name="gather_selection",
+        output_names=[
+            "selection_k_rope_out",
+            "selection_kv_cache_out",
+            "selection_kv_block_status_out",
+            "selection_kv_actual_seq",
+        ],
+    )
+
+
+def _indexer_topk(g, op, const, inp, full_kv3, z, B, Bc):
+    """Steps 2-3 of :func:`build_example_graph`: the indexer's score per cached position
+    and the top-k visible positions (padding -1), as ``topk_indices [B, 1, 1, K]``."""
+    import onnx_graphsurgeon as gs
+
+    V = gs.Variable
+    cdt = dtypes.numpy_dtype(z.dtype)
+    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+    KV, FMAX, FBS, K, P = z.kv_dim, z.max_blocks_per_seq, z.block_size, z.topk, z.max_tokens
     # 2. Indexer: one score per cached position, from the updated cache.
     tokens = op("Gather", [full_kv3, inp["full_kv_block_table"]], cdt, (B, FMAX, FBS, KV), axis=0)
     tokens = op(
@@ -246,30 +292,19 @@ def build_example_graph(
         inputs=[topk, const("shape", np.array([Bc, 1, 1, K], np.int64))],
         outputs=[V("topk_indices", i32, (B, 1, 1, K))],
     )[0]
+    return topk, neg_inf
 
-    # 4. Gather the selected tokens into the selection cache (reusing resident ones).
-    sel_rope_out, sel_kv_out, status_out, actual = add_gather_selection_kv_cache(
-        g,
-        inp["selection_k_rope"],
-        inp["selection_kv_cache"],
-        inp["selection_kv_block_table"],
-        inp["selection_kv_block_status"],
-        topk,
-        full_rope3,
-        full_kv3,
-        inp["full_kv_block_table"],
-        inp["full_kv_actual_seq"],
-        inp["full_q_actual_seq"],
-        selection_topk_block_size=1,
-        alias_io=alias_io,
-        name="gather_selection",
-        output_names=[
-            "selection_k_rope_out",
-            "selection_kv_cache_out",
-            "selection_kv_block_status_out",
-            "selection_kv_actual_seq",
-        ],
-    )
+
+def _attention(g, op, const, inp, sel_kv_out, sel_rope_out, actual, neg_inf, z, B, Bc):
+    """Step 5 of :func:`build_example_graph`: attention of the query over the K selection
+    slots (slots >= actual_seq masked), as ``attn_out [B, Hq, KV]``."""
+    import onnx_graphsurgeon as gs
+
+    V = gs.Variable
+    cdt = dtypes.numpy_dtype(z.dtype)
+    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+    Hq, KV, R, K = z.heads, z.kv_dim, z.rope_dim, z.topk
+    SBS, SMAX = z.selection_block_size, z.selection_max_blocks
 
     # 5. Attention of the query over the K selection slots; slots >= actual_seq masked.
     def slots(cache: gs.Variable, width: int) -> gs.Variable:
@@ -321,18 +356,7 @@ def build_example_graph(
     attn = g.layer(
         op="MatMul", name="attn_out", inputs=[p, sel_kv], outputs=[V("attn_out", f32, (B, Hq, KV))]
     )[0]
-
-    g.outputs = [
-        attn,
-        topk,
-        full_kv_out,
-        full_rope_out,
-        sel_rope_out,
-        sel_kv_out,
-        status_out,
-        actual,
-    ]
-    return g
+    return attn
 
 
 def build_example_model(
