@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_datadist_processes import NIXL_SKIP, _env, _tensors, spawn  # noqa: F401
 
 from pytrt_kv.datadist import CacheDesc, CacheIndex, LlmDataDist, LLMException, LLMStatus, control
+from support.datadist_procs import NIXL_SKIP, _env, _tensors, spawn_fixture  # noqa: F401
 
 pytestmark = pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
 SECRET = "s3cret-for-the-tests"
@@ -35,7 +35,7 @@ def _prompt(**options):
     return p, src
 
 
-def test_a_stranger_process_cannot_read_or_unlink(spawn):  # noqa: F811
+def test_a_stranger_process_cannot_read_or_unlink(spawn):
     env = _env(PYTRT_KV_DATADIST_SECRET=SECRET)
     d = spawn("--cluster-id", "2", "--role", "decoder", "--cache", CACHE, env=env)
     addr = tuple(d.hello["addr"])
@@ -58,7 +58,7 @@ def test_a_stranger_process_cannot_read_or_unlink(spawn):  # noqa: F811
         p.finalize()
 
 
-def test_an_unheard_unlink_never_lets_the_next_push_write_the_reused_cache(spawn):  # noqa: F811
+def test_an_unheard_unlink_never_lets_the_next_push_write_the_reused_cache(spawn):
     """The decoder unlinks the prompt node while the prompt node's control port is
     closed, deallocates the cache and registers its buffers again (refused: fenced, so it
     allocates), and the prompt node pushes to the old cache again and again (its kept
@@ -100,7 +100,7 @@ def test_an_unheard_unlink_never_lets_the_next_push_write_the_reused_cache(spawn
         p.finalize()
 
 
-def test_a_receiver_restarted_on_the_same_port_is_not_yet_link_then_relinks(spawn):  # noqa: F811
+def test_a_receiver_restarted_on_the_same_port_is_not_yet_link_then_relinks(spawn):
     env = _env(PYTRT_KV_DATADIST_SECRET=SECRET)
     d = spawn("--cluster-id", "2", "--role", "decoder", "--cache", CACHE, env=env)
     addr = tuple(d.hello["addr"])
@@ -150,7 +150,7 @@ def _listeners(pid: int) -> list[str]:
     return found
 
 
-def test_every_listener_binds_the_configured_address(spawn):  # noqa: F811
+def test_every_listener_binds_the_configured_address(spawn):
     """The control server and NIXL's UCX transport of a node initialized on 127.0.0.1
     listen on 127.0.0.1 only (UCX alone listened on eth0 too)."""
     env = _env(PYTRT_KV_DATADIST_SECRET=SECRET)

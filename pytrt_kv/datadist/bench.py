@@ -38,16 +38,20 @@ from typing import Any
 
 import numpy as np
 
+from .bench_common import TARGETS, _raw_push, _rotated
+from .bench_latency import LATENCY_BLOCKS, bench_latency, latency_markdown
+
+__all__ = [
+    "BLOCK_SIZES",
+    "LATENCY_BLOCKS",
+    "TARGETS",
+    "bench_case",
+    "bench_latency",
+    "latency_markdown",
+    "markdown",
+]
+
 BLOCK_SIZES = (4 << 10, 64 << 10, 1 << 20)
-TARGETS = {"wrapper_vs_raw": 0.90, "gpu_vs_memcpy": 0.80}
-
-
-def _rotated(items: list[Any], r: int) -> list[Any]:
-    """``items`` starting at its ``r``-th (mod len): repeat r of a timing loop starts with
-    another of them, since the first timing after a pause (the progress threads asleep,
-    another process pair's turn) is slower and a fixed order charges that to one."""
-    k = r % len(items)
-    return items[k:] + items[:k]
 
 
 def _median_times(
@@ -279,36 +283,3 @@ def chart(rows: list[dict[str, Any]], base: str, width: int = 40) -> list[str]:
             out.append(f"{label:<18} {name:<10} {bar} {r[key]:.2f}")
     out.append("```")
     return out
-
-
-# --- small-push latency (issue 19, "Small pushes") -----------------------------------------
-
-
-def _raw_post(a: Any, h: Any, notif: bytes = b"") -> None:
-    """Post a raw NIXL transfer and poll it as the wrapper polls until it is done."""
-    from .llm_datadist import _poll_sleep
-
-    st, start = a.transfer(h, notif), time.monotonic()
-    while st == "PROC":
-        _poll_sleep(start)
-        st = a.check_xfer_state(h)
-    if st != "DONE":
-        raise RuntimeError("raw NIXL transfer failed")
-
-
-def _raw_push(a: Any, local: Any, remote: Any, li: np.ndarray, ri: np.ndarray) -> None:
-    """One raw NIXL push: ``make_prepped_xfer`` + ``transfer`` + polling as the wrapper
-    polls + ``release``."""
-    h = a.make_prepped_xfer("WRITE", local, li, remote, ri, notif_msg=b"raw")
-    _raw_post(a, h)
-    h.release()
-
-
-def __getattr__(name: str) -> Any:
-    """The small-push latency benchmark lives in :mod:`.bench_latency` (kept here by
-    name: ``bench_latency``, ``latency_markdown``, ``LATENCY_BLOCKS``)."""
-    if name in ("bench_latency", "latency_markdown", "LATENCY_BLOCKS"):
-        from . import bench_latency
-
-        return getattr(bench_latency, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

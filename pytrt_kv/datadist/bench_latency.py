@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench import TARGETS, _raw_post, _raw_push, _rotated
+from .bench_common import TARGETS, _raw_post, _raw_push, _rotated
 
 LATENCY_BLOCKS = (1, 2, 4, 8, 16)
 

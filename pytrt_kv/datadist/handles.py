@@ -4,14 +4,10 @@ wait polls (docs/DATADIST.md, "Completion")."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-from .node_base import PROBE_EVERY_S, Peer
+from .node_base import PROBE_EVERY_S, NodeState, Peer
 from .transport import Xfer
 from .types import Cache, LLMException, LLMStatus
-
-if TYPE_CHECKING:
-    from .llm_datadist import LlmDataDist
 
 #: Pause between completion checks. Never spin for long: NIXL's progress threads need
 #: the CPU (on a 2-core machine a spinning poll made a 4 KiB push take ~30 ms instead of
@@ -39,7 +35,7 @@ class TransferHandle:
 
     def __init__(
         self,
-        dd: LlmDataDist,
+        dd: NodeState,
         xfer: Xfer | None,
         tag: str,
         peer: Peer,

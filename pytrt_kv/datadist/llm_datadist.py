@@ -33,13 +33,14 @@ from .node_base import (
     NOTIF,
     PROBE_EVERY_S,
     SECRET_ENV,
+    Kept,
     Peer,
     checked_options,
     loopback,
     secret_of,
 )
 from .notices import NoticeMixin
-from .plans import Kept, PlanMixin
+from .plans import PlanMixin
 from .transport import READ, WRITE, CacheInfo, Prepared, Transport
 from .types import (
     Cache,
@@ -51,8 +52,7 @@ from .types import (
     param_invalid,
 )
 
-#: Reached through this module by the bench and the tests (the polling constants and
-#: ``_poll_sleep`` above too).
+#: Reached through this module by the tests (the polling constants above too).
 _NOTIF, _PROBE_EVERY_S = NOTIF, PROBE_EVERY_S
 
 

@@ -1,7 +1,8 @@
 """What every part of :class:`~pytrt_kv.datadist.LlmDataDist` shares: the options, the
-in-band notice names, a linked peer (:class:`Peer`), a fenced one (:class:`Fence`), and
-:class:`NodeState`, the node's attributes, which the parts (:mod:`.caches`,
-:mod:`.links`, :mod:`.plans`, :mod:`.notices`, :mod:`.llm_datadist`) read and write.
+in-band notice names, a linked peer (:class:`Peer`), a fenced one (:class:`Fence`), a kept
+plan (:class:`Kept`), and :class:`NodeState`, the node's attributes, which the parts
+(:mod:`.caches`, :mod:`.links`, :mod:`.plans`, :mod:`.notices`, :mod:`.llm_datadist`)
+read and write (the methods one part calls on another are declared there).
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..contract.errors import describe
-from .transport import CacheInfo, Transport
+from .contract import TransferPlan
+from .transport import CacheInfo, Prepared, Transport
 from .types import Cache, LLMException, LLMRole, LLMStatus
 
 if TYPE_CHECKING:
     from . import control
-    from .plans import Kept
 
 #: Options and their defaults (``LlmDataDist(..., options={...})``).
 DEFAULT_OPTIONS: dict[str, Any] = {
@@ -145,6 +146,28 @@ class Fence:
     next_try: float = 0.0
 
 
+class Kept:
+    """A checked plan kept for repeated requests (decision 12) with what its posts need,
+    resolved once: the local cache, peer and remote :class:`CacheInfo` it was checked
+    against (used only while they are still this node's, :meth:`LlmDataDist._kept`), the
+    tag notification's prefix, and the transport's :class:`Prepared` (decision 13)."""
+
+    __slots__ = ("local", "peer", "remote", "plan", "notif", "epoch", "prepared", "closed")
+
+    def __init__(self, local: Cache, peer: Peer, remote: CacheInfo, plan: TransferPlan):
+        self.local, self.peer, self.remote, self.plan = local, peer, remote, plan
+        self.epoch = peer.epoch
+        self.notif = f"{NOTIF}|{peer.epoch}|{remote.cache_id}|{remote.generation}|".encode()
+        self.prepared: Prepared | None = None
+        self.closed = False
+
+    def close(self) -> None:
+        """The node no longer keeps this plan: release what its transport kept."""
+        self.closed = True
+        if self.prepared is not None:
+            self.prepared.close()
+
+
 class NodeState:
     """The node's attributes (set by ``LlmDataDist.__init__``) and the methods its parts
     call on each other."""
@@ -204,6 +227,20 @@ class NodeState:
         raise NotImplementedError
 
     def _tell_unlink(self, peer: Peer) -> None:
+        raise NotImplementedError
+
+    def _send_failure(self, peer: Peer, status: LLMStatus, tag: str) -> None:
+        raise NotImplementedError
+
+    def _transfer_error(
+        self, exc: LLMException, arg: str, local: Cache, peer: Peer
+    ) -> LLMException:
+        raise NotImplementedError
+
+    def _backend_failure(self, exc: LLMException, peer: Peer) -> LLMException:
+        raise NotImplementedError
+
+    def _peer_alive(self, peer: Peer) -> bool:
         raise NotImplementedError
 
     def _review_fences(self, force: bool = False) -> None:

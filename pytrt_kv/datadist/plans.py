@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from .contract import TransferPlan, check_transfer
-from .node_base import NOTIF, NodeState, Peer
-from .transport import CacheInfo, Prepared
+from .node_base import Kept, NodeState, Peer
+from .transport import CacheInfo
 from .types import Cache, CacheIndex, KvCacheExtParam
 
 #: A repeated request (a kept plan) reads in-band notices only if none were read for this
@@ -58,28 +58,6 @@ def _ext_key(ext: Any) -> Any:
     if len(s) != 2 or len(d) != 2 or any(type(v) is not int for v in s + d):
         return None
     return (s, d, t)
-
-
-class Kept:
-    """A checked plan kept for repeated requests (decision 12) with what its posts need,
-    resolved once: the local cache, peer and remote :class:`CacheInfo` it was checked
-    against (used only while they are still this node's, :meth:`LlmDataDist._kept`), the
-    tag notification's prefix, and the transport's :class:`Prepared` (decision 13)."""
-
-    __slots__ = ("local", "peer", "remote", "plan", "notif", "epoch", "prepared", "closed")
-
-    def __init__(self, local: Cache, peer: Peer, remote: CacheInfo, plan: TransferPlan):
-        self.local, self.peer, self.remote, self.plan = local, peer, remote, plan
-        self.epoch = peer.epoch
-        self.notif = f"{NOTIF}|{peer.epoch}|{remote.cache_id}|{remote.generation}|".encode()
-        self.prepared: Prepared | None = None
-        self.closed = False
-
-    def close(self) -> None:
-        """The node no longer keeps this plan: release what its transport kept."""
-        self.closed = True
-        if self.prepared is not None:
-            self.prepared.close()
 
 
 class PlanMixin(NodeState):
