@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytrt_kv.model_wheel import MODEL_FILE
+
 from .decoder import (
     BlockAllocator,
     DecoderRunner,
@@ -19,7 +21,6 @@ from .decoder import (
     save_graphs,
     selection_width,
 )
-from .decoder.load import MODEL_FILE
 
 __all__ = [
     "MODEL_FILE", "LlamaShape", "load_llama", "llama_shape", "export_llama",

