@@ -63,6 +63,56 @@ def _named_error(node: onnx.NodeProto, op: specs.OpSpec, exc: Exception) -> Exce
     return type(exc)(_node_where(node) + msg)
 
 
+def scatter_node(
+    node: onnx.NodeProto, x: Mapping[str, Any], attrs: Mapping[str, Any], key_cache, value_cache
+) -> None:
+    """The reference's scatter for one node: ``x`` its named inputs (:func:`_named`),
+    ``attrs`` its attributes (:func:`_attrs`), writing ``key_cache``/``value_cache`` (the
+    buffers its outputs become); a refusal carries the node's prefix (:func:`_named_error`).
+    The CPU runtime and the ONNX Runtime kernels (pytrt_kv.ort) both compute through it."""
+    try:
+        scatter_pa_kv_cache(
+            x["key"],
+            x["value"],
+            key_cache,
+            value_cache,
+            x["slot_mapping"],
+            compress_lens=x["compress_lens"],
+            compress_seq_offsets=x["compress_seq_offsets"],
+            seq_lens=x["seq_lens"],
+            cache_layout=attrs["cache_layout"] or None,
+            compress_mode=attrs["compress_mode"] or None,
+            k_scale=x["k_scale"],
+            v_scale=x["v_scale"],
+        )
+    except (ValueError, TypeError) as exc:
+        raise _named_error(node, specs.SCATTER_PA_KV_CACHE, exc) from None
+
+
+def gather_node(
+    node: onnx.NodeProto, x: Mapping[str, Any], attrs: Mapping[str, Any], k_rope, kv, status
+) -> np.ndarray:
+    """The reference's gather for one node, as :func:`scatter_node`, writing the selection
+    caches and status given; returns actual_seq as int32."""
+    try:
+        actual = gather_selection_kv_cache(
+            k_rope,
+            kv,
+            x["selection_kv_block_table"],
+            status,
+            x["selection_topk_indices"],
+            x["full_k_rope"],
+            x["full_kv_cache"],
+            x["full_kv_block_table"],
+            x["full_kv_actual_seq"],
+            x["full_q_actual_seq"],
+            selection_topk_block_size=attrs["selection_topk_block_size"],
+        )
+    except (ValueError, TypeError) as exc:
+        raise _named_error(node, specs.GATHER_SELECTION_KV_CACHE, exc) from None
+    return np.asarray(actual, dtype=np.int32)
+
+
 class ScatterPaKvCache(OpRun):
     """ScatterPaKvCache on the NumPy reference; outputs are updated copies of the caches."""
 
@@ -75,23 +125,7 @@ class ScatterPaKvCache(OpRun):
         placeholders = _absent_placeholders(x)
         key_cache = x["key_cache"].copy()
         value_cache = None if x["value_cache"] is None else x["value_cache"].copy()
-        try:
-            scatter_pa_kv_cache(
-                x["key"],
-                x["value"],
-                key_cache,
-                value_cache,
-                x["slot_mapping"],
-                compress_lens=x["compress_lens"],
-                compress_seq_offsets=x["compress_seq_offsets"],
-                seq_lens=x["seq_lens"],
-                cache_layout=a["cache_layout"] or None,
-                compress_mode=a["compress_mode"] or None,
-                k_scale=x["k_scale"],
-                v_scale=x["v_scale"],
-            )
-        except (ValueError, TypeError) as exc:
-            raise _named_error(self.onnx_node, op, exc) from None
+        scatter_node(self.onnx_node, x, a, key_cache, value_cache)
         if value_cache is not None:
             return key_cache, value_cache
         if len(self.onnx_node.output) > 1 and "value_cache" in placeholders:
@@ -111,23 +145,8 @@ class GatherSelectionKvCache(OpRun):
         sel_k_rope = x["selection_k_rope"].copy()
         sel_kv = x["selection_kv_cache"].copy()
         status = x["selection_kv_block_status"].copy()
-        try:
-            actual = gather_selection_kv_cache(
-                sel_k_rope,
-                sel_kv,
-                x["selection_kv_block_table"],
-                status,
-                x["selection_topk_indices"],
-                x["full_k_rope"],
-                x["full_kv_cache"],
-                x["full_kv_block_table"],
-                x["full_kv_actual_seq"],
-                x["full_q_actual_seq"],
-                selection_topk_block_size=a["selection_topk_block_size"],
-            )
-        except (ValueError, TypeError) as exc:
-            raise _named_error(self.onnx_node, op, exc) from None
-        return sel_k_rope, sel_kv, status, np.asarray(actual, dtype=np.int32)
+        actual = gather_node(self.onnx_node, x, a, sel_k_rope, sel_kv, status)
+        return sel_k_rope, sel_kv, status, actual
 
 
 #: Alias names that say what the classes are (the evaluator needs the op_type as the name).

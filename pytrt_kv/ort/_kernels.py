@@ -17,8 +17,7 @@ import numpy as np
 import onnx
 
 from ..contract import dtypes, specs
-from ..graph.runtime import _absent_placeholders, _attrs, _named, _named_error
-from ..reference import gather_selection_kv_cache, scatter_pa_kv_cache
+from ..graph.runtime import _absent_placeholders, _attrs, _named, gather_node, scatter_node
 from . import _capi
 
 #: ONNX type of an absent optional input's slot (ONNX Runtime never checks it).
@@ -54,23 +53,7 @@ def _scatter(node: onnx.NodeProto):
             value_out = _fresh(
                 api.output(context, 1, value_cache.shape), value_cache, "value_cache_out"
             )
-        try:
-            scatter_pa_kv_cache(
-                x["key"],
-                x["value"],
-                key_out,
-                value_out,
-                x["slot_mapping"],
-                compress_lens=x["compress_lens"],
-                compress_seq_offsets=x["compress_seq_offsets"],
-                seq_lens=x["seq_lens"],
-                cache_layout=attrs["cache_layout"] or None,
-                compress_mode=attrs["compress_mode"] or None,
-                k_scale=x["k_scale"],
-                v_scale=x["v_scale"],
-            )
-        except (ValueError, TypeError) as exc:
-            raise _named_error(node, op, exc) from None
+        scatter_node(node, x, attrs, key_out, value_out)
         if value_out is None and n_out > 1 and "value_cache" in placeholders:
             ph = placeholders["value_cache"]
             out = api.output(context, 1, ph.shape)
@@ -99,23 +82,7 @@ def _gather(node: onnx.NodeProto):
         status_out = _fresh(
             api.output(context, 2, status.shape), status, "selection_kv_block_status_out"
         )
-        try:
-            actual = gather_selection_kv_cache(
-                k_rope_out,
-                kv_out,
-                x["selection_kv_block_table"],
-                status_out,
-                x["selection_topk_indices"],
-                x["full_k_rope"],
-                x["full_kv_cache"],
-                x["full_kv_block_table"],
-                x["full_kv_actual_seq"],
-                x["full_q_actual_seq"],
-                selection_topk_block_size=attrs["selection_topk_block_size"],
-            )
-        except (ValueError, TypeError) as exc:
-            raise _named_error(node, op, exc) from None
-        actual = np.asarray(actual, dtype=np.int32)
+        actual = gather_node(node, x, attrs, k_rope_out, kv_out, status_out)
         out = api.output(context, 3, actual.shape)
         if out is not None:
             np.copyto(out, actual, casting="no")
