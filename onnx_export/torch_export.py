@@ -23,10 +23,10 @@ Example
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from pytrt_kv.contract import dtypes, specs
+from pytrt_kv.contract.args import op_tensors
 from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
 from pytrt_kv.graph.check import TensorInfo, validate_node
 
@@ -174,18 +174,7 @@ def scatter_pa_kv_cache(
         attrs["compress_mode"] = compress_mode
     return _call(
         specs.SCATTER_PA_KV_CACHE,
-        {
-            "key": key,
-            "value": value,
-            "key_cache": key_cache,
-            "value_cache": value_cache,
-            "slot_mapping": slot_mapping,
-            "compress_lens": compress_lens,
-            "compress_seq_offsets": compress_seq_offsets,
-            "seq_lens": seq_lens,
-            "k_scale": k_scale,
-            "v_scale": v_scale,
-        },
+        op_tensors(specs.SCATTER_PA_KV_CACHE, locals()),
         attrs,
     )
 
@@ -213,21 +202,8 @@ def gather_selection_kv_cache(
      selection_kv_actual_seq)
         The first three are updated copies of their inputs; the last is int32 ``[R]``.
     """
-    names: Sequence[str] = specs.GATHER_SELECTION_KV_CACHE.input_names
-    vals = (
-        selection_k_rope,
-        selection_kv_cache,
-        selection_kv_block_table,
-        selection_kv_block_status,
-        selection_topk_indices,
-        full_k_rope,
-        full_kv_cache,
-        full_kv_block_table,
-        full_kv_actual_seq,
-        full_q_actual_seq,
-    )
     return _call(
         specs.GATHER_SELECTION_KV_CACHE,
-        dict(zip(names, vals)),
+        op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals()),
         {"selection_topk_block_size": selection_topk_block_size, "alias_io": alias_io},
     )

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .contract import dtypes, specs
+from .contract.args import op_tensors
 from .reference import gather_selection_kv_cache as _ref_gather
 from .reference import scatter_pa_kv_cache as _ref_scatter
 
@@ -88,18 +89,7 @@ def scatter_pa_kv_cache_(
 ) -> None:
     """ScatterPaKvCache in place (docs/SPEC.md S); arguments as
     :func:`pytrt_kv.reference.scatter_pa_kv_cache`."""
-    named: dict[str, Any] = {
-        "key": key,
-        "value": value,
-        "key_cache": key_cache,
-        "value_cache": value_cache,
-        "slot_mapping": slot_mapping,
-        "compress_lens": compress_lens,
-        "compress_seq_offsets": compress_seq_offsets,
-        "seq_lens": seq_lens,
-        "k_scale": k_scale,
-        "v_scale": v_scale,
-    }
+    named: dict[str, Any] = op_tensors(specs.SCATTER_PA_KV_CACHE, locals())
     if _all_cuda(*named.values()):
         from . import ops
 
