@@ -355,7 +355,8 @@ def _consistency(
                         )
                     )
                 if op is scatter and lop is scatter:
-                    la, lb = _attr(node, "cache_layout"), _attr(later, "cache_layout")
+                    la = model_rules.node_attr(node, "cache_layout")
+                    lb = model_rules.node_attr(later, "cache_layout")
                     if la and lb and la != lb:
                         problems.append(
                             Problem(
@@ -368,14 +369,6 @@ def _consistency(
                             )
                         )
     return problems
-
-
-def _attr(node: onnx.NodeProto, name: str) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            v = onnx.helper.get_attribute_value(a)
-            return v.decode() if isinstance(v, bytes) else v
-    return None
 
 
 # --- per node ------------------------------------------------------------------------

@@ -224,7 +224,8 @@ def _input(node: onnx.NodeProto, op: specs.OpSpec, name: str) -> str:
     return node.input[i] if i < len(node.input) else ""
 
 
-def _attr(node: onnx.NodeProto, name: str) -> Any:
+def node_attr(node: onnx.NodeProto, name: str) -> Any:
+    """The value of ``node``'s attribute ``name`` (strings decoded), None when unset."""
     for a in node.attribute:
         if a.name == name:
             v = onnx.helper.get_attribute_value(a)
@@ -248,7 +249,7 @@ def check_scatter_node(
                 f"initializer or value_info), got {key!r}"
             ),
         )
-    if len(shape) == 3 and not _attr(node, "cache_layout"):
+    if len(shape) == 3 and not node_attr(node, "cache_layout"):
         raise ruled(
             "schema.attribute",
             ValueError(
