@@ -82,14 +82,9 @@ def reference_decode_step(model: Any, feeds: dict[str, np.ndarray]) -> dict[str,
 def use_retrieval_attention(model: Any) -> Any:
     """Give ``model`` (any family) the RetrievalKV study's attention (dense until its
     state says otherwise); returns the state to set."""
-    from pytrt_kv.retrieval import study  # noqa: PLC0415
+    from pytrt_kv.retrieval.study import use_retrieval_attention  # noqa: PLC0415
 
-    study._register_attention()
-    model.set_attn_implementation(study.ATTENTION_NAME)
-    state = getattr(model, study.STATE_ATTR, None)
-    if isinstance(state, study.AttentionState):
-        return state
-    return study.use_attention_state(model, study.AttentionState())
+    return use_retrieval_attention(model)
 
 
 def reference_sparse_greedy(

@@ -26,6 +26,7 @@ from .attention import (
     attention_state,
     retrieval_attention,
     use_attention_state,
+    use_retrieval_attention,
 )
 from .methods import ALL_METHODS, METHODS, SELECTORS, SIZES, Method, StudySettings, budget_tokens
 from .model import MODEL_NAME, StudyUnavailable, find_model, load_model, study_text
@@ -81,4 +82,5 @@ __all__ = [
     "study_text",
     "trial_cost",
     "use_attention_state",
+    "use_retrieval_attention",
 ]

@@ -50,6 +50,17 @@ def attention_state(model) -> AttentionState:
     return state
 
 
+def use_retrieval_attention(model) -> AttentionState:
+    """Give ``model`` (any transformers decoder) this attention, dense until its state
+    says otherwise; returns its :class:`AttentionState` (the one it has, else a new one)."""
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    state = getattr(model, STATE_ATTR, None)
+    if isinstance(state, AttentionState):
+        return state
+    return use_attention_state(model, AttentionState())
+
+
 def register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

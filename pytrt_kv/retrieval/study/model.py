@@ -53,7 +53,7 @@ def load_model(path: str | None = None):
     """``(model, tokenizer)`` in float32, offline, with the retrieval attention
     registered and selected, and the model's own :class:`AttentionState` (dense until
     set: :func:`attention_state`). Each call loads a new model: no state is shared."""
-    from .attention import ATTENTION_NAME, AttentionState, register_attention, use_attention_state
+    from .attention import use_retrieval_attention
 
     gguf = find_model(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,9 +79,7 @@ def load_model(path: str | None = None):
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
     model.eval()
-    register_attention()
-    model.set_attn_implementation(ATTENTION_NAME)
-    use_attention_state(model, AttentionState())
+    use_retrieval_attention(model)
     return model, tok
 
 
