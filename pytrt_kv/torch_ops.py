@@ -132,26 +132,15 @@ def gather_selection_kv_cache_(
 ) -> torch.Tensor:
     """GatherSelectionKvCache in place (docs/SPEC.md G); returns selection_kv_actual_seq
     int32 ``[R]``. Arguments as :func:`pytrt_kv.reference.gather_selection_kv_cache`."""
-    args = [
-        selection_k_rope,
-        selection_kv_cache,
-        selection_kv_block_table,
-        selection_kv_block_status,
-        selection_topk_indices,
-        full_k_rope,
-        full_kv_cache,
-        full_kv_block_table,
-        full_kv_actual_seq,
-        full_q_actual_seq,
-    ]
+    named = op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals())
+    args = list(named.values())
     if _all_cuda(*args):
         from . import ops
 
         return ops.gather_selection_kv_cache(
             *args, selection_topk_block_size=selection_topk_block_size
         )
-    names = specs.GATHER_SELECTION_KV_CACHE.input_names
-    arrays: list[Any] = [as_numpy(t, n) for t, n in zip(args, names)]
+    arrays: list[Any] = [as_numpy(t, n) for n, t in named.items()]
     actual = _ref_gather(
         *arrays,
         selection_topk_block_size=selection_topk_block_size,

@@ -207,6 +207,19 @@ def _describe_type(tp: onnx.TypeProto) -> str:
     return f"{name}[{', '.join(dims)}]"
 
 
+def exact_feeds(expected: list[str], feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """``feeds`` as arrays in ``expected`` order, refused (ValueError naming what is
+    missing and what is unknown) unless they are exactly the graph inputs ``expected``."""
+    missing = [n for n in expected if n not in feeds]
+    extra = [n for n in feeds if n not in expected]
+    if missing or extra:
+        raise ValueError(
+            f"feeds: expected exactly the graph inputs {expected}, got "
+            f"{sorted(feeds)} (missing {missing}, unknown {extra})"
+        )
+    return {n: np.asarray(feeds[n]) for n in expected}
+
+
 def check_feeds(declared: Mapping[str, onnx.TypeProto], feeds: Mapping[str, np.ndarray]) -> None:
     """Check each feed against the dtype and shape its graph input declares.
 
@@ -291,15 +304,7 @@ def run(
         if isinstance(model_or_path, ReferenceEvaluator)
         else make_evaluator(model_or_path)
     )
-    expected = list(ev.input_names)
-    missing = [n for n in expected if n not in feeds]
-    extra = [n for n in feeds if n not in expected]
-    if missing or extra:
-        raise ValueError(
-            f"feeds: expected exactly the graph inputs {expected}, got "
-            f"{sorted(feeds)} (missing {missing}, unknown {extra})"
-        )
-    arrays = {n: np.asarray(feeds[n]) for n in expected}
+    arrays = exact_feeds(list(ev.input_names), feeds)
     declared = getattr(ev, "declared_inputs", None)
     if declared is None:  # an evaluator made elsewhere: validate its model now
         model = getattr(ev, "proto_", None)

@@ -36,7 +36,7 @@ import onnx
 from ..contract import dtypes, specs
 from ..graph import schemas
 from ..graph.lint import validate_model
-from ..graph.runtime import check_feeds
+from ..graph.runtime import check_feeds, exact_feeds
 from . import _capi, _kernels
 
 __all__ = ["make_session", "availability", "rewrite_for_onnxruntime", "PytrtKvSession"]
@@ -165,15 +165,7 @@ def _session_class():
 
         def run(self, output_names, input_feed, run_options=None):
             if isinstance(input_feed, Mapping):
-                expected = list(self._pytrt_kv_declared)
-                missing = [n for n in expected if n not in input_feed]
-                extra = [n for n in input_feed if n not in expected]
-                if missing or extra:
-                    raise ValueError(
-                        f"feeds: expected exactly the graph inputs {expected}, got "
-                        f"{sorted(input_feed)} (missing {missing}, unknown {extra})"
-                    )
-                arrays = {n: np.asarray(input_feed[n]) for n in expected}
+                arrays = exact_feeds(list(self._pytrt_kv_declared), input_feed)
                 check_feeds(self._pytrt_kv_declared, arrays)
                 special = {n: t for n, a in arrays.items() if (t := _onnx_type(a)) is not None}
                 if special:
