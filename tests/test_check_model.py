@@ -19,11 +19,11 @@ from pytrt_kv import runtime
 from pytrt_kv.cli import main
 from pytrt_kv.graph import check_model, lint
 from pytrt_kv.graph.tensorrt import prepare_for_tensorrt
+from support.env import fix_kernel_archs, forbid_tensorrt
 
 F16, F32, I32 = TP.FLOAT16, TP.FLOAT, TP.INT32
 #: The kernels' CUDA architectures for every path in this file (the installed record
 #: differs between builds): SASS for SM80/86/89/90, PTX of SM120.
-ARCHS = "80-real;86-real;89-real;90-real;120"
 
 
 def _vi(name, elem, shape):
@@ -487,15 +487,8 @@ CASES = {
 @pytest.fixture(autouse=True)
 def _no_tensorrt(monkeypatch):
     """Fixed kernel architectures, and TensorRT never touched: reaching it fails."""
-
-    def touched(*a, **k):
-        raise AssertionError("TensorRT was imported before the model checks refused the model")
-
-    monkeypatch.setattr(lint, "_installed_record", lambda: ARCHS)
-    from pytrt_kv.trt import _tensorrt, build
-
-    monkeypatch.setattr(_tensorrt, "import_tensorrt", touched)
-    monkeypatch.setattr(build, "import_tensorrt", touched)
+    fix_kernel_archs(monkeypatch)
+    forbid_tensorrt(monkeypatch)
 
 
 def test_a_valid_model_passes_everywhere(tmp_path, capsys):

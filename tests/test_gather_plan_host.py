@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from pytrt_kv import _cuda, reference
 from pytrt_kv.contract import gather as _gather
 from pytrt_kv.reference import id_size, plan_row
+from support.op_names import GATHER_PLAN_POINTERS
 
 
 def _ptr(a: np.ndarray, ctype):
@@ -585,17 +586,7 @@ def test_refuses_a_miss_list_past_int32(lib):
     before = buf.copy()
     addr = buf.ctypes.data
     p = _cuda.GatherSelectionParams()
-    for name in (
-        "selectionKvCache",
-        "fullKvCache",
-        "selectionKvBlockTable",
-        "selectionKvBlockStatus",
-        "selectionTopkIndices",
-        "fullKvBlockTable",
-        "fullKvActualSeq",
-        "selectionKvActualSeq",
-        "workspace",
-    ):
+    for name in ("selectionKvCache", "fullKvCache", *GATHER_PLAN_POINTERS):
         setattr(p, name, addr)
     p.cacheType = _cuda.DTYPE_CODE["float16"]
     p.batch, p.seqPerBatch, p.topk, p.topkBlockSize = 1, S, K, 1

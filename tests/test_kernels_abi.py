@@ -15,6 +15,7 @@ import pytest
 from pytrt_kv import _cuda
 from pytrt_kv.contract import limits
 from pytrt_kv.reference import scatter_pa_kv_cache
+from support.op_names import GATHER_PLAN_POINTERS
 
 INVALID_VALUE = 1  # cudaErrorInvalidValue
 
@@ -227,15 +228,7 @@ def test_gather_host_plan_refuses_like_the_launch(lib, name):
 def test_gather_empty_call_accepts_null_pointers(lib):
     p = good_gather()
     p.batch, p.selectionRows = 0, 0
-    for f in (
-        "selectionKvBlockTable",
-        "selectionKvBlockStatus",
-        "selectionTopkIndices",
-        "fullKvBlockTable",
-        "fullKvActualSeq",
-        "selectionKvActualSeq",
-        "workspace",
-    ):
+    for f in GATHER_PLAN_POINTERS:
         setattr(p, f, None)
     assert lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1) == 0
     p.seqPerBatch = 0  # B*S == 0 either way (TND with T == 0)

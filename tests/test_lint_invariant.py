@@ -21,7 +21,6 @@ docs/GRAPH_MODE.md, "Model checks".
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import numpy as np
@@ -30,15 +29,15 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper
 
-from pytrt_kv import _lib, runtime
+from pytrt_kv import runtime
 from pytrt_kv.cli import main
-from pytrt_kv.graph import check_model, lint
+from pytrt_kv.graph import check_model
 from pytrt_kv.graph.feeds import make_feeds
 from pytrt_kv.graph.tensorrt import prepare_for_tensorrt
+from support.env import fix_kernel_archs, forbid_tensorrt, rtx_unavailable_reason
 from support.models import compress_model, gather_model, quant_model, scatter_model
 
 #: The kernels' architectures for every path here (as scripts/test.sh builds them).
-ARCHS = "80-real;86-real;89-real;90-real;120"
 SEED = 31
 #: Mutated models per base model (6 bases -> 60 mutants, seconds on the CPU), and the
 #: share that gets two mutations.
@@ -312,15 +311,8 @@ def _dynamic_shapes(model, shapes) -> dict[str, tuple[int, ...]]:
 @pytest.fixture(autouse=True)
 def _no_tensorrt(monkeypatch):
     """Fixed kernel architectures, and TensorRT never imported in the refusal paths."""
-
-    def touched(*a, **k):
-        raise AssertionError("TensorRT was imported although the model checks refused")
-
-    monkeypatch.setattr(lint, "_installed_record", lambda: ARCHS)
-    from pytrt_kv.trt import _tensorrt, build
-
-    monkeypatch.setattr(_tensorrt, "import_tensorrt", touched)
-    monkeypatch.setattr(build, "import_tensorrt", touched)
+    fix_kernel_archs(monkeypatch)
+    forbid_tensorrt(monkeypatch)
 
 
 def _static(m) -> bool:
@@ -393,17 +385,6 @@ def test_the_checks_agree_with_every_path(mid, model, shapes, tmp_path, capsys):
 # --- TensorRT-RTX: accepted models build ------------------------------------------------------
 
 
-def _rtx_unavailable() -> str:
-    if importlib.util.find_spec("tensorrt_rtx") is None:
-        return "the tensorrt-rtx wheel is not installed (python3 -m pip install '.[rtx]')"
-    if _lib.find(_lib.PLUGINS_LIB) is None:
-        info = _lib.build_info()
-        if info.get("plugins") == "ON":
-            return ""
-        return f"{_lib.PLUGINS_LIB} was not built: {info.get('no_plugins_reason') or '?'}"
-    return ""
-
-
 def _rtx_sample():
     """Every accepted mutant (the bases themselves are test_rtx_build's)."""
     return [
@@ -413,11 +394,11 @@ def _rtx_sample():
     ]
 
 
-@pytest.mark.skipif(bool(_rtx_unavailable()), reason=_rtx_unavailable() or "-")
+@pytest.mark.skipif(bool(rtx_unavailable_reason()), reason=rtx_unavailable_reason() or "-")
 @pytest.mark.parametrize("mid,model,shapes", _rtx_sample(), ids=[i for i, _, _ in _rtx_sample()])
 def test_an_accepted_model_builds_with_tensorrt_rtx(mid, model, shapes, tmp_path, monkeypatch):
     monkeypatch.undo()  # the real TensorRT-RTX here
-    monkeypatch.setattr(lint, "_installed_record", lambda: ARCHS)
+    fix_kernel_archs(monkeypatch)
     from pytrt_kv.trt import build_plan
 
     src = tmp_path / "m.onnx"

@@ -14,8 +14,9 @@ from pytrt_kv import runtime
 from pytrt_kv.contract import dtypes, specs
 from pytrt_kv.graph.feeds import make_feeds
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache
-from support.arrays import assert_same_bits, bits
+from support.arrays import assert_same_bits, bits, cache_shape
 from support.gather_cases import gather_skeleton
+from support.models import compress_key_feeds
 
 SENTINEL = 13
 
@@ -87,15 +88,6 @@ def _scatter_ref(layout, mode):
     return ref
 
 
-def _cache_shape(layout, nb, bs, h, d, dt):
-    if layout == "nd":
-        return (nb, bs, h, d)
-    if layout == "hnd":
-        return (nb, h, bs, d)
-    lane = 32 // dtypes.itemsize(dt)
-    return (nb, h * d // lane, bs, lane)
-
-
 @pytest.mark.parametrize("layout", ["nd", "nz", "hnd"])
 @pytest.mark.parametrize(
     "dtype", [specs.FLOAT16, specs.BFLOAT16, specs.INT8, specs.FLOAT32, specs.FLOAT8_E4M3]
@@ -107,11 +99,11 @@ def test_scatter_3d(layout, dtype, index, with_value):
     T, H, Dk, Dv, NB, BS = 7, 2, 16, 32, 5, 3  # odd block size
     shapes = {
         "key": (T, H, Dk),
-        "key_cache": _cache_shape(layout, NB, BS, H, Dk, dt),
+        "key_cache": cache_shape(layout, NB, BS, H, Dk, dt),
         "slot_mapping": (T,),
     }
     if with_value:
-        shapes.update(value=(T, H, Dv), value_cache=_cache_shape(layout, NB, BS, H, Dv, dt))
+        shapes.update(value=(T, H, Dv), value_cache=cache_shape(layout, NB, BS, H, Dv, dt))
     order = [n for n in specs.SCATTER_PA_KV_CACHE.input_names if n in shapes]
     skeleton = {n: np.zeros(shapes[n], index if n == "slot_mapping" else dt) for n in order}
     model = single_op_model("ScatterPaKvCache", skeleton, cache_layout=layout)
@@ -360,14 +352,7 @@ def test_symbolic_batch_and_heads_of_a_4d_key_pass_the_checker():
     """Issue 21 (fuzzing): specs.absent_placeholders multiplied the symbolic B and H of a
     4-D key ("can't multiply sequence by non-int of type 'str'" in the checker)."""
     rng = np.random.default_rng(0)
-    feeds = {
-        "key": rng.standard_normal((1, 4, 1, 8)).astype(np.float32),
-        "key_cache": np.full((2, 4, 1, 8), -3, np.float32),
-        "slot_mapping": np.array([[1]], np.int32),
-        "compress_lens": np.array([[2]], np.int32),
-        "compress_seq_offsets": np.array([1], np.int32),
-        "seq_lens": np.array([4], np.int32),
-    }
+    feeds = compress_key_feeds(rng)
     model = single_op_model("ScatterPaKvCache", feeds)
     symbolic = {"key": {0: "B", 2: "H"}, "slot_mapping": {0: "B", 1: "H"}}
     symbolic.update(compress_lens={0: "B", 1: "H"}, seq_lens={0: "B"})

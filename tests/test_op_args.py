@@ -9,6 +9,7 @@ import pytest
 
 from pytrt_kv import ops, reference
 from pytrt_kv.contract import args, gather, scatter, specs
+from support.op_names import SCATTER_INPUTS
 
 SCATTER = specs.SCATTER_PA_KV_CACHE
 GATHER = specs.GATHER_SELECTION_KV_CACHE
@@ -53,20 +54,7 @@ def test_signature_takes_the_spec_arguments(fn, op):
 
 
 def test_arg_names_are_inputs_then_python_attributes():
-    assert args.arg_names(SCATTER) == (
-        "key",
-        "value",
-        "key_cache",
-        "value_cache",
-        "slot_mapping",
-        "compress_lens",
-        "compress_seq_offsets",
-        "seq_lens",
-        "k_scale",
-        "v_scale",
-        "cache_layout",
-        "compress_mode",
-    )
+    assert args.arg_names(SCATTER) == (*SCATTER_INPUTS, "cache_layout", "compress_mode")
     assert args.arg_names(GATHER)[-1] == "selection_topk_block_size"
     assert "alias_io" not in args.arg_names(GATHER)
 

@@ -18,12 +18,12 @@ import pytest
 
 from pytrt_kv import _cuda
 from pytrt_kv.contract import dtypes
-from pytrt_kv.contract.scatter import nz_last_dim
 from pytrt_kv.reference import scatter_pa_kv_cache as ref_scatter
 from support import device as dv
 from support.arrays import (
     FakeCudaArray,
     assert_same_bits,
+    cache_shape,
     random_data,
     sentinel,
     to_torch,
@@ -40,13 +40,15 @@ def distinct_slots(rng, n, num_slots, pad_frac=0.2, dtype=np.int32):
     return slots.astype(dtype)
 
 
-def cache_shape(layout, nb, bs, h, d, dtype):
-    if layout == "nd":
-        return (nb, bs, h, d)
-    if layout == "hnd":
-        return (nb, h, bs, d)
-    L = nz_last_dim(dtypes.numpy_dtype(dtype))
-    return (nb, h * d // L, bs, L)
+def _key_only(rng, dtype, *, T, H, D, NB, BS):
+    """A key-only nd scatter in NumPy: key, slots (some -1), a sentinel cache and the
+    cache the reference writes from them."""
+    key = random_data(rng, (T, H, D), dtype)
+    slots = distinct_slots(rng, T, NB * BS)
+    cache = sentinel((NB, BS, H, D), dtype)
+    want = cache.copy()
+    ref_scatter(key, None, want, None, slots)
+    return key, slots, cache, want
 
 
 def run_both(kw_np: dict, device_kwargs=None, **ops_kw):
@@ -432,12 +434,7 @@ def test_scatter_on_explicit_stream_and_int_handle(rng):
     from pytrt_kv import ops
 
     torch = torch_mod()
-    T, H, D, NB, BS = 50, 4, 64, 8, 16
-    key = random_data(rng, (T, H, D), "bfloat16")
-    slots = distinct_slots(rng, T, NB * BS)
-    cache = sentinel((NB, BS, H, D), "bfloat16")
-    want = cache.copy()
-    ref_scatter(key, None, want, None, slots)
+    key, slots, cache, want = _key_only(rng, "bfloat16", T=50, H=4, D=64, NB=8, BS=16)
     for stream_arg in ("torch", "int"):
         s = torch.cuda.Stream()
         tk, tc, ts = to_torch(key), to_torch(cache), to_torch(slots)
@@ -490,12 +487,7 @@ def test_scatter_cupy_inputs(rng):
     cupy = pytest.importorskip("cupy")
     from pytrt_kv import ops
 
-    T, H, D, NB, BS = 30, 2, 64, 6, 16
-    key = random_data(rng, (T, H, D), "float16")
-    slots = distinct_slots(rng, T, NB * BS)
-    cache = sentinel((NB, BS, H, D), "float16")
-    want = cache.copy()
-    ref_scatter(key, None, want, None, slots)
+    key, slots, cache, want = _key_only(rng, "float16", T=30, H=2, D=64, NB=6, BS=16)
     cc = cupy.asarray(cache)
     ops.scatter_pa_kv_cache(cupy.asarray(key), None, cc, None, cupy.asarray(slots))
     cupy.cuda.get_current_stream().synchronize()

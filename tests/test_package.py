@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,25 +13,18 @@ import pytrt_kv
 from pytrt_kv import _lib
 from pytrt_kv.cli import SUBCOMMANDS, build_parser, main
 from pytrt_kv.contract import dtypes, specs
-
-
-def _python(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=120,
-    )
+from support.env import run_python
+from support.op_names import GATHER_INPUTS, SCATTER_INPUTS
 
 
 def test_import_needs_no_optional_runtime():
     # `import pytrt_kv` (and the reference) must never pull in torch, TensorRT or CUDA.
-    r = _python(
+    r = run_python(
+        "-c",
         "import sys, pytrt_kv, pytrt_kv.reference, pytrt_kv.specs\n"
         "bad = [m for m in ('torch', 'tensorrt', 'cupy', 'cuda', 'pycuda', 'onnxruntime')"
         " if m in sys.modules]\n"
-        "print(','.join(bad))"
+        "print(','.join(bad))",
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "", f"imported eagerly: {r.stdout.strip()}"
@@ -90,34 +82,12 @@ def test_op_identity_matches_ops_md():
     # docs/SPEC.md section O and G1/S1: names and order are part of the contract.
     s = specs.SCATTER_PA_KV_CACHE
     assert s.name == "ScatterPaKvCache"
-    assert s.input_names == (
-        "key",
-        "value",
-        "key_cache",
-        "value_cache",
-        "slot_mapping",
-        "compress_lens",
-        "compress_seq_offsets",
-        "seq_lens",
-        "k_scale",
-        "v_scale",
-    )
+    assert s.input_names == SCATTER_INPUTS
     assert s.output_names == ("key_cache_out", "value_cache_out")
     assert s.attribute_names == ("cache_layout", "compress_mode", "alias_io")
     g = specs.GATHER_SELECTION_KV_CACHE
     assert g.name == "GatherSelectionKvCache"
-    assert g.input_names == (
-        "selection_k_rope",
-        "selection_kv_cache",
-        "selection_kv_block_table",
-        "selection_kv_block_status",
-        "selection_topk_indices",
-        "full_k_rope",
-        "full_kv_cache",
-        "full_kv_block_table",
-        "full_kv_actual_seq",
-        "full_q_actual_seq",
-    )
+    assert g.input_names == GATHER_INPUTS
     assert g.output_names == (
         "selection_k_rope_out",
         "selection_kv_cache_out",

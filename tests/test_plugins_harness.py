@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from pytrt_kv.contract import specs
-from support.env import REPO, trt_include_dir
+from support.env import REPO, run_python, trt_include_dir
 
 pytestmark = pytest.mark.trt_headers
 
@@ -159,7 +159,7 @@ def test_loader_library_exports_only_the_entry_points(build):
         "print(n.value, bool(p), hasattr(l, 'setLoggerFinder'),\n"
         "      hasattr(l, 'pytrt_kv_registered_creators'))\n"
     )
-    r = _run([sys.executable, "-c", code])
+    r = run_python("-c", code, timeout=900)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["2", "True", "True", "False"]
 
@@ -179,7 +179,7 @@ def test_autoreg_library_loads_without_libnvinfer(build):
         "        pass\n"
         "print(l.pytrt_kv_registered_creators(), hasattr(l, 'getCreators'), have)\n"
     )
-    r = _run([sys.executable, "-c", code])
+    r = run_python("-c", code, timeout=900)
     assert r.returncode == 0, r.stderr
     registered, exports_get_creators, have_nvinfer = r.stdout.split()
     assert exports_get_creators == "False"
@@ -227,7 +227,7 @@ def _autoreg_with_two_majors(lib, tmp_path, registry_in):
     code = "import ctypes\n"
     code += "".join(f"ctypes.CDLL({str(x)!r})\n" for x in libs)
     code += f"l = ctypes.CDLL({str(lib)!r})\nprint(l.pytrt_kv_registered_creators())\n"
-    r = _run([sys.executable, "-c", code])
+    r = run_python("-c", code, timeout=900)
     assert r.returncode == 0, r.stderr
     return r
 

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from pytrt_kv.contract import dtypes
-from pytrt_kv.contract.scatter import nz_last_dim
 from pytrt_kv.reference import quantise
 from pytrt_kv.reference import scatter_pa_kv_cache as ref_scatter
 from support import device as dv
-from support.arrays import assert_same_bits, sentinel
+from support.arrays import assert_same_bits, cache_shape, sentinel
 
 gpu = pytest.mark.gpu
 E4M3 = "float8_e4m3fn"
@@ -226,15 +225,6 @@ def random_bytes(rng, shape, dtype: str, *, nan: bool) -> np.ndarray:
     return x
 
 
-def cache_shape(layout: str, nb: int, bs: int, h: int, d: int, dtype: str) -> tuple[int, ...]:
-    if layout == "nd":
-        return (nb, bs, h, d)
-    if layout == "hnd":
-        return (nb, h, bs, d)
-    last = nz_last_dim(dtypes.numpy_dtype(dtype))
-    return (nb, h * d // last, bs, last)
-
-
 def run_both(kw: dict, *, offset_elems: int = 0):
     from pytrt_kv import ops
 
@@ -269,17 +259,14 @@ def _scale(rng, per_head: bool, H: int) -> np.ndarray:
     return np.array(2.0 ** rng.integers(-2, 3), np.float32)
 
 
-@gpu
-@pytest.mark.parametrize("layout", ["nd", "hnd", "nz"])
-@pytest.mark.parametrize("src", SOURCES)
-@pytest.mark.parametrize("cache", CACHES)
-@pytest.mark.parametrize("per_head", [False, True], ids=["tensor", "head"])
-def test_quantise_bit_exact(rng, layout, src, cache, per_head):
-    T, H, D, NB, BS = 37, 4, 64, 12, 8
-    nan = cache == E4M3
+def _quantise_both_same_bits(rng, key, value, layout, cache, per_head, NB, BS) -> dict:
+    """Quantise ``key`` and ``value`` [T, H, D] into sentinel caches of dtype ``cache``
+    with random scales (per tensor or per head) by the reference and by the kernels; both
+    caches must hold the same bits. Returns the kernels' caches."""
+    T, H, D = key.shape
     kw = dict(
-        key=wide_values(rng, (T, H, D), src, nan=nan),
-        value=wide_values(rng, (T, H, D), src, nan=nan),
+        key=key,
+        value=value,
         key_cache=sentinel(cache_shape(layout, NB, BS, H, D, cache), cache),
         value_cache=sentinel(cache_shape(layout, NB, BS, H, D, cache), cache),
         slot_mapping=_slots(rng, T, NB * BS),
@@ -290,6 +277,20 @@ def test_quantise_bit_exact(rng, layout, src, cache, per_head):
     want, got = run_both(kw)
     assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
     assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
+    return got
+
+
+@gpu
+@pytest.mark.parametrize("layout", ["nd", "hnd", "nz"])
+@pytest.mark.parametrize("src", SOURCES)
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("per_head", [False, True], ids=["tensor", "head"])
+def test_quantise_bit_exact(rng, layout, src, cache, per_head):
+    T, H, D, NB, BS = 37, 4, 64, 12, 8
+    nan = cache == E4M3
+    key = wide_values(rng, (T, H, D), src, nan=nan)
+    value = wide_values(rng, (T, H, D), src, nan=nan)
+    _quantise_both_same_bits(rng, key, value, layout, cache, per_head, NB, BS)
 
 
 @gpu
@@ -306,19 +307,7 @@ def test_quantise_random_bytes_bit_exact(rng, layout, src, cache, per_head):
     value = random_bytes(rng, (T, H, D), src, nan=nan)
     if nan:  # the data holds negative NaNs, so the rule is exercised
         assert (np.signbit(key.astype(np.float32)) & np.isnan(key.astype(np.float32))).any()
-    kw = dict(
-        key=key,
-        value=value,
-        key_cache=sentinel(cache_shape(layout, NB, BS, H, D, cache), cache),
-        value_cache=sentinel(cache_shape(layout, NB, BS, H, D, cache), cache),
-        slot_mapping=_slots(rng, T, NB * BS),
-        cache_layout=layout,
-        k_scale=_scale(rng, per_head, H),
-        v_scale=_scale(rng, per_head, H),
-    )
-    want, got = run_both(kw)
-    assert_same_bits(got["key_cache"], want["key_cache"], "key_cache")
-    assert_same_bits(got["value_cache"], want["value_cache"], "value_cache")
+    got = _quantise_both_same_bits(rng, key, value, layout, cache, per_head, NB, BS)
     if nan:
         u = got["key_cache"].view(np.uint8)
         assert 0xFF not in u and 0x7F in u

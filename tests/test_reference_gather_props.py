@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from pytrt_kv.contract import specs
 from pytrt_kv.contract.dtypes import numpy_dtype
 from pytrt_kv.reference import gather_selection_kv_cache
+from support.op_names import GATHER_READ_ONLY
 
 I32 = np.int32
 
@@ -206,15 +207,7 @@ class Sim:
         assert np.array_equal(self.status(), self.status(poisoned))
         assert out.dtype == I32 and out.shape == (args["selection_kv_block_table"].shape[0],)
         assert not out[self.B * self.S :].any(), "rows >= B*S must return 0"
-        for name in (
-            "selection_kv_block_table",
-            "selection_topk_indices",
-            "full_k_rope",
-            "full_kv_cache",
-            "full_kv_block_table",
-            "full_kv_actual_seq",
-            "full_q_actual_seq",
-        ):
+        for name in GATHER_READ_ONLY:
             assert np.array_equal(args[name].view(np.uint8), before[name].view(np.uint8))
 
         written: list[tuple[int, int, int, int]] = []  # (sel blk, off, full blk, off)

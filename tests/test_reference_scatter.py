@@ -25,6 +25,7 @@ from pytrt_kv.contract.scatter import (
     validate_scatter,
 )
 from pytrt_kv.reference import scatter_pa_kv_cache
+from support.arrays import cache_shape
 
 DATA_DTYPES = specs.SCATTER_DATA_DTYPES
 ROPE_DTYPES = specs.SCATTER_ROPE_DTYPES
@@ -68,15 +69,6 @@ def assert_same_bytes(got, expected):
 def element_bytes(a):
     """[..., itemsize] uint8 view: one element = one byte vector (an independent mover)."""
     return np.ascontiguousarray(a).view(np.uint8).reshape(a.shape + (a.dtype.itemsize,))
-
-
-def cache_shape(layout, nb, bs, heads, size, dtype):
-    last = 32 // numpy_dtype(dtype).itemsize
-    return {
-        "nd": (nb, bs, heads, size),
-        "hnd": (nb, heads, bs, size),
-        "nz": (nb, heads * size // last, bs, last),
-    }[layout]
 
 
 def expected_tokens(layout, src, cache, slots):

@@ -12,14 +12,13 @@ was not built (no CUDA compiler or no TensorRT headers at install time).
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import onnx
 import pytest
 
 from onnx_export import single_op_model
 from pytrt_kv import _lib
+from support.env import fix_kernel_archs, rtx_unavailable_reason, run_python
 from support.models import (
     compress_model,
     engine_test_models,
@@ -31,19 +30,9 @@ from support.models import (
 TARGETS = ["sm80", "sm89", "sm120"]
 
 
-def _unavailable() -> str:
-    if importlib.util.find_spec("tensorrt_rtx") is None:
-        return "the tensorrt-rtx wheel is not installed (python3 -m pip install '.[rtx]')"
-    if _lib.find(_lib.PLUGINS_LIB) is None:
-        info = _lib.build_info()
-        if info.get("plugins") == "ON":
-            return ""  # built but missing: the tests fail and say so
-        why = info.get("no_plugins_reason") or "no build record"
-        return f"{_lib.PLUGINS_LIB} was not built: {why}"
-    return ""
-
-
-pytestmark = pytest.mark.skipif(bool(_unavailable()), reason=_unavailable() or "-")
+pytestmark = pytest.mark.skipif(
+    bool(rtx_unavailable_reason()), reason=rtx_unavailable_reason() or "-"
+)
 
 MODELS = engine_test_models()
 
@@ -53,9 +42,7 @@ def _kernel_archs(monkeypatch):
     """The installed kernels' architectures as scripts/test.sh builds them (a local build
     may hold fewer, e.g. PYTRT_KV_CUDA_ARCHS=90): these tests build plans, which never run
     the kernels; the architecture rule itself is tests/test_check_model.py's."""
-    from pytrt_kv.graph import lint
-
-    monkeypatch.setattr(lint, "_installed_record", lambda: "80-real;86-real;89-real;90-real;120")
+    fix_kernel_archs(monkeypatch)
 
 
 def _build(model, tmp_path, name="m.onnx", **kw):
@@ -365,23 +352,13 @@ def test_self_registering_library_registers_under_tensorrt_rtx():
     (what `polygraphy --plugins` / ctypes.CDLL users get with TensorRT-RTX). Built against
     TensorRT 10 headers (another IPluginRegistry layout than TensorRT-RTX's) it must
     refuse cleanly instead of calling into the registry (docs/TENSORRT.md)."""
-    import os
-    import subprocess
-    import sys
-
     if _lib.find(_lib.PLUGINS_AUTOREG_LIB) is None:
         pytest.fail(f"{_lib.PLUGINS_AUTOREG_LIB} missing beside {_lib.find(_lib.PLUGINS_LIB)}")
     code = (
         "from pytrt_kv.trt.plugins import load_plugins\n"
         "print(load_plugins('autoreg', flavour='rtx').name)\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTRT_KV_TENSORRT": "rtx"},
-    )
+    r = run_python("-c", code, env={"PYTRT_KV_TENSORRT": "rtx"})
     headers = _lib.build_info().get("tensorrt_version", "")
     if headers.split(".")[0].isdigit() and int(headers.split(".")[0]) < 11:
         assert r.returncode == 1, r.stdout + r.stderr  # a Python error, not a crash

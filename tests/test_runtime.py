@@ -8,6 +8,7 @@ import pytest
 
 from onnx_export import single_op_model
 from pytrt_kv import runtime
+from support.models import compress_key_feeds
 
 
 def _feeds():
@@ -72,17 +73,6 @@ def test_wrong_feed_dtype_names_the_argument():
 # --- every pytrt_kv node is validated against its schema (issue: fuzzing) --------------
 
 
-def _compress_feeds(rng):
-    return {
-        "key": rng.standard_normal((1, 4, 1, 8)).astype(np.float32),
-        "key_cache": np.full((2, 4, 1, 8), -3, np.float32),
-        "slot_mapping": np.array([[1]], np.int32),
-        "compress_lens": np.array([[2]], np.int32),
-        "compress_seq_offsets": np.array([1], np.int32),
-        "seq_lens": np.array([4], np.int32),
-    }
-
-
 def _set_attr(node, name, value):
     kept = [a for a in node.attribute if a.name != name]
     del node.attribute[:]
@@ -98,7 +88,7 @@ def _gather_model():
 
 
 def test_misspelt_compress_mode_is_refused(rng):
-    feeds = _compress_feeds(rng)
+    feeds = compress_key_feeds(rng)
     model = single_op_model("ScatterPaKvCache", feeds)
     _set_attr(model.graph.node[0], "compress_mode", "omin")
     with pytest.raises(
@@ -142,7 +132,7 @@ def test_repeated_and_unknown_attributes_are_refused():
 
 
 def test_extra_inputs_are_refused(rng):
-    feeds = _compress_feeds(rng)
+    feeds = compress_key_feeds(rng)
     model = single_op_model("ScatterPaKvCache", feeds)
     node = model.graph.node[0]
     node.input.extend(["", "", "seq_lens"])  # an 11th input (after k_scale, v_scale)

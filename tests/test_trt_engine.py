@@ -18,7 +18,7 @@ import pytest
 from pytrt_kv import runtime
 from pytrt_kv.graph.feeds import make_feeds
 from support.env import polygraphy_command
-from support.models import compress_model, gather_model, scatter_model
+from support.models import COMPRESS_CASES, compress_model, gather_model, scatter_model
 
 pytestmark = pytest.mark.trt
 
@@ -44,6 +44,26 @@ def _save(model, tmp_path, name="m.onnx"):
     path = tmp_path / name
     onnx.save(model, path)
     return path
+
+
+def _engine_in_place(model, tmp_path, seed):
+    """The model's engine, its feeds, the CPU runtime's outputs for them, device copies of
+    the feeds and a runner for the engine (not yet bound)."""
+    from pytrt_kv.trt import DeviceArray, EngineRunner, build_engine
+
+    eng = build_engine(_save(model, tmp_path))
+    feeds = make_feeds(model, seed)
+    want = runtime.run(model, feeds)
+    dev = {n: DeviceArray(a.shape, a.dtype).copy_from(a) for n, a in feeds.items()}
+    return eng, feeds, want, dev, EngineRunner(eng)
+
+
+def _caches_out(dev) -> dict:
+    """The scatter's outputs as its in-place cache buffers hold them."""
+    return {
+        "key_cache_out": dev["key_cache"].to_numpy(),
+        "value_cache_out": dev["value_cache"].to_numpy(),
+    }
 
 
 def _run_and_compare(model, tmp_path, steps=2, seed=0):
@@ -74,17 +94,7 @@ def test_scatter_engine_key_only_and_alias_off(tmp_path, alias_io):
     )
 
 
-@pytest.mark.parametrize(
-    "dt,mode,offsets",
-    [
-        ("float16", "", True),
-        ("bfloat16", "rope", True),
-        ("float32", "rope", True),
-        ("int8", "omni", True),
-        ("float16", "alibi", True),
-        ("int8", "", False),
-    ],
-)
+@pytest.mark.parametrize("dt,mode,offsets", COMPRESS_CASES)
 @pytest.mark.parametrize("idx", ["int32", "int64"])
 def test_scatter_engine_compress_bit_exact(tmp_path, dt, mode, offsets, idx):
     _run_and_compare(compress_model(dt, idx, mode, offsets), tmp_path)
@@ -141,27 +151,16 @@ def test_inplace_binding_and_inserted_copies(tmp_path, alias_io, record_property
     (the update happened in place). Records the copy layers TensorRT inserted and the
     engine time against the eager kernel on the same buffers."""
     from pytrt_kv import ops
-    from pytrt_kv.trt import DeviceArray, EngineRunner, build_engine, copy_layers
+    from pytrt_kv.trt import copy_layers
     from pytrt_kv.trt._tensorrt import check_cuda, import_cudart
 
     model = scatter_model(
         "nd", "float16", "int32", alias_io=alias_io, T=64, H=8, Dk=128, NB=512, BS=16
     )
-    eng = build_engine(_save(model, tmp_path))
-    feeds = make_feeds(model, 3)
-    want = runtime.run(model, feeds)
-    dev = {n: DeviceArray(a.shape, a.dtype).copy_from(a) for n, a in feeds.items()}
-    runner = EngineRunner(eng)
+    eng, _, want, dev, runner = _engine_in_place(model, tmp_path, 3)
     runner.run(dev)
     assert runner.address("key_cache_out") == dev["key_cache"].address
-    assert_bit_exact(
-        {
-            "key_cache_out": dev["key_cache"].to_numpy(),
-            "value_cache_out": dev["value_cache"].to_numpy(),
-        },
-        want,
-        "in place",
-    )
+    assert_bit_exact(_caches_out(dev), want, "in place")
 
     cudart = import_cudart()
     stream = int(check_cuda(cudart.cudaStreamCreate(), "cudaStreamCreate"))
@@ -222,15 +221,10 @@ def test_host_resident_full_cache(tmp_path):
 
 
 def test_cuda_graph_replay(tmp_path):
-    from pytrt_kv.trt import DeviceArray, EngineRunner, build_engine
     from pytrt_kv.trt._tensorrt import check_cuda, import_cudart
 
     model = scatter_model("hnd", "float16", "int64")
-    eng = build_engine(_save(model, tmp_path))
-    feeds = make_feeds(model, 9)
-    want = runtime.run(model, feeds)
-    dev = {n: DeviceArray(a.shape, a.dtype).copy_from(a) for n, a in feeds.items()}
-    runner = EngineRunner(eng)
+    _, feeds, want, dev, runner = _engine_in_place(model, tmp_path, 9)
     runner.bind(dev)
     cudart = import_cudart()
     stream = int(check_cuda(cudart.cudaStreamCreate(), "cudaStreamCreate"))
@@ -240,14 +234,7 @@ def test_cuda_graph_replay(tmp_path):
         dev[n].copy_from(feeds[n], stream)
     graph.launch(stream)
     check_cuda(cudart.cudaStreamSynchronize(stream), "sync")
-    assert_bit_exact(
-        {
-            "key_cache_out": dev["key_cache"].to_numpy(),
-            "value_cache_out": dev["value_cache"].to_numpy(),
-        },
-        want,
-        "graph replay",
-    )
+    assert_bit_exact(_caches_out(dev), want, "graph replay")
     cudart.cudaStreamDestroy(stream)
 
 

@@ -21,6 +21,8 @@ from pytrt_kv.trt import _tensorrt, buffers
 from pytrt_kv.trt import build as trt_build
 from pytrt_kv.trt import model as trt_model
 from pytrt_kv.trt import runner as trt_runner
+from support.env import run_python
+from support.op_names import SCATTER_INPUTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,13 +52,7 @@ def test_import_does_not_load_tensorrt():
         "import sys, pytrt_kv.trt, pytrt_kv.trt.model\n"
         "print([m for m in ('tensorrt', 'cuda', 'torch', 'cupy') if m in sys.modules])"
     )
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
+    r = run_python("-c", code, env={"PYTHONPATH": REPO})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 
@@ -225,15 +221,8 @@ def test_prepare_compress_without_offsets_gets_index_placeholder(idx):
     assert len(node.input) == 8 and len(node.output) == 2
     off = _initializers(p)[node.input[6]]
     assert off.shape == (0,) and off.dtype == np.dtype(idx)
-    assert list(node.input[:6]) + [node.input[7]] == [
-        "key",
-        "value",
-        "key_cache",
-        "value_cache",
-        "slot_mapping",
-        "compress_lens",
-        "seq_lens",
-    ]
+    # Every input but compress_seq_offsets (6) keeps its name; k_scale/v_scale: none given.
+    assert [*node.input[:6], node.input[7]] == [*SCATTER_INPUTS[:6], SCATTER_INPUTS[7]]
 
 
 @pytest.mark.parametrize(
@@ -324,13 +313,7 @@ def test_example_model_prepares_and_aliases():
 def test_prepare_cli(tmp_path):
     src, dst = tmp_path / "m.onnx", tmp_path / "p.onnx"
     onnx.save(single_op_model("ScatterPaKvCache", _scatter_inputs(False)), src)
-    r = subprocess.run(
-        [sys.executable, "-m", "pytrt_kv", "prepare", str(src), str(dst)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
+    r = run_python("-m", "pytrt_kv", "prepare", src, dst, env={"PYTHONPATH": REPO})
     assert r.returncode == 0, r.stderr
     assert len(onnx.load(dst).graph.node[0].input) == 5
 

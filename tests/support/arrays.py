@@ -35,6 +35,17 @@ def sentinel(shape, dtype: str) -> np.ndarray:
     return np.full(shape, SENTINEL[nd.itemsize], BITS[nd.itemsize]).view(nd)
 
 
+def cache_shape(layout: str, nb: int, bs: int, heads: int, size: int, dtype) -> tuple[int, ...]:
+    """A cache of ``nb`` blocks of ``bs`` rows of ``heads`` x ``size`` elements in the
+    layout named (docs/SPEC.md S4): nz rows are segments of 32 bytes."""
+    last = 32 // dtypes.numpy_dtype(dtype).itemsize
+    return {
+        "nd": (nb, bs, heads, size),
+        "hnd": (nb, heads, bs, size),
+        "nz": (nb, heads * size // last, bs, last),
+    }[layout]
+
+
 # --- torch conversions (bit views: bfloat16 / float8 have no NumPy equivalent) ------------
 
 

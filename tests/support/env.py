@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -92,6 +93,21 @@ def trt_include_dir() -> Path | None:
     return None
 
 
+def run_python(
+    *args, env: dict | None = None, timeout: float = 120, cwd=None
+) -> subprocess.CompletedProcess:
+    """This interpreter in a child process with ``args`` (``"-c", code`` or ``"-m", ...``),
+    its output captured as text; ``env`` adds to (or replaces in) this environment."""
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def polygraphy_command() -> list[str]:
     """The command that runs Polygraphy's CLI with this interpreter's installation.
 
@@ -127,14 +143,45 @@ def polygraphy_env(folder: Path) -> dict:
 
 
 def rtx_unavailable_reason() -> str:
-    """Why TensorRT-RTX cannot build engines with our plugins here ("" when it can)."""
-    from pytrt_kv import _lib  # noqa: PLC0415
+    """Why TensorRT-RTX cannot build engines with our plugins here ("" when it can). A
+    plugin library that the build record says was built but cannot be found is no reason
+    to skip: the tests then run, fail and say so."""
+    from pytrt_kv import _lib
 
     if importlib.util.find_spec("tensorrt_rtx") is None:
-        return "the tensorrt-rtx wheel is not installed"
+        return "the tensorrt-rtx wheel is not installed (python3 -m pip install '.[rtx]')"
     if _lib.find(_lib.PLUGINS_LIB) is None:
-        return f"{_lib.PLUGINS_LIB} was not built"
+        info = _lib.build_info()
+        if info.get("plugins") == "ON":
+            return ""
+        why = info.get("no_plugins_reason") or "no build record"
+        return f"{_lib.PLUGINS_LIB} was not built: {why}"
     return ""
+
+
+# The installed kernels' architectures as scripts/test.sh builds them (a local build may
+# hold fewer, e.g. PYTRT_KV_CUDA_ARCHS=90).
+KERNEL_ARCHS = "80-real;86-real;89-real;90-real;120"
+
+
+def fix_kernel_archs(monkeypatch) -> None:
+    """Make the model checks (pytrt_kv.graph.lint) read :data:`KERNEL_ARCHS` as the
+    installed kernels' architectures, whatever this machine built."""
+    from pytrt_kv.graph import lint
+
+    monkeypatch.setattr(lint, "_installed_record", lambda: KERNEL_ARCHS)
+
+
+def forbid_tensorrt(monkeypatch) -> None:
+    """Make reaching TensorRT fail the test: for the paths where the model checks must
+    refuse a model before anything imports TensorRT."""
+    from pytrt_kv.trt import _tensorrt, build
+
+    def touched(*a, **k):
+        raise AssertionError("TensorRT was imported although the model checks refused")
+
+    monkeypatch.setattr(_tensorrt, "import_tensorrt", touched)
+    monkeypatch.setattr(build, "import_tensorrt", touched)
 
 
 def llama_unavailable_reason() -> str:

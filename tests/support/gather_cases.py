@@ -10,20 +10,10 @@ import numpy as np
 
 from pytrt_kv.contract.dtypes import name_of, numpy_dtype
 from pytrt_kv.reference import gather_selection_kv_cache
+from support.op_names import GATHER_INPUTS
 
 I32 = np.int32
-NAMES = (
-    "selection_k_rope",
-    "selection_kv_cache",
-    "selection_kv_block_table",
-    "selection_kv_block_status",
-    "selection_topk_indices",
-    "full_k_rope",
-    "full_kv_cache",
-    "full_kv_block_table",
-    "full_kv_actual_seq",
-    "full_q_actual_seq",
-)
+NAMES = GATHER_INPUTS
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -1,6 +1,7 @@
 """The single-op models that the TensorRT engine tests build (tests/test_trt_engine.py on
 a GPU, tests/test_rtx_build.py ahead of time with TensorRT-RTX), in one place so both
-build exactly the same set."""
+build exactly the same set, with the compressing scatter's cases and a small compressing
+key-only feed set that the CPU runtime and ONNX tests share."""
 
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ QUANT_MODELS = {
     "quant-float16-e4m3-nz-plain-value": ("nz", "float16", "float8_e4m3fn", False, True, "float16"),
 }
 
+# (cache dtype, compress_mode, compress_seq_offsets given) of the compressing scatter models.
+COMPRESS_CASES = [
+    ("float16", "", True),
+    ("bfloat16", "rope", True),
+    ("float32", "rope", True),
+    ("int8", "omni", True),
+    ("float16", "alibi", True),
+    ("int8", "", False),
+]
+
 
 def compress_model(dt, idx, mode, offsets=True, B=2, Smax=9, H=3, D=16, NB=12, BS=8):
     shapes = {
@@ -82,6 +93,19 @@ def compress_model(dt, idx, mode, offsets=True, B=2, Smax=9, H=3, D=16, NB=12, B
         shapes["compress_seq_offsets"] = np.zeros((B * H,), _np(idx))
     attrs = {"compress_mode": mode} if mode else {}
     return single_op_model("ScatterPaKvCache", shapes, **attrs)
+
+
+def compress_key_feeds(rng) -> dict:
+    """Feeds of a small key-only compressing scatter (B = H = 1, float32): one sequence
+    of 4 tokens into slot 1 of a cache filled with -3."""
+    return {
+        "key": rng.standard_normal((1, 4, 1, 8)).astype(np.float32),
+        "key_cache": np.full((2, 4, 1, 8), -3, np.float32),
+        "slot_mapping": np.array([[1]], np.int32),
+        "compress_lens": np.array([[2]], np.int32),
+        "compress_seq_offsets": np.array([1], np.int32),
+        "seq_lens": np.array([4], np.int32),
+    }
 
 
 def gather_model(
@@ -124,14 +148,7 @@ def engine_test_models():
                 scatter_model("nd", "bfloat16", "int32", value=False, alias_io=alias_io),
             )
         )
-    for dt, mode, offsets in [
-        ("float16", "", True),
-        ("bfloat16", "rope", True),
-        ("float32", "rope", True),
-        ("int8", "omni", True),
-        ("float16", "alibi", True),
-        ("int8", "", False),
-    ]:
+    for dt, mode, offsets in COMPRESS_CASES:
         for idx in ["int32", "int64"]:
             out.append(
                 (
