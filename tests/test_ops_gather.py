@@ -193,6 +193,22 @@ GRID = [
 ]
 
 
+def _grid_steps(rng, grid, reuses, host_full: bool, **case_kw):
+    """One Case of ``grid`` (K, TBS, SBS, FBS, S) with room in the full table for twice
+    the selected tokens, then one call per topk reuse ratio in ``reuses`` (the sequences
+    advance between calls), each checked bit for bit. Returns the device arguments."""
+    K, tbs, sbs, fbs, S = grid
+    fmax = max(-(-K * tbs * 2 // fbs), 4)
+    case = Case(rng, S=S, K=K, tbs=tbs, sbs=sbs, fbs=fbs, fmax=fmax, **case_kw)
+    dev = to_device_args(case, host_full=host_full)
+    for step, reuse in enumerate(reuses):
+        if step:
+            case.advance()
+        case.new_topk(reuse)
+        run_step(case, dev, host_full=host_full)
+    return dev
+
+
 @gpu
 @pytest.mark.parametrize("grid", GRID, ids=lambda g: "K{}_tbs{}_sbs{}_fbs{}_S{}".format(*g))
 @pytest.mark.parametrize(
@@ -201,28 +217,9 @@ GRID = [
 )
 @pytest.mark.parametrize("layout", ["BSND", "TND"])
 def test_gather_multi_step_bit_exact(rng, grid, dtype, rope, layout):
-    K, tbs, sbs, fbs, S = grid
-    fmax = max(-(-K * tbs * 2 // fbs), 4)
-    case = Case(
-        rng,
-        B=3,
-        S=S,
-        K=K,
-        tbs=tbs,
-        sbs=sbs,
-        fbs=fbs,
-        kv=48 if dtype != "int8" else 656,
-        rope=rope,
-        dtype=dtype,
-        layout=layout,
-        fmax=fmax,
-    )
-    dev = to_device_args(case, host_full=False)
-    for step, reuse in enumerate((0.0, 0.6, 0.9, 0.9)):
-        if step:
-            case.advance()
-        case.new_topk(reuse)
-        run_step(case, dev, host_full=False)
+    kv = 48 if dtype != "int8" else 656
+    steps = (0.0, 0.6, 0.9, 0.9)
+    _grid_steps(rng, grid, steps, False, B=3, kv=kv, rope=rope, dtype=dtype, layout=layout)
 
 
 @gpu
@@ -231,28 +228,9 @@ def test_gather_multi_step_bit_exact(rng, grid, dtype, rope, layout):
 )
 @pytest.mark.parametrize("rope", [64, 0])
 def test_gather_from_pinned_host_memory(rng, grid, rope):
-    K, tbs, sbs, fbs, S = grid
-    fmax = max(-(-K * tbs * 2 // fbs), 4)
-    case = Case(
-        rng,
-        B=2,
-        S=S,
-        K=K,
-        tbs=tbs,
-        sbs=sbs,
-        fbs=fbs,
-        kv=512,
-        rope=rope,
-        dtype="bfloat16" if rope else "int8",
-        fmax=fmax,
-    )
-    dev = to_device_args(case, host_full=True)
+    dtype = "bfloat16" if rope else "int8"
+    dev = _grid_steps(rng, grid, (0.0, 0.9, 0.6), True, B=2, kv=512, rope=rope, dtype=dtype)
     assert dv.is_pinned_host(dev[6])
-    for step, reuse in enumerate((0.0, 0.9, 0.6)):
-        if step:
-            case.advance()
-        case.new_topk(reuse)
-        run_step(case, dev, host_full=True)
 
 
 @gpu

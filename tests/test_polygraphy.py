@@ -512,38 +512,48 @@ def _rename_input(model, old, new):
     return model
 
 
-def test_loader_refuses_an_index_input_under_another_name():
-    sk = gather_skeleton(np.dtype(np.float16), tbs=1)
+def _table_as_initializer(m):
+    """Status and topk as graph inputs but no full_kv_block_table to derive kv_len."""
+    table = next(vi for vi in m.graph.input if vi.name == "full_kv_block_table")
+    m.graph.input.remove(table)
+    init = onnx.numpy_helper.from_array(np.zeros((2, 4), np.int32), "full_kv_block_table")
+    m.graph.initializer.append(init)
+
+
+@pytest.mark.parametrize(
+    "skeleton,change,match",
+    [
+        pytest.param(
+            {},
+            lambda m: _rename_input(m, "selection_topk_indices", "topk"),
+            r"^topk: expected the graph input to be named 'selection_topk_indices'",
+            id="index input under another name",
+        ),
+        pytest.param(
+            {},
+            lambda m: _rename_input(m, "full_kv_cache", "fkv"),  # not an index input
+            r"^full_kv_cache: expected a graph input named 'full_kv_cache'",
+            id="no cache to size the tables from",
+        ),
+        pytest.param(
+            {"FMAX": 0},
+            lambda m: m,
+            r"^full_kv_block_table: expected F_MAX_BLOCK_NUM >= 1, got 0",
+            id="table without columns",
+        ),
+        pytest.param(
+            {},
+            _table_as_initializer,
+            r"^full_kv_block_table: expected a graph input",
+            id="no kv_len source",
+        ),
+    ],
+)
+def test_loader_refuses_a_gather_it_cannot_feed(skeleton, change, match):
+    sk = gather_skeleton(np.dtype(np.float16), tbs=1, **skeleton)
     m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
-    _rename_input(m, "selection_topk_indices", "topk")
-    with pytest.raises(
-        ValueError,
-        match=r"^topk: expected the graph input to be named "
-        r"'selection_topk_indices'",
-    ):
-        data_loader.make_feeds(m, 0)
-
-
-def test_loader_needs_the_cache_it_sizes_tables_from():
-    sk = gather_skeleton(np.dtype(np.float16), tbs=1)
-    m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
-    _rename_input(m, "full_kv_cache", "fkv")  # not an index input
-    with pytest.raises(
-        ValueError,
-        match=r"^full_kv_cache: expected a graph input named "
-        r"'full_kv_cache'",
-    ):
-        data_loader.make_feeds(m, 0)
-
-
-def test_loader_refuses_a_table_without_columns():
-    sk = gather_skeleton(np.dtype(np.float16), tbs=1, FMAX=0)
-    m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
-    with pytest.raises(
-        ValueError,
-        match=r"^full_kv_block_table: expected F_MAX_BLOCK_NUM "
-        r">= 1, got 0",
-    ):
+    change(m)
+    with pytest.raises(ValueError, match=match):
         data_loader.make_feeds(m, 0)
 
 
@@ -557,16 +567,4 @@ def test_loader_refuses_a_compressing_write_without_tokens():
     }
     m = single_op_model("ScatterPaKvCache", feeds)
     with pytest.raises(ValueError, match=r"^key: expected Smax \(dim 1\) >= 1, got 0"):
-        data_loader.make_feeds(m, 0)
-
-
-def test_loader_refuses_a_gather_without_kv_len_source():
-    """Status and topk as graph inputs but no full_kv_block_table to derive kv_len."""
-    sk = gather_skeleton(np.dtype(np.float16), tbs=1)
-    m = single_op_model("GatherSelectionKvCache", sk, selection_topk_block_size=1)
-    table = next(vi for vi in m.graph.input if vi.name == "full_kv_block_table")
-    m.graph.input.remove(table)
-    init = onnx.numpy_helper.from_array(np.zeros((2, 4), np.int32), "full_kv_block_table")
-    m.graph.initializer.append(init)
-    with pytest.raises(ValueError, match=r"^full_kv_block_table: expected a graph input"):
         data_loader.make_feeds(m, 0)

@@ -661,34 +661,26 @@ RULES = [
     ("SBS % TBS", _tbs(3), ValueError, "SBS = 4"),
     ("FBS % TBS", _tbs(4), ValueError, "FBS = 6"),
     # G2 as lifted by pytrt_kv: K <= 2048 for every TBS (no "TBS == 1 when K > 32").
-    (
-        "K > 2048 with TBS 2",
-        _both(
-            _tbs(2),
+    *[
+        (
+            name,
             _both(
-                _set("selection_topk_indices", lambda x: np.full(x.shape[:-1] + (2049,), -1, I32)),
-                _set(
-                    "selection_kv_block_status", lambda x: np.full(x.shape[:-1] + (2050,), -1, I32)
+                _tbs(tbs),
+                _both(
+                    _set(
+                        "selection_topk_indices", lambda x: np.full(x.shape[:-1] + (2049,), -1, I32)
+                    ),
+                    _set(
+                        "selection_kv_block_status",
+                        lambda x: np.full(x.shape[:-1] + (2050,), -1, I32),
+                    ),
                 ),
             ),
-        ),
-        ValueError,
-        "selection_topk_indices",
-    ),
-    (
-        "K > 2048",
-        _both(
-            _tbs(1),
-            _both(
-                _set("selection_topk_indices", lambda x: np.full(x.shape[:-1] + (2049,), -1, I32)),
-                _set(
-                    "selection_kv_block_status", lambda x: np.full(x.shape[:-1] + (2050,), -1, I32)
-                ),
-            ),
-        ),
-        ValueError,
-        "selection_topk_indices",
-    ),
+            ValueError,
+            "selection_topk_indices",
+        )
+        for name, tbs in (("K > 2048 with TBS 2", 2), ("K > 2048", 1))
+    ],
     (
         "H != 1",
         _both(

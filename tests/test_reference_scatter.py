@@ -792,6 +792,12 @@ def f16(rng, shape):
     return random_bits(rng, shape, "float16")
 
 
+def _bad_cache(name: str, which: str, shape: tuple, needles: list):
+    """A rule: the cache ``which`` given as random float16 bytes of ``shape``, refused with
+    a ValueError that names it and says each of ``needles``."""
+    return (name, lambda k, r: {which: f16(r, shape)}, ValueError, which, needles)
+
+
 RULES_3D = [
     # (id, change(kwargs, rng) -> changes, exception, argument, fragments)
     ("key_not_array", lambda k, r: {"key": k["key"].tolist()}, TypeError, "key", ["list"]),
@@ -924,41 +930,16 @@ RULES_3D = [
         "key_cache",
         ["nz", "[NB, 6, BS, 16]"],
     ),
-    (
+    _bad_cache(
         "no_layout_fits",
-        lambda k, r: {"key_cache": f16(r, (3, 5, 2, 47))},
-        ValueError,
         "key_cache",
+        (3, 5, 2, 47),
         ["nd [NB, BS, 2, 48]", "hnd [NB, 2, BS, 48]", "nz [NB, 6, BS, 16]"],
     ),
-    (
-        "value_cache_no_layout_fits",
-        lambda k, r: {"value_cache": f16(r, (3, 5, 2, 81))},
-        ValueError,
-        "value_cache",
-        ["[NB, BS, 2, 80]"],
-    ),
-    (
-        "value_cache_other_layout",
-        lambda k, r: {"value_cache": f16(r, (3, 2, 5, 80))},
-        ValueError,
-        "value_cache",
-        ["layout of key_cache"],
-    ),
-    (
-        "value_cache_blocks",
-        lambda k, r: {"value_cache": f16(r, (4, 5, 2, 80))},
-        ValueError,
-        "value_cache",
-        ["NB=3", "NB=4"],
-    ),
-    (
-        "value_cache_block_size",
-        lambda k, r: {"value_cache": f16(r, (3, 6, 2, 80))},
-        ValueError,
-        "value_cache",
-        ["BS=5", "BS=6"],
-    ),
+    _bad_cache("value_cache_no_layout_fits", "value_cache", (3, 5, 2, 81), ["[NB, BS, 2, 80]"]),
+    _bad_cache("value_cache_other_layout", "value_cache", (3, 2, 5, 80), ["layout of key_cache"]),
+    _bad_cache("value_cache_blocks", "value_cache", (4, 5, 2, 80), ["NB=3", "NB=4"]),
+    _bad_cache("value_cache_block_size", "value_cache", (3, 6, 2, 80), ["BS=5", "BS=6"]),
     (
         "zero_block_size",
         lambda k, r: {"key_cache": f16(r, (3, 0, 2, 48)), "value": None, "value_cache": None},
@@ -1099,27 +1080,9 @@ RULES_4D = [
         "value",
         ["nz"],
     ),
-    (
-        "cache_heads_dim",
-        lambda k, r: {"key_cache": f16(r, (4, 2, 2, 8))},
-        ValueError,
-        "key_cache",
-        ["[NB, BS, 1, 8]"],
-    ),
-    (
-        "value_cache_size",
-        lambda k, r: {"value_cache": f16(r, (4, 4, 1, 8))},
-        ValueError,
-        "value_cache",
-        ["[NB, BS, 1, 4]"],
-    ),
-    (
-        "value_cache_blocks",
-        lambda k, r: {"value_cache": f16(r, (5, 4, 1, 4))},
-        ValueError,
-        "value_cache",
-        ["NB=4"],
-    ),
+    _bad_cache("cache_heads_dim", "key_cache", (4, 2, 2, 8), ["[NB, BS, 1, 8]"]),
+    _bad_cache("value_cache_size", "value_cache", (4, 4, 1, 8), ["[NB, BS, 1, 4]"]),
+    _bad_cache("value_cache_blocks", "value_cache", (5, 4, 1, 4), ["NB=4"]),
     (
         "slot_shape",
         lambda k, r: {"slot_mapping": k["slot_mapping"].reshape(4)},

@@ -19,6 +19,12 @@ def _feeds():
     }
 
 
+def _refused(model, match: str, error: type[Exception] = ValueError) -> None:
+    """Running ``model`` on :func:`_feeds` raises ``error`` with a message matching ``match``."""
+    with pytest.raises(error, match=match):
+        runtime.run(model, _feeds())
+
+
 def test_run_from_path_and_model_is_functional(tmp_path):
     feeds = _feeds()
     model = single_op_model("ScatterPaKvCache", feeds)
@@ -113,22 +119,17 @@ def test_float_block_size_is_refused():
 def test_string_attribute_given_as_int_is_refused():
     model = single_op_model("ScatterPaKvCache", _feeds())
     _set_attr(model.graph.node[0], "cache_layout", 1)
-    with pytest.raises(TypeError, match="attribute 'cache_layout': expected STRING, got INT"):
-        runtime.run(model, _feeds())
+    _refused(model, "attribute 'cache_layout': expected STRING, got INT", TypeError)
 
 
 def test_repeated_and_unknown_attributes_are_refused():
     model = single_op_model("ScatterPaKvCache", _feeds())
     node = model.graph.node[0]
     node.attribute.extend([onnx.helper.make_attribute("cache_layout", "nd")])
-    with pytest.raises(
-        ValueError, match="attribute 'cache_layout': expected once, got it repeated"
-    ):
-        runtime.run(model, _feeds())
+    _refused(model, "attribute 'cache_layout': expected once, got it repeated")
     model = single_op_model("ScatterPaKvCache", _feeds())
     model.graph.node[0].attribute.extend([onnx.helper.make_attribute("cache_layuot", "nd")])
-    with pytest.raises(ValueError, match="attribute 'cache_layuot': expected one of .*unknown"):
-        runtime.run(model, _feeds())
+    _refused(model, "attribute 'cache_layuot': expected one of .*unknown")
 
 
 def test_extra_inputs_are_refused(rng):
@@ -239,12 +240,11 @@ def _without_attr(model, name):
 
 def test_missing_plugin_attribute_is_named():
     model = _without_attr(single_op_model("ScatterPaKvCache", _feeds()), "plugin_version")
-    with pytest.raises(
-        ValueError,
-        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): attribute 'plugin_version': "
+    _refused(
+        model,
+        r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): attribute 'plugin_version': "
         r"expected '1' \(read by the TensorRT ONNX parser\), got none",
-    ):
-        runtime.run(model, _feeds())
+    )
 
 
 def test_missing_opset_and_foreign_domain_are_named():
@@ -252,26 +252,23 @@ def test_missing_opset_and_foreign_domain_are_named():
     kept = [o for o in model.opset_import if o.domain != "pytrt_kv"]
     del model.opset_import[:]
     model.opset_import.extend(kept)
-    with pytest.raises(
-        ValueError,
-        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): domain 'pytrt_kv': expected "
+    _refused(
+        model,
+        r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): domain 'pytrt_kv': expected "
         r"in the model's opset_import .*version 1\), got \{'': 17\}",
-    ):
-        runtime.run(model, _feeds())
+    )
     model = single_op_model("ScatterPaKvCache", _feeds())
     model.graph.node[0].domain = "com.foo"
-    with pytest.raises(
-        ValueError,
-        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): domain: expected 'pytrt_kv'"
+    _refused(
+        model,
+        r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): domain: expected 'pytrt_kv'"
         r".*, got 'com.foo'",
-    ):
-        runtime.run(model, _feeds())
+    )
     model = single_op_model("ScatterPaKvCache", _feeds())
     for o in model.opset_import:
         if o.domain == "pytrt_kv":
             o.version = 2
-    with pytest.raises(ValueError, match=r"domain 'pytrt_kv': expected .*version 1.*'pytrt_kv': 2"):
-        runtime.run(model, _feeds())
+    _refused(model, r"domain 'pytrt_kv': expected .*version 1.*'pytrt_kv': 2")
 
 
 def test_key_only_write_with_a_value_cache_output_is_refused():
@@ -280,12 +277,11 @@ def test_key_only_write_with_a_value_cache_output_is_refused():
     model.graph.output.append(
         onnx.helper.make_tensor_value_info("vco", onnx.TensorProto.FLOAT, None)
     )
-    with pytest.raises(
-        ValueError,
-        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): value_cache_out: expected no "
+    _refused(
+        model,
+        r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): value_cache_out: expected no "
         r"output for a key-only write \(no value_cache\), got 'vco'",
-    ):
-        runtime.run(model, _feeds())
+    )
 
 
 def test_one_tensor_as_both_caches_is_refused():
@@ -320,14 +316,14 @@ def test_output_declarations_must_match_what_the_op_produces(change, error, decl
         tt.shape.dim[1].dim_value = 7
     else:
         del tt.shape.dim[3]
-    with pytest.raises(
-        error,
-        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): key_cache_out: expected "
+    _refused(
+        model,
+        r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): key_cache_out: expected "
         r"float32\[2, 4, 1, 8\] \(the op's output, as key_cache\), got "
         + declared
         + r" declared by graph output 'key_cache_out'",
-    ):
-        runtime.run(model, _feeds())
+        error,
+    )
     # A symbolic declared dim is no contradiction.
     model = single_op_model("ScatterPaKvCache", _feeds())
     model.graph.output[0].type.tensor_type.shape.dim[0].dim_param = "NB"

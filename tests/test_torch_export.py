@@ -24,41 +24,12 @@ from support.gather_cases import gather_skeleton  # noqa: E402
 class WriteThenGather(torch.nn.Module):
     """Scatter the new latent/rope (hnd caches are [NB, 1, BS, D]) and gather a selection."""
 
-    def forward(
-        self,
-        kv,
-        k_rope,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        sel_k_rope,
-        sel_kv,
-        sel_table,
-        sel_status,
-        topk,
-        full_k_rope,
-        full_kv,
-        full_table,
-        kv_len,
-        q_len,
-    ):
+    def forward(self, kv, k_rope, key_cache, value_cache, slot_mapping, *gather_inputs):
+        """``gather_inputs``: the gather's ten inputs in the op's order (docs/SPEC.md G1)."""
         kc, vc = pk.scatter_pa_kv_cache(
             kv, k_rope, key_cache, value_cache, slot_mapping, cache_layout="hnd"
         )
-        outs = pk.gather_selection_kv_cache(
-            sel_k_rope,
-            sel_kv,
-            sel_table,
-            sel_status,
-            topk,
-            full_k_rope,
-            full_kv,
-            full_table,
-            kv_len,
-            q_len,
-            selection_topk_block_size=4,
-            alias_io=0,
-        )
+        outs = pk.gather_selection_kv_cache(*gather_inputs, selection_topk_block_size=4, alias_io=0)
         return (kc, vc, *outs[:3], outs[3] + 0)
 
 
