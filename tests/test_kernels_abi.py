@@ -90,14 +90,6 @@ SCATTER_BREAKS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SCATTER_BREAKS))
-def test_scatter_refuses_on_the_host(lib, name):
-    p = good_scatter()
-    SCATTER_BREAKS[name](p)
-    assert lib.pytrt_kv_scatter_pa_kv_cache(ctypes.byref(p), None, -1) == INVALID_VALUE
-    assert lib.pytrt_kv_get_last_error().startswith(b"scatter:")
-
-
 def _rope(p, key_at=0x10000):
     p.compress, p.mode, p.batch, p.maxSeqLen = True, 0, 1, 4
     p.compressLens = p.seqLens = p.compressSeqOffsets = _ptr()
@@ -206,12 +198,20 @@ def test_gather_refuses_rows_over_2_gib(lib):
     )
 
 
-@pytest.mark.parametrize("name", list(GATHER_BREAKS))
-def test_gather_refuses_on_the_host(lib, name):
-    p = good_gather()
-    GATHER_BREAKS[name](p)
-    assert lib.pytrt_kv_gather_selection_kv_cache(ctypes.byref(p), None, -1) == INVALID_VALUE
-    assert lib.pytrt_kv_get_last_error().startswith(b"gather:")
+@pytest.mark.parametrize(
+    "op,name", [*(("scatter", n) for n in SCATTER_BREAKS), *(("gather", n) for n in GATHER_BREAKS)]
+)
+def test_refuses_on_the_host(lib, op, name):
+    """A broken parameter block: the launch returns cudaErrorInvalidValue before any
+    launch, and the last error names the op."""
+    if op == "scatter":
+        p, launch = good_scatter(), lib.pytrt_kv_scatter_pa_kv_cache
+        SCATTER_BREAKS[name](p)
+    else:
+        p, launch = good_gather(), lib.pytrt_kv_gather_selection_kv_cache
+        GATHER_BREAKS[name](p)
+    assert launch(ctypes.byref(p), None, -1) == INVALID_VALUE
+    assert lib.pytrt_kv_get_last_error().startswith(op.encode() + b":")
 
 
 @pytest.mark.parametrize("name", list(GATHER_BREAKS))

@@ -261,6 +261,16 @@ DIRECTED = [
 ]
 
 
+def _mutant(base, chosen, r: random.Random):
+    """(a copy of ``base`` with each mutation of ``chosen`` applied, drawing from ``r``;
+    the mutations' names joined by "+"), or None when one of them does not apply."""
+    m = onnx.ModelProto()
+    m.CopyFrom(base)
+    if any(mutate(m, r) is False for mutate in chosen):
+        return None
+    return m, "+".join(mutate.__name__[2:] for mutate in chosen)
+
+
 def corpus():
     """(id, model, base shapes): the unmutated bases, PER_BASE seeded mutants of each,
     an empty model."""
@@ -274,20 +284,15 @@ def corpus():
             # One mutation, or two (a symbolic dim and a dtype change together are what
             # used to skip the dtype rules).
             chosen = r.sample(MUTATIONS, 2 if r.random() < COMPOUND else 1)
-            m = onnx.ModelProto()
-            m.CopyFrom(base)
-            if any(mutate(m, r) is False for mutate in chosen):
+            mutant = _mutant(base, chosen, r)
+            if mutant is None:
                 continue
-            kind = "+".join(mutate.__name__[2:] for mutate in chosen)
-            out.append((f"{base_name}/{made}-{kind}", m, shapes))
+            out.append((f"{base_name}/{made}-{mutant[1]}", mutant[0], shapes))
             made += 1
         for chosen in DIRECTED:
-            m = onnx.ModelProto()
-            m.CopyFrom(base)
-            if any(mutate(m, r) is False for mutate in chosen):
-                continue
-            kind = "+".join(mutate.__name__[2:] for mutate in chosen)
-            out.append((f"{base_name}/directed-{kind}", m, shapes))
+            mutant = _mutant(base, chosen, r)
+            if mutant is not None:
+                out.append((f"{base_name}/directed-{mutant[1]}", mutant[0], shapes))
     out.append(("empty-file", onnx.ModelProto(), {}))
     return out
 

@@ -16,7 +16,7 @@ from pytrt_kv.graph.feeds import make_feeds
 from pytrt_kv.reference import gather_selection_kv_cache, scatter_pa_kv_cache
 from support.arrays import assert_same_bits, bits, cache_shape
 from support.gather_cases import gather_skeleton
-from support.models import compress_key_feeds
+from support.models import compress_key_feeds, reference_scatter
 
 SENTINEL = 13
 
@@ -68,18 +68,7 @@ def test_scatter_ambiguous_layout_asks_for_it():
 
 def _scatter_ref(layout, mode):
     def ref(x):
-        scatter_pa_kv_cache(
-            x["key"],
-            x.get("value"),
-            x["key_cache"],
-            x.get("value_cache"),
-            x["slot_mapping"],
-            compress_lens=x.get("compress_lens"),
-            compress_seq_offsets=x.get("compress_seq_offsets"),
-            seq_lens=x.get("seq_lens"),
-            cache_layout=layout,
-            compress_mode=mode,
-        )
+        reference_scatter(x, cache_layout=layout, compress_mode=mode)
         out = {"key_cache_out": x["key_cache"]}
         if "value_cache" in x:
             out["value_cache_out"] = x["value_cache"]

@@ -22,6 +22,7 @@ from pytrt_kv.trt import build as trt_build
 from pytrt_kv.trt import model as trt_model
 from pytrt_kv.trt import runner as trt_runner
 from support.env import run_python
+from support.models import reference_scatter
 from support.op_names import SCATTER_INPUTS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -413,7 +414,6 @@ def test_profile_spans_the_steps():
 def test_prepared_model_runs_on_the_cpu_reference(case):
     # `polygraphy run --trt --pytrt-kv-ref` feeds one model to both runners: the CPU
     # runtime must read the placeholders of a prepared model as absent inputs.
-    from pytrt_kv import reference
     from pytrt_kv.runtime import run
 
     rng = np.random.default_rng(7)
@@ -428,16 +428,7 @@ def test_prepared_model_runs_on_the_cpu_reference(case):
     p = trt_model.prepare_for_tensorrt(single_op_model("ScatterPaKvCache", inputs))
     got = run(p, inputs)
     want = {k: v.copy() for k, v in inputs.items()}
-    reference.scatter_pa_kv_cache(
-        want["key"],
-        want.get("value"),
-        want["key_cache"],
-        want.get("value_cache"),
-        want["slot_mapping"],
-        compress_lens=want.get("compress_lens"),
-        compress_seq_offsets=want.get("compress_seq_offsets"),
-        seq_lens=want.get("seq_lens"),
-    )
+    reference_scatter(want)
     assert not np.array_equal(
         want["key_cache"].view(np.uint8), inputs["key_cache"].view(np.uint8)
     ), "the case writes nothing"

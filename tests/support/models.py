@@ -108,6 +108,14 @@ def compress_key_feeds(rng) -> dict:
     }
 
 
+def reference_scatter(feeds: dict, **attributes) -> None:
+    """The reference scatter on ``feeds`` (the op's inputs by name, as a single-op model's
+    graph takes them; a missing one is None): the caches in ``feeds`` are updated."""
+    from pytrt_kv.reference import scatter_pa_kv_cache
+
+    scatter_pa_kv_cache(**{"value": None, "value_cache": None, **feeds}, **attributes)
+
+
 def gather_model(
     dt, tnd, tbs, rope=True, alias_io=1, B=2, S=2, K=4, SBS=16, FBS=16, KV=32, KR=8, FBN=24, FMAX=6
 ):
