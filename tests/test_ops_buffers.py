@@ -23,8 +23,7 @@ from pytrt_kv.contract import dtypes
 from pytrt_kv.reference import gather_selection_kv_cache as ref_gather
 from pytrt_kv.reference import scatter_pa_kv_cache as ref_scatter
 from support.arrays import FakeCudaArray
-
-gpu = pytest.mark.gpu
+from support.device import gpu
 
 
 class _Counting:

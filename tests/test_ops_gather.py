@@ -25,9 +25,7 @@ from support.arrays import (
     to_torch,
     torch_mod,
 )
-
-gpu = pytest.mark.gpu
-real_gpu = pytest.mark.real_gpu
+from support.device import gpu, real_gpu
 
 
 class Case:

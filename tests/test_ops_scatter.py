@@ -29,9 +29,7 @@ from support.arrays import (
     to_torch,
     torch_mod,
 )
-
-gpu = pytest.mark.gpu
-real_gpu = pytest.mark.real_gpu
+from support.device import gpu, real_gpu
 
 
 def distinct_slots(rng, n, num_slots, pad_frac=0.2, dtype=np.int32):

@@ -14,8 +14,8 @@ from pytrt_kv.reference import quantise
 from pytrt_kv.reference import scatter_pa_kv_cache as ref_scatter
 from support import device as dv
 from support.arrays import assert_same_bits, cache_shape, sentinel
+from support.device import gpu
 
-gpu = pytest.mark.gpu
 E4M3 = "float8_e4m3fn"
 SOURCES = ("float16", "bfloat16", "float32")
 CACHES = (E4M3, "int8")

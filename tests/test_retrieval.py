@@ -32,11 +32,7 @@ from pytrt_kv.retrieval import (
 )
 from pytrt_kv.retrieval.demo import VerificationError, run_steps
 from pytrt_kv.retrieval.planner import RetrievalPlanner, RetrievalSizes
-
-SMALL = dict(
-    init_tokens=64, local_tokens=200, block_size=32, dense_boundary=256, offload_boundary=512
-)
-
+from support.models import SMALL_RETRIEVAL as SMALL
 
 # --- R1 / R2 -------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from onnx_export import single_op_model
 from pytrt_kv import _lib
 from support.env import fix_kernel_archs, rtx_unavailable_reason, run_python
 from support.models import (
+    SMALL_RETRIEVAL,
     compress_model,
     engine_test_models,
     gather_model,
@@ -411,15 +412,8 @@ def test_retrieval_decode_step_builds_unchanged(tmp_path, representation):
     from pytrt_kv.retrieval import RetrievalConfig
     from pytrt_kv.retrieval.planner import RetrievalSizes
 
-    cfg = RetrievalConfig(
-        init_tokens=64,
-        local_tokens=200,
-        block_size=32,
-        topk_percent=0.2,
-        dense_boundary=0,
-        offload_boundary=512,
-        representation=representation,
-    )
+    small = dict(SMALL_RETRIEVAL, dense_boundary=0)
+    cfg = RetrievalConfig(**small, topk_percent=0.2, representation=representation)
     model = build_retrieval_decode_step(RetrievalSizes(max_len=1024), cfg)
     # Multi-node graph: the I/O table order varies between builds, as for the example model
     # (UNORDERED_IO above).

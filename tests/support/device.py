@@ -15,8 +15,14 @@ import functools
 from typing import Any
 
 import numpy as np
+import pytest
 
+from pytrt_kv import _cuda
 from pytrt_kv.contract import dtypes
+
+# The markers of the tests that need a device; tests/conftest.py skips them where none runs.
+gpu = pytest.mark.gpu
+real_gpu = pytest.mark.real_gpu
 
 
 @functools.cache
@@ -47,15 +53,8 @@ class DeviceView:
     def ptr(self) -> int:
         return (int(self.base.ptr) if self.base is not None else 0) + self.offset
 
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {
-            "shape": self.shape,
-            "typestr": self.dtype.str,
-            "data": (self.ptr, False),
-            "strides": None,
-            "version": 3,
-        }
+    # The package's own definition, read from the same shape, dtype and ptr.
+    __cuda_array_interface__ = _cuda.DeviceArray.__cuda_array_interface__
 
     def get(self) -> np.ndarray:
         from pytrt_kv._cuda import copy_to_host

@@ -1,13 +1,40 @@
 """The single-op models that the TensorRT engine tests build (tests/test_trt_engine.py on
 a GPU, tests/test_rtx_build.py ahead of time with TensorRT-RTX), in one place so both
-build exactly the same set, with the compressing scatter's cases and a small compressing
-key-only feed set that the CPU runtime and ONNX tests share."""
+build exactly the same set; their input shapes are the C++ harness's
+(plugins/harness/makeCases.py). Also the compressing scatter's cases, a small compressing
+key-only feed set and the reference scatter on feeds that the CPU runtime and ONNX tests
+share, and a small RetrievalKV configuration."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 
 from onnx_export import single_op_model
+from support.arrays import cache_shape
+from support.env import REPO
+
+# A small RetrievalKV configuration (docs/SPEC.md R1): the decode step of
+# tests/test_retrieval.py, and the graph tests/test_rtx_build.py builds (dense from 0).
+SMALL_RETRIEVAL = dict(
+    init_tokens=64, local_tokens=200, block_size=32, dense_boundary=256, offload_boundary=512
+)
+
+
+def _harness():
+    """plugins/harness/makeCases.py, the C++ harness's case maker: its zero-array shapes
+    of each op are the ones these models take too (one description of the test shapes)."""
+    spec = importlib.util.spec_from_file_location(
+        "makeCases", REPO / "plugins" / "harness" / "makeCases.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+HARNESS = _harness()
 
 
 def _np(name):
@@ -17,20 +44,7 @@ def _np(name):
 
 
 def scatter_model(layout, dt, idx, value=True, alias_io=1, T=9, H=2, Dk=16, NB=6, BS=8):
-    Dv = 16 if layout == "nz" else 8
-
-    def cache(d, t):
-        L = 32 // _np(t).itemsize
-        return {"nd": (NB, BS, H, d), "hnd": (NB, H, BS, d), "nz": (NB, H * d // L, BS, L)}[layout]
-
-    shapes = {
-        "key": np.zeros((T, H, Dk), _np(dt)),
-        "key_cache": np.zeros(cache(Dk, dt), _np(dt)),
-        "slot_mapping": np.zeros((T,), _np(idx)),
-    }
-    if value:
-        shapes["value"] = np.zeros((T, H, Dv), _np(dt))
-        shapes["value_cache"] = np.zeros(cache(Dv, dt), _np(dt))
+    shapes = HARNESS.scatter_shapes(layout, dt, dt if value else None, idx, T, H, Dk, NB=NB, BS=BS)
     return single_op_model("ScatterPaKvCache", shapes, cache_layout=layout, alias_io=alias_io)
 
 
@@ -41,8 +55,7 @@ def quant_model(
     ``cache`` caches (``value_cache``: another value cache dtype, copied unscaled, nz only)."""
 
     def shape(t):
-        L = 32 // _np(t).itemsize
-        return {"nd": (NB, BS, H, D), "hnd": (NB, H, BS, D), "nz": (NB, H * D // L, BS, L)}[layout]
+        return cache_shape(layout, NB, BS, H, D, t)
 
     scale = (H,) if per_head else ()
     shapes = {
@@ -79,18 +92,9 @@ COMPRESS_CASES = [
 ]
 
 
-def compress_model(dt, idx, mode, offsets=True, B=2, Smax=9, H=3, D=16, NB=12, BS=8):
-    shapes = {
-        "key": np.zeros((B, Smax, H, D), _np(dt)),
-        "value": np.zeros((B, Smax, H, D), _np(dt)),
-        "key_cache": np.zeros((NB, BS, 1, D), _np(dt)),
-        "value_cache": np.zeros((NB, BS, 1, D), _np(dt)),
-        "slot_mapping": np.zeros((B, H), _np(idx)),
-        "compress_lens": np.zeros((B, H), _np(idx)),
-        "seq_lens": np.zeros((B,), _np(idx)),
-    }
-    if offsets:
-        shapes["compress_seq_offsets"] = np.zeros((B * H,), _np(idx))
+def compress_model(dt, idx, mode, offsets=True, **sizes):
+    """``sizes``: B, Smax, H, D, NB, BS of the harness's compress_shapes."""
+    shapes = HARNESS.compress_shapes(dt, idx, offsets, **sizes)
     attrs = {"compress_mode": mode} if mode else {}
     return single_op_model("ScatterPaKvCache", shapes, **attrs)
 
@@ -116,23 +120,9 @@ def reference_scatter(feeds: dict, **attributes) -> None:
     scatter_pa_kv_cache(**{"value": None, "value_cache": None, **feeds}, **attributes)
 
 
-def gather_model(
-    dt, tnd, tbs, rope=True, alias_io=1, B=2, S=2, K=4, SBS=16, FBS=16, KV=32, KR=8, FBN=24, FMAX=6
-):
-    smax = -(-K * tbs // SBS)
-    lead = (B * S, 1) if tnd else (B, S, 1)
-    shapes = {
-        "selection_k_rope": np.zeros((B * S * smax + 2, SBS, KR) if rope else (0,), _np(dt)),
-        "selection_kv_cache": np.zeros((B * S * smax + 2, SBS, KV), _np(dt)),
-        "selection_kv_block_table": np.zeros((B * S + 1, smax), np.int32),
-        "selection_kv_block_status": np.zeros(lead + (K + 1,), np.int32),
-        "selection_topk_indices": np.zeros(lead + (K,), np.int32),
-        "full_k_rope": np.zeros((FBN, FBS, KR) if rope else (0,), _np(dt)),
-        "full_kv_cache": np.zeros((FBN, FBS, KV), _np(dt)),
-        "full_kv_block_table": np.zeros((B, FMAX), np.int32),
-        "full_kv_actual_seq": np.zeros((B,), np.int32),
-        "full_q_actual_seq": np.zeros((B,), np.int32),
-    }
+def gather_model(dt, tnd, tbs, rope=True, alias_io=1, **sizes):
+    """``sizes``: B, S, K, SBS, FBS, KV, KR, FBN, FMAX of the harness's gather_shapes."""
+    shapes = HARNESS.gather_shapes(dt, tnd, tbs, rope, **sizes)
     return single_op_model(
         "GatherSelectionKvCache", shapes, selection_topk_block_size=tbs, alias_io=alias_io
     )
