@@ -26,6 +26,12 @@ def _refused(model, match: str, error: type[Exception] = ValueError, feeds=None)
         runtime.run(model, _feeds() if feeds is None else feeds)
 
 
+def _load_refused(model, match: str, error: type[Exception] = ValueError) -> None:
+    """Loading ``model`` (runtime.make_evaluator) raises ``error`` matching ``match``."""
+    with pytest.raises(error, match=match):
+        runtime.make_evaluator(model)
+
+
 def test_run_from_path_and_model_is_functional(tmp_path):
     feeds = _feeds()
     model = single_op_model("ScatterPaKvCache", feeds)
@@ -109,12 +115,9 @@ def test_misspelt_compress_mode_is_refused(rng):
 def test_float_block_size_is_refused():
     model = _gather_model()
     _set_attr(model.graph.node[0], "selection_topk_block_size", 2.9)
-    with pytest.raises(
-        TypeError,
-        match=r"attribute 'selection_topk_block_size': expected "
-        r"INT, got FLOAT 2\.9",
-    ):
-        runtime.make_evaluator(model)
+    _load_refused(
+        model, r"attribute 'selection_topk_block_size': expected " r"INT, got FLOAT 2\.9", TypeError
+    )
 
 
 def test_string_attribute_given_as_int_is_refused():
@@ -155,19 +158,16 @@ def test_output_counts_are_checked():
     _refused(model, "value_cache_out: expected a graph tensor", feeds=feeds)
     model = _gather_model()
     model.graph.node[0].output.append("fifth")
-    with pytest.raises(ValueError, match=r"outputs: expected at most 4 .* got 5"):
-        runtime.make_evaluator(model)
+    _load_refused(model, r"outputs: expected at most 4 .* got 5")
 
 
 def test_missing_required_input_and_unknown_op_type_are_refused():
     model = single_op_model("ScatterPaKvCache", _feeds())
     model.graph.node[0].input[4] = ""  # slot_mapping
-    with pytest.raises(ValueError, match="slot_mapping: expected a graph tensor"):
-        runtime.make_evaluator(model)
+    _load_refused(model, "slot_mapping: expected a graph tensor")
     model = single_op_model("ScatterPaKvCache", _feeds())
     model.graph.node[0].op_type = "ScatterKvCache"
-    with pytest.raises(ValueError, match="op_type: expected one of .*'ScatterKvCache'"):
-        runtime.make_evaluator(model)
+    _load_refused(model, "op_type: expected one of .*'ScatterKvCache'")
 
 
 def test_feeds_checked_against_declared_shapes():
@@ -342,8 +342,7 @@ def test_dynamic_token_count_beside_a_static_one_is_refused_up_front():
         r"dynamic as key's 'T' \(key, value and slot_mapping dim 0 are one token count T\), "
         r"got int32\[2\]"
     )
-    with pytest.raises(ValueError, match=want):
-        runtime.make_evaluator(model)
+    _load_refused(model, want)
     with pytest.raises(ValueError, match=want):
         prepare_for_tensorrt(model)
     with pytest.raises(ValueError, match=r"slot_mapping: expected dim 0 dynamic as key's 'T'"):

@@ -48,6 +48,12 @@ def _fake_trt(monkeypatch, version):
 # --- no TensorRT: every entry point explains itself -------------------------------------
 
 
+def _prepare_refused(model, match: str, error: type[Exception] = ValueError) -> None:
+    """trt_model.prepare_for_tensorrt(model) raises ``error`` matching ``match``."""
+    with pytest.raises(error, match=match):
+        trt_model.prepare_for_tensorrt(model)
+
+
 def test_import_does_not_load_tensorrt():
     code = (
         "import sys, pytrt_kv.trt, pytrt_kv.trt.model\n"
@@ -249,13 +255,11 @@ def test_prepare_refuses_unknown_key_and_half_value():
     broken = onnx.ModelProto()
     broken.CopyFrom(m)
     broken.graph.node[0].input[3] = ""
-    with pytest.raises(ValueError, match="value, value_cache: expected both or neither"):
-        trt_model.prepare_for_tensorrt(broken)
+    _prepare_refused(broken, "value, value_cache: expected both or neither")
     unknown = onnx.ModelProto()
     unknown.CopyFrom(m)
     unknown.graph.node[0].input[0] = "mystery"
-    with pytest.raises(ValueError, match="key: expected a tensor with a known dtype and rank"):
-        trt_model.prepare_for_tensorrt(unknown)
+    _prepare_refused(unknown, "key: expected a tensor with a known dtype and rank")
 
 
 @pytest.mark.parametrize(
@@ -746,19 +750,17 @@ def test_build_refuses_a_timing_cache_tensorrt_rejects(tmp_path, monkeypatch, ac
 def test_prepare_refuses_an_eleventh_scatter_input():
     m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
     m.graph.node[0].input.extend(["", "", "", "", "", "extra"])
-    with pytest.raises(ValueError, match=r"inputs: expected at most 10 .*got 11"):
-        trt_model.prepare_for_tensorrt(m)
+    _prepare_refused(m, r"inputs: expected at most 10 .*got 11")
 
 
 def test_prepare_refuses_an_unnamed_cache_update():
     m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
     m.graph.node[0].output[0] = ""
-    with pytest.raises(
-        ValueError,
-        match=r"key_cache_out: expected a graph tensor \(output 0, the updated 'key_cache'; "
+    _prepare_refused(
+        m,
+        r"key_cache_out: expected a graph tensor \(output 0, the updated 'key_cache'; "
         r"an unnamed output would drop the cache update\)",
-    ):
-        trt_model.prepare_for_tensorrt(m)
+    )
 
 
 def test_prepared_key_only_write_passes_checker_and_shape_inference():
@@ -784,10 +786,7 @@ def test_prepare_refuses_dtypes_tensorrt_cannot_pass(dtype):
         },
         cache_layout="nd",
     )
-    with pytest.raises(
-        ValueError, match=rf"key: expected a dtype TensorRT can pass to a plugin.*got {dtype}"
-    ):
-        trt_model.prepare_for_tensorrt(m)
+    _prepare_refused(m, rf"key: expected a dtype TensorRT can pass to a plugin.*got {dtype}")
 
 
 def test_prepare_refuses_mixed_index_dtypes():
@@ -799,12 +798,11 @@ def test_prepare_refuses_mixed_index_dtypes():
     m.graph.input.append(onnx.helper.make_tensor_value_info("lens", onnx.TensorProto.INT32, [3]))
     # Static shapes: the shared model check (pytrt_kv.graph.lint) refuses it first, with
     # the contract's message, as the CPU runtime does.
-    with pytest.raises(
-        ValueError,
-        match=r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): compress_lens: expected dtype "
+    _prepare_refused(
+        m,
+        r"^node 'ScatterPaKvCache' \(ScatterPaKvCache\): compress_lens: expected dtype "
         r"int64 \(all index tensors share slot_mapping's dtype\), got int32 .*\[schema.dtype\]$",
-    ):
-        trt_model.prepare_for_tensorrt(m)
+    )
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
@@ -904,19 +902,13 @@ def _gather_model():
 def test_prepare_refuses_an_empty_required_input():
     m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
     m.graph.node[0].input[4] = ""
-    with pytest.raises(
-        ValueError, match=r"slot_mapping: expected a graph tensor \(required input 4\), got none"
-    ):
-        trt_model.prepare_for_tensorrt(m)
+    _prepare_refused(m, r"slot_mapping: expected a graph tensor \(required input 4\), got none")
 
 
 def test_prepare_refuses_a_nine_input_gather():
     m = _gather_model()
     del m.graph.node[0].input[9]
-    with pytest.raises(
-        ValueError, match=r"full_q_actual_seq: expected a graph tensor \(required input 9\)"
-    ):
-        trt_model.prepare_for_tensorrt(m)
+    _prepare_refused(m, r"full_q_actual_seq: expected a graph tensor \(required input 9\)")
 
 
 def test_prepare_names_a_string_alias_io():
@@ -925,8 +917,7 @@ def test_prepare_names_a_string_alias_io():
     kept = [a for a in node.attribute if a.name != "alias_io"]
     del node.attribute[:]
     node.attribute.extend(kept + [onnx.helper.make_attribute("alias_io", "x")])
-    with pytest.raises(TypeError, match=r"attribute 'alias_io': expected INT, got STRING b?'x'"):
-        trt_model.prepare_for_tensorrt(m)
+    _prepare_refused(m, r"attribute 'alias_io': expected INT, got STRING b?'x'", TypeError)
 
 
 def test_prepare_refuses_a_gather_without_selection_kv_actual_seq_like_the_runtime():
@@ -938,23 +929,21 @@ def test_prepare_refuses_a_gather_without_selection_kv_actual_seq_like_the_runti
     want = r"selection_kv_actual_seq: expected a graph tensor \(output 3\), got none"
     with pytest.raises(ValueError, match=want):
         runtime.make_evaluator(m)
-    with pytest.raises(ValueError, match=want):
-        trt_model.prepare_for_tensorrt(m)
+    _prepare_refused(m, want)
 
 
 def test_prepare_refuses_contradicting_output_declarations_and_shared_caches():
     m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
     m.graph.output[1].type.tensor_type.elem_type = onnx.TensorProto.FLOAT
-    with pytest.raises(
-        TypeError,
-        match=r"value_cache_out: expected float16\[4, 8, 2, 8\] \(the op's output, as "
+    _prepare_refused(
+        m,
+        r"value_cache_out: expected float16\[4, 8, 2, 8\] \(the op's output, as "
         r"value_cache\), got float32\[4, 8, 2, 8\] declared by graph output 'value_cache_out'",
-    ):
-        trt_model.prepare_for_tensorrt(m)
+        TypeError,
+    )
     m = single_op_model("ScatterPaKvCache", _scatter_inputs(True))
     m.graph.node[0].input[3] = "key_cache"
-    with pytest.raises(ValueError, match=r"value_cache: expected a graph tensor other than"):
-        trt_model.prepare_for_tensorrt(m)
+    _prepare_refused(m, r"value_cache: expected a graph tensor other than")
 
 
 def test_zero_element_inputs_are_exempt_from_the_update_rules():
