@@ -148,19 +148,24 @@ def test_harness_reports_a_wrong_expectation(build, tmp_path):
     assert r.returncode == 1 and "FAIL: ScatterPaKvCache" in r.stdout, r.stdout
 
 
+def _with_library_in_a_child(lib, code: str):
+    """Run ``code`` in a child Python process with ``ctypes`` imported and the library at
+    ``lib`` loaded as ``l`` (this process never loads it); it must exit 0."""
+    r = run_python("-c", f"import ctypes\nl = ctypes.CDLL({str(lib)!r})\n" + code, timeout=900)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
 def test_loader_library_exports_only_the_entry_points(build):
     lib = build[0] / "lib" / "libpytrt_kv_plugins.so"
-    code = (
-        "import ctypes, sys\n"
-        f"l = ctypes.CDLL({str(lib)!r})\n"
+    r = _with_library_in_a_child(
+        lib,
         "n = ctypes.c_int32(-1)\n"
         "l.getCreators.restype = ctypes.c_void_p\n"
         "p = l.getCreators(ctypes.byref(n))\n"
         "print(n.value, bool(p), hasattr(l, 'setLoggerFinder'),\n"
-        "      hasattr(l, 'pytrt_kv_registered_creators'))\n"
+        "      hasattr(l, 'pytrt_kv_registered_creators'))\n",
     )
-    r = run_python("-c", code, timeout=900)
-    assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["2", "True", "True", "False"]
 
 
@@ -169,8 +174,6 @@ def test_autoreg_library_loads_without_libnvinfer(build):
     # library's load-time registration ran, so that this process never loads libnvinfer.
     lib = build[0] / "lib" / "libpytrt_kv_plugins_autoreg.so"
     code = (
-        "import ctypes\n"
-        f"l = ctypes.CDLL({str(lib)!r})\n"
         "have = False\n"
         "for so in ('libnvinfer.so.11', 'libnvinfer.so.10'):\n"
         "    try:\n"
@@ -179,8 +182,7 @@ def test_autoreg_library_loads_without_libnvinfer(build):
         "        pass\n"
         "print(l.pytrt_kv_registered_creators(), hasattr(l, 'getCreators'), have)\n"
     )
-    r = run_python("-c", code, timeout=900)
-    assert r.returncode == 0, r.stderr
+    r = _with_library_in_a_child(lib, code)
     registered, exports_get_creators, have_nvinfer = r.stdout.split()
     assert exports_get_creators == "False"
     if have_nvinfer == "True":

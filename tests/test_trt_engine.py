@@ -19,6 +19,7 @@ from pytrt_kv import runtime
 from pytrt_kv.graph.feeds import make_feeds
 from support.env import polygraphy_command
 from support.models import COMPRESS_CASES, compress_model, gather_model, scatter_model
+from support.op_names import SCATTER_INPUTS
 
 pytestmark = pytest.mark.trt
 
@@ -177,13 +178,7 @@ def test_inplace_binding_and_inserted_copies(tmp_path, alias_io, record_property
     t_engine = timed(lambda: runner.execute(stream))
     t_eager = timed(
         lambda: ops.scatter_pa_kv_cache(
-            dev["key"],
-            dev["value"],
-            dev["key_cache"],
-            dev["value_cache"],
-            dev["slot_mapping"],
-            cache_layout="nd",
-            stream=stream,
+            *(dev[n] for n in SCATTER_INPUTS[:5]), cache_layout="nd", stream=stream
         )
     )
     copies = copy_layers(eng)
