@@ -511,20 +511,8 @@ def test_kernel_empty_batch_writes_only_actual_seq(rng):
 
     from pytrt_kv import _cuda
 
-    case = Case(
-        rng,
-        B=1,
-        S=1,
-        K=8,
-        tbs=1,
-        sbs=8,
-        fbs=8,
-        kv=16,
-        rope=0,
-        dtype="float16",
-        fmax=4,
-        extra_rows=2,
-    )
+    # S = 1, K = 8 and TBS = 1 as Case makes them by default.
+    case = Case(rng, B=1, sbs=8, fbs=8, kv=16, rope=0, dtype="float16", fmax=4, extra_rows=2)
     case.new_topk(0.0)
     dev = to_device_args(case, host_full=False)
     out = dv.full((case.R,), 77, "int32")
