@@ -86,7 +86,7 @@ def rng() -> np.random.Generator:
 MEMORY_LIMIT_ENV = "PYTRT_KV_TEST_MAX_RSS_GB"
 
 
-def _memory_limit_bytes() -> int:
+def _memory_limit_gib() -> float:
     raw = os.environ.get(MEMORY_LIMIT_ENV, "4")
     try:
         gib = float(raw)
@@ -96,7 +96,7 @@ def _memory_limit_bytes() -> int:
         raise pytest.UsageError(
             f"{MEMORY_LIMIT_ENV}: expected a positive number of GiB, got {raw!r}"
         )
-    return int(gib * 2**30)
+    return gib
 
 
 def _peak_rss() -> dict[str, int]:
@@ -108,13 +108,12 @@ def _peak_rss() -> dict[str, int]:
     }
 
 
-def _memory_verdict() -> tuple[dict[str, int], int, list[str]]:
-    peaks, limit = _peak_rss(), _memory_limit_bytes()
+def _memory_verdict() -> tuple[dict[str, int], float, list[str]]:
+    peaks, limit = _peak_rss(), _memory_limit_gib()
     over = [
-        f"{who} peaked at {v / 2**30:.2f} GiB, above the {limit / 2**30:g} GiB limit "
-        f"({MEMORY_LIMIT_ENV})"
+        f"{who} peaked at {v / 2**30:.2f} GiB, above the {limit:g} GiB limit ({MEMORY_LIMIT_ENV})"
         for who, v in peaks.items()
-        if v > limit
+        if v > limit * 2**30
     ]
     return peaks, limit, over
 
@@ -122,7 +121,7 @@ def _memory_verdict() -> tuple[dict[str, int], int, list[str]]:
 def pytest_sessionstart(session):
     """A malformed limit is refused before any test runs."""
     del session
-    _memory_limit_bytes()
+    _memory_limit_gib()
 
 
 @pytest.hookimpl(trylast=True)
@@ -142,6 +141,6 @@ def pytest_terminal_summary(terminalreporter, config):
     peaks, limit, over = getattr(config, "_pytrt_kv_memory", None) or _memory_verdict()
     terminalreporter.write_sep("-", "peak memory (RSS)")
     for who, v in peaks.items():
-        terminalreporter.write_line(f"{who}: {v / 2**30:.2f} GiB (limit {limit / 2**30:g} GiB)")
+        terminalreporter.write_line(f"{who}: {v / 2**30:.2f} GiB (limit {limit:g} GiB)")
     for line in over:
         terminalreporter.write_line(f"FAILED memory limit: {line}", red=True, bold=True)
