@@ -3,6 +3,10 @@ TensorRT headers are absent (and say why), plus common fixtures."""
 
 from __future__ import annotations
 
+import os
+import resource
+import sys
+
 import numpy as np
 import pytest
 
@@ -72,3 +76,71 @@ def lib():
 def rng() -> np.random.Generator:
     """Seeded generator: reproducible random data (never zeros, docs/ARCHITECTURE.md habit 7)."""
     return np.random.default_rng(20261121)
+
+
+# --- No test process above the memory limit (issue 33: one process held 9.8 GB) ----------
+# The suite runs in one pytest process (no xdist): its own peak RSS and that of the
+# largest child it waited for (the subprocesses tests start) cover every test process.
+
+#: The environment variable that sets the limit, in GiB (default 4).
+MEMORY_LIMIT_ENV = "PYTRT_KV_TEST_MAX_RSS_GB"
+
+
+def _memory_limit_gib() -> float:
+    raw = os.environ.get(MEMORY_LIMIT_ENV, "4")
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise pytest.UsageError(
+            f"{MEMORY_LIMIT_ENV}: expected a positive number of GiB, got {raw!r}"
+        )
+    return gib
+
+
+def _peak_rss() -> dict[str, int]:
+    """Peak resident set size in bytes of this process and of its largest waited child."""
+    unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return {
+        "pytest process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit,
+        "its largest waited child": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit,
+    }
+
+
+def _memory_verdict() -> tuple[dict[str, int], float, list[str]]:
+    peaks, limit = _peak_rss(), _memory_limit_gib()
+    over = [
+        f"{who} peaked at {v / 2**30:.2f} GiB, above the {limit:g} GiB limit ({MEMORY_LIMIT_ENV})"
+        for who, v in peaks.items()
+        if v > limit * 2**30
+    ]
+    return peaks, limit, over
+
+
+def pytest_sessionstart(session):
+    """A malformed limit is refused before any test runs."""
+    del session
+    _memory_limit_gib()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session (exit status 1) when a test process went above the limit."""
+    del exitstatus
+    session.config._pytrt_kv_memory = verdict = _memory_verdict()
+    if verdict[2] and session.exitstatus in (
+        pytest.ExitCode.OK,
+        pytest.ExitCode.NO_TESTS_COLLECTED,
+    ):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The peaks and the limit, and a FAILED line for each peak above it."""
+    peaks, limit, over = getattr(config, "_pytrt_kv_memory", None) or _memory_verdict()
+    terminalreporter.write_sep("-", "peak memory (RSS)")
+    for who, v in peaks.items():
+        terminalreporter.write_line(f"{who}: {v / 2**30:.2f} GiB (limit {limit:g} GiB)")
+    for line in over:
+        terminalreporter.write_line(f"FAILED memory limit: {line}", red=True, bold=True)

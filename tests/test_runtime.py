@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import numpy as np
 import onnx
 import pytest
@@ -350,3 +353,176 @@ def test_dynamic_token_count_beside_a_static_one_is_refused_up_front():
     # An unknown (unnamed) dim, as shape inference leaves behind, is no contradiction.
     model.graph.input[0].type.tensor_type.shape.dim[0].Clear()
     runtime.run(model, _feeds())
+
+
+# --- intermediates released after their last reader (issue 32 item 5) -------------------
+
+
+def _chain_model(layers: int, n: int) -> onnx.ModelProto:
+    """x [n] -> per layer: an [n, n] outer product, Softmax, MatMul back to [n]; plus a
+    ScatterPaKvCache of the first layer's row into the cache (two outputs)."""
+    h = onnx.helper
+    nodes, x = [], "x"
+    for i in range(layers):
+        nodes += [
+            h.make_node("Unsqueeze", [x, "ax1"], [f"col{i}"]),
+            h.make_node("Unsqueeze", [x, "ax0"], [f"row{i}"]),
+            h.make_node("MatMul", [f"col{i}", f"row{i}"], [f"outer{i}"]),
+            h.make_node("Softmax", [f"outer{i}"], [f"p{i}"], axis=-1),
+            h.make_node("MatMul", [f"p{i}", x], [f"y{i}"]),
+            h.make_node("Mul", [f"y{i}", "half"], [f"x{i}"]),
+        ]
+        x = f"x{i}"
+    nodes += [
+        h.make_node("Reshape", ["x0", "kshape"], ["key"]),
+        h.make_node(
+            "ScatterPaKvCache",
+            ["key", "", "key_cache", "", "slot_mapping"],
+            ["key_cache_out"],
+            domain="pytrt_kv",
+            cache_layout="nd",
+            plugin_namespace="pytrt_kv",
+            plugin_version="1",
+        ),
+    ]
+    f32, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+    graph = h.make_graph(
+        nodes,
+        "chain",
+        [
+            h.make_tensor_value_info("x", f32, [n]),
+            h.make_tensor_value_info("key_cache", f32, [2, 4, 1, n]),
+            h.make_tensor_value_info("slot_mapping", onnx.TensorProto.INT32, [1]),
+        ],
+        [
+            h.make_tensor_value_info(x, f32, [n]),
+            h.make_tensor_value_info("key_cache_out", f32, [2, 4, 1, n]),
+        ],
+        [
+            onnx.numpy_helper.from_array(np.array([1], np.int64), "ax1"),
+            onnx.numpy_helper.from_array(np.array([0], np.int64), "ax0"),
+            onnx.numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+            onnx.numpy_helper.from_array(np.array([1, 1, n], np.int64), "kshape"),
+        ],
+    )
+    del i64
+    model = h.make_model(
+        graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("pytrt_kv", 1)]
+    )
+    model.ir_version = 10
+    return model
+
+
+def _chain_feeds(rng, n: int) -> dict[str, np.ndarray]:
+    return {
+        "x": rng.standard_normal(n).astype(np.float32),
+        "key_cache": rng.standard_normal((2, 4, 1, n)).astype(np.float32),
+        "slot_mapping": np.array([6], np.int32),
+    }
+
+
+def _same_bytes(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert (a[name].dtype, a[name].shape) == (b[name].dtype, b[name].shape), name
+        assert a[name].tobytes() == b[name].tobytes(), name
+
+
+def _traced_peak(fn) -> int:
+    """Peak bytes numpy and Python allocate while ``fn`` runs (tracemalloc)."""
+    import gc
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_release_plan_drops_each_result_after_its_last_reader():
+    from pytrt_kv.graph.runtime import release_plan
+
+    plan = release_plan(_chain_model(2, 4).graph.node, ["x1", "key_cache_out"])
+    # Unsqueeze col0 / row0 are read by the MatMul (node 2), outer0 by Softmax (3), p0 by
+    # MatMul (4), y0 by Mul (5); x0 by layer 1 (nodes 6-10) and the Reshape (12).
+    assert plan[:6] == [(), (), ("col0", "row0"), ("outer0",), ("p0",), ("y0",)]
+    assert "x0" in plan[12] and "key" in plan[13]
+    assert not any(n in names for names in plan for n in ("x", "x1", "key_cache_out", "half"))
+
+
+def test_releasing_run_is_byte_identical_to_the_base_loop(rng):
+    from onnx.reference import ReferenceEvaluator
+
+    model = _chain_model(3, 16)
+    feeds = _chain_feeds(rng, 16)
+    ev = runtime.make_evaluator(model)
+    base = dict(zip(ev.output_names, ReferenceEvaluator.run(ev, None, feeds)))
+    _same_bytes(runtime.run(ev, feeds), base)
+    _same_bytes(runtime.run(model, feeds), base)
+    # One output by name, and an intermediate by name (the base loop answers that one).
+    assert ev.run(["key_cache_out"], feeds)[0].tobytes() == base["key_cache_out"].tobytes()
+    inner = ReferenceEvaluator.run(ev, ["p1"], feeds)[0]
+    assert ev.run(["p1"], feeds)[0].tobytes() == inner.tobytes()
+    assert set(ev.run(None, feeds, intermediate=True)) >= {"p0", "p1", "p2"}
+
+
+def test_releasing_run_holds_one_layer_of_intermediates(rng):
+    """Six layers of [n, n] products: the base loop keeps all twelve n x n tensors to the
+    end, the runtime at most one layer's."""
+    from onnx.reference import ReferenceEvaluator
+
+    n = 512
+    model = _chain_model(6, n)
+    feeds = _chain_feeds(rng, n)
+    ev = runtime.make_evaluator(model)
+    square = n * n * 4
+    kept = _traced_peak(lambda: ReferenceEvaluator.run(ev, None, feeds))
+    released = _traced_peak(lambda: runtime.run(ev, feeds))
+    assert kept > 12 * square
+    assert released < 5 * square, (released / square, kept / square)  # Softmax makes 2 more
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
+    reason="torch/transformers are not installed (the 'study' extra)",
+)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decoder_generation_is_byte_identical_to_the_base_loop(dtype):
+    """A small random-weight Llama's prefill and decode graphs (onnx_export.decoder):
+    every step's logits and the final caches equal, byte for byte, what the base
+    onnx.reference loop (every intermediate kept) gives."""
+    import torch
+    import transformers
+    from onnx.reference import ReferenceEvaluator
+
+    from onnx_export.decoder import DecoderRunner
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    runner = DecoderRunner(
+        model.to(getattr(torch, dtype)), block_size=4, num_blocks=24, dtype=dtype
+    )
+    prompts = [[5, 9, 17, 33, 2, 7, 11, 40, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]]
+    runs = []
+    for base in (False, True):
+        for ev in (runner._prefill, runner._decode):
+            if base:
+                ev.run = functools.partial(ReferenceEvaluator.run, ev)
+        tokens, _, _ = runner.generate(prompts, 4)
+        runs.append((tokens, runner.last_logits, runner.last_caches))
+    (tokens, logits, caches), (base_tokens, base_logits, base_caches) = runs
+    assert tokens == base_tokens
+    assert len(logits) == len(base_logits) == 4
+    for a, b in zip(logits, base_logits):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    _same_bytes(caches, base_caches)

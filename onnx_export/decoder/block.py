@@ -146,8 +146,8 @@ def attend_fresh(g: Graph, s: DecoderSpec, q: str, k: str, v: str, bias: str) ->
     ``[Hkv, G, T, T]`` (three per layer: product, masked, softmax), never a gathered copy
     of the pages per token (``[T, W*BS, Hkv*D]``, what this graph did before)."""
     d, kvh, grp = s.head_dim, s.kv_heads, s.group
-    # The scale goes on q (linear in T), not on the [.., T, T] scores: the CPU runtime
-    # keeps every intermediate of a run, so each T x T tensor per layer counts.
+    # The scale goes on q (linear in T), not on the [.., T, T] scores: one T x T tensor
+    # less to make (the CPU runtime holds the live ones of one layer at a time).
     q = g.op("Mul", [q, g.fconst(1.0 / np.sqrt(d))])
     qg = g.op("Transpose", [g.op("Reshape", [q, g.const([0, kvh, grp, d])])], perm=[1, 2, 0, 3])
     kt = g.op("Unsqueeze", [g.op("Transpose", [k], perm=[1, 2, 0]), g.const([1])])  # [Hkv,1,D,T]

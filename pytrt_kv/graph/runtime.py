@@ -4,7 +4,7 @@ and feed validation, and the :func:`run` entry point (public path: :mod:`pytrt_k
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -164,8 +164,30 @@ def _load(model_or_path: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto
     )
 
 
+def release_plan(nodes: Sequence[Any], keep: Iterable[str]) -> list[tuple[str, ...]]:
+    """Per node of ``nodes`` (in run order; anything with ``input`` and ``output`` name
+    lists), the results to drop once it has run: those a node produced that no later node
+    reads and that are not in ``keep`` (the requested outputs). A result nobody reads goes
+    right after the node that made it. Graph inputs and initializers are never listed (the
+    caller and the evaluator hold them anyway)."""
+    produced = {o for n in nodes for o in n.output if o}
+    last: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for name in n.input:
+            last[name] = i
+        for name in n.output:
+            last.setdefault(name, i)
+    kept = set(keep)
+    plan: list[list[str]] = [[] for _ in nodes]
+    for name, i in last.items():
+        if name in produced and name not in kept:
+            plan[i].append(name)
+    return [tuple(p) for p in plan]
+
+
 class _Evaluator(ReferenceEvaluator):
-    """ReferenceEvaluator that remembers the declared types of the graph inputs."""
+    """ReferenceEvaluator that remembers the declared types of the graph inputs and drops
+    each intermediate result after its last reader (:meth:`run`)."""
 
     def __init__(self, model: onnx.ModelProto):
         validate_model(model)
@@ -174,6 +196,49 @@ class _Evaluator(ReferenceEvaluator):
         self.declared_inputs = {
             vi.name: vi.type for vi in model.graph.input if vi.name not in inits
         }
+        self.release_plan = release_plan(self.rt_nodes_, self.output_names)
+        # A node with a subgraph (If, Loop, Scan) reads the enclosing results by name.
+        self._releasing = not any(n.need_context() for n in self.rt_nodes_)
+
+    # Untyped: the base class's signature changes across the onnx versions we support.
+    def run(self, output_names, feed_inputs, attributes=None, intermediate=False, **kwargs):
+        """``ReferenceEvaluator.run`` with the same node calls in the same order, but each
+        intermediate result dropped once no later node reads it (the base class keeps every
+        one until the run ends: every layer's ``[H, T, T]`` attention scores at once). The
+        results are the values the base class would return. Runs the base class's
+        loop instead when asked for intermediates, named outputs that are not graph
+        outputs, function attributes, verbose logs, shape checks, or when a node has a
+        subgraph."""
+        wanted = self.output_names if output_names is None else list(output_names)
+        if (
+            not self._releasing
+            or intermediate
+            or attributes
+            or kwargs
+            or self.verbose
+            or getattr(self, "check_shape_annotations_", False)
+            or not set(wanted) <= set(self.output_names)
+        ):
+            return super().run(
+                output_names, feed_inputs, attributes=attributes, intermediate=intermediate,
+                **kwargs,
+            )  # fmt: skip
+        results = {"": None}
+        results.update(self.rt_inits_)
+        results.update(feed_inputs)
+        for node, release in zip(self.rt_nodes_, self.release_plan):
+            missing = [i for i in node.input if i not in results]
+            if missing:
+                raise RuntimeError(
+                    _node_where(node.onnx_node) + f"inputs {missing} are neither graph "
+                    "inputs, initializers nor outputs of an earlier node"
+                )
+            outputs = node.run(*[results[i] for i in node.input])
+            results.update(zip(node.output, outputs))
+            del outputs
+            for name in release:
+                results.pop(name, None)
+        return [results[name] for name in wanted]
 
 
 def make_evaluator(model_or_path: onnx.ModelProto | str | os.PathLike) -> ReferenceEvaluator:

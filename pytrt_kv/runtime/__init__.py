@@ -10,6 +10,8 @@ Every ``pytrt_kv`` node is validated against its schema before anything runs (th
 of the TensorRT plugin creators: attribute names, types and values, input and output
 counts), and every feed against the dtype and shape its graph input declares. Errors
 are ValueError or TypeError naming the node, the op argument and the graph tensor.
+Each intermediate result is dropped once no later node reads it (``onnx.reference``
+itself keeps them all to the end of a run), with the same node calls and results.
 
 Example
 -------
