@@ -59,7 +59,7 @@ def to_torch(a: np.ndarray, device="cuda", pinned=False, offset_elems=0):
     """Copy of ``a`` as a torch tensor; ``offset_elems`` > 0 makes its address unaligned
     (a view into a larger buffer) to exercise the narrower vector widths."""
     torch = torch_mod()
-    a = np.ascontiguousarray(a)
+    a = np.array(a, order="C", copy=None)  # keeps 0-d (ascontiguousarray makes it 1-d)
     signed = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.dtype.itemsize]
     raw = torch.from_numpy(
         a.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize])

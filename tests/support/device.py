@@ -99,19 +99,15 @@ def zero_elements(shape: tuple[int, ...], dtype: str, *, null: bool = False) -> 
     """A zero-element device buffer of ``shape``: inside a live allocation (a valid,
     non-null address), or at address 0 with ``null``."""
     nd = dtypes.numpy_dtype(dtype)
-    if use_torch():
-        import torch
-
-        tdt = getattr(torch, dtype)
-        if null:
-            return torch.empty(shape, dtype=tdt, device="cuda")
-        return (
-            torch.empty(8 * nd.itemsize, dtype=torch.uint8, device="cuda")[3 * nd.itemsize :][:0]
-            .view(tdt)
-            .reshape(shape)
-        )
     if null:
+        if use_torch():
+            import torch
+
+            return torch.empty(shape, dtype=getattr(torch, dtype), device="cuda")
         return DeviceView(None, 0, tuple(shape), nd)
+    # torch reports data_ptr() 0 for every zero-element tensor, views into a live
+    # allocation included (seen on an H200, torch 2.11): the valid address is a view into
+    # pytrt_kv's own allocation, on the GPU as on the emulated device.
     from pytrt_kv._cuda import DeviceArray
 
     base = DeviceArray((8,), nd)
