@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from .inflight import Claim, posted
 from .node_base import PROBE_EVERY_S, NodeState, Peer
 from .transport import Xfer
 from .types import Cache, LLMException, LLMStatus
@@ -41,6 +42,7 @@ class TransferHandle:
         peer: Peer,
         timeout_s: float,
         local: tuple[str, Cache] | None = None,
+        claim: Claim | None = None,
     ):
         self._dd, self._xfer, self.tag, self._peer = dd, xfer, tag, peer
         #: The timeout ``wait()`` uses by default (the call's, or scaled with the bytes).
@@ -48,6 +50,11 @@ class TransferHandle:
         self._local = local  # (argument name, this node's cache) for failure reports
         self._error: LLMException | None = None
         self._done = xfer is None
+        # The destination blocks this transfer writes (:mod:`.inflight`), released with
+        # the transport's handle.
+        self._claim = claim
+        if claim is not None:
+            posted(claim, self)
 
     @property
     def released(self) -> bool:
@@ -58,6 +65,9 @@ class TransferHandle:
         if self._xfer is not None:
             xfer, self._xfer = self._xfer, None
             xfer.release()
+        if self._claim is not None:
+            claim, self._claim = self._claim, None
+            self._dd._writes.release(claim)
 
     def _fail(self, exc: LLMException) -> None:
         self._release()
