@@ -1,0 +1,135 @@
+"""Two writers into the same destination blocks (docs/SPEC.md D8, issue 30 item 7): a
+node refuses, with REPEAT_REQUEST and nothing posted, a push or pull into blocks that one
+of its own transfers still writes; other blocks, other layers and other caches go ahead,
+and the blocks are free again once the first transfer's handle reports it ended. Both
+backends, two nodes in this process."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from pytrt_kv.datadist import (
+    CacheDesc,
+    CacheIndex,
+    KvCacheExtParam,
+    LayerwisePush,
+    LlmDataDist,
+    LLMException,
+    LLMStatus,
+    nixl_unavailable_reason,
+)
+
+NIXL_SKIP = nixl_unavailable_reason()
+BACKENDS = [
+    "local",
+    pytest.param("nixl", marks=pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))),
+]
+SENTINEL = 99
+DESC = CacheDesc(4, (8, 16), "int32")  # 2 layers of K and V, 8 blocks
+
+
+@pytest.fixture(params=BACKENDS)
+def pair(request):
+    p = LlmDataDist(1, "prompt", backend=request.param, options={"timeout_s": 10.0})
+    d = LlmDataDist(2, "decoder", backend=request.param, options={"timeout_s": 10.0})
+    p.initialize("127.0.0.1", 0)
+    d.initialize("127.0.0.1", 0)
+    try:
+        assert [r.cluster_id for r in p.link_clusters([d.listen_address], timeout_s=5)] == [2]
+        src, dst = p.allocate_cache(DESC), d.allocate_cache(DESC)
+        for i, t in enumerate(src.tensors):
+            t[...] = np.arange(8)[:, None] + 100 * i
+        for t in dst.tensors:
+            t[...] = SENTINEL
+        yield p, d, src, dst, CacheIndex(2, dst.cache_id)
+    finally:
+        p.finalize()
+        d.finalize()
+
+
+def _refused(fn) -> LLMException:
+    with pytest.raises(LLMException) as info:
+        fn()
+    assert info.value.status is LLMStatus.REPEAT_REQUEST, info.value
+    return info.value
+
+
+def test_a_push_into_blocks_still_written_is_refused_and_posts_nothing(pair):
+    p, d, src, dst, index = pair
+    first = p.push_kv_blocks_async(src, index, [0, 1], [4, 5])
+    # Block 5 overlaps: refused before anything moves, block 7 included.
+    err = _refused(lambda: p.push_kv_blocks(src, index, [2, 3], [7, 5]))
+    assert "block 5 of cache" in err.message and "D8" in err.message
+    _refused(lambda: p.push_kv_blocks_async(src, index, [3], [4]))  # async too
+    # Other blocks of the same cache go ahead meanwhile.
+    d.wait_received(p.push_kv_blocks(src, index, [6], [6]), 5)
+    first.wait(5)
+    d.wait_received(first.tag, 5)
+    assert all((t[7] == SENTINEL).all() for t in dst.tensors)  # the refused push moved nothing
+    assert all(
+        (t[4] == s[0]).all() and (t[5] == s[1]).all() for t, s in zip(dst.tensors, src.tensors)
+    )
+    # Once the first ended, the same blocks take a push again.
+    d.wait_received(p.push_kv_blocks(src, index, [2, 3], [7, 5]), 5)
+    assert all(
+        (t[7] == s[2]).all() and (t[5] == s[3]).all() for t, s in zip(dst.tensors, src.tensors)
+    )
+    assert len(p._writes) == 0
+
+
+def test_other_layers_of_the_same_blocks_and_refused_requests_keep_nothing(pair):
+    p, d, src, dst, index = pair
+    layer0 = KvCacheExtParam((0, 0), (0, 0), 2)
+    layer1 = KvCacheExtParam((1, 1), (1, 1), 2)
+    first = p.push_kv_blocks_async(src, index, [0], [3], layer0)
+    h = p.push_kv_blocks_async(src, index, [1], [3], layer1)  # other tensors: not overlapping
+    _refused(lambda: p.push_kv_blocks(src, index, [2], [3]))  # every layer: overlaps both
+    for x in (first, h):
+        x.wait(5)
+        d.wait_received(x.tag, 5)
+    assert (dst.tensors[0][3] == src.tensors[0][0]).all()
+    assert (dst.tensors[2][3] == src.tensors[2][1]).all()
+    # A refused request is retried as it came: now accepted, its plan kept as usual.
+    d.wait_received(p.push_kv_blocks(src, index, [2], [3]), 5)
+    assert all((t[3] == s[2]).all() for t, s in zip(dst.tensors, src.tensors))
+
+
+def test_a_failed_or_dropped_transfer_frees_its_blocks(pair):
+    p, d, src, dst, index = pair
+    h = p.push_kv_blocks_async(src, index, [0], [2])
+    assert h.cancel()
+    d.wait_received(p.push_kv_blocks(src, index, [1], [2]), 5)  # cancelled: free
+    # A handle the caller drops without waiting does not hold its blocks forever.
+    p.push_kv_blocks_async(src, index, [0], [1])
+    gc.collect()
+    d.wait_received(p.push_kv_blocks(src, index, [1], [1]), 5)
+    assert (dst.tensors[0][1] == src.tensors[0][1]).all()
+
+
+def test_a_pull_into_blocks_still_written_is_refused(pair):
+    p, d, src, dst, _ = pair
+    assert [r.cluster_id for r in d.link_clusters([p.listen_address], timeout_s=5)] == [1]
+    index = CacheIndex(1, src.cache_id)
+    first = d.pull_kv_blocks_async(index, dst, [0, 1], [2, 3])
+    _refused(lambda: d.pull_kv_blocks(index, dst, [4], [3]))
+    first.wait(5)
+    d.pull_kv_blocks(index, dst, [4], [3])
+    assert (dst.tensors[1][3] == src.tensors[1][4]).all()
+
+
+def test_a_layer_wise_push_waits_for_a_push_into_its_blocks(pair):
+    """A layer whose blocks another push of this node still writes is posted once that
+    push ended, instead of failing the layer-wise push."""
+    p, d, src, dst, index = pair
+    first = p.push_kv_blocks_async(src, index, [0], [6])
+    lw = LayerwisePush(p, src, index, [5], [6])
+    lw.layer_ready(0)
+    lw.layer_ready(1)
+    assert not lw.poll()  # both layers wait for the first push
+    first.wait(5)
+    d.wait_received(first.tag, 5)
+    d.wait_received(lw.wait(5), 5)
+    assert all((t[6] == s[5]).all() for t, s in zip(dst.tensors, src.tensors))
