@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_common import TARGETS, _raw_post, _raw_push, _rotated
+from .bench_common import TARGETS, _raw_post, _raw_push, _rotated, raw_agent
 
 LATENCY_BLOCKS = (1, 2, 4, 8, 16)
 
@@ -40,10 +40,7 @@ def _receiver(kind: str, block: int, conn: Any) -> None:
         conn.recv()  # stop
         d.finalize()
         return
-    from .nixl_transport import _make_agent, nixl_modules
-
-    api, b = nixl_modules()
-    agent = _make_agent(api, b, f"raw-dst-{os.getpid()}", {}, ["UCX"])
+    agent = raw_agent(f"raw-dst-{os.getpid()}")
     dst = _aligned_host(nb * block)
     agent.register_memory([(int(dst.ctypes.data), dst.nbytes, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), int(dst.ctypes.data)))
@@ -102,10 +99,7 @@ def _sender(kind: str, block: int, peer: Any, conn: Any) -> None:
             reposters[n]()
 
     else:
-        from .nixl_transport import _make_agent, nixl_modules
-
-        api, b = nixl_modules()
-        a = _make_agent(api, b, f"raw-src-{os.getpid()}", {}, ["UCX"])
+        a = raw_agent(f"raw-src-{os.getpid()}")
         buf = _aligned_host(nb * block)
         a.register_memory([(int(buf.ctypes.data), buf.nbytes, 0, "")], "DRAM")
         name = a.add_remote_agent(peer[0])
