@@ -4,8 +4,9 @@ wait polls (docs/DATADIST.md, "Completion")."""
 from __future__ import annotations
 
 import time
+import weakref
 
-from .inflight import Claim, posted
+from .inflight import _BUSY, _HANDLE, _ID, Claim
 from .node_base import PROBE_EVERY_S, NodeState, Peer
 from .transport import Xfer
 from .types import Cache, LLMException, LLMStatus
@@ -54,7 +55,7 @@ class TransferHandle:
         # the transport's handle.
         self._claim = claim
         if claim is not None:
-            posted(claim, self)
+            claim[_HANDLE] = weakref.ref(self)  # inflight.posted, inline (per push)
 
     @property
     def released(self) -> bool:
@@ -67,7 +68,7 @@ class TransferHandle:
             xfer.release()
         if self._claim is not None:
             claim, self._claim = self._claim, None
-            self._dd._writes.release(claim)
+            claim[_BUSY].pop(claim[_ID], None)  # Writes.release, inline (per push)
 
     def _fail(self, exc: LLMException) -> None:
         self._release()
