@@ -125,10 +125,10 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
         #: owned (docs/DATADIST.md, "Failure semantics").
         self._quarantine: dict[int, tuple[Cache, set[int]]] = {}
         self._failed: dict[str, str] = {}  # tag -> the source's status name
-        #: Plans of accepted small requests (see _plan, _kept).
+        #: Plans of accepted small requests (see _plan, _resolve).
         self._plans: dict[tuple, Kept] = {}
         self._tag_prefix = ""  # "cluster:pid:", set by initialize
-        self._drained_at = 0.0  # when _drain last read the notifications (see _kept)
+        self._drained_at = 0.0  # when _drain last read the notifications (see _resolve)
         self._ext_memo: tuple[Any, Any] = (None, ())  # (last ext_param, its _ext_key)
         self._writes = Writes()  # transfers in flight, by destination (docs/SPEC.md D8)
         self.listen_address: tuple[str, int] | None = None

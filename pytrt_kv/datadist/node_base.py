@@ -159,7 +159,7 @@ def dst_key(op: str, me: int, local: Cache, peer: Peer, remote: CacheInfo) -> tu
 class Kept:
     """A checked plan kept for repeated requests (decision 12) with what its posts need,
     resolved once: the local cache, peer and remote :class:`CacheInfo` it was checked
-    against (used only while they are still this node's, :meth:`LlmDataDist._kept`), the
+    against (used only while they are still this node's, :meth:`LlmDataDist._resolve`), the
     tag notification's prefix (with the link epoch), the destination's key
     (:func:`dst_key`) and the transport's :class:`Prepared` (decision 13)."""
 
