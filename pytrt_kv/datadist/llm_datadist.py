@@ -429,7 +429,9 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
         ------
         LLMException
             PARAM_INVALID (nothing transferred; also a ValueError), NOT_YET_LINK,
-            KV_CACHE_NOT_EXIST, TIMEOUT, FAILED (docs/SPEC.md D4, D5).
+            KV_CACHE_NOT_EXIST, TIMEOUT, FAILED (docs/SPEC.md D4, D5); REPEAT_REQUEST
+            (nothing transferred): a transfer of this node still writes some of these
+            destination blocks (D8).
         """
         h = self._push(
             src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param, timeout_s, tag, stream
