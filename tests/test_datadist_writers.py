@@ -176,3 +176,23 @@ def test_claims_made_at_once_from_many_threads_never_hold_a_block_twice():
         sys.setswitchinterval(old)
     assert not clashes, clashes[:5]
     assert got[0] > 10 and len(writes) == 0  # 49-88 of 12000 tries got it here, loaded
+
+
+def test_destinations_with_nothing_in_flight_are_not_kept_forever():
+    """The registry keeps a dict per destination cache; those with nothing in flight are
+    dropped once there are ``_MAX_IDLE_DESTINATIONS`` (caches come and go), and one with
+    a transfer in flight is kept through that."""
+    from pytrt_kv.datadist import inflight
+
+    desc = CacheDesc(1, (8, 4), "int8")
+    plan = check_transfer(desc, desc, [0], [3], KvCacheExtParam(tensor_num_per_layer=1))
+    writes = Writes()
+    held = writes.claim((9, 9, 9), plan, (0, 1))
+    for gen in range(3 * inflight._MAX_IDLE_DESTINATIONS):
+        Writes.release(writes.claim((2, 1, gen), plan, (0, 1)))
+    assert len(writes._by_dst) <= inflight._MAX_IDLE_DESTINATIONS + 1
+    with pytest.raises(LLMException) as info:
+        writes.claim((9, 9, 9), plan, (0, 1))
+    assert info.value.status is LLMStatus.REPEAT_REQUEST
+    Writes.release(held)
+    Writes.release(writes.claim((9, 9, 9), plan, (0, 1)))
