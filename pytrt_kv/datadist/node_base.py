@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..contract.errors import describe
 from .contract import TransferPlan
+from .inflight import span
 from .transport import CacheInfo, Prepared, Transport
 from .types import Cache, LLMException, LLMRole, LLMStatus
 
@@ -173,8 +174,7 @@ class Kept:
         self.epoch = peer.epoch
         self.notif = f"{NOTIF}|{peer.epoch}|{remote.cache_id}|{remote.generation}|".encode()
         self.dst_key = key
-        t = plan.dst_tensors  # the destination tensors [lo, hi) (.inflight.span)
-        self.span = (t[0], t[-1] + 1) if t else (0, 0)
+        self.span = span(plan)  # the destination tensors [lo, hi)
         self.copies = plan.num_copies
         self.prepared: Prepared | None = None
         self.closed = False
