@@ -717,8 +717,9 @@ def _count(monkeypatch, obj, name):
 def test_a_repeated_request_posts_its_kept_nixl_transfer_again(nixl_nodes, monkeypatch):
     """Decision 13: a repeated small request posts the NIXL transfer prepared for its
     first post again. Each post moves the source's current data and delivers its own
-    tag (not the first post's), concurrent posts of one request each get a handle, and
-    a request with other blocks prepares its own."""
+    tag (not the first post's), a second post of it while the first is in flight is
+    refused (it writes the same blocks), and a request with other blocks prepares its
+    own."""
     p, d, src, dst = _pair(nixl_nodes, nb=8)
     _linked(nixl_nodes)
     t = p._transport
@@ -735,15 +736,17 @@ def test_a_repeated_request_posts_its_kept_nixl_transfer_again(nixl_nodes, monke
         assert _same(dst.tensors, want), i
     assert len(made) == 1
     assert [len(e.handles) for e in t._idle.values()] == [1]
-    # Concurrent posts of the same request: one kept handle, then new ones.
-    handles = [p.push_kv_blocks_async(src, index, [1, 6], [4, 0]) for _ in range(6)]
-    for h in handles:
-        h.wait(5)
-        d.wait_received(h.tag, 5)
-    assert len(made) == 6
-    assert [len(e.handles) for e in t._idle.values()] == [4]  # _IDLE_PER_PLAN
+    # Concurrent posts of the same request write the same blocks: the second is refused
+    # while the first is in flight (docs/SPEC.md D8), nothing made or posted for it.
+    first = p.push_kv_blocks_async(src, index, [1, 6], [4, 0])
+    again = _status(lambda: p.push_kv_blocks_async(src, index, [1, 6], [4, 0]))
+    assert again is LLMStatus.REPEAT_REQUEST
+    first.wait(5)
+    d.wait_received(first.tag, 5)
+    assert len(made) == 1
+    assert [len(e.handles) for e in t._idle.values()] == [1]
     d.wait_received(p.push_kv_blocks(src, index, [2], [3], tag="other"), 5)
-    assert len(made) == 7 and len(t._idle) == 2
+    assert len(made) == 2 and len(t._idle) == 2
     assert (dst.tensors[1][3] == src.tensors[1][2]).all()
 
 

@@ -64,3 +64,16 @@ def test_bench_datadist_in_cli_help():
     args = build_parser().parse_args(["bench", "datadist", "--memory", "device"])
     assert args.what == "datadist" and args.memory == "device"
     assert build_parser().parse_args(["bench", "--op", "scatter"]).what == "kernels"
+
+
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+def test_python_cost_times_the_kept_plan_path_only():
+    """``bench_latency.python_cost`` (docs/DATADIST.md, "Performance"): pushes through the
+    kept plan with NIXL's post replaced, so a push costs microseconds of Python, not a
+    transfer; more status checks per push cost more."""
+    from pytrt_kv.datadist.bench_latency import python_cost
+
+    once = python_cost(pushes=200, batches=3)
+    polled = python_cost(pushes=200, batches=3, polls=50)
+    assert 0 < once["min_ns"] <= once["median_ns"] < 1e6, once
+    assert polled["min_ns"] > once["min_ns"], (once, polled)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_common import TARGETS, _raw_push, _rotated
+from .bench_common import TARGETS, _raw_push, _rotated, raw_agent
 from .bench_latency import LATENCY_BLOCKS, bench_latency, latency_markdown
 
 __all__ = [
@@ -135,14 +135,8 @@ class _Buffers:
 
 def _raw_pair(buf: _Buffers):
     """Two bare NIXL agents with the wrapper's descriptor layout (one Nx5 strided row)."""
-    from .nixl_transport import _make_agent, nixl_modules
-
-    api, bindings = nixl_modules()
     tag = os.urandom(4).hex()
-    # Made as the wrapper's agents are (same progress thread, delay and thread safety), so
-    # that wrapper / raw is the wrapper's own cost, not a configuration difference.
-    a = _make_agent(api, bindings, f"raw-a-{tag}", {}, ["UCX"])
-    b = _make_agent(api, bindings, f"raw-b-{tag}", {}, ["UCX"])
+    a, b = raw_agent(f"raw-a-{tag}"), raw_agent(f"raw-b-{tag}")  # made as the wrapper's
     mem = {"host": "DRAM", "device": "VRAM"}
     nbytes = buf.nb * buf.block
     a.register_memory([(buf.src_addr, nbytes, 0, "")], mem[buf.src_place])

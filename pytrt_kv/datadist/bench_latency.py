@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .bench_common import TARGETS, _raw_post, _raw_push, _rotated
+from .bench_common import TARGETS, _raw_post, _raw_push, _rotated, raw_agent
 
 LATENCY_BLOCKS = (1, 2, 4, 8, 16)
 
@@ -40,10 +40,7 @@ def _receiver(kind: str, block: int, conn: Any) -> None:
         conn.recv()  # stop
         d.finalize()
         return
-    from .nixl_transport import _make_agent, nixl_modules
-
-    api, b = nixl_modules()
-    agent = _make_agent(api, b, f"raw-dst-{os.getpid()}", {}, ["UCX"])
+    agent = raw_agent(f"raw-dst-{os.getpid()}")
     dst = _aligned_host(nb * block)
     agent.register_memory([(int(dst.ctypes.data), dst.nbytes, 0, "")], "DRAM")
     conn.send((agent.get_agent_metadata(), int(dst.ctypes.data)))
@@ -102,10 +99,7 @@ def _sender(kind: str, block: int, peer: Any, conn: Any) -> None:
             reposters[n]()
 
     else:
-        from .nixl_transport import _make_agent, nixl_modules
-
-        api, b = nixl_modules()
-        a = _make_agent(api, b, f"raw-src-{os.getpid()}", {}, ["UCX"])
+        a = raw_agent(f"raw-src-{os.getpid()}")
         buf = _aligned_host(nb * block)
         a.register_memory([(int(buf.ctypes.data), buf.nbytes, 0, "")], "DRAM")
         name = a.add_remote_agent(peer[0])
@@ -241,3 +235,51 @@ def latency_markdown(rows: list[dict[str, Any]], pushes: int, repeats: int) -> s
             f"{r['wrapper_vs_raw_repost']:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def python_cost(pushes: int = 2000, batches: int = 40, polls: int = 0) -> dict[str, float]:
+    """Thread CPU time of the wrapper's Python per kept-plan push, in ns: two ``"nixl"``
+    nodes in this process, NIXL's post replaced by one that completes at once (or after
+    ``polls`` status checks), one 4 KiB block pushed ``batches`` x ``pushes`` times.
+    What the wrapper adds per push, without NIXL's time or most of a shared machine's
+    noise (docs/DATADIST.md, "Performance"); min and median over the batches.
+
+    ``python -c "from pytrt_kv.datadist.bench_latency import python_cost as f; print(f())"``
+    """
+    from .llm_datadist import LlmDataDist
+    from .types import CacheDesc, CacheIndex, KvCacheExtParam
+
+    p, d = LlmDataDist(1, "prompt", backend="nixl"), LlmDataDist(2, "decoder", backend="nixl")
+    p.initialize()
+    d.initialize()
+    try:
+        nb, src_ids, dst_ids = _latency_layout(4096)
+        src = p.allocate_cache(CacheDesc(1, (nb, 4096), "uint8"))
+        dst = d.allocate_cache(CacheDesc(1, (nb, 4096), "uint8"))
+        p.link_clusters([d.listen_address])
+        index, one = CacheIndex(2, dst.cache_id), KvCacheExtParam(tensor_num_per_layer=1)
+        sb, db = src_ids(1), dst_ids(1)
+        p.push_kv_blocks(src, index, sb, db, one, timeout_s=60)  # real: the plan is kept
+        t: Any = p._transport
+        ok, busy = t._b.NIXL_SUCCESS, t._b.NIXL_IN_PROG
+        left = [0]
+
+        def post(handle: Any, notif: bytes) -> Any:
+            left[0] = polls
+            return busy if polls else ok
+
+        def status(handle: Any) -> Any:
+            left[0] -= 1
+            return busy if left[0] > 0 else ok
+
+        t._post, t._status = post, (status, ok, busy)
+        per: list[float] = []
+        for _ in range(batches):
+            c0 = time.thread_time_ns()
+            for _ in range(pushes):
+                p.push_kv_blocks(src, index, sb, db, one, timeout_s=60)
+            per.append((time.thread_time_ns() - c0) / pushes)
+        return {"min_ns": min(per), "median_ns": statistics.median(per)}
+    finally:
+        p.finalize()
+        d.finalize()

@@ -4,7 +4,9 @@ wait polls (docs/DATADIST.md, "Completion")."""
 from __future__ import annotations
 
 import time
+import weakref
 
+from .inflight import _BUSY, _HANDLE, _ID, Claim
 from .node_base import PROBE_EVERY_S, NodeState, Peer
 from .transport import Xfer
 from .types import Cache, LLMException, LLMStatus
@@ -41,6 +43,7 @@ class TransferHandle:
         peer: Peer,
         timeout_s: float,
         local: tuple[str, Cache] | None = None,
+        claim: Claim | None = None,
     ):
         self._dd, self._xfer, self.tag, self._peer = dd, xfer, tag, peer
         #: The timeout ``wait()`` uses by default (the call's, or scaled with the bytes).
@@ -48,6 +51,11 @@ class TransferHandle:
         self._local = local  # (argument name, this node's cache) for failure reports
         self._error: LLMException | None = None
         self._done = xfer is None
+        # The destination blocks this transfer writes (:mod:`.inflight`), released with
+        # the transport's handle.
+        self._claim = claim
+        if claim is not None:
+            claim[_HANDLE] = weakref.ref(self)  # inflight.posted, inline (per push)
 
     @property
     def released(self) -> bool:
@@ -58,6 +66,9 @@ class TransferHandle:
         if self._xfer is not None:
             xfer, self._xfer = self._xfer, None
             xfer.release()
+        if self._claim is not None:
+            claim, self._claim = self._claim, None
+            claim[_BUSY].pop(claim[_ID], None)  # Writes.release, inline (per push)
 
     def _fail(self, exc: LLMException) -> None:
         self._release()

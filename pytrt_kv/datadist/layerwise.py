@@ -139,20 +139,26 @@ class LayerwisePush:
         """Post the layers whose writes completed; True when every layer's push is done."""
         for layer, event in list(self._events.items()):
             if event is None or event.query():
+                try:
+                    handle = self._node._start(
+                        WRITE,
+                        "src_cache",
+                        self._local,
+                        self._peer,
+                        self._remote,
+                        self._plans[layer],
+                        f"{self.tag}#layer{layer}",
+                        None,
+                        self.timeout_s,
+                        notify=False,
+                        source_ready=True,
+                    )
+                except LLMException as exc:
+                    if exc.status != LLMStatus.REPEAT_REQUEST:
+                        raise
+                    continue  # another push of this node writes these blocks: later
                 del self._events[layer]
-                self._handles[layer] = self._node._start(
-                    WRITE,
-                    "src_cache",
-                    self._local,
-                    self._peer,
-                    self._remote,
-                    self._plans[layer],
-                    f"{self.tag}#layer{layer}",
-                    None,
-                    self.timeout_s,
-                    notify=False,
-                    source_ready=True,
-                )
+                self._handles[layer] = handle
         if len(self._handles) < self.num_layers:
             return False
         return all(h.done() for h in self._handles.values())

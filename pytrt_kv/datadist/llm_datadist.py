@@ -27,6 +27,7 @@ from . import control, memory
 from .backends import make_transport
 from .caches import CacheMixin
 from .handles import POLL_INTERVAL_S, POLL_SPIN_S, TransferHandle, _poll_sleep  # noqa: F401
+from .inflight import Writes, span
 from .links import LinkMixin
 from .node_base import (
     DEFAULT_OPTIONS,
@@ -36,6 +37,7 @@ from .node_base import (
     Kept,
     Peer,
     checked_options,
+    dst_key,
     loopback,
     secret_of,
 )
@@ -123,11 +125,12 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
         #: owned (docs/DATADIST.md, "Failure semantics").
         self._quarantine: dict[int, tuple[Cache, set[int]]] = {}
         self._failed: dict[str, str] = {}  # tag -> the source's status name
-        #: Plans of accepted small requests (see _plan, _kept).
+        #: Plans of accepted small requests (see _plan, _resolve).
         self._plans: dict[tuple, Kept] = {}
         self._tag_prefix = ""  # "cluster:pid:", set by initialize
-        self._drained_at = 0.0  # when _drain last read the notifications (see _kept)
+        self._drained_at = 0.0  # when _drain last read the notifications (see _resolve)
         self._ext_memo: tuple[Any, Any] = (None, ())  # (last ext_param, its _ext_key)
+        self._writes = Writes()  # transfers in flight, by destination (docs/SPEC.md D8)
         self.listen_address: tuple[str, int] | None = None
 
     # --- life cycle -----------------------------------------------------------------------
@@ -251,14 +254,18 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
         timeout = float(timeout_s) if timeout_s is not None else self._timeout(plan.nbytes, None)
         if op == WRITE and local.cache_desc.placement == "device" and not source_ready:
             memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
+        # Refused before anything is posted when a transfer of this node still writes
+        # these blocks (docs/SPEC.md D8); released by the handle when the transfer ends.
         if kept is not None:
             notif = kept.notif + tag.encode()
-        elif notify:
-            notif = f"{NOTIF}|{peer.epoch}|{remote.cache_id}|{remote.generation}|{tag}".encode()
+            claim = self._writes.claim(kept.dst_key, plan, kept.span) if kept.copies else None
         else:
-            notif = b""
+            text = f"{NOTIF}|{peer.epoch}|{remote.cache_id}|{remote.generation}|{tag}"
+            notif = text.encode() if notify else b""
+            key = dst_key(op, self.cluster_id, local, peer, remote)
+            claim = self._writes.claim(key, plan, span(plan)) if plan.num_copies else None
         try:
-            if plan.num_copies == 0:
+            if claim is None:
                 self._require().notify(peer.agent, notif)
                 xfer = None
             elif kept is not None:
@@ -270,14 +277,18 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
                 xfer = self._require().post(
                     op, plan, local._info, local._backend_state, remote, peer.agent, notif
                 )
-        except LLMException as exc:
+        except BaseException as exc:
+            if claim is not None:
+                self._writes.release(claim)
+            if not isinstance(exc, LLMException):
+                raise
             err = self._transfer_error(exc, arg, local, peer)
             if err is exc:
                 err = self._backend_failure(exc, peer)
             if err is exc:
                 raise
             raise err from exc
-        return TransferHandle(self, xfer, tag, peer, timeout, (arg, local))
+        return TransferHandle(self, xfer, tag, peer, timeout, (arg, local), claim)
 
     def _prepare(self, kept: Kept, op: str) -> Prepared:
         """The kept plan's transport :class:`Prepared`, made once (one per plan, also
@@ -357,25 +368,19 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
         stream: Any,
     ) -> TransferHandle:
         # push_kv_blocks calls this directly, positional: keyword forwarding through
-        # push_kv_blocks_async cost ~0.5 us of a ~40 us small push (decision 13).
-        self._require()
+        # push_kv_blocks_async cost ~0.5 us of a ~40 us small push (decision 13); the
+        # checks below are inline for the same reason (docs/DATADIST.md, "Performance").
+        if self._transport is None:
+            self._require()  # raises
         if self.role is not LLMRole.PROMPT:
             raise param_invalid("role", "push only from a prompt node", "a decoder node")
         local, peer, remote, plan, kept = self._resolve(
             "push", "src_cache", src_cache, "dst_cache_index", dst_cache_index,
             src_blocks, dst_blocks, ext_param,
         )  # fmt: skip
+        tag = f"{self._tag_prefix}{next(self._tags)}" if tag is None else self._tag(tag)
         return self._start(
-            WRITE,
-            "src_cache",
-            local,
-            peer,
-            remote,
-            plan,
-            self._tag(tag),
-            stream,
-            timeout_s,
-            kept=kept,
+            WRITE, "src_cache", local, peer, remote, plan, tag, stream, timeout_s, kept=kept
         )
 
     def push_kv_blocks(
@@ -424,7 +429,9 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
         ------
         LLMException
             PARAM_INVALID (nothing transferred; also a ValueError), NOT_YET_LINK,
-            KV_CACHE_NOT_EXIST, TIMEOUT, FAILED (docs/SPEC.md D4, D5).
+            KV_CACHE_NOT_EXIST, TIMEOUT, FAILED (docs/SPEC.md D4, D5); REPEAT_REQUEST
+            (nothing transferred): a transfer of this node still writes some of these
+            destination blocks (D8).
         """
         h = self._push(
             src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param, timeout_s, tag, stream
@@ -452,17 +459,9 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
             "pull", "dst_cache", dst_cache, "src_cache_index", src_cache_index,
             src_blocks, dst_blocks, ext_param,
         )  # fmt: skip
+        tag = self._tag(tag)
         return self._start(
-            READ,
-            "dst_cache",
-            local,
-            peer,
-            remote,
-            plan,
-            self._tag(tag),
-            stream,
-            timeout_s,
-            kept=kept,
+            READ, "dst_cache", local, peer, remote, plan, tag, stream, timeout_s, kept=kept
         )
 
     def pull_kv_blocks(

@@ -342,8 +342,13 @@ class _Prepared(Prepared):
         self.alive = True
 
     def post(self, notif: bytes) -> Xfer:
-        with self.t._lock:  # close() releases what is in the list
-            h = self.handles.pop() if self.handles else None
+        # No lock: list.pop is atomic, and close() pops what it releases the same way, so
+        # each idle handle goes to exactly one of them (a lock per push cost ~0.6 us on
+        # the 2-core VM under load).
+        try:
+            h = self.handles.pop()
+        except IndexError:
+            h = None
         if h is None:
             h = self.t._make(
                 self.op, self.plan, self.local, self.local_state, self.remote, self.peer, notif
@@ -364,7 +369,11 @@ class _Prepared(Prepared):
             self.alive = False
             self.t._idle.pop(id(self), None)
             handles, self.handles = self.handles, []
-        for h in handles:
+        while True:  # popped one by one: a post may pop from the same list (see post)
+            try:
+                h = handles.pop()
+            except IndexError:
+                break
             try:
                 self.t.agent.release_xfer_handle(h)
             except Exception:

@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..contract.errors import describe
 from .contract import TransferPlan
+from .inflight import span
 from .transport import CacheInfo, Prepared, Transport
 from .types import Cache, LLMException, LLMRole, LLMStatus
 
 if TYPE_CHECKING:
     from . import control
+    from .inflight import Writes
 
 #: Options and their defaults (``LlmDataDist(..., options={...})``).
 DEFAULT_OPTIONS: dict[str, Any] = {
@@ -146,18 +148,34 @@ class Fence:
     next_try: float = 0.0
 
 
+def dst_key(op: str, me: int, local: Cache, peer: Peer, remote: CacheInfo) -> tuple:
+    """The destination cache of a transfer, ``(cluster id, cache id, generation)``: the
+    peer's cache for a push (``op`` "WRITE"/"push"), this node's for a pull (``me``: this
+    node's cluster id). Transfers in flight are tracked by it (:mod:`.inflight`)."""
+    if op in ("WRITE", "push"):
+        return (peer.cluster_id, remote.cache_id, remote.generation)
+    return (me, local.cache_id, local.generation)
+
+
 class Kept:
     """A checked plan kept for repeated requests (decision 12) with what its posts need,
     resolved once: the local cache, peer and remote :class:`CacheInfo` it was checked
-    against (used only while they are still this node's, :meth:`LlmDataDist._kept`), the
-    tag notification's prefix, and the transport's :class:`Prepared` (decision 13)."""
+    against (used only while they are still this node's, :meth:`LlmDataDist._resolve`), the
+    tag notification's prefix (with the link epoch), the destination's key
+    (:func:`dst_key`) and the transport's :class:`Prepared` (decision 13)."""
 
-    __slots__ = ("local", "peer", "remote", "plan", "notif", "epoch", "prepared", "closed")
+    __slots__ = (
+        "local", "peer", "remote", "plan", "notif", "epoch", "dst_key", "span", "copies",
+        "prepared", "closed",
+    )  # fmt: skip
 
-    def __init__(self, local: Cache, peer: Peer, remote: CacheInfo, plan: TransferPlan):
+    def __init__(self, local: Cache, peer: Peer, remote: CacheInfo, plan: TransferPlan, key: tuple):
         self.local, self.peer, self.remote, self.plan = local, peer, remote, plan
         self.epoch = peer.epoch
         self.notif = f"{NOTIF}|{peer.epoch}|{remote.cache_id}|{remote.generation}|".encode()
+        self.dst_key = key
+        self.span = span(plan)  # the destination tensors [lo, hi)
+        self.copies = plan.num_copies
         self.prepared: Prepared | None = None
         self.closed = False
 
@@ -188,6 +206,7 @@ class NodeState:
     _fences: dict[int, Fence]
     _quarantine: dict[int, tuple[Cache, set[int]]]
     _plans: dict[tuple, Kept]
+    _writes: Writes
     _received: set
     _stale: set
     _failed: dict[str, str]

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .contract import TransferPlan, check_transfer
-from .node_base import Kept, NodeState, Peer
+from .node_base import Kept, NodeState, Peer, dst_key
 from .transport import CacheInfo
 from .types import Cache, CacheIndex, KvCacheExtParam
 
@@ -92,31 +92,6 @@ class PlanMixin(NodeState):
         key = (op, cache.cache_id, index.cluster_id, index.cache_id, skey, dkey, memo[1])
         return key, src_blocks, dst_blocks
 
-    def _kept(self, key: tuple, cache: Cache) -> Kept | None:
-        """The kept plan of ``key`` if everything it was checked against is still this
-        node's: the local cache registered, the peer linked (not broken, its metadata
-        loaded) and the remote cache's :class:`CacheInfo` the one the peer's table holds
-        (a relinked peer or a reused cache id has a new one). In-band deallocate notices
-        are read first unless they were read less than ``_DRAIN_EVERY_S`` ago (decision
-        12, "Failure semantics")."""
-        kept = self._plans.get(key)
-        if kept is None:
-            return None
-        if time.monotonic() - self._drained_at >= _DRAIN_EVERY_S:
-            self._drain()
-        peer = kept.peer
-        # Cache ids are never reused: the registered cache of the key's id is kept.local.
-        if (
-            self._caches.get(cache.cache_id) is cache
-            and self._peers.get(peer.cluster_id) is peer
-            and not peer.broken
-            and peer.pending is None
-            and peer.epoch is kept.epoch
-            and peer.caches.get(kept.remote.cache_id) is kept.remote
-        ):
-            return kept
-        return None
-
     def _plan(
         self,
         op: str,
@@ -138,7 +113,7 @@ class PlanMixin(NodeState):
         plan = check_transfer(src, dst, src_blocks, dst_blocks, ext_param, op=op, role=self.role)
         if key is None:
             return plan, None
-        kept = Kept(local, peer, remote, plan)
+        kept = Kept(local, peer, remote, plan, dst_key(op, self.cluster_id, local, peer, remote))
         with self._lock:
             gone = [self._plans.pop(key)] if key in self._plans else []
             self._plans[key] = kept
@@ -165,9 +140,28 @@ class PlanMixin(NodeState):
         key, src_blocks, dst_blocks = self._request_key(
             op, cache, index, src_blocks, dst_blocks, ext_param
         )
-        kept = None if key is None else self._kept(key, cache)
+        kept = None if key is None else self._plans.get(key)
         if kept is not None:
-            return kept.local, kept.peer, kept.remote, kept.plan, kept
+            # Used if everything it was checked against is still this node's: the local
+            # cache registered (cache ids are never reused: the registered cache of the
+            # key's id is kept.local), the peer linked (not broken, its metadata loaded,
+            # the same link epoch) and the remote cache's CacheInfo the one the peer's
+            # table holds (a relinked peer or a reused cache id has a new one). In-band
+            # deallocate and unlink notices are read first unless they were read less
+            # than _DRAIN_EVERY_S ago (decision 12, "Failure semantics"). Inline: this
+            # is the small-push path (docs/DATADIST.md, "Performance").
+            if time.monotonic() - self._drained_at >= _DRAIN_EVERY_S:
+                self._drain()
+            peer = kept.peer
+            if (
+                self._caches.get(cache.cache_id) is cache
+                and self._peers.get(peer.cluster_id) is peer
+                and not peer.broken
+                and peer.pending is None
+                and peer.epoch is kept.epoch
+                and peer.caches.get(kept.remote.cache_id) is kept.remote
+            ):
+                return kept.local, peer, kept.remote, kept.plan, kept
         local = self._local_cache(local_arg, cache)
         peer, remote = self._remote_cache(remote_arg, index)
         plan, kept = self._plan(op, key, local, peer, remote, src_blocks, dst_blocks, ext_param)

@@ -24,6 +24,9 @@ class LLMStatus(enum.IntEnum):
     TIMEOUT = 3
     KV_CACHE_NOT_EXIST = 4
     FAILED = 5
+    #: A transfer into blocks that one of this node's transfers still writes (docs/SPEC.md
+    #: D8, "Two writers"); nothing was posted.
+    REPEAT_REQUEST = 6
 
 
 class LLMException(Exception):
