@@ -27,6 +27,7 @@ from typing import Any
 import onnx_graphsurgeon as gs
 
 from pytrt_kv.contract import dtypes, specs
+from pytrt_kv.contract.args import op_attributes, op_tensors
 from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
 from pytrt_kv.graph.check import TensorInfo, dtype_name, validate_node
 
@@ -186,27 +187,12 @@ def add_scatter_pa_kv_cache(
     -------
     [key_cache_out] or [key_cache_out, value_cache_out]
     """
-    attrs: dict[str, Any] = {"alias_io": alias_io}
-    if cache_layout is not None:
-        attrs["cache_layout"] = cache_layout
-    if compress_mode is not None:
-        attrs["compress_mode"] = compress_mode
+    op = specs.SCATTER_PA_KV_CACHE
     return add_node(
         graph,
-        specs.SCATTER_PA_KV_CACHE.name,
-        {
-            "key": key,
-            "value": value,
-            "key_cache": key_cache,
-            "value_cache": value_cache,
-            "slot_mapping": slot_mapping,
-            "compress_lens": compress_lens,
-            "compress_seq_offsets": compress_seq_offsets,
-            "seq_lens": seq_lens,
-            "k_scale": k_scale,
-            "v_scale": v_scale,
-        },
-        attrs,
+        op.name,
+        op_tensors(op, locals()),
+        op_attributes(op, locals()),
         name=name,
         output_names=output_names,
     )
@@ -238,22 +224,12 @@ def add_gather_selection_kv_cache(
      selection_kv_actual_seq]
         The first three are the updated inputs; the last is int32 ``[R]``.
     """
+    op = specs.GATHER_SELECTION_KV_CACHE
     return add_node(
         graph,
-        specs.GATHER_SELECTION_KV_CACHE.name,
-        {
-            "selection_k_rope": selection_k_rope,
-            "selection_kv_cache": selection_kv_cache,
-            "selection_kv_block_table": selection_kv_block_table,
-            "selection_kv_block_status": selection_kv_block_status,
-            "selection_topk_indices": selection_topk_indices,
-            "full_k_rope": full_k_rope,
-            "full_kv_cache": full_kv_cache,
-            "full_kv_block_table": full_kv_block_table,
-            "full_kv_actual_seq": full_kv_actual_seq,
-            "full_q_actual_seq": full_q_actual_seq,
-        },
-        {"selection_topk_block_size": selection_topk_block_size, "alias_io": alias_io},
+        op.name,
+        op_tensors(op, locals()),
+        op_attributes(op, locals()),
         name=name,
         output_names=output_names,
     )

@@ -84,20 +84,14 @@ def input_metadata(model) -> TensorMetadata:
     from polygraphy.datatype import DataType
 
     from pytrt_kv.contract import dtypes
+    from pytrt_kv.graph.feeds import graph_inputs
 
-    inits = {i.name for i in model.graph.initializer}
     meta = TensorMetadata()
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        shape = [
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
-        ]
+    for name, (shape, elem) in graph_inputs(model).items():
         # Polygraphy's own DataType (NumPy dtypes are deprecated there); it knows the
         # ONNX types, bfloat16 and float8 included.
-        dtype = DataType.from_dtype(tt.elem_type, "onnx")
+        dtype = DataType.from_dtype(elem, "onnx")
         if dtype is None or not isinstance(dtype, DataType):
-            dtype = dtypes.numpy_of_onnx(tt.elem_type, vi.name)
-        meta.add(vi.name, dtype=dtype, shape=shape)
+            dtype = dtypes.numpy_of_onnx(elem, name)
+        meta.add(name, dtype=dtype, shape=shape)
     return meta
