@@ -4,11 +4,19 @@
  * plugin class Plugin:
  *   static constexpr char const* kPLUGIN_NAME;          the TensorRT plugin name
  *   static constexpr int32_t kNB_OUTPUTS;                its output count
+ *   static constexpr auto const& kALIASES;               {output, input} in-place pairs
+ *                                                        (kvContract.h, from specs.py)
+ *   static constexpr char const* kFIELD_ALIAS_IO;        its alias_io field
+ *   static constexpr char const* kINPUT_COUNTS;          the input counts it accepts, in words
+ *   static bool validInputCount(int32_t);                whether it accepts that many inputs
  *   static std::vector<FieldSpec> const& fieldSpecs();   its fields
  *   explicit Plugin(PluginFields fields);                construction from parsed fields
  *   Plugin(Plugin const&);                               clone()
- * A plugin still implements IPluginV3OneBuildV2 and IPluginV3OneRuntime (all but
- * getNbOutputs, getMetadataString, attachToContext and getFieldsToSerialize).
+ *   void accept(Dims const*, DataType const*, int32_t nbInputs, bool keep);
+ *       checks the inputs (throws PluginError on a broken rule); with keep, keeps what
+ *       the kernel launch needs for enqueue
+ * and kMaxInputs, the most inputs it takes. A plugin still implements the rest of
+ * IPluginV3OneBuildV2 and enqueue, which starts with beginEnqueue().
  */
 #pragma once
 
@@ -16,6 +24,7 @@
 #include "pluginCommon.h"
 #include "pluginFields.h"
 
+#include <array>
 #include <cstdint>
 #include <exception>
 #include <string>
@@ -26,7 +35,7 @@ namespace pytrt_kv
 namespace plugin
 {
 
-template <typename Plugin>
+template <typename Plugin, int32_t kMaxInputs>
 class PluginBase : public nvinfer1::IPluginV3,
                    public nvinfer1::IPluginV3OneCore,
                    public nvinfer1::IPluginV3OneBuildV2,
@@ -90,7 +99,83 @@ public:
         return mMetadata.c_str();
     }
 
+    //! Checks the input shapes and dtypes TensorRT chose (Plugin::accept, nothing kept).
+    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override
+    {
+        try
+        {
+            check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
+            checkCounts(nbInputs, nbOutputs);
+            std::array<nvinfer1::Dims, kMaxInputs> dims{};
+            std::array<nvinfer1::DataType, kMaxInputs> types{};
+            for (int32_t i = 0; i < nbInputs; ++i)
+            {
+                dims[i] = in[i].desc.dims;
+                types[i] = in[i].desc.type;
+            }
+            self().accept(dims.data(), types.data(), nbInputs, false);
+            mEmptyInputs = emptyInputMask(in, nbInputs);
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            logException(Plugin::kPLUGIN_NAME, "::configurePlugin", e);
+        }
+        return -1;
+    }
+
+    //! Each in-place output's input (Plugin::kALIASES) when alias_io = 1, unless that
+    //! input is a zero-element placeholder; else -1.
+    int32_t getAliasedInput(int32_t outputIndex) noexcept override
+    {
+        if (mAliasIo)
+        {
+            for (auto const& alias : Plugin::kALIASES)
+            {
+                if (alias[0] == outputIndex)
+                {
+                    return aliasUnlessEmpty(alias[1], mEmptyInputs);
+                }
+            }
+        }
+        return -1;
+    }
+
     // IPluginV3OneRuntime
+    //! Checks the run-time shapes (all known) and keeps them and what Plugin::accept made
+    //! of them; enqueue refuses any other shapes.
+    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
+        int32_t nbOutputs) noexcept override
+    {
+        mShapeReady = false;
+        try
+        {
+            check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
+            checkCounts(nbInputs, nbOutputs);
+            std::array<nvinfer1::Dims, kMaxInputs> dims{};
+            std::array<nvinfer1::DataType, kMaxInputs> types{};
+            for (int32_t i = 0; i < nbInputs; ++i)
+            {
+                dims[i] = in[i].dims;
+                types[i] = in[i].type;
+                check(volume(in[i].dims) >= 0, Plugin::kINPUT_NAMES[i], ": expected known dims at run time, got ",
+                    dimsText(in[i].dims));
+            }
+            self().accept(dims.data(), types.data(), nbInputs, true);
+            mDims = dims;
+            mTypes = types;
+            mNbInputs = nbInputs;
+            mShapeReady = true;
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            logException(Plugin::kPLUGIN_NAME, "::onShapeChange", e);
+        }
+        return -1;
+    }
+
     //! A clone: the plugins hold no per-context resources.
     nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* /* context */) noexcept override
     {
@@ -116,13 +201,73 @@ protected:
     explicit PluginBase(PluginFields fields)
         : mFields(std::move(fields))
         , mMetadata(mFields.toString())
+        , mAliasIo(mFields.getInt(Plugin::kFIELD_ALIAS_IO) != 0)
     {
     }
 
     PluginBase(PluginBase const&) = default;
 
+    //! Refuses input and output counts the plugin does not take.
+    static void checkCounts(int32_t nbInputs, int32_t nbOutputs)
+    {
+        check(Plugin::validInputCount(nbInputs), "inputs: expected ", Plugin::kINPUT_COUNTS, ", got ", nbInputs);
+        check(nbOutputs == Plugin::kNB_OUTPUTS, "outputs: expected ", Plugin::kNB_OUTPUTS, ", got ", nbOutputs);
+    }
+
+    //! getOutputShapes' in-place outputs: each has its input's shape (Plugin::kALIASES).
+    //! Also notes the zero-element inputs: getAliasedInput may come next, before
+    //! configurePlugin (pluginCommon.h).
+    void inPlaceOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs* outputs)
+    {
+        for (auto const& alias : Plugin::kALIASES)
+        {
+            outputs[alias[0]] = inputs[alias[1]];
+        }
+        mEmptyInputs = emptyInputMask(inputs, nbInputs);
+    }
+
+    //! enqueue's first steps: the arguments are there, onShapeChange accepted these very
+    //! shapes, and each in-place output bound elsewhere than its input first receives
+    //! the input (functional ONNX form, in-place execution).
+    void beginEnqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+        void const* const* inputs, void* const* outputs, cudaStream_t stream) const
+    {
+        check(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
+            "enqueue: null arguments");
+        check(mShapeReady, "enqueue: called before onShapeChange accepted the input shapes");
+        for (int32_t i = 0; i < mNbInputs; ++i)
+        {
+            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i],
+                "enqueue: ", Plugin::kINPUT_NAMES[i], " is ", dimsText(inputDesc[i].dims), " ",
+                dataTypeName(inputDesc[i].type), ", not the ", dimsText(mDims[i]), " ", dataTypeName(mTypes[i]),
+                " onShapeChange accepted");
+        }
+        for (auto const& alias : Plugin::kALIASES)
+        {
+            int32_t const i = alias[1];
+            cudaError_t const st = copyIfDistinct(outputs[alias[0]], inputs[i], inputDesc[i], stream);
+            check(st == cudaSuccess, "enqueue: copying ", Plugin::kINPUT_NAMES[i],
+                " to its output failed: ", cudaGetErrorName(st));
+        }
+    }
+
     PluginFields mFields;
     std::string mMetadata;
+    bool mAliasIo{true};
+    //! emptyInputMask() of the inputs (getOutputShapes, then configurePlugin): a
+    //! zero-element placeholder is not declared as an alias.
+    uint32_t mEmptyInputs{0};
+    //! Set by a successful onShapeChange, with the inputs it accepted.
+    bool mShapeReady{false};
+    int32_t mNbInputs{0};
+    std::array<nvinfer1::Dims, kMaxInputs> mDims{};
+    std::array<nvinfer1::DataType, kMaxInputs> mTypes{};
+
+private:
+    Plugin& self() noexcept
+    {
+        return static_cast<Plugin&>(*this);
+    }
 };
 
 //! The creator of Plugin: parses the PluginFieldCollection against Plugin::fieldSpecs().

@@ -19,11 +19,8 @@ namespace
 
 namespace op = contract::gatherSelectionKvCache;
 constexpr char const* kTOPK_BLOCK_SIZE{op::kFIELD_SELECTION_TOPK_BLOCK_SIZE};
-constexpr char const* kALIAS_IO{op::kFIELD_ALIAS_IO};
 
 using Self = GatherSelectionKvCachePlugin;
-
-constexpr auto const& kINPUT_NAMES = op::kINPUT_NAMES;
 
 // docs/SPEC.md G2 cache dtypes that TensorRT can express (it has no FP8 E5M2).
 bool isCacheType(DataType t) noexcept
@@ -51,7 +48,7 @@ std::vector<FieldSpec> const& GatherSelectionKvCachePlugin::fieldSpecs()
     static std::vector<FieldSpec> const kSPECS{
         {kTOPK_BLOCK_SIZE, FieldKind::kINT, op::kFIELD_SELECTION_TOPK_BLOCK_SIZE_DEFAULT, "", {}, 1,
             std::numeric_limits<int32_t>::max()},
-        {kALIAS_IO, FieldKind::kINT, op::kFIELD_ALIAS_IO_DEFAULT, "", {}, op::kFIELD_ALIAS_IO_CHOICES[0],
+        {Self::kFIELD_ALIAS_IO, FieldKind::kINT, op::kFIELD_ALIAS_IO_DEFAULT, "", {}, op::kFIELD_ALIAS_IO_CHOICES[0],
             op::kFIELD_ALIAS_IO_CHOICES[1]},
     };
     return kSPECS;
@@ -60,7 +57,6 @@ std::vector<FieldSpec> const& GatherSelectionKvCachePlugin::fieldSpecs()
 GatherSelectionKvCachePlugin::GatherSelectionKvCachePlugin(PluginFields fields)
     : PluginBase(std::move(fields))
     , mTopkBlockSize(static_cast<int32_t>(mFields.getInt(kTOPK_BLOCK_SIZE)))
-    , mAliasIo(mFields.getInt(kALIAS_IO) != 0)
 {
 }
 
@@ -215,30 +211,13 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const
     return p;
 }
 
-int32_t GatherSelectionKvCachePlugin::configurePlugin(
-    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+void GatherSelectionKvCachePlugin::accept(Dims const* dims, DataType const* types, int32_t /* nbInputs */, bool keep)
 {
-    try
+    kernels::GatherSelectionParams const p = describe(dims, types);
+    if (keep)
     {
-        check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
-        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
-        std::array<Dims, kNB_INPUTS> dims{};
-        std::array<DataType, kNB_INPUTS> types{};
-        for (int32_t i = 0; i < kNB_INPUTS; ++i)
-        {
-            dims[i] = in[i].desc.dims;
-            types[i] = in[i].desc.type;
-        }
-        describe(dims.data(), types.data());
-        mEmptyInputs = emptyInputMask(in, nbInputs);
-        return 0;
+        mParams = p;
     }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::configurePlugin", e);
-    }
-    return -1;
 }
 
 bool GatherSelectionKvCachePlugin::supportsFormatCombination(
@@ -272,8 +251,7 @@ int32_t GatherSelectionKvCachePlugin::getOutputDataTypes(
     try
     {
         check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
-        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
+        checkCounts(nbInputs, nbOutputs);
         // Checked here, where TensorRT first shows all input types: supportsFormatCombination
         // can only say no, and a builder then reports "no supported formats", not why.
         checkTypes(inputTypes);
@@ -297,17 +275,12 @@ int32_t GatherSelectionKvCachePlugin::getOutputShapes(DimsExprs const* inputs, i
     try
     {
         check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
-        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
+        checkCounts(nbInputs, nbOutputs);
         check(inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims == 2, "selection_kv_block_table: expected rank 2, got ",
             inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims);
-        outputs[kOUT_SELECTION_K_ROPE] = inputs[kIN_SELECTION_K_ROPE];
-        outputs[kOUT_SELECTION_KV_CACHE] = inputs[kIN_SELECTION_KV_CACHE];
-        outputs[kOUT_SELECTION_KV_BLOCK_STATUS] = inputs[kIN_SELECTION_KV_BLOCK_STATUS];
+        inPlaceOutputShapes(inputs, nbInputs, outputs);
         outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].nbDims = 1;
         outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].d[0] = inputs[kIN_SELECTION_KV_BLOCK_TABLE].d[0];
-        // getAliasedInput may come next, before configurePlugin (pluginCommon.h).
-        mEmptyInputs = emptyInputMask(inputs, nbInputs);
         return 0;
     }
     catch (std::exception const& e)
@@ -338,78 +311,13 @@ size_t GatherSelectionKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc co
     return 0;
 }
 
-int32_t GatherSelectionKvCachePlugin::getAliasedInput(int32_t outputIndex) noexcept
-{
-    if (!mAliasIo)
-    {
-        return -1;
-    }
-    switch (outputIndex)
-    {
-    case kOUT_SELECTION_K_ROPE: return aliasUnlessEmpty(kIN_SELECTION_K_ROPE, mEmptyInputs);
-    case kOUT_SELECTION_KV_CACHE: return aliasUnlessEmpty(kIN_SELECTION_KV_CACHE, mEmptyInputs);
-    case kOUT_SELECTION_KV_BLOCK_STATUS: return aliasUnlessEmpty(kIN_SELECTION_KV_BLOCK_STATUS, mEmptyInputs);
-    default: return -1;
-    }
-}
-
-int32_t GatherSelectionKvCachePlugin::onShapeChange(
-    PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out, int32_t nbOutputs) noexcept
-{
-    mShapeReady = false;
-    try
-    {
-        check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
-        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
-        std::array<Dims, kNB_INPUTS> dims{};
-        std::array<DataType, kNB_INPUTS> types{};
-        for (int32_t i = 0; i < kNB_INPUTS; ++i)
-        {
-            dims[i] = in[i].dims;
-            types[i] = in[i].type;
-            check(volume(in[i].dims) >= 0, kINPUT_NAMES[i], ": expected known dims at run time, got ",
-                dimsText(in[i].dims));
-        }
-        mParams = describe(dims.data(), types.data());
-        mDims = dims;
-        mTypes = types;
-        mShapeReady = true;
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::onShapeChange", e);
-    }
-    return -1;
-}
-
 int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
     void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept
 {
     try
     {
-        check(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
-            "enqueue: null arguments");
-        check(mShapeReady, "enqueue: called before onShapeChange accepted the input shapes");
-        // The shapes were validated by onShapeChange: only make sure these are the same.
-        for (int32_t i = 0; i < kNB_INPUTS; ++i)
-        {
-            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ", kINPUT_NAMES[i],
-                " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type), ", not the ",
-                dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
-        }
-
-        // Functional ONNX form, in-place execution: an output bound elsewhere than its
-        // input first receives the input (the kernel then reads the old status there).
-        for (auto const& [o, i] : {std::pair<int32_t, int32_t>{kOUT_SELECTION_K_ROPE, kIN_SELECTION_K_ROPE},
-                 std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_CACHE, kIN_SELECTION_KV_CACHE},
-                 std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_BLOCK_STATUS, kIN_SELECTION_KV_BLOCK_STATUS}})
-        {
-            cudaError_t const st = copyIfDistinct(outputs[o], inputs[i], inputDesc[i], stream);
-            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i],
-                " to its output failed: ", cudaGetErrorName(st));
-        }
+        // The kernel then reads the old status in the output.
+        beginEnqueue(inputDesc, outputDesc, inputs, outputs, stream);
 
         kernels::GatherSelectionParams p = mParams;
         // An empty batch (B*S == 0) gathers nothing: the caches and the status keep their
