@@ -15,8 +15,11 @@
  *   void accept(Dims const*, DataType const*, int32_t nbInputs, bool keep);
  *       checks the inputs (throws PluginError on a broken rule); with keep, keeps what
  *       the kernel launch needs for enqueue
- * and kMaxInputs, the most inputs it takes. A plugin still implements the rest of
- * IPluginV3OneBuildV2 and enqueue, which starts with beginEnqueue().
+ *   void checkTypes(DataType const*, int32_t nbInputs) const;   the dtype rules
+ *   void otherOutputTypes(DataType*) const;              dtypes of the outputs that are
+ *   void otherOutputShapes(DimsExprs const*, DimsExprs*) const;  not in place, and shapes
+ * and kMaxInputs, the most inputs it takes. A plugin still implements
+ * supportsFormatCombination, getWorkspaceSize and enqueue, which starts with beginEnqueue().
  */
 #pragma once
 
@@ -125,6 +128,58 @@ public:
         return -1;
     }
 
+    //! Each in-place output has its input's dtype (Plugin::kALIASES), the others
+    //! Plugin::otherOutputTypes'. The dtype rules are checked here (Plugin::checkTypes),
+    //! where TensorRT first shows all input types: supportsFormatCombination can only say
+    //! no, and a builder then reports "no supported formats", not why.
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
+        int32_t nbInputs) const noexcept override
+    {
+        try
+        {
+            check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
+            checkCounts(nbInputs, nbOutputs);
+            self().checkTypes(inputTypes, nbInputs);
+            for (auto const& alias : Plugin::kALIASES)
+            {
+                outputTypes[alias[0]] = inputTypes[alias[1]];
+            }
+            self().otherOutputTypes(outputTypes);
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            logException(Plugin::kPLUGIN_NAME, "::getOutputDataTypes", e);
+        }
+        return -1;
+    }
+
+    //! In place: each aliased output has its input's shape (Plugin::kALIASES), the others
+    //! Plugin::otherOutputShapes'. Also notes the zero-element inputs: getAliasedInput may
+    //! come next, before configurePlugin (pluginCommon.h).
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
+        nvinfer1::DimsExprs const* /* shapeInputs */, int32_t /* nbShapeInputs */, nvinfer1::DimsExprs* outputs,
+        int32_t nbOutputs, nvinfer1::IExprBuilder& /* exprBuilder */) noexcept override
+    {
+        try
+        {
+            check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
+            checkCounts(nbInputs, nbOutputs);
+            for (auto const& alias : Plugin::kALIASES)
+            {
+                outputs[alias[0]] = inputs[alias[1]];
+            }
+            self().otherOutputShapes(inputs, outputs);
+            mEmptyInputs = emptyInputMask(inputs, nbInputs);
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            logException(Plugin::kPLUGIN_NAME, "::getOutputShapes", e);
+        }
+        return -1;
+    }
+
     //! Each in-place output's input (Plugin::kALIASES) when alias_io = 1, unless that
     //! input is a zero-element placeholder; else -1.
     int32_t getAliasedInput(int32_t outputIndex) noexcept override
@@ -214,18 +269,6 @@ protected:
         check(nbOutputs == Plugin::kNB_OUTPUTS, "outputs: expected ", Plugin::kNB_OUTPUTS, ", got ", nbOutputs);
     }
 
-    //! getOutputShapes' in-place outputs: each has its input's shape (Plugin::kALIASES).
-    //! Also notes the zero-element inputs: getAliasedInput may come next, before
-    //! configurePlugin (pluginCommon.h).
-    void inPlaceOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs* outputs)
-    {
-        for (auto const& alias : Plugin::kALIASES)
-        {
-            outputs[alias[0]] = inputs[alias[1]];
-        }
-        mEmptyInputs = emptyInputMask(inputs, nbInputs);
-    }
-
     //! enqueue's first steps: the arguments are there, onShapeChange accepted these very
     //! shapes, and each in-place output bound elsewhere than its input first receives
     //! the input (functional ONNX form, in-place execution).
@@ -267,6 +310,11 @@ private:
     Plugin& self() noexcept
     {
         return static_cast<Plugin&>(*this);
+    }
+
+    Plugin const& self() const noexcept
+    {
+        return static_cast<Plugin const&>(*this);
     }
 };
 

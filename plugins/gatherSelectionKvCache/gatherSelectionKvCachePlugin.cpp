@@ -18,6 +18,7 @@ namespace
 {
 
 namespace op = contract::gatherSelectionKvCache;
+using namespace contract::gatherSelectionKvCache; // kIN_* / kOUT_* input and output positions
 constexpr char const* kTOPK_BLOCK_SIZE{op::kFIELD_SELECTION_TOPK_BLOCK_SIZE};
 
 using Self = GatherSelectionKvCachePlugin;
@@ -31,8 +32,8 @@ bool isCacheType(DataType t) noexcept
 
 bool isCacheInput(int32_t pos) noexcept
 {
-    return pos == Self::kIN_SELECTION_K_ROPE || pos == Self::kIN_SELECTION_KV_CACHE || pos == Self::kIN_FULL_K_ROPE
-        || pos == Self::kIN_FULL_KV_CACHE;
+    return pos == kIN_SELECTION_K_ROPE || pos == kIN_SELECTION_KV_CACHE || pos == kIN_FULL_K_ROPE
+        || pos == kIN_FULL_KV_CACHE;
 }
 
 // -1 stays "unknown" (build time); a known size must fit the kernels' int32 fields.
@@ -60,7 +61,7 @@ GatherSelectionKvCachePlugin::GatherSelectionKvCachePlugin(PluginFields fields)
 {
 }
 
-void GatherSelectionKvCachePlugin::checkTypes(DataType const* types) const
+void GatherSelectionKvCachePlugin::checkTypes(DataType const* types, int32_t /* nbInputs */) const
 {
     DataType const cacheType = types[kIN_SELECTION_KV_CACHE];
     check(isCacheType(cacheType), "selection_kv_cache: expected kHALF, kBF16, kINT8, kFLOAT or kFP8, got ",
@@ -81,7 +82,7 @@ void GatherSelectionKvCachePlugin::checkTypes(DataType const* types) const
 
 kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const* dims, DataType const* types) const
 {
-    checkTypes(types);
+    checkTypes(types, kNB_INPUTS);
 
     Dims const& kv = dims[kIN_SELECTION_KV_CACHE];
     Dims const& fullKv = dims[kIN_FULL_KV_CACHE];
@@ -240,54 +241,24 @@ bool GatherSelectionKvCachePlugin::supportsFormatCombination(
     }
     // Decisions for pos use inOut[0..pos] only: every cache tensor follows input 0.
     int32_t const outIndex = pos - nbInputs;
-    bool const cache = pos < nbInputs ? isCacheInput(pos)
-                                      : (outIndex == kOUT_SELECTION_K_ROPE || outIndex == kOUT_SELECTION_KV_CACHE);
+    bool const cache = pos < nbInputs
+        ? isCacheInput(pos)
+        : (outIndex == kOUT_SELECTION_K_ROPE_OUT || outIndex == kOUT_SELECTION_KV_CACHE_OUT);
     return cache ? t == inOut[kIN_SELECTION_K_ROPE].desc.type : t == DataType::kINT32;
 }
 
-int32_t GatherSelectionKvCachePlugin::getOutputDataTypes(
-    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+void GatherSelectionKvCachePlugin::otherOutputTypes(DataType* outputTypes) const
 {
-    try
-    {
-        check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
-        checkCounts(nbInputs, nbOutputs);
-        // Checked here, where TensorRT first shows all input types: supportsFormatCombination
-        // can only say no, and a builder then reports "no supported formats", not why.
-        checkTypes(inputTypes);
-        outputTypes[kOUT_SELECTION_K_ROPE] = inputTypes[kIN_SELECTION_K_ROPE];
-        outputTypes[kOUT_SELECTION_KV_CACHE] = inputTypes[kIN_SELECTION_KV_CACHE];
-        outputTypes[kOUT_SELECTION_KV_BLOCK_STATUS] = inputTypes[kIN_SELECTION_KV_BLOCK_STATUS];
-        outputTypes[kOUT_SELECTION_KV_ACTUAL_SEQ] = DataType::kINT32;
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::getOutputDataTypes", e);
-    }
-    return -1;
+    outputTypes[kOUT_SELECTION_KV_ACTUAL_SEQ] = DataType::kINT32;
 }
 
-int32_t GatherSelectionKvCachePlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs,
-    DimsExprs const* /* shapeInputs */, int32_t /* nbShapeInputs */, DimsExprs* outputs, int32_t nbOutputs,
-    IExprBuilder& /* exprBuilder */) noexcept
+void GatherSelectionKvCachePlugin::otherOutputShapes(DimsExprs const* inputs, DimsExprs* outputs) const
 {
-    try
-    {
-        check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
-        checkCounts(nbInputs, nbOutputs);
-        check(inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims == 2, "selection_kv_block_table: expected rank 2, got ",
-            inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims);
-        inPlaceOutputShapes(inputs, nbInputs, outputs);
-        outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].nbDims = 1;
-        outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].d[0] = inputs[kIN_SELECTION_KV_BLOCK_TABLE].d[0];
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::getOutputShapes", e);
-    }
-    return -1;
+    // selection_kv_actual_seq is [R], R = dim 0 of selection_kv_block_table.
+    check(inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims == 2, "selection_kv_block_table: expected rank 2, got ",
+        inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims);
+    outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].nbDims = 1;
+    outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].d[0] = inputs[kIN_SELECTION_KV_BLOCK_TABLE].d[0];
 }
 
 size_t GatherSelectionKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
@@ -335,10 +306,10 @@ int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc,
             check(st == cudaSuccess, "enqueue: clearing selection_kv_actual_seq failed: ", cudaGetErrorName(st));
             return 0;
         }
-        p.selectionKRope = p.kRopeDim > 0 ? outputs[kOUT_SELECTION_K_ROPE] : nullptr;
-        p.selectionKvCache = outputs[kOUT_SELECTION_KV_CACHE];
+        p.selectionKRope = p.kRopeDim > 0 ? outputs[kOUT_SELECTION_K_ROPE_OUT] : nullptr;
+        p.selectionKvCache = outputs[kOUT_SELECTION_KV_CACHE_OUT];
         p.selectionKvBlockTable = static_cast<int32_t const*>(inputs[kIN_SELECTION_KV_BLOCK_TABLE]);
-        p.selectionKvBlockStatus = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_BLOCK_STATUS]);
+        p.selectionKvBlockStatus = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_BLOCK_STATUS_OUT]);
         p.selectionTopkIndices = static_cast<int32_t const*>(inputs[kIN_SELECTION_TOPK_INDICES]);
         p.fullKRope = p.kRopeDim > 0 ? inputs[kIN_FULL_K_ROPE] : nullptr;
         p.fullKvCache = inputs[kIN_FULL_KV_CACHE];

@@ -30,27 +30,9 @@ class GatherSelectionKvCachePlugin
 public:
     //! TensorRT plugin name (kvContract.h, generated from pytrt_kv/specs.py).
     static constexpr char const* kPLUGIN_NAME{contract::gatherSelectionKvCache::kNAME};
-    //! Input indices (specs.py GATHER_SELECTION_KV_CACHE.inputs).
-    static constexpr int32_t kIN_SELECTION_K_ROPE{contract::gatherSelectionKvCache::kIN_SELECTION_K_ROPE};
-    static constexpr int32_t kIN_SELECTION_KV_CACHE{contract::gatherSelectionKvCache::kIN_SELECTION_KV_CACHE};
-    static constexpr int32_t kIN_SELECTION_KV_BLOCK_TABLE{
-        contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_TABLE};
-    static constexpr int32_t kIN_SELECTION_KV_BLOCK_STATUS{
-        contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_STATUS};
-    static constexpr int32_t kIN_SELECTION_TOPK_INDICES{contract::gatherSelectionKvCache::kIN_SELECTION_TOPK_INDICES};
-    static constexpr int32_t kIN_FULL_K_ROPE{contract::gatherSelectionKvCache::kIN_FULL_K_ROPE};
-    static constexpr int32_t kIN_FULL_KV_CACHE{contract::gatherSelectionKvCache::kIN_FULL_KV_CACHE};
-    static constexpr int32_t kIN_FULL_KV_BLOCK_TABLE{contract::gatherSelectionKvCache::kIN_FULL_KV_BLOCK_TABLE};
-    static constexpr int32_t kIN_FULL_KV_ACTUAL_SEQ{contract::gatherSelectionKvCache::kIN_FULL_KV_ACTUAL_SEQ};
-    static constexpr int32_t kIN_FULL_Q_ACTUAL_SEQ{contract::gatherSelectionKvCache::kIN_FULL_Q_ACTUAL_SEQ};
+    //! Input and output positions: contract::gatherSelectionKvCache's kIN_* / kOUT_*
+    //! (kvContract.h, generated from specs.py GATHER_SELECTION_KV_CACHE).
     static constexpr int32_t kNB_INPUTS{contract::gatherSelectionKvCache::kNB_INPUTS};
-    //! Output indices (specs.py GATHER_SELECTION_KV_CACHE.outputs).
-    static constexpr int32_t kOUT_SELECTION_K_ROPE{contract::gatherSelectionKvCache::kOUT_SELECTION_K_ROPE_OUT};
-    static constexpr int32_t kOUT_SELECTION_KV_CACHE{contract::gatherSelectionKvCache::kOUT_SELECTION_KV_CACHE_OUT};
-    static constexpr int32_t kOUT_SELECTION_KV_BLOCK_STATUS{
-        contract::gatherSelectionKvCache::kOUT_SELECTION_KV_BLOCK_STATUS_OUT};
-    static constexpr int32_t kOUT_SELECTION_KV_ACTUAL_SEQ{
-        contract::gatherSelectionKvCache::kOUT_SELECTION_KV_ACTUAL_SEQ};
     static constexpr int32_t kNB_OUTPUTS{contract::gatherSelectionKvCache::kNB_OUTPUTS};
     static constexpr auto const& kINPUT_NAMES = contract::gatherSelectionKvCache::kINPUT_NAMES;
     static constexpr auto const& kALIASES = contract::gatherSelectionKvCache::kALIASES;
@@ -80,16 +62,15 @@ public:
 
     //! The dtype rules of describe() (docs/SPEC.md G2): run from getOutputDataTypes too,
     //! so a wrong dtype fails the build with this message.
-    void checkTypes(nvinfer1::DataType const* types) const;
+    void checkTypes(nvinfer1::DataType const* types, int32_t nbInputs) const;
+
+    //! selection_kv_actual_seq: int32 [R] (the outputs not in place; PluginBase).
+    void otherOutputTypes(nvinfer1::DataType* outputTypes) const;
+    void otherOutputShapes(nvinfer1::DimsExprs const* inputs, nvinfer1::DimsExprs* outputs) const;
 
     // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
     bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
         int32_t nbOutputs) noexcept override;
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
-        int32_t nbInputs) const noexcept override;
-    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
-        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
-        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
 

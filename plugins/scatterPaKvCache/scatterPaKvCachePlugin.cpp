@@ -20,6 +20,7 @@ namespace
 {
 
 namespace op = contract::scatterPaKvCache;
+using namespace contract::scatterPaKvCache; // kIN_* / kOUT_* input and output positions
 constexpr char const* kCACHE_LAYOUT{op::kFIELD_CACHE_LAYOUT};
 constexpr char const* kCOMPRESS_MODE{op::kFIELD_COMPRESS_MODE};
 
@@ -401,47 +402,7 @@ bool ScatterPaKvCachePlugin::supportsFormatCombination(
         // Inputs 5-7 are index tensors; 8 and 9 (k_scale, v_scale) float32.
         return pos >= kIN_K_SCALE ? t == DataType::kFLOAT : t == inOut[kIN_SLOT_MAPPING].desc.type;
     }
-    return t == inOut[pos == nbInputs + kOUT_KEY_CACHE ? kIN_KEY_CACHE : kIN_VALUE_CACHE].desc.type;
-}
-
-int32_t ScatterPaKvCachePlugin::getOutputDataTypes(
-    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
-{
-    try
-    {
-        check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
-        checkCounts(nbInputs, nbOutputs);
-        // Checked here, where TensorRT first shows all input types: supportsFormatCombination
-        // can only say no, and a builder then reports "no supported formats", not why.
-        checkTypes(inputTypes, nbInputs);
-        outputTypes[kOUT_KEY_CACHE] = inputTypes[kIN_KEY_CACHE];
-        outputTypes[kOUT_VALUE_CACHE] = inputTypes[kIN_VALUE_CACHE];
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("ScatterPaKvCache::getOutputDataTypes", e);
-    }
-    return -1;
-}
-
-int32_t ScatterPaKvCachePlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs,
-    DimsExprs const* /* shapeInputs */, int32_t /* nbShapeInputs */, DimsExprs* outputs, int32_t nbOutputs,
-    IExprBuilder& /* exprBuilder */) noexcept
-{
-    try
-    {
-        check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
-        checkCounts(nbInputs, nbOutputs);
-        // In place: each output is its cache, shape included.
-        inPlaceOutputShapes(inputs, nbInputs, outputs);
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("ScatterPaKvCache::getOutputShapes", e);
-    }
-    return -1;
+    return t == inOut[pos == nbInputs + kOUT_KEY_CACHE_OUT ? kIN_KEY_CACHE : kIN_VALUE_CACHE].desc.type;
 }
 
 size_t ScatterPaKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* /* inputs */, int32_t /* nbInputs */,
@@ -467,8 +428,8 @@ int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, Plugi
         }
         p.key = inputs[kIN_KEY];
         p.value = hasValue ? inputs[kIN_VALUE] : nullptr;
-        p.keyCache = outputs[kOUT_KEY_CACHE];
-        p.valueCache = hasValue ? outputs[kOUT_VALUE_CACHE] : nullptr;
+        p.keyCache = outputs[kOUT_KEY_CACHE_OUT];
+        p.valueCache = hasValue ? outputs[kOUT_VALUE_CACHE_OUT] : nullptr;
         p.slotMapping = inputs[kIN_SLOT_MAPPING];
         p.kScale = mShape.hasKScale ? inputs[kIN_K_SCALE] : nullptr;
         p.vScale = mShape.hasVScale ? inputs[kIN_V_SCALE] : nullptr;

@@ -34,32 +34,21 @@ class ScatterPaKvCachePlugin : public PluginBase<ScatterPaKvCachePlugin, contrac
 public:
     //! TensorRT plugin name (kvContract.h, generated from pytrt_kv/specs.py).
     static constexpr char const* kPLUGIN_NAME{contract::scatterPaKvCache::kNAME};
-    //! Input indices (specs.py SCATTER_PA_KV_CACHE.inputs).
-    static constexpr int32_t kIN_KEY{contract::scatterPaKvCache::kIN_KEY};
-    static constexpr int32_t kIN_VALUE{contract::scatterPaKvCache::kIN_VALUE};
-    static constexpr int32_t kIN_KEY_CACHE{contract::scatterPaKvCache::kIN_KEY_CACHE};
-    static constexpr int32_t kIN_VALUE_CACHE{contract::scatterPaKvCache::kIN_VALUE_CACHE};
-    static constexpr int32_t kIN_SLOT_MAPPING{contract::scatterPaKvCache::kIN_SLOT_MAPPING};
-    static constexpr int32_t kIN_COMPRESS_LENS{contract::scatterPaKvCache::kIN_COMPRESS_LENS};
-    static constexpr int32_t kIN_COMPRESS_SEQ_OFFSETS{contract::scatterPaKvCache::kIN_COMPRESS_SEQ_OFFSETS};
-    static constexpr int32_t kIN_SEQ_LENS{contract::scatterPaKvCache::kIN_SEQ_LENS};
-    static constexpr int32_t kIN_K_SCALE{contract::scatterPaKvCache::kIN_K_SCALE};
-    static constexpr int32_t kIN_V_SCALE{contract::scatterPaKvCache::kIN_V_SCALE};
+    //! Input and output positions: contract::scatterPaKvCache's kIN_* / kOUT_*
+    //! (kvContract.h, generated from specs.py SCATTER_PA_KV_CACHE).
     //! Accepted input counts: without the compress tensors, with them, with the scales
     //! (docs/SPEC.md S9; the compress tensors are then zero-element placeholders).
     static constexpr int32_t kNB_INPUTS_BASIC{5};
     static constexpr int32_t kNB_INPUTS_COMPRESS{8};
     static constexpr int32_t kNB_INPUTS_QUANT{contract::scatterPaKvCache::kNB_INPUTS};
-    static_assert(kIN_SEQ_LENS + 1 == kNB_INPUTS_COMPRESS && kIN_V_SCALE + 1 == kNB_INPUTS_QUANT,
+    static_assert(contract::scatterPaKvCache::kIN_SEQ_LENS + 1 == kNB_INPUTS_COMPRESS
+            && contract::scatterPaKvCache::kIN_V_SCALE + 1 == kNB_INPUTS_QUANT,
         "ScatterPaKvCache input order changed: update the accepted input counts");
     static constexpr char const* kINPUT_COUNTS{"5, 8 or 10"};
     static constexpr bool validInputCount(int32_t n)
     {
         return n == kNB_INPUTS_BASIC || n == kNB_INPUTS_COMPRESS || n == kNB_INPUTS_QUANT;
     }
-    //! Output indices (specs.py SCATTER_PA_KV_CACHE.outputs).
-    static constexpr int32_t kOUT_KEY_CACHE{contract::scatterPaKvCache::kOUT_KEY_CACHE_OUT};
-    static constexpr int32_t kOUT_VALUE_CACHE{contract::scatterPaKvCache::kOUT_VALUE_CACHE_OUT};
     static constexpr int32_t kNB_OUTPUTS{contract::scatterPaKvCache::kNB_OUTPUTS};
     static constexpr auto const& kINPUT_NAMES = contract::scatterPaKvCache::kINPUT_NAMES;
     static constexpr auto const& kALIASES = contract::scatterPaKvCache::kALIASES;
@@ -94,14 +83,13 @@ public:
     //! getOutputDataTypes too, so a wrong dtype fails the build with this message.
     void checkTypes(nvinfer1::DataType const* types, int32_t nbInputs) const;
 
+    //! Both outputs are in place (PluginBase): nothing else to declare.
+    void otherOutputTypes(nvinfer1::DataType* /* outputTypes */) const {}
+    void otherOutputShapes(nvinfer1::DimsExprs const* /* inputs */, nvinfer1::DimsExprs* /* outputs */) const {}
+
     // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
     bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
         int32_t nbOutputs) noexcept override;
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
-        int32_t nbInputs) const noexcept override;
-    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
-        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
-        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
 
