@@ -18,8 +18,9 @@
  *   void checkTypes(DataType const*, int32_t nbInputs) const;   the dtype rules
  *   void otherOutputTypes(DataType*) const;              dtypes of the outputs that are
  *   void otherOutputShapes(DimsExprs const*, DimsExprs*) const;  not in place, and shapes
+ *   cudaError_t launch(inputs, outputs, workspace, stream) const;  enqueue's kernel launch
  * and kMaxInputs, the most inputs it takes. A plugin still implements
- * supportsFormatCombination, getWorkspaceSize and enqueue, which starts with beginEnqueue().
+ * supportsFormatCombination and getWorkspaceSize.
  */
 #pragma once
 
@@ -231,6 +232,26 @@ public:
         return -1;
     }
 
+    //! beginEnqueue(), then Plugin::launch; a failed check or a launch status other than
+    //! cudaSuccess is logged and returned as -1.
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
+    {
+        try
+        {
+            beginEnqueue(inputDesc, outputDesc, inputs, outputs, stream);
+            cudaError_t const st = self().launch(inputs, outputs, workspace, stream);
+            check(st == cudaSuccess, "enqueue: the ", Plugin::kPLUGIN_NAME, " kernels failed: ", cudaGetErrorName(st),
+                " (", cudaGetErrorString(st), ")");
+            return 0;
+        }
+        catch (std::exception const& e)
+        {
+            logException(Plugin::kPLUGIN_NAME, "::enqueue", e);
+        }
+        return -1;
+    }
+
     //! A clone: the plugins hold no per-context resources.
     nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* /* context */) noexcept override
     {
@@ -269,7 +290,7 @@ protected:
         check(nbOutputs == Plugin::kNB_OUTPUTS, "outputs: expected ", Plugin::kNB_OUTPUTS, ", got ", nbOutputs);
     }
 
-    //! enqueue's first steps: the arguments are there, onShapeChange accepted these very
+    //! enqueue's first steps (PluginBase::enqueue): the arguments are there, onShapeChange accepted these very
     //! shapes, and each in-place output bound elsewhere than its input first receives
     //! the input (functional ONNX form, in-place execution).
     void beginEnqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,

@@ -282,57 +282,43 @@ size_t GatherSelectionKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc co
     return 0;
 }
 
-int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
-    void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept
+cudaError_t GatherSelectionKvCachePlugin::launch(
+    void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) const
 {
-    try
+    kernels::GatherSelectionParams p = mParams;
+    // An empty batch (B*S == 0) gathers nothing: the caches and the status keep their
+    // contents, every selection_kv_actual_seq row is 0 (rows past B*S always are),
+    // and no kernel is launched (docs/SPEC.md G3).
+    if (static_cast<int64_t>(p.batch) * p.seqPerBatch == 0)
     {
-        // The kernel then reads the old status in the output.
-        beginEnqueue(inputDesc, outputDesc, inputs, outputs, stream);
-
-        kernels::GatherSelectionParams p = mParams;
-        // An empty batch (B*S == 0) gathers nothing: the caches and the status keep their
-        // contents, every selection_kv_actual_seq row is 0 (rows past B*S always are),
-        // and no kernel is launched (docs/SPEC.md G3).
-        if (static_cast<int64_t>(p.batch) * p.seqPerBatch == 0)
+        size_t const bytes = static_cast<size_t>(p.selectionRows) * sizeof(int32_t);
+        cudaError_t const st
+            = bytes == 0 ? cudaSuccess : cudaMemsetAsync(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ], 0, bytes, stream);
+        if (st != cudaSuccess)
         {
-            size_t const bytes = static_cast<size_t>(p.selectionRows) * sizeof(int32_t);
-            cudaError_t const st
-                = bytes == 0 ? cudaSuccess : cudaMemsetAsync(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ], 0, bytes, stream);
-            if (st != cudaSuccess)
-            {
-                cudaGetLastError(); // ours: never left pending for the next launch (as copyIfDistinct)
-            }
-            check(st == cudaSuccess, "enqueue: clearing selection_kv_actual_seq failed: ", cudaGetErrorName(st));
-            return 0;
+            cudaGetLastError(); // ours: never left pending for the next launch (as copyIfDistinct)
         }
-        p.selectionKRope = p.kRopeDim > 0 ? outputs[kOUT_SELECTION_K_ROPE_OUT] : nullptr;
-        p.selectionKvCache = outputs[kOUT_SELECTION_KV_CACHE_OUT];
-        p.selectionKvBlockTable = static_cast<int32_t const*>(inputs[kIN_SELECTION_KV_BLOCK_TABLE]);
-        p.selectionKvBlockStatus = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_BLOCK_STATUS_OUT]);
-        p.selectionTopkIndices = static_cast<int32_t const*>(inputs[kIN_SELECTION_TOPK_INDICES]);
-        p.fullKRope = p.kRopeDim > 0 ? inputs[kIN_FULL_K_ROPE] : nullptr;
-        p.fullKvCache = inputs[kIN_FULL_KV_CACHE];
-        p.fullKvBlockTable = static_cast<int32_t const*>(inputs[kIN_FULL_KV_BLOCK_TABLE]);
-        p.fullKvActualSeq = static_cast<int32_t const*>(inputs[kIN_FULL_KV_ACTUAL_SEQ]);
-        p.selectionKvActualSeq = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ]);
-        p.workspace = workspace;
-        // TensorRT does not tell a runtime plugin how much it reserved: getWorkspaceSize
-        // reserved at least this much for every shape of the profile (this shape's topk
-        // volume is at most the profile maximum's).
-        p.workspaceBytes = kernels::getGatherSelectionWorkspaceSize(p);
-        check(p.workspaceBytes == 0 || workspace != nullptr, "enqueue: the kernels need ", p.workspaceBytes,
-            " workspace bytes and TensorRT gave none");
-        cudaError_t const st = kernels::launchGatherSelectionKvCache(p, stream);
-        check(st == cudaSuccess, "enqueue: launchGatherSelectionKvCache failed: ", cudaGetErrorName(st), " (",
-            cudaGetErrorString(st), ")");
-        return 0;
+        check(st == cudaSuccess, "enqueue: clearing selection_kv_actual_seq failed: ", cudaGetErrorName(st));
+        return cudaSuccess;
     }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::enqueue", e);
-    }
-    return -1;
+    p.selectionKRope = p.kRopeDim > 0 ? outputs[kOUT_SELECTION_K_ROPE_OUT] : nullptr;
+    p.selectionKvCache = outputs[kOUT_SELECTION_KV_CACHE_OUT];
+    p.selectionKvBlockTable = static_cast<int32_t const*>(inputs[kIN_SELECTION_KV_BLOCK_TABLE]);
+    p.selectionKvBlockStatus = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_BLOCK_STATUS_OUT]);
+    p.selectionTopkIndices = static_cast<int32_t const*>(inputs[kIN_SELECTION_TOPK_INDICES]);
+    p.fullKRope = p.kRopeDim > 0 ? inputs[kIN_FULL_K_ROPE] : nullptr;
+    p.fullKvCache = inputs[kIN_FULL_KV_CACHE];
+    p.fullKvBlockTable = static_cast<int32_t const*>(inputs[kIN_FULL_KV_BLOCK_TABLE]);
+    p.fullKvActualSeq = static_cast<int32_t const*>(inputs[kIN_FULL_KV_ACTUAL_SEQ]);
+    p.selectionKvActualSeq = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ]);
+    p.workspace = workspace;
+    // TensorRT does not tell a runtime plugin how much it reserved: getWorkspaceSize
+    // reserved at least this much for every shape of the profile (this shape's topk
+    // volume is at most the profile maximum's).
+    p.workspaceBytes = kernels::getGatherSelectionWorkspaceSize(p);
+    check(p.workspaceBytes == 0 || workspace != nullptr, "enqueue: the kernels need ", p.workspaceBytes,
+        " workspace bytes and TensorRT gave none");
+    return kernels::launchGatherSelectionKvCache(p, stream);
 }
 
 } // namespace plugin

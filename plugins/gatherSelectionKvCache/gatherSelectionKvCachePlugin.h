@@ -74,9 +74,10 @@ public:
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
 
-    // IPluginV3OneRuntime
-    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
-        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    //! enqueue's work once PluginBase checked the shapes and copied the in-place inputs
+    //! (the kernel then reads the old status there): the kernel launch, or for an empty
+    //! batch only zeroing selection_kv_actual_seq (docs/SPEC.md G3).
+    cudaError_t launch(void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) const;
 
 private:
     int32_t mTopkBlockSize{64};

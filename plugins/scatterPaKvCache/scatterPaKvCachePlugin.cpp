@@ -411,44 +411,32 @@ size_t ScatterPaKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* /
     return 0;
 }
 
-int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
-    void const* const* inputs, void* const* outputs, void* /* workspace */, cudaStream_t stream) noexcept
+cudaError_t ScatterPaKvCachePlugin::launch(
+    void const* const* inputs, void* const* outputs, void* /* workspace */, cudaStream_t stream) const
 {
-    try
-    {
-        beginEnqueue(inputDesc, outputDesc, inputs, outputs, stream);
-        bool const hasValue = mShape.hasValue;
+    bool const hasValue = mShape.hasValue;
 
-        kernels::ScatterParams p = mShape.params;
-        // An empty batch (T == 0, or B*H == 0 for a 4-D key) writes nothing: success
-        // without a launch, whatever the kernels make of it (docs/SPEC.md S7).
-        if (p.compress ? (p.batch == 0 || p.numHeads == 0) : p.numTokens == 0)
-        {
-            return 0;
-        }
-        p.key = inputs[kIN_KEY];
-        p.value = hasValue ? inputs[kIN_VALUE] : nullptr;
-        p.keyCache = outputs[kOUT_KEY_CACHE_OUT];
-        p.valueCache = hasValue ? outputs[kOUT_VALUE_CACHE_OUT] : nullptr;
-        p.slotMapping = inputs[kIN_SLOT_MAPPING];
-        p.kScale = mShape.hasKScale ? inputs[kIN_K_SCALE] : nullptr;
-        p.vScale = mShape.hasVScale ? inputs[kIN_V_SCALE] : nullptr;
-        if (p.compress)
-        {
-            p.compressLens = inputs[kIN_COMPRESS_LENS];
-            p.compressSeqOffsets = mShape.hasOffsets ? inputs[kIN_COMPRESS_SEQ_OFFSETS] : nullptr;
-            p.seqLens = inputs[kIN_SEQ_LENS];
-        }
-        cudaError_t const st = kernels::launchScatterPaKvCache(p, stream);
-        check(st == cudaSuccess, "enqueue: launchScatterPaKvCache failed: ", cudaGetErrorName(st), " (",
-            cudaGetErrorString(st), ")");
-        return 0;
-    }
-    catch (std::exception const& e)
+    kernels::ScatterParams p = mShape.params;
+    // An empty batch (T == 0, or B*H == 0 for a 4-D key) writes nothing: success
+    // without a launch, whatever the kernels make of it (docs/SPEC.md S7).
+    if (p.compress ? (p.batch == 0 || p.numHeads == 0) : p.numTokens == 0)
     {
-        logException("ScatterPaKvCache::enqueue", e);
+        return cudaSuccess;
     }
-    return -1;
+    p.key = inputs[kIN_KEY];
+    p.value = hasValue ? inputs[kIN_VALUE] : nullptr;
+    p.keyCache = outputs[kOUT_KEY_CACHE_OUT];
+    p.valueCache = hasValue ? outputs[kOUT_VALUE_CACHE_OUT] : nullptr;
+    p.slotMapping = inputs[kIN_SLOT_MAPPING];
+    p.kScale = mShape.hasKScale ? inputs[kIN_K_SCALE] : nullptr;
+    p.vScale = mShape.hasVScale ? inputs[kIN_V_SCALE] : nullptr;
+    if (p.compress)
+    {
+        p.compressLens = inputs[kIN_COMPRESS_LENS];
+        p.compressSeqOffsets = mShape.hasOffsets ? inputs[kIN_COMPRESS_SEQ_OFFSETS] : nullptr;
+        p.seqLens = inputs[kIN_SEQ_LENS];
+    }
+    return kernels::launchScatterPaKvCache(p, stream);
 }
 
 } // namespace plugin

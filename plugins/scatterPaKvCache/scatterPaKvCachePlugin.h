@@ -93,9 +93,9 @@ public:
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
 
-    // IPluginV3OneRuntime
-    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
-        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    //! enqueue's work once PluginBase checked the shapes and copied the caches: the
+    //! kernel launch (none for an empty batch, docs/SPEC.md S7).
+    cudaError_t launch(void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) const;
 
 private:
     std::string mCacheLayout;
