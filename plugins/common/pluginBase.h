@@ -20,7 +20,7 @@
  *   void otherOutputShapes(DimsExprs const*, DimsExprs*) const;  not in place, and shapes
  *   cudaError_t launch(inputs, outputs, workspace, stream) const;  enqueue's kernel launch
  * and kMaxInputs, the most inputs it takes. A plugin still implements
- * supportsFormatCombination and getWorkspaceSize.
+ * supportsFormatCombination, and getWorkspaceSize when its kernels need a workspace.
  */
 #pragma once
 
@@ -39,9 +39,31 @@ namespace pytrt_kv
 namespace plugin
 {
 
+//! The name, version and namespace of Plugin, as the plugin (Interface
+//! IPluginV3OneCore) and its creator (IPluginCreatorV3One) both report them.
+template <typename Plugin, typename Interface>
+class PluginIdentity : public Interface
+{
+public:
+    char const* getPluginName() const noexcept override
+    {
+        return Plugin::kPLUGIN_NAME;
+    }
+
+    char const* getPluginVersion() const noexcept override
+    {
+        return kPLUGIN_VERSION;
+    }
+
+    char const* getPluginNamespace() const noexcept override
+    {
+        return kPLUGIN_NAMESPACE;
+    }
+};
+
 template <typename Plugin, int32_t kMaxInputs>
 class PluginBase : public nvinfer1::IPluginV3,
-                   public nvinfer1::IPluginV3OneCore,
+                   public PluginIdentity<Plugin, nvinfer1::IPluginV3OneCore>,
                    public nvinfer1::IPluginV3OneBuildV2,
                    public nvinfer1::IPluginV3OneRuntime
 {
@@ -75,21 +97,7 @@ public:
         return nullptr;
     }
 
-    // IPluginV3OneCore
-    char const* getPluginName() const noexcept override
-    {
-        return Plugin::kPLUGIN_NAME;
-    }
-
-    char const* getPluginVersion() const noexcept override
-    {
-        return kPLUGIN_VERSION;
-    }
-
-    char const* getPluginNamespace() const noexcept override
-    {
-        return kPLUGIN_NAMESPACE;
-    }
+    // IPluginV3OneCore: PluginIdentity
 
     // IPluginV3OneBuildV2
     int32_t getNbOutputs() const noexcept override
@@ -179,6 +187,13 @@ public:
             logException(Plugin::kPLUGIN_NAME, "::getOutputShapes", e);
         }
         return -1;
+    }
+
+    //! No workspace; a plugin whose kernels need one overrides this.
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* /* inputs */, int32_t /* nbInputs */,
+        nvinfer1::DynamicPluginTensorDesc const* /* outputs */, int32_t /* nbOutputs */) const noexcept override
+    {
+        return 0;
     }
 
     //! Each in-place output's input (Plugin::kALIASES) when alias_io = 1, unless that
@@ -341,7 +356,7 @@ private:
 
 //! The creator of Plugin: parses the PluginFieldCollection against Plugin::fieldSpecs().
 template <typename Plugin>
-class PluginCreatorT : public nvinfer1::IPluginCreatorV3One
+class PluginCreatorT : public PluginIdentity<Plugin, nvinfer1::IPluginCreatorV3One>
 {
 public:
     PluginCreatorT()
@@ -350,21 +365,6 @@ public:
     }
 
     ~PluginCreatorT() override = default;
-
-    char const* getPluginName() const noexcept override
-    {
-        return Plugin::kPLUGIN_NAME;
-    }
-
-    char const* getPluginVersion() const noexcept override
-    {
-        return kPLUGIN_VERSION;
-    }
-
-    char const* getPluginNamespace() const noexcept override
-    {
-        return kPLUGIN_NAMESPACE;
-    }
 
     nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override
     {

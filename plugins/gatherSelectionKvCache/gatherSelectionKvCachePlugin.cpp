@@ -17,9 +17,8 @@ namespace plugin
 namespace
 {
 
-namespace op = contract::gatherSelectionKvCache;
-using namespace contract::gatherSelectionKvCache; // kIN_* / kOUT_* input and output positions
-constexpr char const* kTOPK_BLOCK_SIZE{op::kFIELD_SELECTION_TOPK_BLOCK_SIZE};
+// The op's input/output positions (kIN_*, kOUT_*) and fields (kFIELD_*), kvContract.h.
+using namespace contract::gatherSelectionKvCache;
 
 using Self = GatherSelectionKvCachePlugin;
 
@@ -47,17 +46,17 @@ int32_t narrow(int64_t v, char const* name)
 std::vector<FieldSpec> const& GatherSelectionKvCachePlugin::fieldSpecs()
 {
     static std::vector<FieldSpec> const kSPECS{
-        {kTOPK_BLOCK_SIZE, FieldKind::kINT, op::kFIELD_SELECTION_TOPK_BLOCK_SIZE_DEFAULT, "", {}, 1,
+        {kFIELD_SELECTION_TOPK_BLOCK_SIZE, FieldKind::kINT, kFIELD_SELECTION_TOPK_BLOCK_SIZE_DEFAULT, "", {}, 1,
             std::numeric_limits<int32_t>::max()},
-        {Self::kFIELD_ALIAS_IO, FieldKind::kINT, op::kFIELD_ALIAS_IO_DEFAULT, "", {}, op::kFIELD_ALIAS_IO_CHOICES[0],
-            op::kFIELD_ALIAS_IO_CHOICES[1]},
+        {Self::kFIELD_ALIAS_IO, FieldKind::kINT, kFIELD_ALIAS_IO_DEFAULT, "", {}, kFIELD_ALIAS_IO_CHOICES[0],
+            kFIELD_ALIAS_IO_CHOICES[1]},
     };
     return kSPECS;
 }
 
 GatherSelectionKvCachePlugin::GatherSelectionKvCachePlugin(PluginFields fields)
     : PluginBase(std::move(fields))
-    , mTopkBlockSize(static_cast<int32_t>(mFields.getInt(kTOPK_BLOCK_SIZE)))
+    , mTopkBlockSize(static_cast<int32_t>(mFields.getInt(kFIELD_SELECTION_TOPK_BLOCK_SIZE)))
 {
 }
 

@@ -19,10 +19,8 @@ namespace plugin
 namespace
 {
 
-namespace op = contract::scatterPaKvCache;
-using namespace contract::scatterPaKvCache; // kIN_* / kOUT_* input and output positions
-constexpr char const* kCACHE_LAYOUT{op::kFIELD_CACHE_LAYOUT};
-constexpr char const* kCOMPRESS_MODE{op::kFIELD_COMPRESS_MODE};
+// The op's input/output positions (kIN_*, kOUT_*) and fields (kFIELD_*), kvContract.h.
+using namespace contract::scatterPaKvCache;
 
 // docs/SPEC.md S8 dtypes that TensorRT can hand a plugin: uint8 is not a legal plugin I/O type
 // and TensorRT has no FP8 E5M2, so those two stay eager/reference-only.
@@ -122,20 +120,20 @@ kernels::CacheLayout parseLayout(std::string const& s)
 std::vector<FieldSpec> const& ScatterPaKvCachePlugin::fieldSpecs()
 {
     static std::vector<FieldSpec> const kSPECS{
-        {kCACHE_LAYOUT, FieldKind::kSTRING, 0, op::kFIELD_CACHE_LAYOUT_DEFAULT,
-            {std::begin(op::kFIELD_CACHE_LAYOUT_CHOICES), std::end(op::kFIELD_CACHE_LAYOUT_CHOICES)}, 0, 0},
-        {kCOMPRESS_MODE, FieldKind::kSTRING, 0, op::kFIELD_COMPRESS_MODE_DEFAULT,
-            {std::begin(op::kFIELD_COMPRESS_MODE_CHOICES), std::end(op::kFIELD_COMPRESS_MODE_CHOICES)}, 0, 0},
-        {ScatterPaKvCachePlugin::kFIELD_ALIAS_IO, FieldKind::kINT, op::kFIELD_ALIAS_IO_DEFAULT, "", {},
-            op::kFIELD_ALIAS_IO_CHOICES[0], op::kFIELD_ALIAS_IO_CHOICES[1]},
+        {kFIELD_CACHE_LAYOUT, FieldKind::kSTRING, 0, kFIELD_CACHE_LAYOUT_DEFAULT,
+            {std::begin(kFIELD_CACHE_LAYOUT_CHOICES), std::end(kFIELD_CACHE_LAYOUT_CHOICES)}, 0, 0},
+        {kFIELD_COMPRESS_MODE, FieldKind::kSTRING, 0, kFIELD_COMPRESS_MODE_DEFAULT,
+            {std::begin(kFIELD_COMPRESS_MODE_CHOICES), std::end(kFIELD_COMPRESS_MODE_CHOICES)}, 0, 0},
+        {ScatterPaKvCachePlugin::kFIELD_ALIAS_IO, FieldKind::kINT, kFIELD_ALIAS_IO_DEFAULT, "", {},
+            kFIELD_ALIAS_IO_CHOICES[0], kFIELD_ALIAS_IO_CHOICES[1]},
     };
     return kSPECS;
 }
 
 ScatterPaKvCachePlugin::ScatterPaKvCachePlugin(PluginFields fields)
     : PluginBase(std::move(fields))
-    , mCacheLayout(mFields.getString(kCACHE_LAYOUT))
-    , mCompressMode(mFields.getString(kCOMPRESS_MODE))
+    , mCacheLayout(mFields.getString(kFIELD_CACHE_LAYOUT))
+    , mCompressMode(mFields.getString(kFIELD_COMPRESS_MODE))
 {
 }
 
@@ -403,12 +401,6 @@ bool ScatterPaKvCachePlugin::supportsFormatCombination(
         return pos >= kIN_K_SCALE ? t == DataType::kFLOAT : t == inOut[kIN_SLOT_MAPPING].desc.type;
     }
     return t == inOut[pos == nbInputs + kOUT_KEY_CACHE_OUT ? kIN_KEY_CACHE : kIN_VALUE_CACHE].desc.type;
-}
-
-size_t ScatterPaKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* /* inputs */, int32_t /* nbInputs */,
-    DynamicPluginTensorDesc const* /* outputs */, int32_t /* nbOutputs */) const noexcept
-{
-    return 0;
 }
 
 cudaError_t ScatterPaKvCachePlugin::launch(

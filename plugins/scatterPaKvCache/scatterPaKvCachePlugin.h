@@ -90,8 +90,6 @@ public:
     // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
     bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
         int32_t nbOutputs) noexcept override;
-    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
-        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
 
     //! enqueue's work once PluginBase checked the shapes and copied the caches: the
     //! kernel launch (none for an empty batch, docs/SPEC.md S7).
