@@ -20,7 +20,9 @@
  *   void otherOutputShapes(DimsExprs const*, DimsExprs*) const;  not in place, and shapes
  *   cudaError_t launch(inputs, outputs, workspace, stream) const;  enqueue's kernel launch
  * and kMaxInputs, the most inputs it takes. A plugin still implements
- * supportsFormatCombination, and getWorkspaceSize when its kernels need a workspace.
+ * getWorkspaceSize when its kernels need a workspace, and
+ *   bool supportsType(int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs) const noexcept;
+ *       whether tensor pos may have inOut[pos]'s dtype (supportsFormatCombination).
  */
 #pragma once
 
@@ -111,22 +113,24 @@ public:
         return mMetadata.c_str();
     }
 
+    //! Linear tensors of accepted counts only; the dtype of \p pos: Plugin::supportsType,
+    //! which decides from inOut[0..pos] only (TensorRT fills the rest in later).
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+        int32_t nbOutputs) noexcept override
+    {
+        return inOut != nullptr && Plugin::validInputCount(nbInputs) && nbOutputs == Plugin::kNB_OUTPUTS && pos >= 0
+            && pos < nbInputs + nbOutputs && inOut[pos].desc.format == nvinfer1::TensorFormat::kLINEAR
+            && self().supportsType(pos, inOut, nbInputs);
+    }
+
     //! Checks the input shapes and dtypes TensorRT chose (Plugin::accept, nothing kept).
     int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override
     {
         try
         {
-            check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
-            checkCounts(nbInputs, nbOutputs);
-            std::array<nvinfer1::Dims, kMaxInputs> dims{};
-            std::array<nvinfer1::DataType, kMaxInputs> types{};
-            for (int32_t i = 0; i < nbInputs; ++i)
-            {
-                dims[i] = in[i].desc.dims;
-                types[i] = in[i].desc.type;
-            }
-            self().accept(dims.data(), types.data(), nbInputs, false);
+            Inputs const x = inputsOf(in, nbInputs, out, nbOutputs, "configurePlugin", false);
+            self().accept(x.dims.data(), x.types.data(), nbInputs, false);
             mEmptyInputs = emptyInputMask(in, nbInputs);
             return 0;
         }
@@ -222,20 +226,10 @@ public:
         mShapeReady = false;
         try
         {
-            check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
-            checkCounts(nbInputs, nbOutputs);
-            std::array<nvinfer1::Dims, kMaxInputs> dims{};
-            std::array<nvinfer1::DataType, kMaxInputs> types{};
-            for (int32_t i = 0; i < nbInputs; ++i)
-            {
-                dims[i] = in[i].dims;
-                types[i] = in[i].type;
-                check(volume(in[i].dims) >= 0, Plugin::kINPUT_NAMES[i], ": expected known dims at run time, got ",
-                    dimsText(in[i].dims));
-            }
-            self().accept(dims.data(), types.data(), nbInputs, true);
-            mDims = dims;
-            mTypes = types;
+            Inputs const x = inputsOf(in, nbInputs, out, nbOutputs, "onShapeChange", true);
+            self().accept(x.dims.data(), x.types.data(), nbInputs, true);
+            mDims = x.dims;
+            mTypes = x.types;
             mNbInputs = nbInputs;
             mShapeReady = true;
             return 0;
@@ -297,6 +291,43 @@ protected:
     }
 
     PluginBase(PluginBase const&) = default;
+
+    //! The input dims and dtypes of one phase's descriptors (\p where), after the checks
+    //! every phase makes: descriptors there, accepted counts, and with \p runtime every
+    //! dim known.
+    struct Inputs
+    {
+        std::array<nvinfer1::Dims, kMaxInputs> dims{};
+        std::array<nvinfer1::DataType, kMaxInputs> types{};
+    };
+
+    template <typename Desc>
+    static Inputs inputsOf(
+        Desc const* in, int32_t nbInputs, Desc const* out, int32_t nbOutputs, char const* where, bool runtime)
+    {
+        check(in != nullptr && out != nullptr, where, ": null descriptors");
+        checkCounts(nbInputs, nbOutputs);
+        Inputs x;
+        for (int32_t i = 0; i < nbInputs; ++i)
+        {
+            nvinfer1::PluginTensorDesc const& d = tensorDesc(in[i]);
+            x.dims[i] = d.dims;
+            x.types[i] = d.type;
+            check(!runtime || volume(d.dims) >= 0, Plugin::kINPUT_NAMES[i], ": expected known dims at run time, got ",
+                dimsText(d.dims));
+        }
+        return x;
+    }
+
+    static nvinfer1::PluginTensorDesc const& tensorDesc(nvinfer1::DynamicPluginTensorDesc const& d) noexcept
+    {
+        return d.desc;
+    }
+
+    static nvinfer1::PluginTensorDesc const& tensorDesc(nvinfer1::PluginTensorDesc const& d) noexcept
+    {
+        return d;
+    }
 
     //! Refuses input and output counts the plugin does not take.
     static void checkCounts(int32_t nbInputs, int32_t nbOutputs)

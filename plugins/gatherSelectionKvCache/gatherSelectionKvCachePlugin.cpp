@@ -220,20 +220,10 @@ void GatherSelectionKvCachePlugin::accept(Dims const* dims, DataType const* type
     }
 }
 
-bool GatherSelectionKvCachePlugin::supportsFormatCombination(
-    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+bool GatherSelectionKvCachePlugin::supportsType(
+    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs) const noexcept
 {
-    if (inOut == nullptr || nbInputs != kNB_INPUTS || nbOutputs != kNB_OUTPUTS || pos < 0
-        || pos >= nbInputs + nbOutputs)
-    {
-        return false;
-    }
-    PluginTensorDesc const& d = inOut[pos].desc;
-    if (d.format != TensorFormat::kLINEAR)
-    {
-        return false;
-    }
-    DataType const t = d.type;
+    DataType const t = inOut[pos].desc.type;
     if (pos == kIN_SELECTION_K_ROPE)
     {
         return isCacheType(t);

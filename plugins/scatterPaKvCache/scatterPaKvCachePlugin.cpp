@@ -365,20 +365,10 @@ void ScatterPaKvCachePlugin::accept(Dims const* dims, DataType const* types, int
     }
 }
 
-bool ScatterPaKvCachePlugin::supportsFormatCombination(
-    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+bool ScatterPaKvCachePlugin::supportsType(
+    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs) const noexcept
 {
-    if (inOut == nullptr || !validInputCount(nbInputs) || nbOutputs != kNB_OUTPUTS || pos < 0
-        || pos >= nbInputs + nbOutputs)
-    {
-        return false;
-    }
-    PluginTensorDesc const& d = inOut[pos].desc;
-    if (d.format != TensorFormat::kLINEAR)
-    {
-        return false;
-    }
-    DataType const t = d.type;
+    DataType const t = inOut[pos].desc.type;
     // Decisions for pos use inOut[0..pos] only (TensorRT fills the rest later).
     switch (pos)
     {

@@ -88,8 +88,9 @@ public:
     void otherOutputShapes(nvinfer1::DimsExprs const* /* inputs */, nvinfer1::DimsExprs* /* outputs */) const {}
 
     // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
-    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
-        int32_t nbOutputs) noexcept override;
+    //! Whether input/output \p pos may have inOut[pos]'s dtype, given inOut[0..pos)
+    //! (PluginBase::supportsFormatCombination checks the rest).
+    bool supportsType(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs) const noexcept;
 
     //! enqueue's work once PluginBase checked the shapes and copied the caches: the
     //! kernel launch (none for an empty batch, docs/SPEC.md S7).
