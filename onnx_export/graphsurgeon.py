@@ -145,6 +145,19 @@ def _import_domain(graph: gs.Graph) -> None:
     graph.import_domains = domains
 
 
+def _add_op(graph: gs.Graph, op: specs.OpSpec, args: Mapping[str, Any]) -> list[gs.Variable]:
+    """:func:`add_node` for ``op`` with its tensors and attributes taken from ``args`` (an
+    ``add_*`` function's ``locals()``, whose parameters carry the op's names)."""
+    return add_node(
+        graph,
+        op.name,
+        op_tensors(op, args),
+        op_attributes(op, args),
+        name=args["name"],
+        output_names=args["output_names"],
+    )
+
+
 def add_scatter_pa_kv_cache(
     graph: gs.Graph,
     key: gs.Tensor,
@@ -187,15 +200,7 @@ def add_scatter_pa_kv_cache(
     -------
     [key_cache_out] or [key_cache_out, value_cache_out]
     """
-    op = specs.SCATTER_PA_KV_CACHE
-    return add_node(
-        graph,
-        op.name,
-        op_tensors(op, locals()),
-        op_attributes(op, locals()),
-        name=name,
-        output_names=output_names,
-    )
+    return _add_op(graph, specs.SCATTER_PA_KV_CACHE, locals())
 
 
 def add_gather_selection_kv_cache(
@@ -224,15 +229,7 @@ def add_gather_selection_kv_cache(
      selection_kv_actual_seq]
         The first three are the updated inputs; the last is int32 ``[R]``.
     """
-    op = specs.GATHER_SELECTION_KV_CACHE
-    return add_node(
-        graph,
-        op.name,
-        op_tensors(op, locals()),
-        op_attributes(op, locals()),
-        name=name,
-        output_names=output_names,
-    )
+    return _add_op(graph, specs.GATHER_SELECTION_KV_CACHE, locals())
 
 
 def export_model(graph: gs.Graph, *, check: bool = True):
