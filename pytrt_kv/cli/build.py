@@ -17,20 +17,35 @@ def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.lower().split("x") if d != "")
 
 
+def _named_values(
+    spec: str, sep: str, parse, option: str, expected: str, *, last: bool = False
+) -> tuple[str, list]:
+    """``NAME<sep>VALUES`` -> ``(NAME, parse(VALUES))``, which must be 1 or 3 values
+    (fixed, or min/opt/max); a ValueError naming ``option`` and ``expected`` otherwise.
+    The name ends at the first ``sep``, or with ``last`` at the last one (a tensor name
+    may hold a ":")."""
+    name, found, text = spec.rpartition(sep) if last else spec.partition(sep)
+    try:
+        values = parse(text)
+    except ValueError:
+        values = []
+    if not found or not name or len(values) not in (1, 3):
+        raise ValueError(f"{option}: expected {expected}, got {spec!r}")
+    return name, values
+
+
 def parse_shapes(specs) -> dict[str, tuple]:
     """``name:1x8,4x8,16x8`` (min,opt,max) or ``name:4x8`` (fixed) -> build_plan's ``shapes``."""
     out: dict[str, tuple] = {}
     for spec in specs or ():
-        name, sep, dims = spec.rpartition(":")
-        try:
-            parts = [_shape(p) for p in dims.split(",")]
-        except ValueError:
-            parts = []
-        if not sep or not name or len(parts) not in (1, 3):
-            raise ValueError(
-                f"--shapes: expected NAME:MINxDIMS,OPTxDIMS,MAXxDIMS or NAME:DIMS "
-                f"(e.g. key:1x8x128,16x8x128,64x8x128), got {spec!r}"
-            )
+        name, parts = _named_values(
+            spec,
+            ":",
+            lambda text: [_shape(p) for p in text.split(",")],
+            "--shapes",
+            "NAME:MINxDIMS,OPTxDIMS,MAXxDIMS or NAME:DIMS (e.g. key:1x8x128,16x8x128,64x8x128)",
+            last=True,
+        )
         out[name] = tuple(parts) if len(parts) == 3 else parts[0]
     return out
 
@@ -39,15 +54,13 @@ def parse_dims(specs) -> dict[str, tuple[int, int, int]]:
     """``B=1:8:64`` (min:opt:max) or ``B=8`` (fixed) -> build.shapes_from_dims' ``dims``."""
     out: dict[str, tuple[int, int, int]] = {}
     for spec in specs or ():
-        name, sep, text = spec.partition("=")
-        try:
-            vals = [int(v) for v in text.split(":")]
-        except ValueError:
-            vals = []
-        if not sep or not name or len(vals) not in (1, 3):
-            raise ValueError(
-                f"--dim: expected NAME=MIN:OPT:MAX or NAME=SIZE (e.g. B=1:8:64), got {spec!r}"
-            )
+        name, vals = _named_values(
+            spec,
+            "=",
+            lambda text: [int(v) for v in text.split(":")],
+            "--dim",
+            "NAME=MIN:OPT:MAX or NAME=SIZE (e.g. B=1:8:64)",
+        )
         out[name] = (vals[0], vals[0], vals[0]) if len(vals) == 1 else (vals[0], vals[1], vals[2])
     return out
 
