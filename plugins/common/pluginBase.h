@@ -1,14 +1,16 @@
 /*
  * What every plugin in this library implements the same way: the IPluginV3 plumbing
- * (PluginBase, a CRTP base) and the creator (PluginCreatorT). Both read from the
- * plugin class Plugin:
+ * (PluginBase, a CRTP base: counts, in-place outputs and aliases, the checks of
+ * configurePlugin / onShapeChange, enqueue's guards) and the creator (PluginCreatorT).
+ * Both read from the plugin class Plugin (kMaxInputs: the most inputs it takes):
  *   static constexpr char const* kPLUGIN_NAME;          the TensorRT plugin name
  *   static constexpr int32_t kNB_OUTPUTS;                its output count
+ *   static constexpr auto const& kINPUT_NAMES;           its input names (kvContract.h)
  *   static constexpr auto const& kALIASES;               {output, input} in-place pairs
  *                                                        (kvContract.h, from specs.py)
  *   static constexpr char const* kFIELD_ALIAS_IO;        its alias_io field
- *   static constexpr char const* kINPUT_COUNTS;          the input counts it accepts, in words
- *   static bool validInputCount(int32_t);                whether it accepts that many inputs
+ *   static constexpr char const* kINPUT_COUNTS;          the input counts it takes, in words
+ *   static bool validInputCount(int32_t);                whether it takes that many inputs
  *   static std::vector<FieldSpec> const& fieldSpecs();   its fields
  *   explicit Plugin(PluginFields fields);                construction from parsed fields
  *   Plugin(Plugin const&);                               clone()
@@ -16,13 +18,12 @@
  *       checks the inputs (throws PluginError on a broken rule); with keep, keeps what
  *       the kernel launch needs for enqueue
  *   void checkTypes(DataType const*, int32_t nbInputs) const;   the dtype rules
- *   void otherOutputTypes(DataType*) const;              dtypes of the outputs that are
- *   void otherOutputShapes(DimsExprs const*, DimsExprs*) const;  not in place, and shapes
+ *   bool supportsType(int32_t pos, DynamicPluginTensorDesc const*, int32_t nbInputs)
+ *       const noexcept;                                  may tensor pos have that dtype
+ *   void otherOutputTypes(DataType*) const;              dtypes and shapes of the
+ *   void otherOutputShapes(DimsExprs const*, DimsExprs*) const;  outputs not in place
  *   cudaError_t launch(inputs, outputs, workspace, stream) const;  enqueue's kernel launch
- * and kMaxInputs, the most inputs it takes. A plugin still implements
- * getWorkspaceSize when its kernels need a workspace, and
- *   bool supportsType(int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs) const noexcept;
- *       whether tensor pos may have inOut[pos]'s dtype (supportsFormatCombination).
+ * A plugin whose kernels need a workspace also overrides getWorkspaceSize.
  */
 #pragma once
 
