@@ -5,7 +5,7 @@ Runners, fed the same valid inputs by the project's data loader
 
 - ``PytrtKvRefRunner``: the project's Polygraphy runner over the CPU runtime
   (``pytrt_kv.runtime``: onnx.reference + the NumPy reference of our ops);
-- ``NumpyStepRunner`` (below): the same decode step written directly in NumPy, without
+- ``numpy_step_runner`` (below): the same decode step written directly in NumPy, without
   the graph or the reference gather (``pytrt_kv.demo.expected_step``), so the
   comparison checks the runtime against an independent computation on any CPU;
 - ``TrtRunner`` on an engine built by ``pytrt_kv.trt.build_engine``, where TensorRT, a GPU
@@ -18,45 +18,26 @@ different order, so ``attn_out`` gets a small tolerance.
 """
 
 import sys
-import time
-from collections import OrderedDict
 
 import onnx
-from polygraphy.backend.base import BaseRunner
 from polygraphy.comparator import Comparator, CompareFunc
 
 from onnx_export.example import ExampleSizes, build_example_model
 from pytrt_kv.demo import expected_step
 from pytrt_kv.graph.feeds import make_feeds
-from pytrt_kv.polygraphy import PytrtKvRefRunner, input_metadata
+from pytrt_kv.polygraphy import FunctionRunner, PytrtKvRefRunner
 
 SIZES = ExampleSizes()
 
 
-class NumpyStepRunner(BaseRunner):
+def numpy_step_runner(model):
     """The example model's decode step computed directly in NumPy (no graph)."""
-
-    def __init__(self, model, name="numpy-step"):
-        super().__init__(name=name, prefix="numpy-step-runner")
-        self.model = model
-
-    def activate_impl(self):
-        pass
-
-    def get_input_metadata_impl(self):
-        # Polygraphy passes a runner only the inputs its metadata names.
-        return input_metadata(self.model)
-
-    def infer_impl(self, feed_dict):
-        start = time.time()
-        exp = expected_step(SIZES, dict(feed_dict))
-        self.inference_time = time.time() - start
-        return OrderedDict(
-            (n, exp[n]) for n in ("full_kv_cache_out", "full_k_rope_out", "attn_out")
-        )
-
-    def deactivate_impl(self):
-        pass
+    return FunctionRunner(
+        model,
+        lambda feeds: expected_step(SIZES, feeds),
+        name="numpy-step",
+        outputs=("full_kv_cache_out", "full_k_rope_out", "attn_out"),
+    )
 
 
 def fresh_rows(feeds):
@@ -64,7 +45,7 @@ def fresh_rows(feeds):
 
     ``make_feeds`` may hand in a previous step's status whose kept slots hold random bytes:
     valid for the op, which keeps them in place, but then the graph's attention reads
-    those bytes while NumpyStepRunner reads the true tokens. A fresh status makes the op
+    those bytes while numpy_step_runner reads the true tokens. A fresh status makes the op
     copy every selected token, so both sides attend over the same data.
     """
     feeds["selection_kv_block_status"][...] = -1
@@ -91,7 +72,7 @@ def main(argv):
     model = build_example_model(SIZES)
     onnx.save(model, path)
 
-    runners = [PytrtKvRefRunner(model, name="pytrt-kv-ref"), NumpyStepRunner(model)]
+    runners = [PytrtKvRefRunner(model, name="pytrt-kv-ref"), numpy_step_runner(model)]
     trt, why_not = trt_runner(path)
     if trt is None:
         print(f"TensorRT runner not used: {why_not}")

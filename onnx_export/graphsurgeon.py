@@ -27,6 +27,7 @@ from typing import Any
 import onnx_graphsurgeon as gs
 
 from pytrt_kv.contract import dtypes, specs
+from pytrt_kv.contract.args import op_attributes, op_tensors
 from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
 from pytrt_kv.graph.check import TensorInfo, dtype_name, validate_node
 
@@ -144,6 +145,19 @@ def _import_domain(graph: gs.Graph) -> None:
     graph.import_domains = domains
 
 
+def _add_op(graph: gs.Graph, op: specs.OpSpec, args: Mapping[str, Any]) -> list[gs.Variable]:
+    """:func:`add_node` for ``op`` with its tensors and attributes taken from ``args`` (an
+    ``add_*`` function's ``locals()``, whose parameters carry the op's names)."""
+    return add_node(
+        graph,
+        op.name,
+        op_tensors(op, args),
+        op_attributes(op, args),
+        name=args["name"],
+        output_names=args["output_names"],
+    )
+
+
 def add_scatter_pa_kv_cache(
     graph: gs.Graph,
     key: gs.Tensor,
@@ -186,30 +200,7 @@ def add_scatter_pa_kv_cache(
     -------
     [key_cache_out] or [key_cache_out, value_cache_out]
     """
-    attrs: dict[str, Any] = {"alias_io": alias_io}
-    if cache_layout is not None:
-        attrs["cache_layout"] = cache_layout
-    if compress_mode is not None:
-        attrs["compress_mode"] = compress_mode
-    return add_node(
-        graph,
-        specs.SCATTER_PA_KV_CACHE.name,
-        {
-            "key": key,
-            "value": value,
-            "key_cache": key_cache,
-            "value_cache": value_cache,
-            "slot_mapping": slot_mapping,
-            "compress_lens": compress_lens,
-            "compress_seq_offsets": compress_seq_offsets,
-            "seq_lens": seq_lens,
-            "k_scale": k_scale,
-            "v_scale": v_scale,
-        },
-        attrs,
-        name=name,
-        output_names=output_names,
-    )
+    return _add_op(graph, specs.SCATTER_PA_KV_CACHE, locals())
 
 
 def add_gather_selection_kv_cache(
@@ -238,25 +229,7 @@ def add_gather_selection_kv_cache(
      selection_kv_actual_seq]
         The first three are the updated inputs; the last is int32 ``[R]``.
     """
-    return add_node(
-        graph,
-        specs.GATHER_SELECTION_KV_CACHE.name,
-        {
-            "selection_k_rope": selection_k_rope,
-            "selection_kv_cache": selection_kv_cache,
-            "selection_kv_block_table": selection_kv_block_table,
-            "selection_kv_block_status": selection_kv_block_status,
-            "selection_topk_indices": selection_topk_indices,
-            "full_k_rope": full_k_rope,
-            "full_kv_cache": full_kv_cache,
-            "full_kv_block_table": full_kv_block_table,
-            "full_kv_actual_seq": full_kv_actual_seq,
-            "full_q_actual_seq": full_q_actual_seq,
-        },
-        {"selection_topk_block_size": selection_topk_block_size, "alias_io": alias_io},
-        name=name,
-        output_names=output_names,
-    )
+    return _add_op(graph, specs.GATHER_SELECTION_KV_CACHE, locals())
 
 
 def export_model(graph: gs.Graph, *, check: bool = True):

@@ -7,7 +7,7 @@ random everywhere else):
 
 - ``PytrtKvRefRunner``: the exported decode graph (30 ``ScatterPaKvCache`` writes,
   attention over the gathered pages) on ``pytrt_kv.runtime``;
-- ``TransformersDecodeRunner`` (below): transformers' own model, which reads each
+- ``transformers_decode_runner`` (below): transformers' own model, which reads each
   sequence's past keys/values from its pages into a ``DynamicCache`` and runs the token at
   its position; its new key/value rows are written at the slots with NumPy indexing
   (``onnx_export.llama.reference_decode_step``). Nothing of the graph is shared.
@@ -29,16 +29,13 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
-from collections import OrderedDict
 from pathlib import Path
 
 import onnx
-from polygraphy.backend.base import BaseRunner
 from polygraphy.comparator import Comparator, CompareFunc, RunResults
 
 from pytrt_kv.graph.feeds import make_feeds
-from pytrt_kv.polygraphy import PytrtKvRefRunner, input_metadata
+from pytrt_kv.polygraphy import FunctionRunner, PytrtKvRefRunner
 
 from .llama import LlamaRunner, load_llama, reference_decode_step, save_graphs
 
@@ -51,27 +48,9 @@ ATOL = {"": 1e-3, "logits": 2e-2}
 RTOL = {"": 1e-3, "logits": 1e-3}
 
 
-class TransformersDecodeRunner(BaseRunner):
+def transformers_decode_runner(hf_model, graph: onnx.ModelProto, name: str = "transformers"):
     """The decode step computed by transformers from the paged state (no graph)."""
-
-    def __init__(self, hf_model, graph: onnx.ModelProto, name: str = "transformers"):
-        super().__init__(name=name, prefix="transformers-runner")
-        self.hf_model, self.graph = hf_model, graph
-
-    def activate_impl(self):
-        pass
-
-    def get_input_metadata_impl(self):
-        return input_metadata(self.graph)
-
-    def infer_impl(self, feed_dict):
-        start = time.time()
-        out = reference_decode_step(self.hf_model, dict(feed_dict))
-        self.inference_time = time.time() - start
-        return OrderedDict((o.name, out[o.name]) for o in self.graph.graph.output)
-
-    def deactivate_impl(self):
-        pass
+    return FunctionRunner(graph, lambda feeds: reference_decode_step(hf_model, feeds), name=name)
 
 
 def loader_command(folder: Path, iterations: int, seed: int) -> list[str]:
@@ -98,7 +77,7 @@ def compare(folder: Path, iterations: int = 2, seed: int = 0, hf_model=None) -> 
     if not decode.exists():
         save_graphs(LlamaRunner(hf_model, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS), folder)
     graph = onnx.load(str(decode), load_external_data=False)
-    runners = [PytrtKvRefRunner(str(decode)), TransformersDecodeRunner(hf_model, graph)]
+    runners = [PytrtKvRefRunner(str(decode)), transformers_decode_runner(hf_model, graph)]
     # Iteration i uses seed + i, as the data loader does under `polygraphy run --seed`.
     feeds = [make_feeds(graph, seed + i, SHAPES) for i in range(iterations)]
     results = Comparator.run(runners, data_loader=feeds)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytrt_kv.contract import dtypes, specs
-from pytrt_kv.contract.args import op_tensors
+from pytrt_kv.contract.args import op_attributes, op_tensors
 from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
 from pytrt_kv.graph.check import TensorInfo, validate_node
 
@@ -167,16 +167,8 @@ def scatter_pa_kv_cache(
     (key_cache_out,) or (key_cache_out, value_cache_out)
         New tensors; the inputs are not modified.
     """
-    attrs: dict[str, Any] = {"alias_io": alias_io}
-    if cache_layout is not None:
-        attrs["cache_layout"] = cache_layout
-    if compress_mode is not None:
-        attrs["compress_mode"] = compress_mode
-    return _call(
-        specs.SCATTER_PA_KV_CACHE,
-        op_tensors(specs.SCATTER_PA_KV_CACHE, locals()),
-        attrs,
-    )
+    op = specs.SCATTER_PA_KV_CACHE
+    return _call(op, op_tensors(op, locals()), op_attributes(op, locals()))
 
 
 def gather_selection_kv_cache(
@@ -202,8 +194,5 @@ def gather_selection_kv_cache(
      selection_kv_actual_seq)
         The first three are updated copies of their inputs; the last is int32 ``[R]``.
     """
-    return _call(
-        specs.GATHER_SELECTION_KV_CACHE,
-        op_tensors(specs.GATHER_SELECTION_KV_CACHE, locals()),
-        {"selection_topk_block_size": selection_topk_block_size, "alias_io": alias_io},
-    )
+    op = specs.GATHER_SELECTION_KV_CACHE
+    return _call(op, op_tensors(op, locals()), op_attributes(op, locals()))

@@ -116,7 +116,7 @@ def bench_scatter(
     tri, why = triton_scatter()
     if tri is None and progress:
         progress(why)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for T in sizes:
         NB = max(2 * T // BS, 4)
         key = torch.randn(T, H, D, dtype=dt, device="cuda")
@@ -167,9 +167,7 @@ def bench_scatter(
                 r["kernel_graph_us"] <= TARGETS["scatter_decode_us"]
                 and r["vs_torch"] >= TARGETS["scatter_decode_vs_torch"]
             )
-        rows.append(r)
-        if progress:
-            progress(_line(r))
+        _keep(rows, r, progress)
     return rows
 
 
@@ -223,7 +221,7 @@ def bench_quant(
     H, D, BS = 8, 128, 16
     f8 = torch.float8_e4m3fn
     sizes = (1, 16, 256, 4096) if quick else (1, 16, 64, 256, 1024, 4096, 16384)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for T in sizes:
         NB = max(2 * T // BS, 4)
         key = torch.randn(T, H, D, dtype=torch.float16, device="cuda") * 50
@@ -260,9 +258,7 @@ def bench_quant(
         r["vs_separate"] = r["separate_graph_us"] / r["kernel_graph_us"]
         r["target"] = f"<= {TARGETS['quant_vs_plain']:.2f}x plain scatter"
         r["met"] = r["vs_plain"] <= TARGETS["quant_vs_plain"]
-        rows.append(r)
-        if progress:
-            progress(_line(r))
+        _keep(rows, r, progress)
     return rows
 
 
@@ -336,7 +332,7 @@ def bench_gather(
         if quick
         else [(1, False), (4, False), (16, False), (64, False), (4, True), (16, True), (64, True)]
     )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rows_bs, host in configs:
         no_reuse_us = None
         args, kv_len = _gather_buffers(torch, rows_bs=rows_bs, K=K, kv=kv, rope=rope, host=host)
@@ -409,9 +405,7 @@ def bench_gather(
                 if overlap == 0.9:
                     r["target"] = f"time <= {TARGETS['gather_reuse90_time_ratio']}x no-reuse"
                     r["met"] = r["vs_no_reuse"] <= TARGETS["gather_reuse90_time_ratio"]
-            rows.append(r)
-            if progress:
-                progress(_line(r))
+            _keep(rows, r, progress)
     return rows
 
 
@@ -462,6 +456,15 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.2f}"
     return str(v)
+
+
+def _keep(
+    rows: list[dict[str, Any]], r: dict[str, Any], progress: Callable[[str], None] | None
+) -> None:
+    """Append the result row ``r`` to ``rows`` and report it to ``progress``."""
+    rows.append(r)
+    if progress:
+        progress(_line(r))
 
 
 def _line(r: dict[str, Any]) -> str:

@@ -59,11 +59,33 @@ def _one(backend: str, prompt_tokens: int, tokens: int, block_size: int) -> dict
     }
 
 
+def _in_turns(evaluator, session, feeds, rounds: int, calls: int = 1, warm: bool = False):
+    """The CPU runtime (``evaluator``) and the ONNX Runtime ``session`` on ``feeds``, in
+    turns for ``rounds`` rounds of ``calls`` calls each (after one untimed call when
+    ``warm``): ``{backend: median seconds per call}``."""
+    import statistics
+
+    from pytrt_kv import runtime
+
+    runs = {
+        "runtime": lambda: runtime.run(evaluator, feeds),
+        "ort": lambda: session.run(None, feeds),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            if warm:
+                fn()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t) / calls)
+    return {name: statistics.median(sec) for name, sec in times.items()}
+
+
 def _example(rounds: int = 5, calls: int = 20) -> None:
     """One step of the example model (onnx_export/example.py), both backends in turns in
     one process: median over rounds of the mean time per call."""
-    import statistics
-
     from onnx_export.example import build_example_model
     from pytrt_kv import runtime
     from pytrt_kv.graph.feeds import make_feeds
@@ -72,28 +94,15 @@ def _example(rounds: int = 5, calls: int = 20) -> None:
     model = build_example_model()
     feeds = make_feeds(model, seed=0)
     evaluator, session = runtime.make_evaluator(model), make_session(model)
-    runs = {
-        "runtime": lambda: runtime.run(evaluator, feeds),
-        "ort": lambda: session.run(None, feeds),
-    }
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            fn()
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - t) / calls * 1e3)
-    for name, ms in times.items():
-        print(json.dumps({"example_step_ms": round(statistics.median(ms), 2), "backend": name}))
+    medians = _in_turns(evaluator, session, feeds, rounds, calls=calls, warm=True)
+    for name, sec in medians.items():
+        print(json.dumps({"example_step_ms": round(sec * 1e3, 2), "backend": name}))
 
 
 def _decode_step(path: str, rounds: int = 3) -> None:
     """One step of a saved SmolLM2 decode graph (``path``, 4-token pages, 3 sequences of
     up to 4 pages, 48 blocks per layer, as docs/YOUR_MODEL.md's Polygraphy command), both
     backends in one process, in turns: median seconds per step, 3 tokens per step."""
-    import statistics
-
     import numpy as np
     import onnx
 
@@ -110,18 +119,7 @@ def _decode_step(path: str, rounds: int = 3) -> None:
     got = dict(zip(names, session.run(None, feeds)))
     want = runtime.run(evaluator, feeds)
     diff = max(float(np.abs(got[n] - want[n]).max()) for n in names)
-    runs = {
-        "runtime": lambda: runtime.run(evaluator, feeds),
-        "ort": lambda: session.run(None, feeds),
-    }
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    for name, s in times.items():
-        step = statistics.median(s)
+    for name, step in _in_turns(evaluator, session, feeds, rounds).items():
         print(
             json.dumps(
                 {

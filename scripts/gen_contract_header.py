@@ -73,6 +73,14 @@ def _op_block(op) -> list[str]:
                 lines.append(f"constexpr int64_t {base}_CHOICES[]{{{choices}}};")
         else:
             raise ValueError(f"{op.name}.{attr.name}: unknown attribute type {attr.type!r}")
+    aliases = [(f"kOUT_{_const_name(o)}", f"kIN_{_const_name(i)}") for o, i in op.aliases.items()]
+    lines += [
+        "//! In-place outputs: {output, the input it updates} (specs aliases).",
+        f"constexpr int32_t kNB_ALIASES{{{len(aliases)}}};",
+        "constexpr int32_t kALIASES[kNB_ALIASES][2]{"
+        + ", ".join(f"{{{o}, {i}}}" for o, i in aliases)
+        + "};",
+    ]
     lines += ["}" + f" // namespace {_namespace_of(op.name)}", ""]
     return lines
 
@@ -103,6 +111,15 @@ def _layout_block(layouts_mod) -> list[str]:
         f"constexpr char const* kLAYOUT_NAMES[kNB_LAYOUTS]{{{names}}};",
         "//! Declared 4-D shape of each layout (F = H*D/L, L = kNZ_SEGMENT_BYTES / itemsize).",
         f"constexpr char const* kLAYOUT_SHAPES[kNB_LAYOUTS]{{{shapes}}};",
+        "//! The symbols of the declared shapes (layouts.DIM_SYMBOLS), and each layout's 4 dims.",
+        *(f"constexpr int32_t kDIM_{sym}{{{i}}};" for i, sym in enumerate(layouts_mod.DIM_SYMBOLS)),
+        f"constexpr int32_t kNB_DIM_SYMBOLS{{{len(layouts_mod.DIM_SYMBOLS)}}};",
+        "constexpr char const* kDIM_NAMES[kNB_DIM_SYMBOLS]{"
+        + ", ".join(_cpp_string(sym) for sym in layouts_mod.DIM_SYMBOLS)
+        + "};",
+        "constexpr int32_t kLAYOUT_DIMS[kNB_LAYOUTS][4]{"
+        + ", ".join("{" + ", ".join(f"kDIM_{d}" for d in lay.dims) + "}" for lay in table)
+        + "};",
         "//! Axis of BS (the row within a block) in each declared shape; NB is axis 0.",
         "constexpr int32_t kLAYOUT_ROW_AXIS[kNB_LAYOUTS]{"
         + ", ".join(str(lay.row_axis) for lay in table)

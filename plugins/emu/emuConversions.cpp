@@ -11,6 +11,25 @@ namespace pytrt_kv
 {
 namespace emu
 {
+namespace
+{
+
+//! The float whose IEEE-754 bits are \p bits, and back (std::bit_cast before C++20).
+float floatOfBits(uint32_t bits) noexcept
+{
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+uint32_t bitsOfFloat(float f) noexcept
+{
+    uint32_t x;
+    std::memcpy(&x, &f, sizeof(x));
+    return x;
+}
+
+} // namespace
 
 float halfToFloat(unsigned short h) noexcept
 {
@@ -40,15 +59,12 @@ float halfToFloat(unsigned short h) noexcept
     {
         bits = sign;
     }
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
+    return floatOfBits(bits);
 }
 
 unsigned short floatToHalfRn(float f) noexcept
 {
-    uint32_t x;
-    std::memcpy(&x, &f, sizeof(x));
+    uint32_t const x = bitsOfFloat(f);
     uint32_t const sign = (x >> 16) & 0x8000U;
     uint32_t const absx = x & 0x7FFFFFFFU;
     if (absx > 0x7F800000U)
@@ -92,15 +108,12 @@ unsigned short floatToHalfRn(float f) noexcept
 float bf16ToFloat(unsigned short h) noexcept
 {
     uint32_t const bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
+    return floatOfBits(bits);
 }
 
 unsigned short floatToBf16Rn(float f) noexcept
 {
-    uint32_t x;
-    std::memcpy(&x, &f, sizeof(x));
+    uint32_t x = bitsOfFloat(f);
     if ((x & 0x7FFFFFFFU) > 0x7F800000U)
     {
         return 0x7FFF; // NaN: canonical, as the GPU's cvt.rn.bf16.f32

@@ -17,13 +17,10 @@ namespace plugin
 namespace
 {
 
-namespace op = contract::gatherSelectionKvCache;
-constexpr char const* kTOPK_BLOCK_SIZE{op::kFIELD_SELECTION_TOPK_BLOCK_SIZE};
-constexpr char const* kALIAS_IO{op::kFIELD_ALIAS_IO};
+// The op's input/output positions (kIN_*, kOUT_*) and fields (kFIELD_*), kvContract.h.
+using namespace contract::gatherSelectionKvCache;
 
 using Self = GatherSelectionKvCachePlugin;
-
-constexpr auto const& kINPUT_NAMES = op::kINPUT_NAMES;
 
 // docs/SPEC.md G2 cache dtypes that TensorRT can express (it has no FP8 E5M2).
 bool isCacheType(DataType t) noexcept
@@ -34,8 +31,8 @@ bool isCacheType(DataType t) noexcept
 
 bool isCacheInput(int32_t pos) noexcept
 {
-    return pos == Self::kIN_SELECTION_K_ROPE || pos == Self::kIN_SELECTION_KV_CACHE || pos == Self::kIN_FULL_K_ROPE
-        || pos == Self::kIN_FULL_KV_CACHE;
+    return pos == kIN_SELECTION_K_ROPE || pos == kIN_SELECTION_KV_CACHE || pos == kIN_FULL_K_ROPE
+        || pos == kIN_FULL_KV_CACHE;
 }
 
 // -1 stays "unknown" (build time); a known size must fit the kernels' int32 fields.
@@ -49,22 +46,21 @@ int32_t narrow(int64_t v, char const* name)
 std::vector<FieldSpec> const& GatherSelectionKvCachePlugin::fieldSpecs()
 {
     static std::vector<FieldSpec> const kSPECS{
-        {kTOPK_BLOCK_SIZE, FieldKind::kINT, op::kFIELD_SELECTION_TOPK_BLOCK_SIZE_DEFAULT, "", {}, 1,
+        {kFIELD_SELECTION_TOPK_BLOCK_SIZE, FieldKind::kINT, kFIELD_SELECTION_TOPK_BLOCK_SIZE_DEFAULT, "", {}, 1,
             std::numeric_limits<int32_t>::max()},
-        {kALIAS_IO, FieldKind::kINT, op::kFIELD_ALIAS_IO_DEFAULT, "", {}, op::kFIELD_ALIAS_IO_CHOICES[0],
-            op::kFIELD_ALIAS_IO_CHOICES[1]},
+        {Self::kFIELD_ALIAS_IO, FieldKind::kINT, kFIELD_ALIAS_IO_DEFAULT, "", {}, kFIELD_ALIAS_IO_CHOICES[0],
+            kFIELD_ALIAS_IO_CHOICES[1]},
     };
     return kSPECS;
 }
 
 GatherSelectionKvCachePlugin::GatherSelectionKvCachePlugin(PluginFields fields)
     : PluginBase(std::move(fields))
-    , mTopkBlockSize(static_cast<int32_t>(mFields.getInt(kTOPK_BLOCK_SIZE)))
-    , mAliasIo(mFields.getInt(kALIAS_IO) != 0)
+    , mTopkBlockSize(static_cast<int32_t>(mFields.getInt(kFIELD_SELECTION_TOPK_BLOCK_SIZE)))
 {
 }
 
-void GatherSelectionKvCachePlugin::checkTypes(DataType const* types) const
+void GatherSelectionKvCachePlugin::checkTypes(DataType const* types, int32_t /* nbInputs */) const
 {
     DataType const cacheType = types[kIN_SELECTION_KV_CACHE];
     check(isCacheType(cacheType), "selection_kv_cache: expected kHALF, kBF16, kINT8, kFLOAT or kFP8, got ",
@@ -85,7 +81,7 @@ void GatherSelectionKvCachePlugin::checkTypes(DataType const* types) const
 
 kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const* dims, DataType const* types) const
 {
-    checkTypes(types);
+    checkTypes(types, kNB_INPUTS);
 
     Dims const& kv = dims[kIN_SELECTION_KV_CACHE];
     Dims const& fullKv = dims[kIN_FULL_KV_CACHE];
@@ -215,106 +211,43 @@ kernels::GatherSelectionParams GatherSelectionKvCachePlugin::describe(Dims const
     return p;
 }
 
-int32_t GatherSelectionKvCachePlugin::configurePlugin(
-    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+void GatherSelectionKvCachePlugin::accept(Dims const* dims, DataType const* types, int32_t /* nbInputs */, bool keep)
 {
-    try
+    kernels::GatherSelectionParams const p = describe(dims, types);
+    if (keep)
     {
-        check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
-        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
-        std::array<Dims, kNB_INPUTS> dims{};
-        std::array<DataType, kNB_INPUTS> types{};
-        for (int32_t i = 0; i < kNB_INPUTS; ++i)
-        {
-            dims[i] = in[i].desc.dims;
-            types[i] = in[i].desc.type;
-        }
-        describe(dims.data(), types.data());
-        mEmptyInputs = emptyInputMask(in, nbInputs);
-        return 0;
+        mParams = p;
     }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::configurePlugin", e);
-    }
-    return -1;
 }
 
-bool GatherSelectionKvCachePlugin::supportsFormatCombination(
-    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+bool GatherSelectionKvCachePlugin::supportsType(
+    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs) const noexcept
 {
-    if (inOut == nullptr || nbInputs != kNB_INPUTS || nbOutputs != kNB_OUTPUTS || pos < 0
-        || pos >= nbInputs + nbOutputs)
-    {
-        return false;
-    }
-    PluginTensorDesc const& d = inOut[pos].desc;
-    if (d.format != TensorFormat::kLINEAR)
-    {
-        return false;
-    }
-    DataType const t = d.type;
+    DataType const t = inOut[pos].desc.type;
     if (pos == kIN_SELECTION_K_ROPE)
     {
         return isCacheType(t);
     }
     // Decisions for pos use inOut[0..pos] only: every cache tensor follows input 0.
     int32_t const outIndex = pos - nbInputs;
-    bool const cache = pos < nbInputs ? isCacheInput(pos)
-                                      : (outIndex == kOUT_SELECTION_K_ROPE || outIndex == kOUT_SELECTION_KV_CACHE);
+    bool const cache = pos < nbInputs
+        ? isCacheInput(pos)
+        : (outIndex == kOUT_SELECTION_K_ROPE_OUT || outIndex == kOUT_SELECTION_KV_CACHE_OUT);
     return cache ? t == inOut[kIN_SELECTION_K_ROPE].desc.type : t == DataType::kINT32;
 }
 
-int32_t GatherSelectionKvCachePlugin::getOutputDataTypes(
-    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+void GatherSelectionKvCachePlugin::otherOutputTypes(DataType* outputTypes) const
 {
-    try
-    {
-        check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
-        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
-        // Checked here, where TensorRT first shows all input types: supportsFormatCombination
-        // can only say no, and a builder then reports "no supported formats", not why.
-        checkTypes(inputTypes);
-        outputTypes[kOUT_SELECTION_K_ROPE] = inputTypes[kIN_SELECTION_K_ROPE];
-        outputTypes[kOUT_SELECTION_KV_CACHE] = inputTypes[kIN_SELECTION_KV_CACHE];
-        outputTypes[kOUT_SELECTION_KV_BLOCK_STATUS] = inputTypes[kIN_SELECTION_KV_BLOCK_STATUS];
-        outputTypes[kOUT_SELECTION_KV_ACTUAL_SEQ] = DataType::kINT32;
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::getOutputDataTypes", e);
-    }
-    return -1;
+    outputTypes[kOUT_SELECTION_KV_ACTUAL_SEQ] = DataType::kINT32;
 }
 
-int32_t GatherSelectionKvCachePlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs,
-    DimsExprs const* /* shapeInputs */, int32_t /* nbShapeInputs */, DimsExprs* outputs, int32_t nbOutputs,
-    IExprBuilder& /* exprBuilder */) noexcept
+void GatherSelectionKvCachePlugin::otherOutputShapes(DimsExprs const* inputs, DimsExprs* outputs) const
 {
-    try
-    {
-        check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
-        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
-        check(inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims == 2, "selection_kv_block_table: expected rank 2, got ",
-            inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims);
-        outputs[kOUT_SELECTION_K_ROPE] = inputs[kIN_SELECTION_K_ROPE];
-        outputs[kOUT_SELECTION_KV_CACHE] = inputs[kIN_SELECTION_KV_CACHE];
-        outputs[kOUT_SELECTION_KV_BLOCK_STATUS] = inputs[kIN_SELECTION_KV_BLOCK_STATUS];
-        outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].nbDims = 1;
-        outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].d[0] = inputs[kIN_SELECTION_KV_BLOCK_TABLE].d[0];
-        // getAliasedInput may come next, before configurePlugin (pluginCommon.h).
-        mEmptyInputs = emptyInputMask(inputs, nbInputs);
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::getOutputShapes", e);
-    }
-    return -1;
+    // selection_kv_actual_seq is [R], R = dim 0 of selection_kv_block_table.
+    check(inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims == 2, "selection_kv_block_table: expected rank 2, got ",
+        inputs[kIN_SELECTION_KV_BLOCK_TABLE].nbDims);
+    outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].nbDims = 1;
+    outputs[kOUT_SELECTION_KV_ACTUAL_SEQ].d[0] = inputs[kIN_SELECTION_KV_BLOCK_TABLE].d[0];
 }
 
 size_t GatherSelectionKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
@@ -338,122 +271,43 @@ size_t GatherSelectionKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc co
     return 0;
 }
 
-int32_t GatherSelectionKvCachePlugin::getAliasedInput(int32_t outputIndex) noexcept
+cudaError_t GatherSelectionKvCachePlugin::launch(
+    void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) const
 {
-    if (!mAliasIo)
+    kernels::GatherSelectionParams p = mParams;
+    // An empty batch (B*S == 0) gathers nothing: the caches and the status keep their
+    // contents, every selection_kv_actual_seq row is 0 (rows past B*S always are),
+    // and no kernel is launched (docs/SPEC.md G3).
+    if (static_cast<int64_t>(p.batch) * p.seqPerBatch == 0)
     {
-        return -1;
-    }
-    switch (outputIndex)
-    {
-    case kOUT_SELECTION_K_ROPE: return aliasUnlessEmpty(kIN_SELECTION_K_ROPE, mEmptyInputs);
-    case kOUT_SELECTION_KV_CACHE: return aliasUnlessEmpty(kIN_SELECTION_KV_CACHE, mEmptyInputs);
-    case kOUT_SELECTION_KV_BLOCK_STATUS: return aliasUnlessEmpty(kIN_SELECTION_KV_BLOCK_STATUS, mEmptyInputs);
-    default: return -1;
-    }
-}
-
-int32_t GatherSelectionKvCachePlugin::onShapeChange(
-    PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out, int32_t nbOutputs) noexcept
-{
-    mShapeReady = false;
-    try
-    {
-        check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
-        check(nbInputs == kNB_INPUTS, "inputs: expected 10, got ", nbInputs);
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 4, got ", nbOutputs);
-        std::array<Dims, kNB_INPUTS> dims{};
-        std::array<DataType, kNB_INPUTS> types{};
-        for (int32_t i = 0; i < kNB_INPUTS; ++i)
+        size_t const bytes = static_cast<size_t>(p.selectionRows) * sizeof(int32_t);
+        cudaError_t const st
+            = bytes == 0 ? cudaSuccess : cudaMemsetAsync(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ], 0, bytes, stream);
+        if (st != cudaSuccess)
         {
-            dims[i] = in[i].dims;
-            types[i] = in[i].type;
-            check(volume(in[i].dims) >= 0, kINPUT_NAMES[i], ": expected known dims at run time, got ",
-                dimsText(in[i].dims));
+            cudaGetLastError(); // ours: never left pending for the next launch (as copyIfDistinct)
         }
-        mParams = describe(dims.data(), types.data());
-        mDims = dims;
-        mTypes = types;
-        mShapeReady = true;
-        return 0;
+        check(st == cudaSuccess, "enqueue: clearing selection_kv_actual_seq failed: ", cudaGetErrorName(st));
+        return cudaSuccess;
     }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::onShapeChange", e);
-    }
-    return -1;
-}
-
-int32_t GatherSelectionKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
-    void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept
-{
-    try
-    {
-        check(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
-            "enqueue: null arguments");
-        check(mShapeReady, "enqueue: called before onShapeChange accepted the input shapes");
-        // The shapes were validated by onShapeChange: only make sure these are the same.
-        for (int32_t i = 0; i < kNB_INPUTS; ++i)
-        {
-            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ", kINPUT_NAMES[i],
-                " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type), ", not the ",
-                dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
-        }
-
-        // Functional ONNX form, in-place execution: an output bound elsewhere than its
-        // input first receives the input (the kernel then reads the old status there).
-        for (auto const& [o, i] : {std::pair<int32_t, int32_t>{kOUT_SELECTION_K_ROPE, kIN_SELECTION_K_ROPE},
-                 std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_CACHE, kIN_SELECTION_KV_CACHE},
-                 std::pair<int32_t, int32_t>{kOUT_SELECTION_KV_BLOCK_STATUS, kIN_SELECTION_KV_BLOCK_STATUS}})
-        {
-            cudaError_t const st = copyIfDistinct(outputs[o], inputs[i], inputDesc[i], stream);
-            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i],
-                " to its output failed: ", cudaGetErrorName(st));
-        }
-
-        kernels::GatherSelectionParams p = mParams;
-        // An empty batch (B*S == 0) gathers nothing: the caches and the status keep their
-        // contents, every selection_kv_actual_seq row is 0 (rows past B*S always are),
-        // and no kernel is launched (docs/SPEC.md G3).
-        if (static_cast<int64_t>(p.batch) * p.seqPerBatch == 0)
-        {
-            size_t const bytes = static_cast<size_t>(p.selectionRows) * sizeof(int32_t);
-            cudaError_t const st
-                = bytes == 0 ? cudaSuccess : cudaMemsetAsync(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ], 0, bytes, stream);
-            if (st != cudaSuccess)
-            {
-                cudaGetLastError(); // ours: never left pending for the next launch (as copyIfDistinct)
-            }
-            check(st == cudaSuccess, "enqueue: clearing selection_kv_actual_seq failed: ", cudaGetErrorName(st));
-            return 0;
-        }
-        p.selectionKRope = p.kRopeDim > 0 ? outputs[kOUT_SELECTION_K_ROPE] : nullptr;
-        p.selectionKvCache = outputs[kOUT_SELECTION_KV_CACHE];
-        p.selectionKvBlockTable = static_cast<int32_t const*>(inputs[kIN_SELECTION_KV_BLOCK_TABLE]);
-        p.selectionKvBlockStatus = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_BLOCK_STATUS]);
-        p.selectionTopkIndices = static_cast<int32_t const*>(inputs[kIN_SELECTION_TOPK_INDICES]);
-        p.fullKRope = p.kRopeDim > 0 ? inputs[kIN_FULL_K_ROPE] : nullptr;
-        p.fullKvCache = inputs[kIN_FULL_KV_CACHE];
-        p.fullKvBlockTable = static_cast<int32_t const*>(inputs[kIN_FULL_KV_BLOCK_TABLE]);
-        p.fullKvActualSeq = static_cast<int32_t const*>(inputs[kIN_FULL_KV_ACTUAL_SEQ]);
-        p.selectionKvActualSeq = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ]);
-        p.workspace = workspace;
-        // TensorRT does not tell a runtime plugin how much it reserved: getWorkspaceSize
-        // reserved at least this much for every shape of the profile (this shape's topk
-        // volume is at most the profile maximum's).
-        p.workspaceBytes = kernels::getGatherSelectionWorkspaceSize(p);
-        check(p.workspaceBytes == 0 || workspace != nullptr, "enqueue: the kernels need ", p.workspaceBytes,
-            " workspace bytes and TensorRT gave none");
-        cudaError_t const st = kernels::launchGatherSelectionKvCache(p, stream);
-        check(st == cudaSuccess, "enqueue: launchGatherSelectionKvCache failed: ", cudaGetErrorName(st), " (",
-            cudaGetErrorString(st), ")");
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("GatherSelectionKvCache::enqueue", e);
-    }
-    return -1;
+    p.selectionKRope = p.kRopeDim > 0 ? outputs[kOUT_SELECTION_K_ROPE_OUT] : nullptr;
+    p.selectionKvCache = outputs[kOUT_SELECTION_KV_CACHE_OUT];
+    p.selectionKvBlockTable = static_cast<int32_t const*>(inputs[kIN_SELECTION_KV_BLOCK_TABLE]);
+    p.selectionKvBlockStatus = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_BLOCK_STATUS_OUT]);
+    p.selectionTopkIndices = static_cast<int32_t const*>(inputs[kIN_SELECTION_TOPK_INDICES]);
+    p.fullKRope = p.kRopeDim > 0 ? inputs[kIN_FULL_K_ROPE] : nullptr;
+    p.fullKvCache = inputs[kIN_FULL_KV_CACHE];
+    p.fullKvBlockTable = static_cast<int32_t const*>(inputs[kIN_FULL_KV_BLOCK_TABLE]);
+    p.fullKvActualSeq = static_cast<int32_t const*>(inputs[kIN_FULL_KV_ACTUAL_SEQ]);
+    p.selectionKvActualSeq = static_cast<int32_t*>(outputs[kOUT_SELECTION_KV_ACTUAL_SEQ]);
+    p.workspace = workspace;
+    // TensorRT does not tell a runtime plugin how much it reserved: getWorkspaceSize
+    // reserved at least this much for every shape of the profile (this shape's topk
+    // volume is at most the profile maximum's).
+    p.workspaceBytes = kernels::getGatherSelectionWorkspaceSize(p);
+    check(p.workspaceBytes == 0 || workspace != nullptr, "enqueue: the kernels need ", p.workspaceBytes,
+        " workspace bytes and TensorRT gave none");
+    return kernels::launchGatherSelectionKvCache(p, stream);
 }
 
 } // namespace plugin

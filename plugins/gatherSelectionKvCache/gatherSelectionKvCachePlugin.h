@@ -24,33 +24,24 @@ namespace pytrt_kv
 namespace plugin
 {
 
-class GatherSelectionKvCachePlugin : public PluginBase<GatherSelectionKvCachePlugin>
+class GatherSelectionKvCachePlugin
+    : public PluginBase<GatherSelectionKvCachePlugin, contract::gatherSelectionKvCache::kNB_INPUTS>
 {
 public:
     //! TensorRT plugin name (kvContract.h, generated from pytrt_kv/specs.py).
     static constexpr char const* kPLUGIN_NAME{contract::gatherSelectionKvCache::kNAME};
-    //! Input indices (specs.py GATHER_SELECTION_KV_CACHE.inputs).
-    static constexpr int32_t kIN_SELECTION_K_ROPE{contract::gatherSelectionKvCache::kIN_SELECTION_K_ROPE};
-    static constexpr int32_t kIN_SELECTION_KV_CACHE{contract::gatherSelectionKvCache::kIN_SELECTION_KV_CACHE};
-    static constexpr int32_t kIN_SELECTION_KV_BLOCK_TABLE{
-        contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_TABLE};
-    static constexpr int32_t kIN_SELECTION_KV_BLOCK_STATUS{
-        contract::gatherSelectionKvCache::kIN_SELECTION_KV_BLOCK_STATUS};
-    static constexpr int32_t kIN_SELECTION_TOPK_INDICES{contract::gatherSelectionKvCache::kIN_SELECTION_TOPK_INDICES};
-    static constexpr int32_t kIN_FULL_K_ROPE{contract::gatherSelectionKvCache::kIN_FULL_K_ROPE};
-    static constexpr int32_t kIN_FULL_KV_CACHE{contract::gatherSelectionKvCache::kIN_FULL_KV_CACHE};
-    static constexpr int32_t kIN_FULL_KV_BLOCK_TABLE{contract::gatherSelectionKvCache::kIN_FULL_KV_BLOCK_TABLE};
-    static constexpr int32_t kIN_FULL_KV_ACTUAL_SEQ{contract::gatherSelectionKvCache::kIN_FULL_KV_ACTUAL_SEQ};
-    static constexpr int32_t kIN_FULL_Q_ACTUAL_SEQ{contract::gatherSelectionKvCache::kIN_FULL_Q_ACTUAL_SEQ};
+    //! Input and output positions: contract::gatherSelectionKvCache's kIN_* / kOUT_*
+    //! (kvContract.h, generated from specs.py GATHER_SELECTION_KV_CACHE).
     static constexpr int32_t kNB_INPUTS{contract::gatherSelectionKvCache::kNB_INPUTS};
-    //! Output indices (specs.py GATHER_SELECTION_KV_CACHE.outputs).
-    static constexpr int32_t kOUT_SELECTION_K_ROPE{contract::gatherSelectionKvCache::kOUT_SELECTION_K_ROPE_OUT};
-    static constexpr int32_t kOUT_SELECTION_KV_CACHE{contract::gatherSelectionKvCache::kOUT_SELECTION_KV_CACHE_OUT};
-    static constexpr int32_t kOUT_SELECTION_KV_BLOCK_STATUS{
-        contract::gatherSelectionKvCache::kOUT_SELECTION_KV_BLOCK_STATUS_OUT};
-    static constexpr int32_t kOUT_SELECTION_KV_ACTUAL_SEQ{
-        contract::gatherSelectionKvCache::kOUT_SELECTION_KV_ACTUAL_SEQ};
     static constexpr int32_t kNB_OUTPUTS{contract::gatherSelectionKvCache::kNB_OUTPUTS};
+    static constexpr auto const& kINPUT_NAMES = contract::gatherSelectionKvCache::kINPUT_NAMES;
+    static constexpr auto const& kALIASES = contract::gatherSelectionKvCache::kALIASES;
+    static constexpr char const* kFIELD_ALIAS_IO{contract::gatherSelectionKvCache::kFIELD_ALIAS_IO};
+    static constexpr char const* kINPUT_COUNTS{"10"};
+    static constexpr bool validInputCount(int32_t n)
+    {
+        return n == kNB_INPUTS;
+    }
     //! docs/SPEC.md G2: K <= kMAX_TOPK, for any TBS.
     static constexpr int64_t kMAX_TOPK{contract::kMAX_TOPK};
 
@@ -66,42 +57,35 @@ public:
     //! only once known.
     kernels::GatherSelectionParams describe(nvinfer1::Dims const* dims, nvinfer1::DataType const* types) const;
 
+    //! describe(); with \p keep, its result is what enqueue launches with (PluginBase).
+    void accept(nvinfer1::Dims const* dims, nvinfer1::DataType const* types, int32_t nbInputs, bool keep);
+
     //! The dtype rules of describe() (docs/SPEC.md G2): run from getOutputDataTypes too,
     //! so a wrong dtype fails the build with this message.
-    void checkTypes(nvinfer1::DataType const* types) const;
+    void checkTypes(nvinfer1::DataType const* types, int32_t nbInputs) const;
+
+    //! selection_kv_actual_seq: int32 [R] (the outputs not in place; PluginBase).
+    void otherOutputTypes(nvinfer1::DataType* outputTypes) const;
+    void otherOutputShapes(nvinfer1::DimsExprs const* inputs, nvinfer1::DimsExprs* outputs) const;
 
     // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
-    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
-    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
-        int32_t nbOutputs) noexcept override;
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
-        int32_t nbInputs) const noexcept override;
-    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
-        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
-        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    //! Whether input/output \p pos may have inOut[pos]'s dtype, given inOut[0..pos)
+    //! (PluginBase::supportsFormatCombination checks the rest).
+    bool supportsType(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs) const noexcept;
     size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
         nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
-    int32_t getAliasedInput(int32_t outputIndex) noexcept override;
 
-    // IPluginV3OneRuntime
-    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
-        int32_t nbOutputs) noexcept override;
-    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
-        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    //! enqueue's work once PluginBase checked the shapes and copied the in-place inputs
+    //! (the kernel then reads the old status there): the kernel launch, or for an empty
+    //! batch only zeroing selection_kv_actual_seq (docs/SPEC.md G3).
+    cudaError_t launch(void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) const;
 
 private:
     int32_t mTopkBlockSize{64};
-    bool mAliasIo{true};
-    //! Set by a successful onShapeChange: the shapes it validated and what describe()
-    //! made of them; enqueue only fills in the pointers.
-    bool mShapeReady{false};
+    //! What describe() made of the shapes onShapeChange accepted; enqueue only fills in
+    //! the pointers. (C8 mode's zero-element selection_k_rope is not declared as an
+    //! alias: PluginBase::getAliasedInput.)
     kernels::GatherSelectionParams mParams{};
-    std::array<nvinfer1::Dims, kNB_INPUTS> mDims{};
-    std::array<nvinfer1::DataType, kNB_INPUTS> mTypes{};
-    //! emptyInputMask() of the inputs (getOutputShapes, then configurePlugin): C8 mode's
-    //! zero-element selection_k_rope is not declared as an alias.
-    uint32_t mEmptyInputs{0};
 };
 
 //! The creator registered for GatherSelectionKvCache (registration.cpp).

@@ -418,6 +418,35 @@ void checkEmptyBatch()
         "GatherSelectionKvCache: S = 0");
 }
 
+// The enqueue guards (PluginBase::beginEnqueue): enqueue before onShapeChange, after a
+// refused one (\p bad, refused with \p badNeedle), or with other shapes (\p other) than
+// the accepted \p good ones fails with a status, no crash.
+void checkEnqueueGuards(std::string const& name, IPluginV3* p, std::vector<T> const& good,
+    std::vector<T> const& outputs, std::vector<T> const& bad, char const* badNeedle, std::vector<T> const& other)
+{
+    auto const rin = runtimeDescs(good);
+    auto const rout = runtimeDescs(outputs);
+    auto const rinBad = runtimeDescs(bad);
+    auto const rinOther = runtimeDescs(other);
+    int32_t const nbIn = static_cast<int32_t>(good.size());
+    int32_t const nbOut = static_cast<int32_t>(outputs.size());
+    std::vector<void const*> ins(good.size(), nullptr);
+    std::vector<void*> outs(outputs.size(), nullptr);
+    auto const enqueueFails = [&](std::vector<PluginTensorDesc> const& in) {
+        return runtimeOf(p)->enqueue(in.data(), rout.data(), ins.data(), outs.data(), nullptr, nullptr) != 0;
+    };
+    expectLoggedError(
+        [&] { return enqueueFails(rin); }, "onShapeChange", name + ": enqueue before onShapeChange returns an error");
+    expectLoggedError([&] { return runtimeOf(p)->onShapeChange(rinBad.data(), nbIn, rout.data(), nbOut) != 0; },
+        badNeedle, name + ": onShapeChange refuses a bad input (" + badNeedle + ")");
+    expectLoggedError([&] { return enqueueFails(rin); }, "onShapeChange",
+        name + ": enqueue after a refused onShapeChange returns an error");
+    expect(runtimeOf(p)->onShapeChange(rin.data(), nbIn, rout.data(), nbOut) == 0,
+        name + ": onShapeChange accepts the valid shapes");
+    expectLoggedError([&] { return enqueueFails(rinOther); }, "onShapeChange accepted",
+        name + ": enqueue with other shapes than onShapeChange's fails");
+}
+
 void checkShapes()
 {
     for (auto const& c : shapeCases())
@@ -509,57 +538,23 @@ void checkShapes()
                 c.plugin + ": onShapeChange refuses '" + c.label + "'");
         }
     }
-    // enqueue before the plugin learnt its input count fails with a status, no crash.
     Fields f;
     f.str("cache_layout", "nd");
     PluginPtr p = create("ScatterPaKvCache", f);
     if (p)
     {
-        auto rin = runtimeDescs(scatterNd());
-        auto rout = runtimeDescs({{kF16, {4, 16, 2, 8}}, {kF16, {4, 16, 2, 4}}});
-        void const* ins[5] = {};
-        void* outs[2] = {};
-        expectLoggedError(
-            [&] { return runtimeOf(p.get())->enqueue(rin.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
-            "onShapeChange", "ScatterPaKvCache: enqueue before onShapeChange returns an error");
-        // enqueue uses what onShapeChange validated: after a refused onShapeChange, or with
-        // other shapes than it accepted, it fails too.
-        auto rinBad = runtimeDescs(withInput(scatterNd(), scatterOp::kIN_SLOT_MAPPING, {kI32, {4}}));
-        expectLoggedError([&] { return runtimeOf(p.get())->onShapeChange(rinBad.data(), 5, rout.data(), 2) != 0; },
-            "slot_mapping", "ScatterPaKvCache: onShapeChange refuses a bad slot_mapping");
-        expectLoggedError(
-            [&] { return runtimeOf(p.get())->enqueue(rin.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
-            "onShapeChange", "ScatterPaKvCache: enqueue after a refused onShapeChange returns an error");
-        expect(runtimeOf(p.get())->onShapeChange(rin.data(), 5, rout.data(), 2) == 0,
-            "ScatterPaKvCache: onShapeChange accepts scatter nd");
-        auto rinOther = runtimeDescs(withInput(
-            withInput(scatterNd(), scatterOp::kIN_KEY, {kF16, {4, 2, 8}}), scatterOp::kIN_SLOT_MAPPING, {kI32, {4}}));
-        expectLoggedError(
-            [&] { return runtimeOf(p.get())->enqueue(rinOther.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
-            "onShapeChange accepted", "ScatterPaKvCache: enqueue with other shapes than onShapeChange's fails");
+        checkEnqueueGuards("ScatterPaKvCache", p.get(), scatterNd(), {{kF16, {4, 16, 2, 8}}, {kF16, {4, 16, 2, 4}}},
+            withInput(scatterNd(), scatterOp::kIN_SLOT_MAPPING, {kI32, {4}}), "slot_mapping",
+            withInputs(
+                scatterNd(), {{scatterOp::kIN_KEY, {kF16, {4, 2, 8}}}, {scatterOp::kIN_SLOT_MAPPING, {kI32, {4}}}}));
     }
     Fields none;
     PluginPtr g = create("GatherSelectionKvCache", none);
     if (g)
     {
-        auto rin = runtimeDescs(gatherBsnd());
-        auto rout = runtimeDescs({{kF16, {8, 64, 64}}, {kF16, {8, 64, 512}}, {kI32, {2, 2, 1, 5}}, {kI32, {4}}});
-        void const* ins[10] = {};
-        void* outs[4] = {};
-        expectLoggedError(
-            [&] { return runtimeOf(g.get())->enqueue(rin.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
-            "onShapeChange", "GatherSelectionKvCache: enqueue before onShapeChange returns an error");
-        auto rinBad = runtimeDescs(withInput(gatherBsnd(), gatherOp::kIN_SELECTION_KV_BLOCK_TABLE, {kI32, {3, 4}}));
-        expectLoggedError([&] { return runtimeOf(g.get())->onShapeChange(rinBad.data(), 10, rout.data(), 4) != 0; },
-            "R >= B*S*H", "GatherSelectionKvCache: onShapeChange refuses R < B*S");
-        expectLoggedError(
-            [&] { return runtimeOf(g.get())->enqueue(rin.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
-            "onShapeChange", "GatherSelectionKvCache: enqueue after a refused onShapeChange returns an error");
-        expect(runtimeOf(g.get())->onShapeChange(rin.data(), 10, rout.data(), 4) == 0,
-            "GatherSelectionKvCache: onShapeChange accepts gather BSND");
-        expectLoggedError(
-            [&] { return runtimeOf(g.get())->enqueue(rinBad.data(), rout.data(), ins, outs, nullptr, nullptr) != 0; },
-            "onShapeChange accepted", "GatherSelectionKvCache: enqueue with other shapes than onShapeChange's fails");
+        auto const bad = withInput(gatherBsnd(), gatherOp::kIN_SELECTION_KV_BLOCK_TABLE, {kI32, {3, 4}});
+        checkEnqueueGuards("GatherSelectionKvCache", g.get(), gatherBsnd(),
+            {{kF16, {8, 64, 64}}, {kF16, {8, 64, 512}}, {kI32, {2, 2, 1, 5}}, {kI32, {4}}}, bad, "R >= B*S*H", bad);
         // Workspace: the kernels' size for B*S*K plan entries = the topk volume, BSND and
         // TND alike (B=2, S=2, K=32: 128 entries, not B*T*K for TND).
         Fields tbs1;
@@ -567,9 +562,7 @@ void checkShapes()
         PluginPtr g1 = create("GatherSelectionKvCache", tbs1);
         for (bool tnd : {false, true})
         {
-            auto v = gatherBsnd();
-            v[gatherOp::kIN_SELECTION_KV_BLOCK_STATUS] = tnd ? T{kI32, {4, 1, 33}} : T{kI32, {2, 2, 1, 33}};
-            v[gatherOp::kIN_SELECTION_TOPK_INDICES] = tnd ? T{kI32, {4, 1, 32}} : T{kI32, {2, 2, 1, 32}};
+            auto const v = withTopk(gatherBsnd(), tnd ? std::vector<int64_t>{4, 1} : std::vector<int64_t>{2, 2, 1}, 32);
             std::vector<T> out;
             bool const declared = g1 && declaredOutputs(g1.get(), v, out);
             auto din = dynamicDescs(v);

@@ -30,6 +30,7 @@ from onnx import numpy_helper  # noqa: E402
 
 from onnx_export import single_op_model  # noqa: E402
 from pytrt_kv import dtypes, runtime, specs  # noqa: E402
+from pytrt_kv.contract.layouts import LAYOUTS, get_layout  # noqa: E402
 from pytrt_kv.graph.feeds import make_feeds  # noqa: E402
 from pytrt_kv.trt.model import prepare_for_tensorrt  # noqa: E402
 
@@ -49,8 +50,7 @@ def scatter_shapes(
     Dv = Dv if Dv is not None else (16 if layout == "nz" else 8)
 
     def cache(d, t):
-        L = 32 // _np(t).itemsize
-        return {"nd": (NB, BS, H, d), "hnd": (NB, H, BS, d), "nz": (NB, H * d // L, BS, L)}[layout]
+        return get_layout(layout).shape(NB, BS, H, d, _np(t).itemsize)
 
     out = {
         "key": np.zeros((T, H, Dk), _np(dt)),
@@ -114,7 +114,7 @@ def gather_shapes(
 def cases() -> list[dict]:
     cs = []
     for dt in ("float16", "bfloat16", "float32", "int8", "float8_e4m3fn"):
-        for layout in ("nd", "hnd", "nz"):
+        for layout in LAYOUTS:
             for idx in ("int32", "int64"):
                 cs.append(
                     dict(
@@ -176,31 +176,18 @@ def cases() -> list[dict]:
                 attrs={"cache_layout": layout},
             )
         )
-    for dt in ("float16", "bfloat16", "float32"):
+    # The compressing write (docs/SPEC.md S6): name, dtype, index dtype, offsets, attrs.
+    for name, dt, idx, offsets, attrs in (
+        *(
+            (f"scatter_rope_{dt}", dt, "int32", True, {})
+            for dt in ("float16", "bfloat16", "float32")
+        ),
+        ("scatter_omni_int8", "int8", "int64", True, {"compress_mode": "omni"}),
+        ("scatter_alibi_no_offsets", "float16", "int32", False, {}),
+    ):
         cs.append(
-            dict(
-                op=SCATTER,
-                name=f"scatter_rope_{dt}",
-                shapes=compress_shapes(dt, "int32", True),
-                attrs={},
-            )
+            dict(op=SCATTER, name=name, shapes=compress_shapes(dt, idx, offsets), attrs=attrs)
         )
-    cs.append(
-        dict(
-            op=SCATTER,
-            name="scatter_omni_int8",
-            shapes=compress_shapes("int8", "int64", True),
-            attrs={"compress_mode": "omni"},
-        )
-    )
-    cs.append(
-        dict(
-            op=SCATTER,
-            name="scatter_alibi_no_offsets",
-            shapes=compress_shapes("float16", "int32", False),
-            attrs={},
-        )
-    )
     for dt in ("float16", "bfloat16", "int8", "float32", "float8_e4m3fn"):
         for tnd in (False, True):
             for tbs in (1, 4):
@@ -212,31 +199,29 @@ def cases() -> list[dict]:
                         attrs={"selection_topk_block_size": tbs},
                     )
                 )
-    cs.append(
-        dict(
-            op=GATHER,
-            name="gather_c8_int8",
-            shapes=gather_shapes("int8", False, 4, rope=False),
-            attrs={"selection_topk_block_size": 4},
+    # Gather modes: name, dtype, TND, TBS, k_rope, full caches in host memory, more attrs.
+    for name, dt, tnd, tbs, rope, host, attrs in (
+        ("gather_c8_int8", "int8", False, 4, False, (), {}),
+        (
+            "gather_host_full_cache",
+            "bfloat16",
+            False,
+            4,
+            True,
+            ("full_kv_cache", "full_k_rope"),
+            {},
+        ),
+        ("gather_alias_io_0", "float16", True, 1, True, (), {"alias_io": 0}),
+    ):
+        cs.append(
+            dict(
+                op=GATHER,
+                name=name,
+                host=host,
+                shapes=gather_shapes(dt, tnd, tbs, rope=rope),
+                attrs={"selection_topk_block_size": tbs, **attrs},
+            )
         )
-    )
-    cs.append(
-        dict(
-            op=GATHER,
-            name="gather_host_full_cache",
-            host=("full_kv_cache", "full_k_rope"),
-            shapes=gather_shapes("bfloat16", False, 4, rope=True),
-            attrs={"selection_topk_block_size": 4},
-        )
-    )
-    cs.append(
-        dict(
-            op=GATHER,
-            name="gather_alias_io_0",
-            shapes=gather_shapes("float16", True, 1, rope=True),
-            attrs={"selection_topk_block_size": 1, "alias_io": 0},
-        )
-    )
     return cs
 
 

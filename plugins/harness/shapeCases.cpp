@@ -49,6 +49,31 @@ std::vector<T> withInput(std::vector<T> ts, int32_t index, T const& t)
     return ts;
 }
 
+std::vector<T> withInputs(std::vector<T> ts, std::initializer_list<std::pair<int32_t, T>> changes)
+{
+    for (auto const& [index, t] : changes)
+    {
+        ts = withInput(std::move(ts), index, t);
+    }
+    return ts;
+}
+
+std::vector<T> withTopk(std::vector<T> ts, std::vector<int64_t> lead, int64_t k)
+{
+    std::vector<int64_t> topk = lead;
+    topk.push_back(k);
+    lead.push_back(k + 1);
+    ts.at(gatherOp::kIN_SELECTION_TOPK_INDICES) = {kI32, topk};
+    ts.at(gatherOp::kIN_SELECTION_KV_BLOCK_STATUS) = {kI32, lead};
+    return ts;
+}
+
+std::vector<T> followedBy(std::vector<T> ts, std::initializer_list<T> more)
+{
+    ts.insert(ts.end(), more.begin(), more.end());
+    return ts;
+}
+
 std::vector<ShapeCase> shapeCases()
 {
     std::vector<ShapeCase> cs;
@@ -67,14 +92,7 @@ std::vector<ShapeCase> shapeCases()
         {{kF16, {-1, 2, 8}}, {kF16, {-1, 2, 4}}, {kF16, {-1, 16, 2, 8}}, {kF16, {-1, 16, 2, 4}}, {kI32, {-1}}}, true,
         ""});
     cs.push_back({"scatter 3-D key with empty compress placeholders", S, layout("nd"),
-        [&] {
-            auto v = scatterNd();
-            v.push_back({kI32, {0}});
-            v.push_back({kI32, {0}});
-            v.push_back({kI32, {0}});
-            return v;
-        }(),
-        true, ""});
+        followedBy(scatterNd(), {{kI32, {0}}, {kI32, {0}}, {kI32, {0}}}), true, ""});
     cs.push_back(
         {"scatter compress rope (default with offsets)", S, layout(""), scatterCompress(kBF, kI64, 6), true, ""});
     cs.push_back({"scatter compress alibi (default without offsets), int8", S, layout(""),
@@ -91,21 +109,14 @@ std::vector<ShapeCase> shapeCases()
     cs.push_back(
         {"scatter compress_mode with a 3-D key", S, layout("nd", "rope"), scatterNd(), false, "compress_mode"});
     cs.push_back({"scatter value dtype differs outside nz", S, layout("nd"),
-        withInput(withInput(scatterNd(), scatterOp::kIN_VALUE, {kBF, {5, 2, 4}}), scatterOp::kIN_VALUE_CACHE,
-            {kBF, {4, 16, 2, 4}}),
+        withInputs(scatterNd(),
+            {{scatterOp::kIN_VALUE, {kBF, {5, 2, 4}}}, {scatterOp::kIN_VALUE_CACHE, {kBF, {4, 16, 2, 4}}}}),
         false, "value"});
     cs.push_back({"scatter nz bad inner size", S, layout("nz"),
         {{kF16, {5, 2, 4}}, {kF16, {5, 2, 8}}, {kF16, {4, 1, 16, 8}}, {kF16, {4, 1, 16, 16}}, {kI32, {5}}}, false,
         "key_cache"});
     cs.push_back({"scatter non-empty compress tensors with a 3-D key", S, layout("nd"),
-        [&] {
-            auto v = scatterNd();
-            v.push_back({kI32, {5}});
-            v.push_back({kI32, {0}});
-            v.push_back({kI32, {0}});
-            return v;
-        }(),
-        false, "compress_lens"});
+        followedBy(scatterNd(), {{kI32, {5}}, {kI32, {0}}, {kI32, {0}}}), false, "compress_lens"});
     cs.push_back({"scatter 4-D key with 5 inputs", S, layout(""),
         {{kF16, {2, 6, 3, 8}}, {kF16, {2, 6, 3, 8}}, {kF16, {10, 16, 1, 8}}, {kF16, {10, 16, 1, 8}}, {kI32, {2, 3}}},
         false, "8 inputs"});
@@ -124,65 +135,45 @@ std::vector<ShapeCase> shapeCases()
         "key_cache"});
 
     cs.push_back({"gather BSND fp16", G, tbs(64), gatherBsnd(), true, ""});
-    cs.push_back({"gather BSND bf16 TBS 1, K 40", G, tbs(1),
-        [&] {
-            auto v = gatherBsnd(kBF);
-            v[gatherOp::kIN_SELECTION_KV_BLOCK_STATUS] = {kI32, {2, 2, 1, 41}};
-            v[gatherOp::kIN_SELECTION_TOPK_INDICES] = {kI32, {2, 2, 1, 40}};
-            return v;
-        }(),
-        true, ""});
-    cs.push_back({"gather TND", G, tbs(64),
-        withInput(withInput(gatherBsnd(), gatherOp::kIN_SELECTION_KV_BLOCK_STATUS, {kI32, {4, 1, 5}}),
-            gatherOp::kIN_SELECTION_TOPK_INDICES, {kI32, {4, 1, 4}}),
-        true, ""});
+    cs.push_back({"gather BSND bf16 TBS 1, K 40", G, tbs(1), withTopk(gatherBsnd(kBF), {2, 2, 1}, 40), true, ""});
+    cs.push_back({"gather TND", G, tbs(64), withTopk(gatherBsnd(), {4, 1}, 4), true, ""});
     cs.push_back({"gather C8 (zero-element k_rope pair), int8", G, tbs(64),
-        withInput(withInput(gatherBsnd(kI8), gatherOp::kIN_SELECTION_K_ROPE, {kI8, {0}}), gatherOp::kIN_FULL_K_ROPE,
-            {kI8, {0}}),
+        withInputs(
+            gatherBsnd(kI8), {{gatherOp::kIN_SELECTION_K_ROPE, {kI8, {0}}}, {gatherOp::kIN_FULL_K_ROPE, {kI8, {0}}}}),
         true, ""});
     // The k_rope rule of _gather.py check_gather: a [*, *, K_ROPE] pair is present even
     // with zero blocks; a zero-element pair is the quantised mode whatever its shapes.
     cs.push_back({"gather k_rope pair, selection caches with zero blocks", G, tbs(64),
-        withInput(withInput(gatherBsnd(), gatherOp::kIN_SELECTION_K_ROPE, {kF16, {0, 64, 64}}),
-            gatherOp::kIN_SELECTION_KV_CACHE, {kF16, {0, 64, 512}}),
+        withInputs(gatherBsnd(),
+            {{gatherOp::kIN_SELECTION_K_ROPE, {kF16, {0, 64, 64}}},
+                {gatherOp::kIN_SELECTION_KV_CACHE, {kF16, {0, 64, 512}}}}),
         true, ""});
     cs.push_back({"gather k_rope pair, all caches with zero blocks", G, tbs(64),
-        [&] {
-            auto v = gatherBsnd();
-            v[gatherOp::kIN_SELECTION_K_ROPE] = {kF16, {0, 64, 64}};
-            v[gatherOp::kIN_SELECTION_KV_CACHE] = {kF16, {0, 64, 512}};
-            v[gatherOp::kIN_FULL_K_ROPE] = {kF16, {0, 128, 64}};
-            v[gatherOp::kIN_FULL_KV_CACHE] = {kF16, {0, 128, 512}};
-            return v;
-        }(),
+        withInputs(gatherBsnd(),
+            {{gatherOp::kIN_SELECTION_K_ROPE, {kF16, {0, 64, 64}}},
+                {gatherOp::kIN_SELECTION_KV_CACHE, {kF16, {0, 64, 512}}},
+                {gatherOp::kIN_FULL_K_ROPE, {kF16, {0, 128, 64}}},
+                {gatherOp::kIN_FULL_KV_CACHE, {kF16, {0, 128, 512}}}}),
         true, ""});
     cs.push_back({"gather zero-element rank-3 k_rope pair, K_ROPE 0", G, tbs(64),
-        withInput(withInput(gatherBsnd(), gatherOp::kIN_SELECTION_K_ROPE, {kF16, {8, 64, 0}}),
-            gatherOp::kIN_FULL_K_ROPE, {kF16, {16, 128, 0}}),
+        withInputs(gatherBsnd(),
+            {{gatherOp::kIN_SELECTION_K_ROPE, {kF16, {8, 64, 0}}}, {gatherOp::kIN_FULL_K_ROPE, {kF16, {16, 128, 0}}}}),
         true, ""});
     cs.push_back({"gather zero-element k_rope pair, K_ROPE differs", G, tbs(64),
-        withInput(withInput(gatherBsnd(), gatherOp::kIN_SELECTION_K_ROPE, {kF16, {0, 64, 64}}),
-            gatherOp::kIN_FULL_K_ROPE, {kF16, {0, 128, 32}}),
+        withInputs(gatherBsnd(),
+            {{gatherOp::kIN_SELECTION_K_ROPE, {kF16, {0, 64, 64}}}, {gatherOp::kIN_FULL_K_ROPE, {kF16, {0, 128, 32}}}}),
         true, ""});
     cs.push_back({"gather wildcards", G, tbs(64),
         {{kF16, {-1, 64, 64}}, {kF16, {-1, 64, 512}}, {kI32, {-1, 4}}, {kI32, {-1, 2, 1, 5}}, {kI32, {-1, 2, 1, 4}},
             {kF16, {-1, 128, 64}}, {kF16, {-1, 128, 512}}, {kI32, {-1, 8}}, {kI32, {-1}}, {kI32, {-1}}},
         true, ""});
-    cs.push_back({"gather H != 1", G, tbs(64),
-        withInput(withInput(gatherBsnd(), gatherOp::kIN_SELECTION_KV_BLOCK_STATUS, {kI32, {2, 2, 2, 5}}),
-            gatherOp::kIN_SELECTION_TOPK_INDICES, {kI32, {2, 2, 2, 4}}),
-        false, "H == 1"});
-    cs.push_back({"gather TND T % B", G, tbs(64),
-        withInput(withInput(gatherBsnd(), gatherOp::kIN_SELECTION_KV_BLOCK_STATUS, {kI32, {3, 1, 5}}),
-            gatherOp::kIN_SELECTION_TOPK_INDICES, {kI32, {3, 1, 4}}),
-        false, "T % B"});
+    cs.push_back({"gather H != 1", G, tbs(64), withTopk(gatherBsnd(), {2, 2, 2}, 4), false, "H == 1"});
+    cs.push_back({"gather TND T % B", G, tbs(64), withTopk(gatherBsnd(), {3, 1}, 4), false, "T % B"});
     cs.push_back({"gather SBS % TBS", G, tbs(48), gatherBsnd(), false, "selection_topk_block_size"});
     // docs/SPEC.md G2: any TBS with K <= 2048 (the Ascend limit K > 32 => TBS 1 is lifted).
     cs.push_back({"gather K > 32 with TBS > 1", G, tbs(64),
-        withInput(withInput(withInput(gatherBsnd(), gatherOp::kIN_SELECTION_KV_BLOCK_TABLE, {kI32, {4, 40}}),
-                      gatherOp::kIN_SELECTION_KV_BLOCK_STATUS, {kI32, {2, 2, 1, 41}}),
-            gatherOp::kIN_SELECTION_TOPK_INDICES, {kI32, {2, 2, 1, 40}}),
-        true, ""});
+        withTopk(withInput(gatherBsnd(), gatherOp::kIN_SELECTION_KV_BLOCK_TABLE, {kI32, {4, 40}}), {2, 2, 1}, 40), true,
+        ""});
     cs.push_back({"gather R < B*S", G, tbs(64),
         withInput(gatherBsnd(), gatherOp::kIN_SELECTION_KV_BLOCK_TABLE, {kI32, {3, 4}}), false, "R >= B*S*H"});
     cs.push_back({"gather S_MAX_BLOCK_NUM too small", G, tbs(64),

@@ -12,7 +12,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pytrt_kv
@@ -59,6 +61,16 @@ std::vector<T> gatherBsnd(nvinfer1::DataType c = kF16);
 
 //! \p ts with input \p index replaced by \p t.
 std::vector<T> withInput(std::vector<T> ts, int32_t index, T const& t);
+
+//! \p ts with each {index, tensor} of \p changes put in place.
+std::vector<T> withInputs(std::vector<T> ts, std::initializer_list<std::pair<int32_t, T>> changes);
+
+//! \p ts (a gather) with K = \p k: selection_topk_indices [lead..., K] and
+//! selection_kv_block_status [lead..., K+1] (BSND lead {B, S, 1}, TND {T, 1}).
+std::vector<T> withTopk(std::vector<T> ts, std::vector<int64_t> lead, int64_t k);
+
+//! \p ts followed by \p more (inputs after the given ones).
+std::vector<T> followedBy(std::vector<T> ts, std::initializer_list<T> more);
 
 //! Every shape case.
 std::vector<ShapeCase> shapeCases();

@@ -59,6 +59,16 @@ constexpr int32_t kNB_LAYOUTS{3};
 constexpr char const* kLAYOUT_NAMES[kNB_LAYOUTS]{"nd", "nz", "hnd"};
 //! Declared 4-D shape of each layout (F = H*D/L, L = kNZ_SEGMENT_BYTES / itemsize).
 constexpr char const* kLAYOUT_SHAPES[kNB_LAYOUTS]{"[NB, BS, H, D]", "[NB, F, BS, L]", "[NB, H, BS, D]"};
+//! The symbols of the declared shapes (layouts.DIM_SYMBOLS), and each layout's 4 dims.
+constexpr int32_t kDIM_NB{0};
+constexpr int32_t kDIM_BS{1};
+constexpr int32_t kDIM_H{2};
+constexpr int32_t kDIM_D{3};
+constexpr int32_t kDIM_F{4};
+constexpr int32_t kDIM_L{5};
+constexpr int32_t kNB_DIM_SYMBOLS{6};
+constexpr char const* kDIM_NAMES[kNB_DIM_SYMBOLS]{"NB", "BS", "H", "D", "F", "L"};
+constexpr int32_t kLAYOUT_DIMS[kNB_LAYOUTS][4]{{kDIM_NB, kDIM_BS, kDIM_H, kDIM_D}, {kDIM_NB, kDIM_F, kDIM_BS, kDIM_L}, {kDIM_NB, kDIM_H, kDIM_BS, kDIM_D}};
 //! Axis of BS (the row within a block) in each declared shape; NB is axis 0.
 constexpr int32_t kLAYOUT_ROW_AXIS[kNB_LAYOUTS]{1, 2, 2};
 //! What a segment is: the whole token (H*D), one head (D), or kNZ_SEGMENT_BYTES bytes.
@@ -136,6 +146,9 @@ constexpr char const* kFIELD_COMPRESS_MODE_CHOICES[]{"", "rope", "omni", "alibi"
 constexpr char const* kFIELD_ALIAS_IO{"alias_io"};
 constexpr int64_t kFIELD_ALIAS_IO_DEFAULT{1};
 constexpr int64_t kFIELD_ALIAS_IO_CHOICES[]{0, 1};
+//! In-place outputs: {output, the input it updates} (specs aliases).
+constexpr int32_t kNB_ALIASES{2};
+constexpr int32_t kALIASES[kNB_ALIASES][2]{{kOUT_KEY_CACHE_OUT, kIN_KEY_CACHE}, {kOUT_VALUE_CACHE_OUT, kIN_VALUE_CACHE}};
 } // namespace scatterPaKvCache
 
 //! GatherSelectionKvCache (specs.OPS["GatherSelectionKvCache"]).
@@ -168,6 +181,9 @@ constexpr int64_t kFIELD_SELECTION_TOPK_BLOCK_SIZE_DEFAULT{64};
 constexpr char const* kFIELD_ALIAS_IO{"alias_io"};
 constexpr int64_t kFIELD_ALIAS_IO_DEFAULT{1};
 constexpr int64_t kFIELD_ALIAS_IO_CHOICES[]{0, 1};
+//! In-place outputs: {output, the input it updates} (specs aliases).
+constexpr int32_t kNB_ALIASES{3};
+constexpr int32_t kALIASES[kNB_ALIASES][2]{{kOUT_SELECTION_K_ROPE_OUT, kIN_SELECTION_K_ROPE}, {kOUT_SELECTION_KV_CACHE_OUT, kIN_SELECTION_KV_CACHE}, {kOUT_SELECTION_KV_BLOCK_STATUS_OUT, kIN_SELECTION_KV_BLOCK_STATUS}};
 } // namespace gatherSelectionKvCache
 
 } // namespace contract

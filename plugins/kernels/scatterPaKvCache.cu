@@ -421,15 +421,22 @@ cudaError_t checkScatter(ScatterParams const& p)
         {
             return invalidArgument("scatter: numTokens must be >= 0");
         }
-        if (p.layout != CacheLayout::kND && p.layout != CacheLayout::kNZ && p.layout != CacheLayout::kHND)
+        int32_t const layout = static_cast<int32_t>(p.layout);
+        if (layout < 0 || layout >= contract::kNB_LAYOUTS)
         {
-            return invalidArgument("scatter: layout must be kND, kNZ or kHND");
+            return invalidArgument("scatter: layout must be a code of kvContract.h's layout table (kND, kNZ, kHND)");
         }
-        if (p.layout == CacheLayout::kNZ
-            && ((static_cast<int64_t>(p.numHeads) * p.headSizeK * cacheItemSize(p, true)) % 32 != 0
-                || (hasValue && (static_cast<int64_t>(p.numHeads) * p.headSizeV * cacheItemSize(p, false)) % 32 != 0)))
+        // The layout table's segments must cut a token whole: H*D*itemsize a multiple of
+        // the segment's bytes (only nz's 32-byte segments can fail).
+        auto const whole = [&](int32_t headSize, bool key) {
+            int64_t const rowBytes = static_cast<int64_t>(p.numHeads) * headSize * cacheItemSize(p, key);
+            return rowBytes % contract::layoutSegmentBytes(layout, rowBytes, p.numHeads) == 0; // all > 0 here
+        };
+        if (!whole(p.headSizeK, true) || (hasValue && !whole(p.headSizeV, false)))
         {
-            return invalidArgument("scatter: nz layout needs H*D*itemsize % 32 == 0 for key and value");
+            return invalidArgument(
+                "scatter: the layout needs H*D*itemsize to be a multiple of its segment bytes "
+                "(nz: H*D*itemsize % 32 == 0) for key and value");
         }
         return checkQuantise(p, empty);
     }

@@ -19,10 +19,8 @@ namespace plugin
 namespace
 {
 
-namespace op = contract::scatterPaKvCache;
-constexpr char const* kCACHE_LAYOUT{op::kFIELD_CACHE_LAYOUT};
-constexpr char const* kCOMPRESS_MODE{op::kFIELD_COMPRESS_MODE};
-constexpr char const* kALIAS_IO{op::kFIELD_ALIAS_IO};
+// The op's input/output positions (kIN_*, kOUT_*) and fields (kFIELD_*), kvContract.h.
+using namespace contract::scatterPaKvCache;
 
 // docs/SPEC.md S8 dtypes that TensorRT can hand a plugin: uint8 is not a legal plugin I/O type
 // and TensorRT has no FP8 E5M2, so those two stay eager/reference-only.
@@ -48,62 +46,73 @@ bool isQuantPair(DataType source, DataType cache) noexcept
     return isRopeType(source) && (cache == DataType::kFP8 || cache == DataType::kINT8);
 }
 
-constexpr auto const& kINPUT_NAMES = op::kINPUT_NAMES;
-
 struct CacheGeometry
 {
     int64_t numBlocks;
     int64_t blockSize;
 };
 
-// Checks one 3-D-key cache against docs/SPEC.md S3-S5 and returns its NB and BS.
+// Checks one 3-D-key cache against its layout's declared shape (docs/SPEC.md S3-S5), read
+// from the layout table of kvContract.h (generated from contract/layouts.py), and returns
+// its NB and BS. Dims of -1 (build time) are checked once known.
 CacheGeometry checkLayoutCache(
     Dims const& cache, kernels::CacheLayout layout, int64_t heads, int64_t headSize, int32_t itemSize, char const* name)
 {
+    int32_t const l = static_cast<int32_t>(layout);
+    check(l >= 0 && l < contract::kNB_LAYOUTS, name, ": unknown cache layout code ", l);
     checkRank(cache, 4, name);
-    switch (layout)
+    char const* const layoutName = contract::kLAYOUT_NAMES[l];
+    bool const sized = known(heads) && known(headSize) && heads > 0 && headSize > 0;
+    // Elements of one segment: known once H and D are, or always for fixed-byte segments.
+    int64_t seg = -1;
+    if (sized)
     {
-    case kernels::CacheLayout::kND:
-        checkDim(cache, 2, heads, name, "H, layout nd [NB, BS, H, D]");
-        checkDim(cache, 3, headSize, name, "D, layout nd [NB, BS, H, D]");
-        return {cache.d[0], cache.d[1]};
-    case kernels::CacheLayout::kHND:
-        checkDim(cache, 1, heads, name, "H, layout hnd [NB, H, BS, D]");
-        checkDim(cache, 3, headSize, name, "D, layout hnd [NB, H, BS, D]");
-        return {cache.d[0], cache.d[2]};
-    case kernels::CacheLayout::kNZ: {
-        int64_t const lanes = 32 / itemSize;
-        if (known(heads) && known(headSize))
+        int64_t const rowBytes = heads * headSize * itemSize;
+        int64_t const segBytes = contract::layoutSegmentBytes(l, rowBytes, heads);
+        check(rowBytes % segBytes == 0, name, ": layout ", layoutName, " needs H*D*itemsize % ", segBytes,
+            " == 0, got H=", heads, " D=", headSize, " itemsize=", itemSize);
+        seg = segBytes / itemSize;
+    }
+    else if (contract::kLAYOUT_SEGMENT[l] == contract::kSEGMENT_BYTES)
+    {
+        seg = contract::kNZ_SEGMENT_BYTES / itemSize;
+    }
+    for (int32_t axis = 0; axis < 4; ++axis)
+    {
+        int32_t const symbol = contract::kLAYOUT_DIMS[l][axis];
+        int64_t expected = -1;
+        switch (symbol)
         {
-            check((heads * headSize * itemSize) % 32 == 0, name,
-                ": layout nz needs H*D*itemsize % 32 == 0, got H=", heads, " D=", headSize, " itemsize=", itemSize);
+        case contract::kDIM_H: expected = heads; break;
+        case contract::kDIM_D: expected = headSize; break;
+        case contract::kDIM_F: expected = sized ? heads * headSize / seg : -1; break;
+        case contract::kDIM_L: expected = seg; break;
+        default: continue; // NB and BS: any size
         }
-        checkDim(cache, 1, known(heads) && known(headSize) ? heads * headSize / lanes : -1, name,
-            "H*D/L, layout nz [NB, H*D/L, BS, L]");
-        checkDim(cache, 3, lanes, name, "L = 32/itemsize, layout nz [NB, H*D/L, BS, L]");
-        return {cache.d[0], cache.d[2]};
+        std::string const what
+            = concat(contract::kDIM_NAMES[symbol], ", layout ", layoutName, " ", contract::kLAYOUT_SHAPES[l]);
+        checkDim(cache, axis, expected, name, what.c_str());
     }
-    }
-    throw PluginError(concat(name, ": unknown cache layout"));
+    return {cache.d[0], cache.d[contract::kLAYOUT_ROW_AXIS[l]]};
 }
 
+// The cache_layout field's value as a kernels::CacheLayout (the table's names and codes).
 kernels::CacheLayout parseLayout(std::string const& s)
 {
-    if (s == "nd")
+    for (int32_t l = 0; l < contract::kNB_LAYOUTS; ++l)
     {
-        return kernels::CacheLayout::kND;
+        if (s == contract::kLAYOUT_NAMES[l])
+        {
+            return static_cast<kernels::CacheLayout>(l);
+        }
     }
-    if (s == "nz")
+    std::string names;
+    for (int32_t l = 0; l < contract::kNB_LAYOUTS; ++l)
     {
-        return kernels::CacheLayout::kNZ;
+        names += concat(l == 0 ? "" : ", ", "\"", contract::kLAYOUT_NAMES[l], "\"");
     }
-    if (s == "hnd")
-    {
-        return kernels::CacheLayout::kHND;
-    }
-    throw PluginError(concat(
-        "cache_layout: a 3-D key needs cache_layout \"nd\", \"nz\" or \"hnd\" (the export helpers resolve it), got \"",
-        s, "\""));
+    throw PluginError(concat("cache_layout: a 3-D key needs cache_layout one of ", names,
+        " (the export helpers resolve it), got \"", s, "\""));
 }
 
 } // namespace
@@ -111,21 +120,20 @@ kernels::CacheLayout parseLayout(std::string const& s)
 std::vector<FieldSpec> const& ScatterPaKvCachePlugin::fieldSpecs()
 {
     static std::vector<FieldSpec> const kSPECS{
-        {kCACHE_LAYOUT, FieldKind::kSTRING, 0, op::kFIELD_CACHE_LAYOUT_DEFAULT,
-            {std::begin(op::kFIELD_CACHE_LAYOUT_CHOICES), std::end(op::kFIELD_CACHE_LAYOUT_CHOICES)}, 0, 0},
-        {kCOMPRESS_MODE, FieldKind::kSTRING, 0, op::kFIELD_COMPRESS_MODE_DEFAULT,
-            {std::begin(op::kFIELD_COMPRESS_MODE_CHOICES), std::end(op::kFIELD_COMPRESS_MODE_CHOICES)}, 0, 0},
-        {kALIAS_IO, FieldKind::kINT, op::kFIELD_ALIAS_IO_DEFAULT, "", {}, op::kFIELD_ALIAS_IO_CHOICES[0],
-            op::kFIELD_ALIAS_IO_CHOICES[1]},
+        {kFIELD_CACHE_LAYOUT, FieldKind::kSTRING, 0, kFIELD_CACHE_LAYOUT_DEFAULT,
+            {std::begin(kFIELD_CACHE_LAYOUT_CHOICES), std::end(kFIELD_CACHE_LAYOUT_CHOICES)}, 0, 0},
+        {kFIELD_COMPRESS_MODE, FieldKind::kSTRING, 0, kFIELD_COMPRESS_MODE_DEFAULT,
+            {std::begin(kFIELD_COMPRESS_MODE_CHOICES), std::end(kFIELD_COMPRESS_MODE_CHOICES)}, 0, 0},
+        {ScatterPaKvCachePlugin::kFIELD_ALIAS_IO, FieldKind::kINT, kFIELD_ALIAS_IO_DEFAULT, "", {},
+            kFIELD_ALIAS_IO_CHOICES[0], kFIELD_ALIAS_IO_CHOICES[1]},
     };
     return kSPECS;
 }
 
 ScatterPaKvCachePlugin::ScatterPaKvCachePlugin(PluginFields fields)
     : PluginBase(std::move(fields))
-    , mCacheLayout(mFields.getString(kCACHE_LAYOUT))
-    , mCompressMode(mFields.getString(kCOMPRESS_MODE))
-    , mAliasIo(mFields.getInt(kALIAS_IO) != 0)
+    , mCacheLayout(mFields.getString(kFIELD_CACHE_LAYOUT))
+    , mCompressMode(mFields.getString(kFIELD_COMPRESS_MODE))
 {
 }
 
@@ -348,47 +356,19 @@ ScatterPaKvCachePlugin::Shape ScatterPaKvCachePlugin::describe(
     return shape;
 }
 
-int32_t ScatterPaKvCachePlugin::configurePlugin(
-    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
+void ScatterPaKvCachePlugin::accept(Dims const* dims, DataType const* types, int32_t nbInputs, bool keep)
 {
-    try
+    Shape const shape = describe(dims, types, nbInputs);
+    if (keep)
     {
-        check(in != nullptr && out != nullptr, "configurePlugin: null descriptors");
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2 (key_cache_out, value_cache_out), got ", nbOutputs);
-        check(validInputCount(nbInputs), "inputs: expected 5, 8 or 10, got ", nbInputs);
-        std::array<Dims, kNB_INPUTS_QUANT> dims{};
-        std::array<DataType, kNB_INPUTS_QUANT> types{};
-        for (int32_t i = 0; i < nbInputs; ++i)
-        {
-            dims[i] = in[i].desc.dims;
-            types[i] = in[i].desc.type;
-        }
-        describe(dims.data(), types.data(), nbInputs);
-        mNbInputs = nbInputs;
-        mEmptyInputs = emptyInputMask(in, nbInputs);
-        return 0;
+        mShape = shape;
     }
-    catch (std::exception const& e)
-    {
-        logException("ScatterPaKvCache::configurePlugin", e);
-    }
-    return -1;
 }
 
-bool ScatterPaKvCachePlugin::supportsFormatCombination(
-    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+bool ScatterPaKvCachePlugin::supportsType(
+    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs) const noexcept
 {
-    if (inOut == nullptr || !validInputCount(nbInputs) || nbOutputs != kNB_OUTPUTS || pos < 0
-        || pos >= nbInputs + nbOutputs)
-    {
-        return false;
-    }
-    PluginTensorDesc const& d = inOut[pos].desc;
-    if (d.format != TensorFormat::kLINEAR)
-    {
-        return false;
-    }
-    DataType const t = d.type;
+    DataType const t = inOut[pos].desc.type;
     // Decisions for pos use inOut[0..pos] only (TensorRT fills the rest later).
     switch (pos)
     {
@@ -410,163 +390,35 @@ bool ScatterPaKvCachePlugin::supportsFormatCombination(
         // Inputs 5-7 are index tensors; 8 and 9 (k_scale, v_scale) float32.
         return pos >= kIN_K_SCALE ? t == DataType::kFLOAT : t == inOut[kIN_SLOT_MAPPING].desc.type;
     }
-    return t == inOut[pos == nbInputs + kOUT_KEY_CACHE ? kIN_KEY_CACHE : kIN_VALUE_CACHE].desc.type;
+    return t == inOut[pos == nbInputs + kOUT_KEY_CACHE_OUT ? kIN_KEY_CACHE : kIN_VALUE_CACHE].desc.type;
 }
 
-int32_t ScatterPaKvCachePlugin::getOutputDataTypes(
-    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+cudaError_t ScatterPaKvCachePlugin::launch(
+    void const* const* inputs, void* const* outputs, void* /* workspace */, cudaStream_t stream) const
 {
-    try
-    {
-        check(outputTypes != nullptr && inputTypes != nullptr, "getOutputDataTypes: null arrays");
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
-        check(validInputCount(nbInputs), "inputs: expected 5, 8 or 10, got ", nbInputs);
-        // Checked here, where TensorRT first shows all input types: supportsFormatCombination
-        // can only say no, and a builder then reports "no supported formats", not why.
-        checkTypes(inputTypes, nbInputs);
-        outputTypes[kOUT_KEY_CACHE] = inputTypes[kIN_KEY_CACHE];
-        outputTypes[kOUT_VALUE_CACHE] = inputTypes[kIN_VALUE_CACHE];
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("ScatterPaKvCache::getOutputDataTypes", e);
-    }
-    return -1;
-}
+    bool const hasValue = mShape.hasValue;
 
-int32_t ScatterPaKvCachePlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs,
-    DimsExprs const* /* shapeInputs */, int32_t /* nbShapeInputs */, DimsExprs* outputs, int32_t nbOutputs,
-    IExprBuilder& /* exprBuilder */) noexcept
-{
-    try
+    kernels::ScatterParams p = mShape.params;
+    // An empty batch (T == 0, or B*H == 0 for a 4-D key) writes nothing: success
+    // without a launch, whatever the kernels make of it (docs/SPEC.md S7).
+    if (p.compress ? (p.batch == 0 || p.numHeads == 0) : p.numTokens == 0)
     {
-        check(inputs != nullptr && outputs != nullptr, "getOutputShapes: null arrays");
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
-        check(validInputCount(nbInputs), "inputs: expected 5, 8 or 10, got ", nbInputs);
-        // In place: each output is its cache, shape included.
-        outputs[kOUT_KEY_CACHE] = inputs[kIN_KEY_CACHE];
-        outputs[kOUT_VALUE_CACHE] = inputs[kIN_VALUE_CACHE];
-        // getAliasedInput may come next, before configurePlugin (pluginCommon.h).
-        mEmptyInputs = emptyInputMask(inputs, nbInputs);
-        return 0;
+        return cudaSuccess;
     }
-    catch (std::exception const& e)
+    p.key = inputs[kIN_KEY];
+    p.value = hasValue ? inputs[kIN_VALUE] : nullptr;
+    p.keyCache = outputs[kOUT_KEY_CACHE_OUT];
+    p.valueCache = hasValue ? outputs[kOUT_VALUE_CACHE_OUT] : nullptr;
+    p.slotMapping = inputs[kIN_SLOT_MAPPING];
+    p.kScale = mShape.hasKScale ? inputs[kIN_K_SCALE] : nullptr;
+    p.vScale = mShape.hasVScale ? inputs[kIN_V_SCALE] : nullptr;
+    if (p.compress)
     {
-        logException("ScatterPaKvCache::getOutputShapes", e);
+        p.compressLens = inputs[kIN_COMPRESS_LENS];
+        p.compressSeqOffsets = mShape.hasOffsets ? inputs[kIN_COMPRESS_SEQ_OFFSETS] : nullptr;
+        p.seqLens = inputs[kIN_SEQ_LENS];
     }
-    return -1;
-}
-
-size_t ScatterPaKvCachePlugin::getWorkspaceSize(DynamicPluginTensorDesc const* /* inputs */, int32_t /* nbInputs */,
-    DynamicPluginTensorDesc const* /* outputs */, int32_t /* nbOutputs */) const noexcept
-{
-    return 0;
-}
-
-int32_t ScatterPaKvCachePlugin::getAliasedInput(int32_t outputIndex) noexcept
-{
-    if (!mAliasIo)
-    {
-        return -1;
-    }
-    switch (outputIndex)
-    {
-    case kOUT_KEY_CACHE: return aliasUnlessEmpty(kIN_KEY_CACHE, mEmptyInputs);
-    case kOUT_VALUE_CACHE: return aliasUnlessEmpty(kIN_VALUE_CACHE, mEmptyInputs);
-    default: return -1;
-    }
-}
-
-int32_t ScatterPaKvCachePlugin::onShapeChange(
-    PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const* out, int32_t nbOutputs) noexcept
-{
-    mShapeReady = false;
-    try
-    {
-        check(in != nullptr && out != nullptr, "onShapeChange: null descriptors");
-        check(nbOutputs == kNB_OUTPUTS, "outputs: expected 2, got ", nbOutputs);
-        check(validInputCount(nbInputs), "inputs: expected 5, 8 or 10, got ", nbInputs);
-        std::array<Dims, kNB_INPUTS_QUANT> dims{};
-        std::array<DataType, kNB_INPUTS_QUANT> types{};
-        for (int32_t i = 0; i < nbInputs; ++i)
-        {
-            dims[i] = in[i].dims;
-            types[i] = in[i].type;
-            check(volume(in[i].dims) >= 0, kINPUT_NAMES[i], ": expected known dims at run time, got ",
-                dimsText(in[i].dims));
-        }
-        mShape = describe(dims.data(), types.data(), nbInputs);
-        mDims = dims;
-        mTypes = types;
-        mNbInputs = nbInputs;
-        mShapeReady = true;
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("ScatterPaKvCache::onShapeChange", e);
-    }
-    return -1;
-}
-
-int32_t ScatterPaKvCachePlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* outputDesc,
-    void const* const* inputs, void* const* outputs, void* /* workspace */, cudaStream_t stream) noexcept
-{
-    try
-    {
-        check(inputDesc != nullptr && outputDesc != nullptr && inputs != nullptr && outputs != nullptr,
-            "enqueue: null arguments");
-        check(mShapeReady, "enqueue: called before onShapeChange accepted the input shapes");
-        // The shapes were validated by onShapeChange: only make sure these are the same.
-        for (int32_t i = 0; i < mNbInputs; ++i)
-        {
-            check(sameDims(inputDesc[i].dims, mDims[i]) && inputDesc[i].type == mTypes[i], "enqueue: ", kINPUT_NAMES[i],
-                " is ", dimsText(inputDesc[i].dims), " ", dataTypeName(inputDesc[i].type), ", not the ",
-                dimsText(mDims[i]), " ", dataTypeName(mTypes[i]), " onShapeChange accepted");
-        }
-        bool const hasValue = mShape.hasValue;
-
-        // Functional ONNX form, in-place execution: the outputs must first hold the
-        // inputs when TensorRT (or the caller) bound them to different addresses.
-        for (auto const& [o, i] : {std::pair<int32_t, int32_t>{kOUT_KEY_CACHE, kIN_KEY_CACHE},
-                 std::pair<int32_t, int32_t>{kOUT_VALUE_CACHE, kIN_VALUE_CACHE}})
-        {
-            cudaError_t const st = copyIfDistinct(outputs[o], inputs[i], inputDesc[i], stream);
-            check(st == cudaSuccess, "enqueue: copying ", kINPUT_NAMES[i],
-                " to its output failed: ", cudaGetErrorName(st));
-        }
-
-        kernels::ScatterParams p = mShape.params;
-        // An empty batch (T == 0, or B*H == 0 for a 4-D key) writes nothing: success
-        // without a launch, whatever the kernels make of it (docs/SPEC.md S7).
-        if (p.compress ? (p.batch == 0 || p.numHeads == 0) : p.numTokens == 0)
-        {
-            return 0;
-        }
-        p.key = inputs[kIN_KEY];
-        p.value = hasValue ? inputs[kIN_VALUE] : nullptr;
-        p.keyCache = outputs[kOUT_KEY_CACHE];
-        p.valueCache = hasValue ? outputs[kOUT_VALUE_CACHE] : nullptr;
-        p.slotMapping = inputs[kIN_SLOT_MAPPING];
-        p.kScale = mShape.hasKScale ? inputs[kIN_K_SCALE] : nullptr;
-        p.vScale = mShape.hasVScale ? inputs[kIN_V_SCALE] : nullptr;
-        if (p.compress)
-        {
-            p.compressLens = inputs[kIN_COMPRESS_LENS];
-            p.compressSeqOffsets = mShape.hasOffsets ? inputs[kIN_COMPRESS_SEQ_OFFSETS] : nullptr;
-            p.seqLens = inputs[kIN_SEQ_LENS];
-        }
-        cudaError_t const st = kernels::launchScatterPaKvCache(p, stream);
-        check(st == cudaSuccess, "enqueue: launchScatterPaKvCache failed: ", cudaGetErrorName(st), " (",
-            cudaGetErrorString(st), ")");
-        return 0;
-    }
-    catch (std::exception const& e)
-    {
-        logException("ScatterPaKvCache::enqueue", e);
-    }
-    return -1;
+    return kernels::launchScatterPaKvCache(p, stream);
 }
 
 } // namespace plugin

@@ -29,37 +29,30 @@ namespace pytrt_kv
 namespace plugin
 {
 
-class ScatterPaKvCachePlugin : public PluginBase<ScatterPaKvCachePlugin>
+class ScatterPaKvCachePlugin : public PluginBase<ScatterPaKvCachePlugin, contract::scatterPaKvCache::kNB_INPUTS>
 {
 public:
     //! TensorRT plugin name (kvContract.h, generated from pytrt_kv/specs.py).
     static constexpr char const* kPLUGIN_NAME{contract::scatterPaKvCache::kNAME};
-    //! Input indices (specs.py SCATTER_PA_KV_CACHE.inputs).
-    static constexpr int32_t kIN_KEY{contract::scatterPaKvCache::kIN_KEY};
-    static constexpr int32_t kIN_VALUE{contract::scatterPaKvCache::kIN_VALUE};
-    static constexpr int32_t kIN_KEY_CACHE{contract::scatterPaKvCache::kIN_KEY_CACHE};
-    static constexpr int32_t kIN_VALUE_CACHE{contract::scatterPaKvCache::kIN_VALUE_CACHE};
-    static constexpr int32_t kIN_SLOT_MAPPING{contract::scatterPaKvCache::kIN_SLOT_MAPPING};
-    static constexpr int32_t kIN_COMPRESS_LENS{contract::scatterPaKvCache::kIN_COMPRESS_LENS};
-    static constexpr int32_t kIN_COMPRESS_SEQ_OFFSETS{contract::scatterPaKvCache::kIN_COMPRESS_SEQ_OFFSETS};
-    static constexpr int32_t kIN_SEQ_LENS{contract::scatterPaKvCache::kIN_SEQ_LENS};
-    static constexpr int32_t kIN_K_SCALE{contract::scatterPaKvCache::kIN_K_SCALE};
-    static constexpr int32_t kIN_V_SCALE{contract::scatterPaKvCache::kIN_V_SCALE};
+    //! Input and output positions: contract::scatterPaKvCache's kIN_* / kOUT_*
+    //! (kvContract.h, generated from specs.py SCATTER_PA_KV_CACHE).
     //! Accepted input counts: without the compress tensors, with them, with the scales
     //! (docs/SPEC.md S9; the compress tensors are then zero-element placeholders).
     static constexpr int32_t kNB_INPUTS_BASIC{5};
     static constexpr int32_t kNB_INPUTS_COMPRESS{8};
     static constexpr int32_t kNB_INPUTS_QUANT{contract::scatterPaKvCache::kNB_INPUTS};
-    static_assert(kIN_SEQ_LENS + 1 == kNB_INPUTS_COMPRESS && kIN_V_SCALE + 1 == kNB_INPUTS_QUANT,
+    static_assert(contract::scatterPaKvCache::kIN_SEQ_LENS + 1 == kNB_INPUTS_COMPRESS
+            && contract::scatterPaKvCache::kIN_V_SCALE + 1 == kNB_INPUTS_QUANT,
         "ScatterPaKvCache input order changed: update the accepted input counts");
+    static constexpr char const* kINPUT_COUNTS{"5, 8 or 10"};
     static constexpr bool validInputCount(int32_t n)
     {
         return n == kNB_INPUTS_BASIC || n == kNB_INPUTS_COMPRESS || n == kNB_INPUTS_QUANT;
     }
-    //! Output indices (specs.py SCATTER_PA_KV_CACHE.outputs).
-    static constexpr int32_t kOUT_KEY_CACHE{contract::scatterPaKvCache::kOUT_KEY_CACHE_OUT};
-    static constexpr int32_t kOUT_VALUE_CACHE{contract::scatterPaKvCache::kOUT_VALUE_CACHE_OUT};
     static constexpr int32_t kNB_OUTPUTS{contract::scatterPaKvCache::kNB_OUTPUTS};
+    static constexpr auto const& kINPUT_NAMES = contract::scatterPaKvCache::kINPUT_NAMES;
+    static constexpr auto const& kALIASES = contract::scatterPaKvCache::kALIASES;
+    static constexpr char const* kFIELD_ALIAS_IO{contract::scatterPaKvCache::kFIELD_ALIAS_IO};
 
     //! The plugin's fields: cache_layout, compress_mode (strings), alias_io (int).
     static std::vector<FieldSpec> const& fieldSpecs();
@@ -83,45 +76,33 @@ public:
     //! broken docs/SPEC.md shape/dtype rule; dims of -1 (build time) are checked only once known.
     Shape describe(nvinfer1::Dims const* dims, nvinfer1::DataType const* types, int32_t nbInputs) const;
 
+    //! describe(); with \p keep, its result is what enqueue launches with (PluginBase).
+    void accept(nvinfer1::Dims const* dims, nvinfer1::DataType const* types, int32_t nbInputs, bool keep);
+
     //! The dtype rules of describe() that need no dims (docs/SPEC.md S8): run from
     //! getOutputDataTypes too, so a wrong dtype fails the build with this message.
     void checkTypes(nvinfer1::DataType const* types, int32_t nbInputs) const;
 
-    // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
-    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
-        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
-    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
-        int32_t nbOutputs) noexcept override;
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
-        int32_t nbInputs) const noexcept override;
-    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
-        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
-        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
-    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
-        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
-    int32_t getAliasedInput(int32_t outputIndex) noexcept override;
+    //! Both outputs are in place (PluginBase): nothing else to declare.
+    void otherOutputTypes(nvinfer1::DataType* /* outputTypes */) const {}
+    void otherOutputShapes(nvinfer1::DimsExprs const* /* inputs */, nvinfer1::DimsExprs* /* outputs */) const {}
 
-    // IPluginV3OneRuntime
-    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs, nvinfer1::PluginTensorDesc const* out,
-        int32_t nbOutputs) noexcept override;
-    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
-        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    // IPluginV3OneBuildV2 (the rest of IPluginV3 is PluginBase's)
+    //! Whether input/output \p pos may have inOut[pos]'s dtype, given inOut[0..pos)
+    //! (PluginBase::supportsFormatCombination checks the rest).
+    bool supportsType(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs) const noexcept;
+
+    //! enqueue's work once PluginBase checked the shapes and copied the caches: the
+    //! kernel launch (none for an empty batch, docs/SPEC.md S7).
+    cudaError_t launch(void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) const;
 
 private:
     std::string mCacheLayout;
     std::string mCompressMode;
-    bool mAliasIo{true};
-    //! Input count seen by configurePlugin/onShapeChange (enqueue is not told).
-    int32_t mNbInputs{0};
-    //! Set by a successful onShapeChange: the shapes it validated and what describe()
-    //! made of them; enqueue only fills in the pointers.
-    bool mShapeReady{false};
+    //! What describe() made of the shapes onShapeChange accepted; enqueue only fills in
+    //! the pointers. (A key-only write's zero-element value_cache is not declared as an
+    //! alias: PluginBase::getAliasedInput.)
     Shape mShape{};
-    std::array<nvinfer1::Dims, kNB_INPUTS_QUANT> mDims{};
-    std::array<nvinfer1::DataType, kNB_INPUTS_QUANT> mTypes{};
-    //! emptyInputMask() of the inputs (getOutputShapes, then configurePlugin): a
-    //! key-only write's zero-element value_cache is not declared as an alias.
-    uint32_t mEmptyInputs{0};
 };
 
 //! The creator registered for ScatterPaKvCache (registration.cpp).

@@ -10,6 +10,8 @@ import json
 import sys
 from typing import Any
 
+from ._options import add_numbers
+
 
 def _progress(line: str) -> None:
     print(line, flush=True)
@@ -36,12 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fewer sizes and iterations (a smoke run, not for BENCHMARKS.md)",
     )
-    parser.add_argument("--iters", type=int, default=200, help="calls per timed run (default 200)")
-    parser.add_argument(
-        "--warmup", type=int, default=20, help="untimed calls before each timed run (default 20)"
-    )
-    parser.add_argument(
-        "--repeats", type=int, default=5, help="timed runs; the median is kept (default 5)"
+    add_numbers(
+        parser,
+        [
+            ("--iters", int, 200, "calls per timed run"),
+            ("--warmup", int, 20, "untimed calls before each timed run"),
+            ("--repeats", int, 5, "timed runs; the median is kept"),
+            ("--device", int, 0, "CUDA device index to run on"),
+        ],
     )
     parser.add_argument(
         "--output",
@@ -49,9 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the Markdown results (with device, driver, CUDA and date) to this file",
     )
     parser.add_argument("--json", metavar="PATH", help="write the raw results as JSON to this file")
-    parser.add_argument(
-        "--device", type=int, default=0, help="CUDA device index to run on (default 0)"
-    )
 
 
 def _add_datadist_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,13 +65,13 @@ def _add_datadist_arguments(parser: argparse.ArgumentParser) -> None:
         default="host",
         help="where the caches live (device variants need a GPU and the kernel library)",
     )
-    g.add_argument("--total-mib", type=float, default=64.0, help="MiB per push (default 64)")
-    g.add_argument("--pushes", type=int, default=5, help="pushes per timed run (default 5)")
-    g.add_argument(
-        "--latency-pushes",
-        type=int,
-        default=200,
-        help="pushes per timed run of the 1-16-block latency rows (default 200)",
+    add_numbers(
+        g,
+        [
+            ("--total-mib", float, 64.0, "MiB per push"),
+            ("--pushes", int, 5, "pushes per timed run"),
+            ("--latency-pushes", int, 200, "pushes per timed run of the 1-16-block latency rows"),
+        ],
     )
 
 

@@ -17,39 +17,46 @@ def _shape(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.lower().split("x") if d != "")
 
 
+def _named_values(
+    specs, sep: str, parse, option: str, expected: str, *, last: bool = False
+) -> dict[str, list]:
+    """``NAME<sep>VALUES`` options -> ``{NAME: parse(VALUES)}``, each 1 or 3 values (fixed,
+    or min/opt/max); a ValueError naming ``option`` and ``expected`` otherwise. The name
+    ends at the first ``sep``, or with ``last`` at the last one (a tensor name may hold a
+    ":")."""
+    out: dict[str, list] = {}
+    for spec in specs or ():
+        name, found, text = spec.rpartition(sep) if last else spec.partition(sep)
+        try:
+            values = parse(text)
+        except ValueError:
+            values = []
+        if not found or not name or len(values) not in (1, 3):
+            raise ValueError(f"{option}: expected {expected}, got {spec!r}")
+        out[name] = values
+    return out
+
+
 def parse_shapes(specs) -> dict[str, tuple]:
     """``name:1x8,4x8,16x8`` (min,opt,max) or ``name:4x8`` (fixed) -> build_plan's ``shapes``."""
-    out: dict[str, tuple] = {}
-    for spec in specs or ():
-        name, sep, dims = spec.rpartition(":")
-        try:
-            parts = [_shape(p) for p in dims.split(",")]
-        except ValueError:
-            parts = []
-        if not sep or not name or len(parts) not in (1, 3):
-            raise ValueError(
-                f"--shapes: expected NAME:MINxDIMS,OPTxDIMS,MAXxDIMS or NAME:DIMS "
-                f"(e.g. key:1x8x128,16x8x128,64x8x128), got {spec!r}"
-            )
-        out[name] = tuple(parts) if len(parts) == 3 else parts[0]
-    return out
+    found = _named_values(
+        specs,
+        ":",
+        lambda text: [_shape(p) for p in text.split(",")],
+        "--shapes",
+        "NAME:MINxDIMS,OPTxDIMS,MAXxDIMS or NAME:DIMS (e.g. key:1x8x128,16x8x128,64x8x128)",
+        last=True,
+    )
+    return {name: tuple(parts) if len(parts) == 3 else parts[0] for name, parts in found.items()}
 
 
 def parse_dims(specs) -> dict[str, tuple[int, int, int]]:
     """``B=1:8:64`` (min:opt:max) or ``B=8`` (fixed) -> build.shapes_from_dims' ``dims``."""
-    out: dict[str, tuple[int, int, int]] = {}
-    for spec in specs or ():
-        name, sep, text = spec.partition("=")
-        try:
-            vals = [int(v) for v in text.split(":")]
-        except ValueError:
-            vals = []
-        if not sep or not name or len(vals) not in (1, 3):
-            raise ValueError(
-                f"--dim: expected NAME=MIN:OPT:MAX or NAME=SIZE (e.g. B=1:8:64), got {spec!r}"
-            )
-        out[name] = (vals[0], vals[0], vals[0]) if len(vals) == 1 else (vals[0], vals[1], vals[2])
-    return out
+    found = _named_values(
+        specs, "=", lambda text: [int(v) for v in text.split(":")], "--dim",
+        "NAME=MIN:OPT:MAX or NAME=SIZE (e.g. B=1:8:64)",
+    )  # fmt: skip
+    return {name: (v[0], v[len(v) // 2], v[-1]) for name, v in found.items()}  # 1 value: fixed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

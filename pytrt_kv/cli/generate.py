@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from ._options import add_numbers
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
@@ -34,17 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="a prompt (repeat the option for several sequences in one batch)",
     )
-    parser.add_argument("--tokens", type=int, default=16, help="tokens to generate (default 16)")
+    add_numbers(parser, [("--tokens", int, 16, "tokens to generate")])
     parser.add_argument(
         "--check",
         action="store_true",
         help="compare with transformers' greedy generation; exit 1 on any difference",
     )
-    parser.add_argument(
-        "--block-size", type=int, default=16, help="cache page size in tokens (default 16)"
-    )
-    parser.add_argument(
-        "--num-blocks", type=int, default=64, help="pages in each layer's cache (default 64)"
+    add_numbers(
+        parser,
+        [
+            ("--block-size", int, 16, "cache page size in tokens"),
+            ("--num-blocks", int, 64, "pages in each layer's cache"),
+        ],
     )
     parser.add_argument(
         "--kv-cache-dtype",

@@ -31,6 +31,11 @@ def _ort_availability() -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+def _built(info: dict[str, str], part: str, yes: str) -> str:
+    """``yes`` when the build record says ``part`` was built, else its recorded reason."""
+    return yes if info.get(part) == "ON" else f"no: {info.get(f'no_{part}_reason', '')}"
+
+
 def run(args: argparse.Namespace) -> int:
     del args
     from .. import __version__, _lib
@@ -44,20 +49,10 @@ def run(args: argparse.Namespace) -> int:
     print("\nNative libraries:")
     info = _lib.build_info()
     if info:
-        cuda = info.get("cuda") == "ON"
-        built = (
-            f"yes, {info.get('cuda_version', '')} for {info.get('cuda_architectures', '')}"
-            if cuda
-            else f"no: {info.get('no_cuda_reason', '')}"
-        )
-        print(f"  built with CUDA    {built}")
-        plugins = info.get("plugins") == "ON"
-        built = (
-            f"yes (headers {info.get('tensorrt_version', '?')})"
-            if plugins
-            else f"no: {info.get('no_plugins_reason', '')}"
-        )
-        print(f"  TensorRT plugins   {built}")
+        cuda = f"yes, {info.get('cuda_version', '')} for {info.get('cuda_architectures', '')}"
+        print(f"  built with CUDA    {_built(info, 'cuda', cuda)}")
+        plugins = f"yes (headers {info.get('tensorrt_version', '?')})"
+        print(f"  TensorRT plugins   {_built(info, 'plugins', plugins)}")
     else:
         print("  no build record (package not installed through its CMake build)")
     for lib in (_lib.KERNELS_LIB, _lib.EMU_KERNELS_LIB, _lib.PLUGINS_LIB, _lib.PLUGINS_AUTOREG_LIB):

@@ -6,9 +6,13 @@ one line per step and row, and ``FAILED: ...`` with exit status 1 on a mismatch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+
+from ._options import add_numbers
 
 
 def cpu_runner(cfg, sizes) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
@@ -26,40 +30,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..retrieval.config import REPRESENTATIONS, RetrievalConfig
 
     default_rep = RetrievalConfig().representation
-    parser.add_argument("--steps", type=int, default=6, help="decode steps (default 6)")
-    parser.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
-    parser.add_argument(
-        "--prompt-len", type=int, default=900, help="prompt of row 0 (row b: + 37*b; default 900)"
-    )
-    parser.add_argument(
-        "--max-len", type=int, default=1024, help="full-cache capacity per sequence (default 1024)"
-    )
-    parser.add_argument(
-        "--init-tokens", type=int, default=64, help="resident initial tokens (default 64)"
-    )
-    parser.add_argument(
-        "--local-tokens", type=int, default=200, help="sliding-window tokens (default 200)"
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=32, help="tokens per retrievable block (default 32)"
-    )
-    parser.add_argument(
-        "--topk-percent",
-        type=float,
-        default=0.2,
-        help="fraction of retrievable blocks recalled per step (default 0.2)",
-    )
-    parser.add_argument(
-        "--dense-boundary",
-        type=int,
-        default=256,
-        help="R2 boundary (default 256, so the demo prompt is sparse)",
-    )
-    parser.add_argument(
-        "--offload-boundary",
-        type=int,
-        default=512,
-        help="prompt length from which the full cache is host-resident (default 512)",
+    add_numbers(
+        parser,
+        [
+            ("--steps", int, 6, "decode steps"),
+            ("--batch", int, 2, "sequences"),
+            ("--prompt-len", int, 900, "prompt of row 0; row b's is 37*b longer"),
+            ("--max-len", int, 1024, "full-cache capacity per sequence"),
+            ("--init-tokens", int, 64, "resident initial tokens"),
+            ("--local-tokens", int, 200, "sliding-window tokens"),
+            ("--block-size", int, 32, "tokens per retrievable block"),
+            ("--topk-percent", float, 0.2, "fraction of retrievable blocks recalled per step"),
+            ("--dense-boundary", int, 256, "R2 boundary, so that the demo prompt is sparse"),
+            (
+                "--offload-boundary",
+                int,
+                512,
+                "prompt length from which the full cache is host-resident",
+            ),
+        ],
     )
     parser.add_argument(
         "--representation",
@@ -67,16 +56,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=default_rep,
         help=f"block representation used for scoring (docs/SPEC.md R5; default {default_rep})",
     )
-    parser.add_argument("--q-heads", type=int, default=4, help="query heads (default 4)")
-    parser.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
-    parser.add_argument("--head-dim", type=int, default=16, help="head size (default 16)")
+    add_numbers(
+        parser,
+        [
+            ("--q-heads", int, 4, "query heads"),
+            ("--kv-heads", int, 2, "KV heads"),
+            ("--head-dim", int, 16, "head size"),
+        ],
+    )
     parser.add_argument(
         "--dtype",
         choices=("float32", "float16"),
         default="float32",
         help="cache and activation dtype (default float32)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    add_numbers(parser, [("--seed", int, 0, "random seed")])
+
+
+def _fields_from(cls: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """``{field: value}`` of the dataclass ``cls``'s fields that have an option of the
+    same name (``--init-tokens`` is ``init_tokens``), taken from ``args``; the other
+    fields keep their defaults."""
+    names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
+    return {name: getattr(args, name) for name in names}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,23 +86,8 @@ def run(args: argparse.Namespace) -> int:
     from ..retrieval.demo import VerificationError, run_steps
     from ..retrieval.planner import RetrievalSizes
 
-    cfg = RetrievalConfig(
-        init_tokens=args.init_tokens,
-        local_tokens=args.local_tokens,
-        block_size=args.block_size,
-        topk_percent=args.topk_percent,
-        dense_boundary=args.dense_boundary,
-        offload_boundary=args.offload_boundary,
-        representation=args.representation,
-    )
-    sizes = RetrievalSizes(
-        batch=args.batch,
-        q_heads=args.q_heads,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        max_len=args.max_len,
-        dtype=args.dtype,
-    )
+    cfg = RetrievalConfig(**_fields_from(RetrievalConfig, args))
+    sizes = RetrievalSizes(**_fields_from(RetrievalSizes, args))
     prompts = [args.prompt_len + 37 * b for b in range(args.batch)]
     if args.steps < 1:
         raise ValueError(f"--steps: expected >= 1, got {args.steps}")

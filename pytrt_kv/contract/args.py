@@ -26,6 +26,7 @@ __all__ = [
     "arg_names",
     "index_inputs",
     "op_args",
+    "op_attributes",
     "op_call",
     "op_tensors",
     "python_default",
@@ -52,6 +53,12 @@ def op_args(op: OpSpec, scope: Mapping[str, Any]) -> dict[str, Any]:
     """``{name: value}`` of every Python argument of the op (:func:`arg_names`), taken
     from ``scope``; pass it on as keywords."""
     return {name: scope[name] for name in arg_names(op)}
+
+
+def op_attributes(op: OpSpec, scope: Mapping[str, Any]) -> dict[str, Any]:
+    """``{attribute name: value}`` of the op's attributes (``alias_io`` included) taken
+    from ``scope``, leaving out those that are None (not set: the model's default)."""
+    return {a.name: scope[a.name] for a in op.attributes if scope[a.name] is not None}
 
 
 def index_inputs(op: OpSpec) -> tuple[str, ...]:

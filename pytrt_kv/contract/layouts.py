@@ -25,6 +25,10 @@ from typing import Any
 #: Bytes of an "nz" segment (docs/SPEC.md S4): L = NZ_SEGMENT_BYTES // itemsize.
 NZ_SEGMENT_BYTES = 32
 
+#: The symbols of the declared shapes (:attr:`CacheLayout.dims`): blocks, rows of a block,
+#: heads, head size, segments of a token (F = H*D/L) and elements of a segment (L).
+DIM_SYMBOLS: tuple[str, ...] = ("NB", "BS", "H", "D", "F", "L")
+
 #: How a layout cuts a token's H*D elements: whole, per head, or in 32-byte pieces.
 SEGMENT_KINDS: tuple[str, ...] = ("token", "head", "bytes")
 

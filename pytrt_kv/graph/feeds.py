@@ -120,8 +120,9 @@ def _human(n: int) -> str:
     return f"{n} bytes ({n / 1024**unit:.4g} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][unit]})"
 
 
-def _declared(model) -> dict[str, tuple[list[Any], np.dtype]]:
-    """Graph inputs (initializers excluded): dims (int, or str/None when dynamic), dtype."""
+def graph_inputs(model) -> dict[str, tuple[list[Any], int]]:
+    """The graph inputs of ``model`` that are not initializers, in order: dims (an int, or
+    the dim's name / None when dynamic) and the ONNX element type."""
     inits = {i.name for i in model.graph.initializer}
     out = {}
     for vi in model.graph.input:
@@ -131,8 +132,16 @@ def _declared(model) -> dict[str, tuple[list[Any], np.dtype]]:
         dims = [
             d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
         ]
-        out[vi.name] = (dims, dtypes.numpy_of_onnx(tt.elem_type, vi.name))
+        out[vi.name] = (dims, tt.elem_type)
     return out
+
+
+def _declared(model) -> dict[str, tuple[list[Any], np.dtype]]:
+    """Graph inputs (initializers excluded): dims (int, or str/None when dynamic), dtype."""
+    return {
+        name: (dims, dtypes.numpy_of_onnx(elem, name))
+        for name, (dims, elem) in graph_inputs(model).items()
+    }
 
 
 def resolve_shapes(

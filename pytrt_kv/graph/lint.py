@@ -242,6 +242,23 @@ def _view_source_readers(
     return found
 
 
+def _in_place_pairs(
+    model: onnx.ModelProto, skip: set[int]
+) -> Iterable[tuple[onnx.NodeProto, str, str, str, str]]:
+    """``(node, output name, input name, input tensor, output tensor)`` of every in-place
+    pair (``op.aliases``) of every node of ours not in ``skip``; a tensor the node leaves
+    out is ``""``."""
+    for idx, node in enumerate(model.graph.node):
+        if not _ours(node) or idx in skip:
+            continue
+        op = specs.OPS[node.op_type]
+        for out_name, in_name in op.aliases.items():
+            j, k = op.input_index(in_name), op.output_index(out_name)
+            src = node.input[j] if j < len(node.input) else ""
+            dst = node.output[k] if k < len(node.output) else ""
+            yield node, out_name, in_name, src, dst
+
+
 def _graph_rules(
     model: onnx.ModelProto, types: Mapping[str, nodes.Type], skip: set[int]
 ) -> list[Problem]:
@@ -251,35 +268,28 @@ def _graph_rules(
     producers = {o: n for n in model.graph.node for o in n.output if o}
     updaters: dict[str, list[tuple[onnx.NodeProto, str]]] = {}
     updated: set[str] = set()  # every *_out: a graph output, by the rule below
-    for idx, node in enumerate(model.graph.node):
-        if not _ours(node) or idx in skip:
+    for node, out_name, in_name, src, dst in _in_place_pairs(model, skip):
+        if src and not _empty(types, src):
+            updaters.setdefault(src, []).append((node, in_name))
+        if dst:
+            updated.add(dst)
+        if not src or not dst or _empty(types, src):
             continue
-        op = specs.OPS[node.op_type]
-        for out_name, in_name in op.aliases.items():
-            j, k = op.input_index(in_name), op.output_index(out_name)
-            src = node.input[j] if j < len(node.input) else ""
-            if src and not _empty(types, src):
-                updaters.setdefault(src, []).append((node, in_name))
-            dst = node.output[k] if k < len(node.output) else ""
-            if dst:
-                updated.add(dst)
-            if not src or not dst or _empty(types, src):
-                continue
-            if dst in outputs:
-                continue
-            others = sorted({_label(n) for n, _ in readers.get(dst, [])})
-            got = f"{dst!r} read only by {others}" if others else f"{dst!r} read by nothing"
-            problems.append(
-                Problem(
-                    node.name,
-                    node.op_type,
-                    out_name,
-                    "graph.update-dropped",
-                    f"expected a graph output (the updated {in_name} {src!r}, which the "
-                    f"next step feeds back; later nodes may also read it, docs/SPEC.md O), "
-                    f"got {got}, not a graph output",
-                )
+        if dst in outputs:
+            continue
+        others = sorted({_label(n) for n, _ in readers.get(dst, [])})
+        got = f"{dst!r} read only by {others}" if others else f"{dst!r} read by nothing"
+        problems.append(
+            Problem(
+                node.name,
+                node.op_type,
+                out_name,
+                "graph.update-dropped",
+                f"expected a graph output (the updated {in_name} {src!r}, which the "
+                f"next step feeds back; later nodes may also read it, docs/SPEC.md O), "
+                f"got {got}, not a graph output",
             )
+        )
     for src, users in updaters.items():
         node, in_name = users[0]
         if len(users) > 1:
@@ -325,49 +335,42 @@ def _consistency(
     """Two nodes chained through one cache agree on its dtype and (scatters) layout."""
     problems = []
     scatter = specs.SCATTER_PA_KV_CACHE
-    for idx, node in enumerate(model.graph.node):
-        if not _ours(node) or idx in skip:
+    for node, _out_name, in_name, src, dst in _in_place_pairs(model, skip):
+        if not dst or not src:
             continue
-        op = specs.OPS[node.op_type]
-        for out_name, in_name in op.aliases.items():
-            k, j = op.output_index(out_name), op.input_index(in_name)
-            dst = node.output[k] if k < len(node.output) else ""
-            src = node.input[j] if j < len(node.input) else ""
-            if not dst or not src:
+        for later, i, tensor in _through_views(dst, readers):
+            if not _ours(later) or later is node:
                 continue
-            for later, i, tensor in _through_views(dst, readers):
-                if not _ours(later) or later is node:
-                    continue
-                lop = specs.OPS[later.op_type]
-                what = lop.inputs[i].name if i < len(lop.inputs) else f"input {i}"
-                a, b = types.get(src, (0, None))[0], types.get(tensor, (0, None))[0]
-                if a and b and a != b:
+            lop = specs.OPS[later.op_type]
+            what = lop.inputs[i].name if i < len(lop.inputs) else f"input {i}"
+            a, b = types.get(src, (0, None))[0], types.get(tensor, (0, None))[0]
+            if a and b and a != b:
+                problems.append(
+                    Problem(
+                        later.name,
+                        later.op_type,
+                        what,
+                        "graph.cache-consistency",
+                        f"expected the dtype of {in_name} {src!r} of node "
+                        f"{_label(node)!r} ({nodes.describe((a, None))}), got "
+                        f"{nodes.describe((b, None))} declared for {tensor!r}",
+                        TypeError,
+                    )
+                )
+            if node.op_type == scatter.name and lop is scatter:
+                la = model_rules.node_attr(node, "cache_layout")
+                lb = model_rules.node_attr(later, "cache_layout")
+                if la and lb and la != lb:
                     problems.append(
                         Problem(
                             later.name,
                             later.op_type,
-                            what,
+                            "attribute 'cache_layout'",
                             "graph.cache-consistency",
-                            f"expected the dtype of {in_name} {src!r} of node "
-                            f"{_label(node)!r} ({nodes.describe((a, None))}), got "
-                            f"{nodes.describe((b, None))} declared for {tensor!r}",
-                            TypeError,
+                            f"expected {la!r}, the layout node {_label(node)!r} writes "
+                            f"{tensor!r} with, got {lb!r}",
                         )
                     )
-                if op is scatter and lop is scatter:
-                    la = model_rules.node_attr(node, "cache_layout")
-                    lb = model_rules.node_attr(later, "cache_layout")
-                    if la and lb and la != lb:
-                        problems.append(
-                            Problem(
-                                later.name,
-                                later.op_type,
-                                "attribute 'cache_layout'",
-                                "graph.cache-consistency",
-                                f"expected {la!r}, the layout node {_label(node)!r} writes "
-                                f"{tensor!r} with, got {lb!r}",
-                            )
-                        )
     return problems
 
 

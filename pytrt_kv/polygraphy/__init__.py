@@ -43,12 +43,18 @@ def install_onnxrt() -> bool:
 
 
 def __getattr__(name):
-    # PytrtKvRefRunner and input_metadata for Polygraphy's Python API, imported lazily.
-    if name in ("PytrtKvRefRunner", "input_metadata"):
+    # The runners and input_metadata for Polygraphy's Python API, imported lazily.
+    if name in ("PytrtKvRefRunner", "FunctionRunner", "input_metadata"):
         from . import _runner
 
         return getattr(_runner, name)
     raise AttributeError(name)
 
 
-__all__ = ["export_argument_groups", "install_onnxrt", "PytrtKvRefRunner", "input_metadata"]
+__all__ = [
+    "export_argument_groups",
+    "install_onnxrt",
+    "FunctionRunner",
+    "PytrtKvRefRunner",
+    "input_metadata",
+]

@@ -77,6 +77,45 @@ class PytrtKvRefRunner(BaseRunner):
         del self.model
 
 
+class FunctionRunner(BaseRunner):
+    """A Polygraphy runner over a Python function ``feeds -> {output name: array}``, such
+    as an independent computation to compare a graph with: fed ``model``'s graph inputs
+    (:func:`input_metadata`), it returns the outputs named in ``outputs`` (default the
+    model's graph outputs), in that order.
+
+    Parameters
+    ----------
+    model : onnx.ModelProto
+    fn : callable, dict of name -> numpy.ndarray -> mapping of name -> numpy.ndarray
+    name : str
+        The runner's name in Polygraphy's reports (its prefix too).
+    outputs : sequence of str, optional
+    """
+
+    def __init__(self, model, fn, name: str, outputs=None):
+        super().__init__(name=name, prefix=f"{name}-runner")
+        self.model, self.fn = model, fn
+        self.outputs = (
+            list(outputs) if outputs is not None else [o.name for o in model.graph.output]
+        )
+
+    def activate_impl(self):
+        pass
+
+    def get_input_metadata_impl(self):
+        # Polygraphy passes a runner only the inputs its metadata names.
+        return input_metadata(self.model)
+
+    def infer_impl(self, feed_dict):
+        start = time.time()
+        out = self.fn(dict(feed_dict))
+        self.inference_time = time.time() - start
+        return OrderedDict((n, out[n]) for n in self.outputs)
+
+    def deactivate_impl(self):
+        pass
+
+
 def input_metadata(model) -> TensorMetadata:
     """Polygraphy metadata of the graph inputs of ``model`` (an ``onnx.ModelProto``) that
     are not initializers: name, dtype and shape (symbolic dims by name, unknown as None).
@@ -84,20 +123,14 @@ def input_metadata(model) -> TensorMetadata:
     from polygraphy.datatype import DataType
 
     from pytrt_kv.contract import dtypes
+    from pytrt_kv.graph.feeds import graph_inputs
 
-    inits = {i.name for i in model.graph.initializer}
     meta = TensorMetadata()
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        shape = [
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
-        ]
+    for name, (shape, elem) in graph_inputs(model).items():
         # Polygraphy's own DataType (NumPy dtypes are deprecated there); it knows the
         # ONNX types, bfloat16 and float8 included.
-        dtype = DataType.from_dtype(tt.elem_type, "onnx")
+        dtype = DataType.from_dtype(elem, "onnx")
         if dtype is None or not isinstance(dtype, DataType):
-            dtype = dtypes.numpy_of_onnx(tt.elem_type, vi.name)
-        meta.add(vi.name, dtype=dtype, shape=shape)
+            dtype = dtypes.numpy_of_onnx(elem, name)
+        meta.add(name, dtype=dtype, shape=shape)
     return meta

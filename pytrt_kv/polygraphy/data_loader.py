@@ -146,6 +146,20 @@ def _env_integer(var: str, low: int, what: str) -> int | None:
     return None if raw is None or raw == "" else _integer(var, raw, low, what)
 
 
+def _setting(
+    name: str, given: Any, options: Mapping[str, Any], low: int, what: str, default: int
+) -> int:
+    """The integer setting ``name``: the argument ``given``, else Polygraphy's option
+    ``options[name]``, else ``$PYTRT_KV_<NAME>``, else ``default``; each an int >= ``low``
+    (a ValueError naming the source otherwise). Later sources are read only when needed."""
+    value = _integer(name, given, low, what)
+    if value is None:
+        value = options[name]
+    if value is None:
+        value = _env_integer(f"PYTRT_KV_{name.upper()}", low, what)
+    return default if value is None else value
+
+
 def load_data(
     model: str | os.PathLike | Any | None = None,
     iterations: int | None = None,
@@ -176,20 +190,8 @@ def load_data(
     """
     model = _model(model)
     options = polygraphy_options()
-    iterations = _integer("iterations", iterations, 1, "a positive integer")
-    if iterations is None:
-        iterations = options["iterations"]
-    if iterations is None:
-        iterations = _env_integer("PYTRT_KV_ITERATIONS", 1, "a positive integer")
-    if iterations is None:
-        iterations = 3
-    seed = _integer("seed", seed, 0, "an integer >= 0")
-    if seed is None:
-        seed = options["seed"]
-    if seed is None:
-        seed = _env_integer("PYTRT_KV_SEED", 0, "an integer >= 0")
-    if seed is None:
-        seed = 0
+    iterations = _setting("iterations", iterations, options, 1, "a positive integer", 3)
+    seed = _setting("seed", seed, options, 0, "an integer >= 0", 0)
     if shapes is None:
         shapes = options["shapes"]
     max_bytes = _env_integer("PYTRT_KV_MAX_BYTES", 1, "a positive integer (bytes)")
