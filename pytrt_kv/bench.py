@@ -23,11 +23,11 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-#: Targets of issue 4 (H100/H200).
+#: Targets of issues 4 and 36 (H100/H200).
 TARGETS = {
     "scatter_large_copy_ratio": 0.90,  # >= 90% of same-run D2D copy bandwidth
     "scatter_decode_us": 4.0,  # <= 4 us per call (<= 256 tokens)
-    "scatter_decode_vs_torch": 5.0,  # >= 5x faster than torch indexing
+    "scatter_decode_vs_torch": 5.0,  # issue 4: >= 5x torch indexing (reported, not judged)
     "gather_device_copy_ratio": 0.85,  # >= 85% of copy bandwidth
     "gather_host_h2d_ratio": 0.80,  # >= 80% of pinned H2D memcpy bandwidth
     "gather_reuse90_time_ratio": 0.15,  # <= 0.15x of the no-reuse time
@@ -155,20 +155,23 @@ def bench_scatter(
             if "triton_graph_us" in r:
                 r["vs_triton"] = r["triton_graph_us"] / r["kernel_graph_us"]
         r["gbps"] = 2 * moved / r["kernel_graph_us"] / 1e3  # read + write
-        if T >= 4096:
-            r["target"] = f"copy ratio >= {TARGETS['scatter_large_copy_ratio']:.2f}"
-            r["met"] = r["copy_ratio"] >= TARGETS["scatter_large_copy_ratio"]
-        elif T <= 256:
-            r["target"] = (
-                f"<= {TARGETS['scatter_decode_us']} us and >= "
-                f"{TARGETS['scatter_decode_vs_torch']:.0f}x torch"
-            )
-            r["met"] = (
-                r["kernel_graph_us"] <= TARGETS["scatter_decode_us"]
-                and r["vs_torch"] >= TARGETS["scatter_decode_vs_torch"]
-            )
+        judge_scatter(r)
         _keep(rows, r, progress)
     return rows
+
+
+def judge_scatter(r: dict[str, Any]) -> None:
+    """The scatter row's target (issue 36) into ``r``: ``copy_ratio`` >= 0.90 from 4096
+    tokens; <= 4 us in graph replay up to 256 tokens. The older goal of >= 5x torch
+    indexing (issue 4) is judged apart, in ``torch_5x``, and does not decide ``met``."""
+    T = r["tokens"]
+    if T >= 4096:
+        r["target"] = f"copy ratio >= {TARGETS['scatter_large_copy_ratio']:.2f}"
+        r["met"] = r["copy_ratio"] >= TARGETS["scatter_large_copy_ratio"]
+    elif T <= 256:
+        r["target"] = f"<= {TARGETS['scatter_decode_us']} us (graph replay)"
+        r["met"] = r["kernel_graph_us"] <= TARGETS["scatter_decode_us"]
+        r["torch_5x"] = r["vs_torch"] >= TARGETS["scatter_decode_vs_torch"]
 
 
 def triton_scatter() -> tuple[Callable[..., None] | None, str]:
@@ -482,6 +485,7 @@ _COLUMNS = {
         "gbps",
         "copy_ratio",
         "vs_torch",
+        "torch_5x",
         "vs_triton",
         "triton_check",
         "target",

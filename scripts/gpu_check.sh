@@ -23,7 +23,9 @@
 # through plugins/harness, without libnvinfer: only where TensorRT_INCLUDE_DIR names
 # TensorRT headers, e.g. a carried .venv-test/trt-headers/include; else skipped, saying
 # so). Logs: OUT_DIR/<step>.log; benchmark tables:
-# OUT_DIR/bench-<op>.md and .json (paste into BENCHMARKS.md). Exit status 0 when every
+# OUT_DIR/bench-<op>.md and .json (paste into BENCHMARKS.md); everything in two files
+# whose names sort first (the device returns at most 8 files): OUT_DIR/all-logs.txt (the
+# summary, the logs, the tables) and OUT_DIR/all.tar.gz (every file). Exit status 0 when every
 # step passed (or was simulated in a dry run), 1 when one failed or timed out, 2 when there
 # is no GPU (without --dry-run).
 #
@@ -33,10 +35,12 @@
 # first session with a GPU makes (repository root on the device machine; 450 s leaves
 # about 5 minutes of the 15 for the machine's start and one rerun of what failed):
 #
-#   run(command="PYTRT_KV_COMMIT=<git rev-parse --short HEAD> bash scripts/gpu_check.sh --budget 420 \"$OUT\"", timeout_s=450)
+#   run(command="PYTRT_KV_COMMIT=<git rev-parse --short HEAD> bash scripts/gpu_check.sh --budget 420 \"$OUT\"", timeout_s=450, carry=["build/pycarry"])
 #
-# (<...> filled in by the session: the copy there has no .git) and a rerun of what failed:
-#   run(command="PYTRT_KV_COMMIT=<...> bash scripts/gpu_check.sh --budget 200 --steps gpu-tests,bench-gather \"$OUT\"", timeout_s=230)
+# (<...> filled in by the session: the copy there has no .git; build/pycarry holds
+# onnx_graphsurgeon, which that machine lacks: docs/GPU_CHECK.md fills it) and a rerun of
+# what failed:
+#   run(command="PYTRT_KV_COMMIT=<...> bash scripts/gpu_check.sh --budget 200 --steps gpu-tests,bench-gather \"$OUT\"", timeout_s=230, carry=["build/pycarry"])
 #
 # Environment:
 #   PYTHON                  interpreter (default python3)
@@ -54,7 +58,8 @@ ROOT=$(pwd)
 
 STEPS=(build gpu-tests e4m3-nan memcheck racecheck synccheck bench-scatter bench-gather
   bench-quant initcheck plugin-harness)
-# Per-step limits (s) on the GPU; the projection behind them is in BENCHMARKS.md.
+# Per-step limits (s) on the GPU; the projection behind them and the times an H200 took
+# (2026-11-27) are in docs/GPU_CHECK.md.
 declare -A LIMIT=([build]=150 [gpu-tests]=150 [e4m3-nan]=60 [memcheck]=90 [racecheck]=90
   [synccheck]=90 [bench-scatter]=120 [bench-gather]=120 [bench-quant]=90 [initcheck]=90
   [plugin-harness]=120)
@@ -95,6 +100,14 @@ mkdir -p "$OUT" || exit 1
 OUT=$(cd "$OUT" && pwd)
 SUMMARY=$OUT/summary.md
 PY=${PYTHON:-python3}
+# Pure-Python packages the lent machine lacks (it has no package index), carried in
+# build/pycarry: onnx_graphsurgeon, which the CLI (`pytrt_kv info`, `pytrt_kv bench`)
+# imports through onnx_export. docs/GPU_CHECK.md gives the command that fills it.
+PYCARRY="none (no build/pycarry)"
+if [ -d "$ROOT/build/pycarry" ]; then
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$ROOT/build/pycarry
+  PYCARRY="build/pycarry ($(cd "$ROOT/build/pycarry" && ls | paste -sd' ' -))"
+fi
 T0=$(date +%s)
 DEADLINE=$((T0 + BUDGET))
 # The device machine gets a copy of the work tree without .git: the run command names
@@ -143,6 +156,7 @@ render_summary() {  # the whole summary.md, from what is known now
     echo "- device: $DEVICE; driver: $DRIVER; built for sm_$ARCH (nvcc $NVCC)"
     echo "- date: $DATE; commit: $COMMIT"
     echo "- budget: $BUDGET s; elapsed: $total s"
+    echo "- carried Python packages: $PYCARRY"
     echo
     echo "| step | status | seconds | limit | log | note |"
     echo "|---|---|---|---|---|---|"
@@ -154,6 +168,30 @@ render_summary() {  # the whole summary.md, from what is known now
     if [ $failed = 1 ]; then echo "Result: some steps FAILED or timed out (see their logs)."
     else echo "Result: no step failed."; fi
   } >"$SUMMARY.tmp" && mv "$SUMMARY.tmp" "$SUMMARY"
+  bundle
+}
+# The device returns at most 8 files from $OUT (call 7 of the first H200 run lost
+# summary.md and every log): OUT/all-logs.txt (the summary, then every step's log and the
+# benchmark tables) and OUT/all.tar.gz (every file of OUT) are rewritten with the summary.
+# Their names sort before every other file's.
+bundle() {
+  local f s
+  {
+    cat "$SUMMARY"
+    for s in "${STEPS[@]}"; do
+      f=$OUT/$s.log
+      [ -f "$f" ] || continue
+      printf '\n===== %s.log =====\n' "$s"
+      tail -c 2000000 "$f"
+    done
+    for f in "$OUT"/bench-*.md; do
+      [ -f "$f" ] || continue
+      printf '\n===== %s =====\n' "${f##*/}"
+      cat "$f"
+    done
+  } >"$OUT/all-logs.txt.tmp" && mv "$OUT/all-logs.txt.tmp" "$OUT/all-logs.txt"
+  tar -czf "$OUT/.all.tar.gz.tmp" -C "$OUT" --exclude='./.*' --exclude=./all.tar.gz . 2>/dev/null &&
+    mv "$OUT/.all.tar.gz.tmp" "$OUT/all.tar.gz"
 }
 STEP_PID=""
 on_signal() {
@@ -245,6 +283,15 @@ step_build() {
   # With TensorRT headers the plugins and their harness are built too (plugin-harness).
   [ -n "${TensorRT_INCLUDE_DIR:-}" ] && [ "$DRY" = 0 ] &&
     args+=("-DTensorRT_INCLUDE_DIR=$TensorRT_INCLUDE_DIR")
+  # The CLI (`pytrt_kv info` below, `pytrt_kv bench`) imports onnx_graphsurgeon through
+  # onnx_export; the lent machine has none and no index: say how to carry it.
+  "$PY" -c "import onnx_graphsurgeon" || {
+    echo "onnx_graphsurgeon does not import: the CLI (pytrt_kv info, bench) needs it." \
+      "Carry it (docs/GPU_CHECK.md): where it is installed run"
+    echo "  mkdir -p build/pycarry && cp -r .venv-test/lib/python3*/site-packages/onnx_graphsurgeon build/pycarry/"
+    echo "and name build/pycarry in the run call's carry."
+    exit 1
+  }
   for tool in nvcc cmake; do
     command -v $tool >/dev/null 2>&1 && continue
     [ "$DRY" = 1 ] || { echo "$tool is not on PATH"; exit 1; }
