@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pytrt_kv._lib import install_command
 from pytrt_kv.model_wheel import ModelWheelMissing, bundled_model
 
 #: The extra that brings torch, transformers, gguf and accelerate.
@@ -20,12 +21,8 @@ class ModelUnavailable(RuntimeError):
 
 
 def install_hint(extra: str = STUDY_EXTRA) -> str:
-    """The command that installs ``extra`` into this Python (a checkout: its folder)."""
-    import sys  # noqa: PLC0415
-
-    root = Path(__file__).resolve().parents[2]
-    target = f"{root}[{extra}]" if (root / "pyproject.toml").is_file() else f"pytrt_kv[{extra}]"
-    return f"{sys.executable} -m pip install '{target}'"
+    """The command that installs ``extra`` into this Python (``pytrt_kv._lib.install_command``)."""
+    return install_command(extra)
 
 
 def require_libraries(gguf: bool = False) -> None:
