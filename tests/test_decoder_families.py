@@ -246,3 +246,69 @@ def test_every_family_builds_with_tensorrt_rtx(tmp_path):
             plan = build_plan(path, flavour="rtx", targets=["sm89"], dims={**dims, **extra})
             assert specs.SCATTER_PA_KV_CACHE.name.encode() in plan, (name, path)
             assert all(f"scatter_{i}".encode() in plan for i in range(2)), (name, path)
+
+
+def _save_tokenizer(folder, vocab: int = 128) -> None:
+    """A word-level tokenizer ("w0 w1 ..." -> ids), made offline, saved as a model's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab - 1)}
+    words["[UNK]"] = vocab - 1
+    raw = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]").save_pretrained(folder)
+
+
+def test_generate_runs_a_local_folder_offline(tmp_path, capsys):
+    """``generate --model FOLDER`` with what save_pretrained writes (config.json,
+    safetensors, tokenizer files): a random-weight Gemma in bfloat16, checked against
+    transformers, graphs saved (docs/YOUR_MODEL.md)."""
+    from pytrt_kv.cli import main
+
+    folder = tmp_path / "mymodel"
+    tiny_model("GemmaConfig", "bfloat16", head_dim=16).save_pretrained(folder)
+    _save_tokenizer(folder)
+    rc = main(["generate", "--model", str(folder), "--prompt", "w5 w9 w17 w33 w2 w7",
+               "--prompt", "w3 w1 w4", "--tokens", "4", "--block-size", "4",
+               "--num-blocks", "16", "--dtype", "bfloat16", "--check",
+               "--save", str(tmp_path / "out")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "check: all 8 tokens equal transformers' greedy generation" in out, out
+    assert "(bfloat16)" in out and (tmp_path / "out" / "decode.onnx").is_file()
+
+
+def test_generate_refuses_a_folder_by_name_before_the_weights_load(tmp_path, monkeypatch, capsys):
+    """A folder's config.json and tokenizer are read first: a refused field, prompts past
+    the model's positions or the cache, and a folder without a tokenizer (transformers
+    would make an empty one) are refused in one line, and the weights never load."""
+    import transformers
+
+    import onnx_export.decoder.load as load
+    from pytrt_kv.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(load, "load_model", no_model)
+    prompt = " ".join(f"w{i}" for i in range(10))
+    cases = [
+        ("GemmaConfig", dict(head_dim=16, use_bidirectional_attention=True), True, [],
+         "config.use_bidirectional_attention: got True; supported: None or False"),
+        ("LlamaConfig", dict(max_position_embeddings=12), True, ["--tokens", "4"],
+         "tokens: the longest prompt (10) plus 4 tokens reaches position 12, past the "
+         "model's max_position_embeddings 12"),
+        ("LlamaConfig", {}, True, ["--num-blocks", "3"], "num_blocks: 1 prompts of 10 tokens"),
+        ("LlamaConfig", {}, False, [], "has no tokenizer (expected tokenizer.json"),
+        ("Qwen3Config", {}, False, [], "has no tokenizer (expected tokenizer.json"),
+    ]  # fmt: skip
+    for i, (cls_name, over, tokenizer, args, want) in enumerate(cases):
+        folder = tmp_path / str(i)
+        getattr(transformers, cls_name)(**{**SMALL, **over}).save_pretrained(folder)
+        if tokenizer:
+            _save_tokenizer(folder)
+        rc = main(["generate", "--model", str(folder), "--prompt", prompt, "--tokens", "2",
+                   "--block-size", "4", *args])  # fmt: skip
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and len(err) == 1 and want in err[0], (cls_name, err)

@@ -82,7 +82,36 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     where, kw = _source(p)
-    return AutoTokenizer.from_pretrained(where, **kw)
+    expected = "expected tokenizer.json or tokenizer.model with tokenizer_config.json"
+    save = "save the model's tokenizer into the folder (tokenizer.save_pretrained)"
+    try:
+        tok = AutoTokenizer.from_pretrained(where, **kw)
+    except (OSError, ValueError) as exc:  # several lines from transformers: the first
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(": ")
+        raise ValueError(
+            f"model: {p} has no tokenizer ({expected}; transformers: {first}); {save}"
+        ) from None
+    # transformers makes an empty tokenizer (every text -> no tokens) from some folders
+    # without tokenizer files instead of failing.
+    if len(tok) < 2:
+        raise ValueError(
+            f"model: {p} has no tokenizer ({expected}; got a vocabulary of {len(tok)}); {save}"
+        )
+    return tok
+
+
+def load_config(path: str | os.PathLike | None = None) -> Any | None:
+    """The transformers config of a model folder (its config.json only: cheap), so that
+    its fields are checked and the prompts measured against ``max_position_embeddings``
+    before the weights load; None for a GGUF file (its config comes with the weights)."""
+    p = find_model(path)
+    if not p.is_dir():
+        return None
+    require_libraries()
+    _quiet()
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    return AutoConfig.from_pretrained(str(p), local_files_only=True)
 
 
 _LOADED: dict[str, tuple[Any, Any]] = {}
