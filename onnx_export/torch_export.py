@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pytrt_kv._lib import install_command
 from pytrt_kv.contract import dtypes, specs
 from pytrt_kv.contract.args import op_attributes, op_tensors
 from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
@@ -37,7 +38,7 @@ def _torch():
     except ImportError as exc:  # pragma: no cover - exercised only without torch
         raise ImportError(
             "onnx_export.torch_export needs torch (>= 2.13) and onnxscript: "
-            "python3 -m pip install '/path/to/pytrt_kv[torch]'"
+            f"{install_command('torch')}"
         ) from exc
     return torch
 

@@ -165,3 +165,30 @@ def require(filename: str) -> Path:
         f'docs/TENSORRT.md, "Installing the plugins"), or point {LIB_DIR_ENV} at a '
         f"folder holding the library."
     )
+
+
+def install_command(extra: str) -> str:
+    """The command that installs the ``extra`` of this pytrt_kv into the running Python:
+    from the source tree it is imported from (a checkout), else from where the installed
+    distribution came from (its PEP 610 ``direct_url.json``: a folder or a wheel file, or
+    a URL), else by name (an index). Install hints print this, never a placeholder."""
+    import shlex  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    from importlib import metadata  # noqa: PLC0415
+    from urllib.parse import unquote, urlparse  # noqa: PLC0415
+
+    root = Path(__file__).resolve().parent.parent
+    target = f"{DIST_NAME}[{extra}]"
+    if (root / "pyproject.toml").is_file():
+        target = f"{root}[{extra}]"
+    else:
+        try:
+            raw = metadata.distribution(DIST_NAME).read_text("direct_url.json") or "{}"
+            url = str(json.loads(raw).get("url", ""))
+        except (metadata.PackageNotFoundError, ValueError, AttributeError):
+            url = ""
+        if url.startswith("file://"):
+            target = f"{unquote(urlparse(url).path)}[{extra}]"
+        elif url:
+            target = f"{DIST_NAME}[{extra}] @ {url}"
+    return f"{shlex.quote(sys.executable)} -m pip install {shlex.quote(target)}"

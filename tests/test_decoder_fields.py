@@ -157,3 +157,44 @@ def test_generate_without_the_study_extra_names_it_in_one_line(monkeypatch, caps
     assert rc == 1 and len(err) == 1, err
     assert "torch, transformers not installed (the 'study' extra)" in err[0]
     assert "-m pip install '" in err[0] and "[study]'" in err[0] and "/path/to" not in err[0]
+
+
+def test_install_hints_print_the_real_command(monkeypatch, tmp_path):
+    """Every "install the extra" hint is pytrt_kv._lib.install_command: this Python, and
+    where this pytrt_kv came from (the checkout it runs from; else the folder, wheel or
+    URL its distribution was installed from; else its name on an index), never a
+    placeholder path."""
+    import json
+    import pathlib
+    import sys
+    from importlib import metadata
+
+    from pytrt_kv import _lib
+
+    root = pathlib.Path(_lib.__file__).resolve().parents[1]
+    assert _lib.install_command("study") == f"{sys.executable} -m pip install '{root}[study]'"
+    # Installed (no pyproject.toml next to the package): the distribution's record.
+    monkeypatch.setattr(_lib, "__file__", str(tmp_path / "site" / "pytrt_kv" / "_lib.py"))
+    record: dict[str, str | None] = {}
+
+    class Dist:
+        def read_text(self, name):
+            assert name == "direct_url.json"
+            return record.get("text")
+
+    monkeypatch.setattr(metadata, "distribution", lambda name: Dist())
+    for text, want in (
+        (json.dumps({"url": "file:///opt/my%20src/pytrt_kv", "dir_info": {}}),
+         "'/opt/my src/pytrt_kv[trt]'"),
+        (json.dumps({"url": "file:///w/pytrt_kv-0.1-cp311-linux_x86_64.whl", "archive_info": {}}),
+         "'/w/pytrt_kv-0.1-cp311-linux_x86_64.whl[trt]'"),
+        (json.dumps({"url": "https://example.org/pytrt_kv.tar.gz", "archive_info": {}}),
+         "'pytrt-kv[trt] @ https://example.org/pytrt_kv.tar.gz'"),
+        (None, "'pytrt-kv[trt]'"),  # from an index: no direct_url.json
+    ):  # fmt: skip
+        record["text"] = text
+        assert _lib.install_command("trt") == f"{sys.executable} -m pip install {want}"
+    # No source file of the package prints a placeholder install path.
+    for package in ("pytrt_kv", "onnx_export"):
+        for path in (root / package).rglob("*.py"):
+            assert "/path/to/pytrt_kv" not in path.read_text(), path

@@ -87,9 +87,7 @@ def test_clear_import_error_without_tensorrt(no_tensorrt, call, tmp_path, monkey
     # A valid model.onnx: the model checks run before TensorRT is imported (build_plan).
     monkeypatch.chdir(tmp_path)
     onnx.save(single_op_model("ScatterPaKvCache", _scatter_inputs(False)), "model.onnx")
-    with pytest.raises(
-        ImportError, match=r"TensorRT Python package.*pip install '/path/to/pytrt_kv\[trt\]'"
-    ):
+    with pytest.raises(ImportError, match=r"TensorRT Python package.*pip install '[^']*\[trt\]'"):
         call()
 
 

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pytrt_kv._lib import install_command
 from pytrt_kv.model_wheel import ModelWheelMissing, bundled_model
 
 #: The extra that brings torch, transformers, gguf and accelerate.
@@ -20,12 +21,8 @@ class ModelUnavailable(RuntimeError):
 
 
 def install_hint(extra: str = STUDY_EXTRA) -> str:
-    """The command that installs ``extra`` into this Python (a checkout: its folder)."""
-    import sys  # noqa: PLC0415
-
-    root = Path(__file__).resolve().parents[2]
-    target = f"{root}[{extra}]" if (root / "pyproject.toml").is_file() else f"pytrt_kv[{extra}]"
-    return f"{sys.executable} -m pip install '{target}'"
+    """The command that installs ``extra`` into this Python (``pytrt_kv._lib.install_command``)."""
+    return install_command(extra)
 
 
 def require_libraries(gguf: bool = False) -> None:
@@ -85,7 +82,36 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     where, kw = _source(p)
-    return AutoTokenizer.from_pretrained(where, **kw)
+    expected = "expected tokenizer.json or tokenizer.model with tokenizer_config.json"
+    save = "save the model's tokenizer into the folder (tokenizer.save_pretrained)"
+    try:
+        tok = AutoTokenizer.from_pretrained(where, **kw)
+    except (OSError, ValueError) as exc:  # several lines from transformers: the first
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(": ")
+        raise ValueError(
+            f"model: {p} has no tokenizer ({expected}; transformers: {first}); {save}"
+        ) from None
+    # transformers makes an empty tokenizer (every text -> no tokens) from some folders
+    # without tokenizer files instead of failing.
+    if len(tok) < 2:
+        raise ValueError(
+            f"model: {p} has no tokenizer ({expected}; got a vocabulary of {len(tok)}); {save}"
+        )
+    return tok
+
+
+def load_config(path: str | os.PathLike | None = None) -> Any | None:
+    """The transformers config of a model folder (its config.json only: cheap), so that
+    its fields are checked and the prompts measured against ``max_position_embeddings``
+    before the weights load; None for a GGUF file (its config comes with the weights)."""
+    p = find_model(path)
+    if not p.is_dir():
+        return None
+    require_libraries()
+    _quiet()
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    return AutoConfig.from_pretrained(str(p), local_files_only=True)
 
 
 _LOADED: dict[str, tuple[Any, Any]] = {}

@@ -166,18 +166,30 @@ def _fp8(args, model, runner, prompts):
 
 
 def run(args: argparse.Namespace) -> int:
-    from onnx_export.decoder import DecoderRunner, check_capacity, save_graphs, selection_width
-    from onnx_export.decoder.load import load_model, load_tokenizer
+    from onnx_export.decoder import (
+        DecoderRunner,
+        check_capacity,
+        decoder_spec,
+        save_graphs,
+        selection_width,
+    )
+    from onnx_export.decoder.load import load_config, load_model, load_tokenizer
 
     if args.tokens < 1:
         raise ValueError(f"--tokens: expected >= 1, got {args.tokens}")
     if args.kv_cache_dtype == "fp8" and args.dtype != "float32":
         raise ValueError(f"--kv-cache-dtype fp8: expected --dtype float32, got {args.dtype}")
     t0 = time.perf_counter()
-    tok = load_tokenizer(args.model)  # cheap: the prompts are checked before the model loads
+    # Cheap, before the weights load: a folder's config (every field exact or refused by
+    # name) and the prompts against the cache and the model's positions.
+    config = load_config(args.model)
+    if config is not None:
+        decoder_spec(config)
+    tok = load_tokenizer(args.model)
     prompts = [tok(p)["input_ids"] for p in args.prompt]
     check_capacity([len(p) for p in prompts], args.tokens, block_size=args.block_size,
-                   num_blocks=args.num_blocks)  # fmt: skip
+                   num_blocks=args.num_blocks,
+                   max_positions=getattr(config, "max_position_embeddings", None))  # fmt: skip
     retrieval, max_pages = _retrieval(args, prompts)
     model, _ = load_model(args.model, dtype=args.dtype)
     runner = DecoderRunner(model, block_size=args.block_size, num_blocks=args.num_blocks,

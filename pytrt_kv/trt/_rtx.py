@@ -35,6 +35,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from .._lib import install_command
+
 UNVERSIONED = "libtensorrt_rtx.so"
 #: Line the child writes to its stderr after each request (see the module docstring).
 _DONE = "\x00pytrt_kv-rtx-request-done"
@@ -64,7 +66,7 @@ def _versioned_library() -> Path:
     raise ImportError(
         f"TensorRT-RTX: no {UNVERSIONED}.* in the tensorrt_rtx_libs package "
         f"({folders or 'not installed'}); reinstall it: "
-        "`python3 -m pip install '/path/to/pytrt_kv[rtx]'`"
+        f"`{install_command('rtx')}`"
     )
 
 

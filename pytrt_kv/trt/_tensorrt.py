@@ -11,6 +11,8 @@ import importlib.util
 import os
 from typing import Any
 
+from .._lib import install_command
+
 #: Oldest TensorRT with IPluginV3OneBuildV2 / aliased plugin I/O (docs/TENSORRT.md).
 MIN_TENSORRT = (10, 3)
 #: Oldest TensorRT-RTX accepted (its 1.x releases carry the TensorRT 10.x plugin API;
@@ -23,12 +25,13 @@ FLAVOURS = {"tensorrt": ("tensorrt", MIN_TENSORRT), "rtx": ("tensorrt_rtx", MIN_
 #: Environment variable that picks a flavour ("tensorrt" or "rtx") instead of trying both.
 FLAVOUR_ENV = "PYTRT_KV_TENSORRT"
 
-_INSTALL_HINT = (
-    "install it with `python3 -m pip install '/path/to/pytrt_kv[trt]'` (TensorRT 10.3+ or 11.x "
-    "wheels, or a TensorRT tar/deb install) on a machine with an NVIDIA driver, "
-    "or `python3 -m pip install '/path/to/pytrt_kv[rtx]'` (TensorRT-RTX, which also builds engines "
-    "without a GPU)"
-)
+
+def _install_hint() -> str:
+    return (
+        f"install it with `{install_command('trt')}` (TensorRT 10.3+ or 11.x wheels, or a "
+        "TensorRT tar/deb install) on a machine with an NVIDIA driver, or "
+        f"`{install_command('rtx')}` (TensorRT-RTX, which also builds engines without a GPU)"
+    )
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -49,23 +52,25 @@ def _import_flavour(flavour: str) -> Any:
     except ImportError as exc:
         raise ImportError(
             f"pytrt_kv.trt needs the {label} Python package, which is not "
-            f"installed ({exc}); {_INSTALL_HINT}"
+            f"installed ({exc}); {_install_hint()}"
         ) from exc
     except Exception as exc:  # the PyPI stub raises other errors when libraries are missing
         raise ImportError(
-            f"pytrt_kv.trt: `import {module}` failed: {type(exc).__name__}: {exc}; {_INSTALL_HINT}"
+            f"pytrt_kv.trt: `import {module}` failed: {type(exc).__name__}: {exc}; "
+            f"{_install_hint()}"
         ) from exc
     try:
         # Lazy-loading wrappers only touch the native libraries on first attribute access.
         version = _version_tuple(getattr(trt, "__version__", "0"))
     except Exception as exc:
         raise ImportError(
-            f"pytrt_kv.trt: `import {module}` failed: {type(exc).__name__}: {exc}; {_INSTALL_HINT}"
+            f"pytrt_kv.trt: `import {module}` failed: {type(exc).__name__}: {exc}; "
+            f"{_install_hint()}"
         ) from exc
     if version[:2] < minimum:
         raise ImportError(
             f"pytrt_kv.trt needs {label} >= {minimum[0]}.{minimum[1]}, "
-            f"got {getattr(trt, '__version__', '?')}; {_INSTALL_HINT}"
+            f"got {getattr(trt, '__version__', '?')}; {_install_hint()}"
         )
     return trt
 
@@ -147,7 +152,7 @@ def import_cudart() -> Any:
     except ImportError as exc:
         raise ImportError(
             "pytrt_kv.trt needs cuda-python for streams and device memory; "
-            "install it with `python3 -m pip install '/path/to/pytrt_kv[trt]'` (or '[gpu]')"
+            f"install it with `{install_command('trt')}` (or the 'gpu' extra)"
         ) from exc
 
 

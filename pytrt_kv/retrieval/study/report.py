@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..._lib import install_command
 from ..config import REPRESENTATIONS
 from .methods import StudySettings
 from .model import MODEL_NAME, load_model
@@ -355,8 +356,5 @@ def run_study(
         plot(settings, needles, out_dir / "study.png")
     except ImportError:
         if progress:
-            progress(
-                "matplotlib is not installed: no plot "
-                "(python3 -m pip install '/path/to/pytrt_kv[study]')"
-            )
+            progress(f"matplotlib is not installed: no plot ({install_command('study')})")
     return result

@@ -91,6 +91,9 @@ def _linear(kind: str, cfg, q, k, nb: int, G: int, cache: dict):
     """R5 scores ``[c, nb]``, as ``reference.block_scores`` (heads concatenated)."""
     import torch
 
+    # R5's float32 accumulation, also for a half-type model: its own dtype would round
+    # the group sums and scores (bfloat16: 8 bits), so near-equal blocks tie or swap.
+    q, k = q.float(), k.float()
     Hq, c, D = q.shape
     Hkv = k.shape[0]
     if kind not in cache:
