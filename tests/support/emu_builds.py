@@ -242,7 +242,10 @@ def _kernel_slice(out: Path, sanitize: str) -> subprocess.CompletedProcess:
         REPO / "tests" / f
         for f in ("test_ops_scatter.py", "test_ops_gather.py", "test_quantise.py")
     ]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--device", "emu"]
+    # -s: a sanitizer's report goes to this pytest's stderr, where the test reads it (with
+    # pytest's capture it went into the capture file, lost when the sanitizer ends the
+    # process: returncode 1, no output).
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--device", "emu"]
     return _run([*cmd, "-k", KERNEL_SLICE, *tests], 1800, env=env, cwd=REPO / "tests")
 
 
