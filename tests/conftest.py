@@ -18,6 +18,10 @@ from support.env import (
     trt_unavailable_reason,
 )
 
+# The emulated device's C++ builds, started in the background when the session starts
+# (tests/test_emulator.py waits for them; docs/EMULATION.md).
+pytest_plugins = ("support.emu_builds",)
+
 
 def pytest_addoption(parser):
     parser.addoption(

@@ -14,7 +14,8 @@
   tests are clean under AddressSanitizer + UBSan and ThreadSanitizer, and an injected bug
   is reported by each (pytrt_kv_emu_selftest): a raw one-byte overflow of device and
   pinned memory (ASan), undefined behaviour (UBSan), a missing barrier and two unordered
-  streams (TSan). The builds are made once, cached by content and run in the background.
+  streams (TSan). The builds are made once, cached by content and run in the background
+  from the start of the session (tests/support/emu_builds.py); their tests run last.
 
 Everything here runs without a GPU; the Python half needs the emulated kernel library
 (built by scripts/test.sh), the C++ half cmake and g++.
@@ -22,23 +23,18 @@ Everything here runs without a GPU; the Python half needs the emulated kernel li
 
 from __future__ import annotations
 
-import concurrent.futures
-import functools
-import hashlib
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 from pathlib import Path
 
 import pytest
 
 from pytrt_kv import _lib
-from support.env import REPO, cmake_command, trt_include_dir
+from support import emu_builds
+from support.emu_builds import BUILDS, CMAKE
+from support.env import REPO, trt_include_dir
 
 emu_lib = pytest.mark.skipif(
     _lib.find(_lib.EMU_KERNELS_LIB) is None,
@@ -361,260 +357,16 @@ def test_two_threads_per_thread_streams_race_only_with_a_shared_workspace(keying
 # --- the C++ builds: made once, cached by content, run in the background ---------------------
 #
 # Three builds (plain, AddressSanitizer + UBSan, ThreadSanitizer) of the emulated device, its
-# self-test and the plugin harness. Each lives in a fixed folder (PYTRT_KV_EMU_TEST_BUILDS, by
-# default build/emu-tests in the checkout) with a stamp of everything it was built from
-# (sources, compiler, options): an unchanged tree runs no CMake at all, a changed one
-# rebuilds incrementally. The module's first test starts all the work in background threads
-# (each build, then its self-test modes, harness cases and, under ASan, the kernel tests),
-# so the builds overlap the Python tests above and each other; the tests below wait for
-# their part and check it.
-
-CMAKE = cmake_command()
-BUILDS = {"plain": "", "asan+ubsan": "address", "tsan": "thread"}
-# Self-test modes (plugins/emu/emuSelfTest.cpp) run in every build, and per sanitizer.
-MODES_ANY = ("ok", "illegal", "store1", "load1", "intrinsic1")
-MODES_SAN = {
-    "": (),
-    "address": ("raw_device", "raw_pinned", "ub"),
-    "thread": ("race", "streams", "ordered"),
-}
-# A slice of the kernel tests that covers every kernel and path (both scatter kernels,
-# every layout and vector width, rope means; the gather plan at K 1..2048, TBS > 1, pinned
-# full caches, skipped rows and tables, quantising random bytes) at a fraction of the grid's time.
-_KERNEL_SLICE = (
-    "bit_exact and (K33 or K5_tbs3 or 7x2x64 or 3x9x2) or unaligned or pinned or skipped "
-    "or duplicates or out_of_range or zero or (quantise_bit_exact and hnd) or narrow_chunks "
-    "or plain_value or (random_bytes and nd and head)"
-)
-
-
-def _build_root() -> Path:
-    return Path(os.environ.get("PYTRT_KV_EMU_TEST_BUILDS") or REPO / "build" / "emu-tests")
-
-
-def _digest(sanitize: str) -> str:
-    """Everything a build depends on: the CMake and C++ sources, the compilers, the options."""
-    h = hashlib.sha256()
-    files = [REPO / "CMakeLists.txt", *sorted((REPO / "cmake").rglob("*"))]
-    files += sorted((REPO / "plugins").rglob("*"))
-    for f in files:
-        if f.is_file() and "__pycache__" not in f.parts:
-            h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes() + b"\0")
-    cxx = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
-    h.update(f"{sanitize}\0{CMAKE}\0{cxx}\0{trt_include_dir()}\0{shutil.which('nvcc')}".encode())
-    return h.hexdigest()
-
-
-_PROCS: set[subprocess.Popen] = set()
-_PROCS_LOCK = threading.Lock()
-_STOPPING = threading.Event()
-
-
-def _run(cmd, timeout: int, **kw) -> subprocess.CompletedProcess:
-    """subprocess.run in its own process group, killed with it when the module ends."""
-    if _STOPPING.is_set():
-        raise RuntimeError("the module ended before this ran")
-    proc = subprocess.Popen(
-        [str(c) for c in cmd],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        **kw,
-    )
-    with _PROCS_LOCK:
-        _PROCS.add(proc)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\n[killed after {timeout} s]"
-    finally:
-        with _PROCS_LOCK:
-            _PROCS.discard(proc)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
-def _stop_all() -> None:
-    """Kill what is still running (an early end: -x, a keyboard interrupt)."""
-    _STOPPING.set()
-    with _PROCS_LOCK:
-        for proc in _PROCS:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def _build(out: Path, sanitize: str) -> subprocess.CompletedProcess:
-    """Configure (once) and build ``out`` unless its stamp says it is current."""
-    stamp = out / "pytrt_kv_test_stamp"
-    digest = _digest(sanitize)
-    if stamp.is_file() and stamp.read_text() == digest:
-        return subprocess.CompletedProcess([], 0, "cached: unchanged sources\n", "")
-    targets = ["pytrt_kv_emu_selftest", "pytrt_kv_kernels_emu"]
-    inc = trt_include_dir()
-    if not (out / "CMakeCache.txt").is_file():
-        cmd = [
-            CMAKE,
-            "-S",
-            REPO,
-            "-B",
-            out,
-            "-DPYTRT_KV_EMU=ON",
-            f"-DPYTRT_KV_EMU_SANITIZE={sanitize}",
-        ]
-        cmd += ["-DCMAKE_BUILD_TYPE=Release"]
-        if inc is not None:
-            cmd.append(f"-DTensorRT_INCLUDE_DIR={inc}")
-        if shutil.which("ninja"):
-            cmd += ["-G", "Ninja"]
-        # PYTRT_KV_CUDA_ARCHS picks the CUDA architectures where nvcc exists (one: faster).
-        conf = _run(cmd, 600, env=dict(os.environ, PYTRT_KV_CUDA_ARCHS="86"))
-        if conf.returncode != 0:
-            return conf
-    if inc is not None:
-        targets.append("pytrt_kv_plugin_harness_emu")
-    # -j1: the three builds (and the runs) share the machine's cores.
-    b = _run([CMAKE, "--build", out, "-j1", "--target", *targets], 2400)
-    if b.returncode == 0:
-        stamp.write_text(digest)
-    return b
-
-
-def _san_env(sanitize: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=0"
-    env["UBSAN_OPTIONS"] = "print_stacktrace=1:halt_on_error=1"
-    env["TSAN_OPTIONS"] = "halt_on_error=0"
-    return env
-
-
-_CASES_LOCK = threading.Lock()
-_TEMP_DIRS: list[Path] = []
-
-
-@functools.cache
-def _harness_cases_once() -> list[str]:
-    out = Path(tempfile.mkdtemp(prefix="pytrt_kv_harness_cases_"))
-    _TEMP_DIRS.append(out)
-    gen = _run(
-        [sys.executable, REPO / "plugins" / "harness" / "makeCases.py", out],
-        300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert gen.returncode == 0, gen.stderr
-    return sorted(str(p) for p in out.iterdir() if (p / "case.txt").is_file())
-
-
-def _harness_cases() -> list[str]:
-    """The harness cases, generated once for all builds (the builds' threads ask at once)."""
-    with _CASES_LOCK:
-        return _harness_cases_once()
-
-
-def _kernel_slice(out: Path, sanitize: str) -> subprocess.CompletedProcess:
-    """The kernel tests' slice in a second pytest with the sanitizer runtime preloaded."""
-    runtime = _run(["g++", "-print-file-name=libasan.so"], 60).stdout.strip()
-    env = _san_env(sanitize)
-    env.update(
-        LD_PRELOAD=runtime,
-        PYTRT_KV_LIB_DIR=str(out / "lib"),
-        PYTHONPATH=os.pathsep.join(
-            p for p in (str(REPO / "tests"), str(REPO), os.environ.get("PYTHONPATH", "")) if p
-        ),
-    )
-    tests = [
-        REPO / "tests" / f
-        for f in ("test_ops_scatter.py", "test_ops_gather.py", "test_quantise.py")
-    ]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--device", "emu"]
-    return _run([*cmd, "-k", _KERNEL_SLICE, *tests], 1800, env=env, cwd=REPO / "tests")
-
-
-class _Work:
-    """One build's background work: the build, then what runs on it."""
-
-    def __init__(self, sanitize: str):
-        self.sanitize = sanitize
-        self.out = _build_root() / (sanitize or "plain")
-        self.results: dict[str, concurrent.futures.Future] = {
-            k: concurrent.futures.Future()
-            for k in ("build", "harness", "kernels", *MODES_ANY, *MODES_SAN[sanitize])
-        }
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _set(self, key: str, fn) -> None:
-        try:
-            self.results[key].set_result(fn())
-        except BaseException as e:  # a timeout or missing tool: the test waiting on it says so
-            self.results[key].set_exception(e)
-
-    def _run(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        self._set("build", lambda: _build(self.out, self.sanitize))
-        built = self.results["build"]
-        if built.exception() is not None or built.result().returncode != 0:
-            for f in self.results.values():
-                if not f.done():
-                    f.set_exception(RuntimeError("the build failed"))
-            return
-        exe = self.out / "bin" / "pytrt_kv_emu_selftest"
-        for mode in (*MODES_ANY, *MODES_SAN[self.sanitize]):
-            self._set(mode, lambda m=mode: _run([exe, m], 300, env=_san_env(self.sanitize)))
-        harness = self.out / "bin" / "pytrt_kv_plugin_harness_emu"
-        if trt_include_dir() is not None:
-            cases = _harness_cases()
-            self._set(
-                "harness",
-                lambda: (
-                    len(cases),
-                    _run([harness, "run", *cases], 1800, env=_san_env(self.sanitize)),
-                ),
-            )
-        else:
-            self.results["harness"].set_result(None)
-        if self.sanitize == "address":
-            self._set("kernels", lambda: _kernel_slice(self.out, self.sanitize))
-        else:
-            self.results["kernels"].set_result(None)
-
-    def get(self, key: str):
-        # Generous: on a shared 2-core machine the three builds and their runs queue up.
-        return self.results[key].result(timeout=3600)
-
-
-_WORK: dict[str, _Work] = {}
-_WORK_LOCK = threading.Lock()
-
-
-def _work(sanitize: str) -> _Work:
-    with _WORK_LOCK:
-        if not _WORK:
-            for s in BUILDS.values():  # all at once: they overlap each other and the tests
-                _WORK[s] = _Work(s)
-        return _WORK[sanitize]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _start_builds_early(request):
-    """Start the C++ work when this module's first test runs (the Python tests above then
-    overlap it), when a test that needs it is selected; kill what still runs at its end."""
-    wanted = any("emu_build" in getattr(i, "fixturenames", ()) for i in request.session.items)
-    if wanted and CMAKE is not None:
-        _work("")
-    yield
-    _stop_all()
-    for d in _TEMP_DIRS:
-        shutil.rmtree(d, ignore_errors=True)
+# self-test and the plugin harness: tests/support/emu_builds.py starts them when the session
+# starts (cached by content) and runs these tests last, so the builds overlap the rest of
+# the suite; each test below waits for its part and checks it.
 
 
 @pytest.fixture(params=list(BUILDS.values()), ids=list(BUILDS))
 def emu_build(request):
     if CMAKE is None:
         pytest.skip("cmake not installed (the test extra installs it)")
-    work = _work(request.param)
+    work = emu_builds.work(request.param)
     b = work.get("build")
     assert b.returncode == 0, b.stdout[-6000:] + b.stderr[-6000:]
     return work
