@@ -31,13 +31,9 @@ from pytrt_kv.datadist import (
     push_kv_blocks_reference,
     transport,
 )
+from support.datadist import BACKENDS, NIXL_ONLY
 from support.datadist_faults import deaf_to_drops
 
-NIXL_SKIP = nixl_unavailable_reason()
-BACKENDS = [
-    "local",
-    pytest.param("nixl", marks=pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))),
-]
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.int8, np.int32]
 SENTINEL = 99
 #: One tensor per layer (the caches below with num_tensors 1).
@@ -690,9 +686,6 @@ def test_a_deallocated_cache_leaves_no_plan_behind(nodes):
     del src
     gc.collect()
     assert ref() is None
-
-
-NIXL_ONLY = pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
 
 
 @pytest.fixture

@@ -21,15 +21,10 @@ from pytrt_kv.datadist import (
     LlmDataDist,
     LLMException,
     LLMStatus,
-    nixl_unavailable_reason,
     push_kv_blocks_reference,
 )
+from support.datadist import BACKENDS, NIXL_ONLY
 
-NIXL_SKIP = nixl_unavailable_reason()
-BACKENDS = [
-    "local",
-    pytest.param("nixl", marks=pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))),
-]
 SENTINEL = -5
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,7 +127,7 @@ def test_layerwise_bad_input(pair):
     assert all((t == SENTINEL).all() for t in dst.tensors[2:])
 
 
-@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+@NIXL_ONLY
 def test_example_layerwise(tmp_path):
     """examples/datadist_layerwise.py, small: two processes, both ways verified."""
     r = subprocess.run(

@@ -25,15 +25,10 @@ from pytrt_kv.datadist import (
     LLMParamInvalid,
     LLMStatus,
     control,
-    nixl_unavailable_reason,
 )
 from pytrt_kv.datadist.node_base import DACK, FAIL, NOTIF
+from support.datadist import BACKENDS, NIXL_ONLY
 
-NIXL_SKIP = nixl_unavailable_reason()
-BACKENDS = [
-    "local",
-    pytest.param("nixl", marks=pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))),
-]
 SECRET = "correct horse battery staple"
 DESC = CacheDesc(2, (4, 64), "int32")
 
@@ -219,7 +214,7 @@ def test_forged_and_malformed_notices_are_ignored_and_lose_no_tag():
         d.finalize()
 
 
-@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+@NIXL_ONLY
 def test_a_bare_nixl_agent_cannot_fail_a_tag():
     """Even holding the decoder's metadata and the link epoch (a leak), a bare NIXL agent
     that is not the linked prompt node's cannot fail or complete its tags."""
@@ -508,7 +503,7 @@ def test_a_server_without_the_secret_gets_no_metadata(pair):
     assert got == [b""], got  # nothing after the handshake: no hello, no metadata
 
 
-@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+@NIXL_ONLY
 def test_link_unlink_cycles_leak_no_fd():
     """200 link/unlink cycles (both sides in this process) end with the fds they started
     with: NIXL leaves a socket per removed remote agent, so a relink reuses the loaded

@@ -23,15 +23,10 @@ from pytrt_kv.datadist import (
     LLMException,
     LLMStatus,
     check_transfer,
-    nixl_unavailable_reason,
 )
 from pytrt_kv.datadist.inflight import Writes
+from support.datadist import BACKENDS
 
-NIXL_SKIP = nixl_unavailable_reason()
-BACKENDS = [
-    "local",
-    pytest.param("nixl", marks=pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))),
-]
 SENTINEL = 99
 DESC = CacheDesc(4, (8, 16), "int32")  # 2 layers of K and V, 8 blocks
 

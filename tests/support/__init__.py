@@ -11,5 +11,6 @@
 - :mod:`support.gather_cases`: valid GatherSelectionKvCache calls and input skeletons;
 - :mod:`support.models`: the single-op models the TensorRT engine tests build (shapes from
   the C++ harness's case maker), shared feeds and a small RetrievalKV configuration;
+- :mod:`support.datadist`: the datadist tests' backends (local, NIXL where it runs);
 - ``support/datadist_node.py``: a datadist node process driven by the multi-process tests.
 """
