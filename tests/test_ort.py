@@ -400,13 +400,43 @@ def test_rewritten_nodes_run_the_runtimes_implementation():
     model = build_example_model()
     evaluator = runtime.make_evaluator(model)
     types = ort._element_types(model)
+    opsets = list(model.opset_import)
     checked = 0
     for node, impl in zip(model.graph.node, evaluator.rt_nodes_):
         if node.domain == "" and _float_math.needs_reference(node, types):
-            ours = _float_math.implementation(node, types, list(model.opset_import))
+            leaves = [i for i in node.input if i]
+            ours = _float_math.implementation([node], leaves, types, opsets).rt_nodes_[-1]
             assert type(ours) is type(impl), node.name
             checked += 1
     assert checked == 5
+
+
+def test_strided_inputs_are_replayed():
+    """NumPy's matmul gives other bytes on a transposed view than on a plain array (BLAS
+    or its own loop); the CPU runtime feeds the view, so the rewritten MatMul replays the
+    Transpose from the plain tensor (and fails byte equality without it)."""
+    from onnx import helper
+
+    from pytrt_kv.ort import _float_math
+
+    rng = np.random.default_rng(5)
+    feeds = {"a": rng.standard_normal((3, 20, 64), np.float32)}
+    feeds["b"] = rng.standard_normal((3, 20, 64), np.float32)
+    nodes = [
+        helper.make_node("Transpose", ["b"], ["bt"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["a", "bt"], ["y"]),
+    ]
+    model, feeds = _graph(nodes, feeds)
+    plain = _float_math.plain_tensors(model.graph)
+    assert "bt" not in plain and {"a", "b"} <= plain
+    _, ops = ort.rewrite_for_onnxruntime(model)
+    rewritten, _ = ort.rewrite_for_onnxruntime(model)
+    assert list(rewritten.graph.node[1].input) == ["b", "a"]  # the Transpose is replayed
+    assert len(ops) == 1
+    _same(model, feeds)
+    plain_bt = np.ascontiguousarray(np.transpose(feeds["b"], (0, 2, 1)))
+    strided = np.matmul(feeds["a"], np.transpose(feeds["b"], (0, 2, 1)))
+    assert np.matmul(feeds["a"], plain_bt).tobytes() != strided.tobytes()
 
 
 def test_onnxruntime_float_math_is_close_not_equal():
@@ -476,12 +506,12 @@ def test_reference_kernels_never_write_onnxruntime_buffers(monkeypatch):
     from pytrt_kv.ort import _float_math
 
     class Writes:
-        def need_context(self):
-            return False
+        rt_nodes_: list = []
 
-        def run(self, x):
+        def run(self, names, feeds):
+            x = feeds["x"]
             x += 1
-            return (x,)
+            return [x]
 
     monkeypatch.setattr(_float_math, "implementation", lambda *a: Writes())
     x = np.arange(4, dtype=np.float32)

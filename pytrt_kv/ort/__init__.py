@@ -132,8 +132,15 @@ def _rewrite_in_place(model: onnx.ModelProto, float_math: str) -> list:
     if reference:
         _float_math.refuse_subgraphs(model)
     types = _element_types(model)
+    graph = model.graph
+    if reference:  # the nodes as they were (rewriting changes them in place)
+        originals = [onnx.NodeProto() for _ in graph.node]
+        for copy, node in zip(originals, graph.node):
+            copy.CopyFrom(node)
+        producers = {o: (i, n) for i, n in enumerate(originals) for o in n.output if o}
+        plain = _float_math.plain_tensors(graph)
     ops = []
-    for node in model.graph.node:
+    for index, node in enumerate(graph.node):
         if node.domain == specs.DOMAIN:
             original = onnx.NodeProto()
             original.CopyFrom(node)
@@ -143,9 +150,11 @@ def _rewrite_in_place(model: onnx.ModelProto, float_math: str) -> list:
             and node.domain in _float_math.STANDARD
             and _float_math.needs_reference(node, types)
         ):
-            original = onnx.NodeProto()
-            original.CopyFrom(node)
-            op = _float_math.custom_op(original, types, list(model.opset_import))
+            op, leaves = _float_math.custom_op(
+                originals[index], types, list(model.opset_import), producers, plain
+            )
+            del node.input[:]
+            node.input.extend(leaves)
         else:
             continue
         ops.append(op)
@@ -166,8 +175,11 @@ def _serialized_for_onnxruntime(model: onnx.ModelProto, float_math: str) -> tupl
     a copy first (``float_math="reference"`` rewrites the nodes of their bodies)."""
     if float_math == "reference" and model.functions:
         model = onnx.inliner.inline_local_functions(model)
-    # (node, domain or None when unset, op_type): field presence is restored as it was.
-    nodes = [(n, n.domain if n.HasField("domain") else None, n.op_type) for n in model.graph.node]
+    # (node, domain or None when unset, op_type, inputs): field presence is restored.
+    nodes = [
+        (n, n.domain if n.HasField("domain") else None, n.op_type, list(n.input))
+        for n in model.graph.node
+    ]
     imports = []
     for o in model.opset_import:  # copies: field presence is kept as it was
         imports.append(onnx.OperatorSetIdProto())
@@ -176,8 +188,11 @@ def _serialized_for_onnxruntime(model: onnx.ModelProto, float_math: str) -> tupl
         ops = _rewrite_in_place(model, float_math)
         return model.SerializeToString(), ops
     finally:
-        for node, domain, op_type in nodes:
+        for node, domain, op_type, inputs in nodes:
             node.op_type = op_type
+            if list(node.input) != inputs:
+                del node.input[:]
+                node.input.extend(inputs)
             if domain is None:
                 node.ClearField("domain")
             else:

@@ -16,7 +16,10 @@ are equal; every other standard node with a float tensor is rewritten.
 Each rewritten node runs the ``OpRun`` class that the CPU runtime's evaluator picks for
 it (same op version, same input types; tests/test_ort.py checks the classes are the
 runtime's), on read-only NumPy views of ONNX Runtime's buffers, and its results are
-copied into ONNX Runtime's outputs.
+copied into ONNX Runtime's outputs. NumPy's dot products and reductions also depend on
+their operands' memory layout, and the CPU runtime feeds some as strided views
+(Transpose, Slice) where ONNX Runtime has plain arrays: such a node also replays, on
+NumPy, the nodes that made those views from plain tensors (:func:`region`).
 """
 
 from __future__ import annotations
@@ -117,15 +120,67 @@ def refuse_subgraphs(model: onnx.ModelProto) -> None:
             )
 
 
-def _one_node_model(
-    node: onnx.NodeProto, types: dict[str, int], opsets: list[onnx.OperatorSetIdProto]
+#: Ops whose CPU-runtime result is a new C-ordered array whatever its inputs' layout.
+_FRESH = frozenset(
+    {
+        "Concat", "Constant", "ConstantOfShape", "Gather", "GatherElements", "GatherND",
+        "Gemm", "Identity", "MatMul", "Range", "ReduceL1", "ReduceL2", "ReduceLogSum",
+        "ReduceLogSumExp", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd",
+        "ReduceSum", "ReduceSumSquare", "Shape", "Size",
+    }
+)  # fmt: skip
+#: Ops whose CPU-runtime result is a strided view of an input.
+_STRIDED = frozenset({"Slice", "Split", "Transpose"})
+
+
+def plain_tensors(graph: onnx.GraphProto) -> set[str]:
+    """The tensors the CPU runtime holds as plain C-ordered arrays (the layout ONNX
+    Runtime gives every tensor). The others are strided views (Transpose, Slice) or
+    computed from them; NumPy's result of a dot product or a reduction depends on its
+    operands' layout (BLAS or its own loop, summation order), so a rewritten node
+    replays them (:func:`region`). Element-wise ops and reshapes keep the layout of
+    their inputs; feeds are taken as C-ordered."""
+    from ..contract import specs  # noqa: PLC0415
+
+    plain = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    for node in graph.node:
+        op = node.op_type
+        fresh = node.domain == specs.DOMAIN or (node.domain in STANDARD and op in _FRESH)
+        if fresh or (op not in _STRIDED and all(i in plain for i in node.input if i)):
+            plain.update(o for o in node.output if o)
+    return plain
+
+
+def region(
+    node: onnx.NodeProto, producers: dict[str, tuple[int, onnx.NodeProto]], plain: set[str]
+) -> list[onnx.NodeProto]:
+    """The nodes that compute ``node``'s inputs from plain tensors (:func:`plain_tensors`),
+    in graph order: replaying them on NumPy rebuilds the CPU runtime's strided inputs."""
+    seen: dict[int, onnx.NodeProto] = {}
+    todo = [n for n in node.input if n and n not in plain]
+    while todo:
+        name = todo.pop()
+        if name in plain or name not in producers:
+            continue
+        index, producer = producers[name]
+        if index not in seen:
+            seen[index] = producer
+            todo.extend(i for i in producer.input if i)
+    return [seen[i] for i in sorted(seen)]
+
+
+def _sub_model(
+    nodes: list[onnx.NodeProto],
+    leaves: list[str],
+    types: dict[str, int],
+    opsets: list[onnx.OperatorSetIdProto],
 ) -> onnx.ModelProto:
     def info(name: str) -> onnx.ValueInfoProto:
         return onnx.helper.make_tensor_value_info(name, types[name], None)
 
-    ins = list(dict.fromkeys(n for n in node.input if n))
+    outs = [n for n in nodes[-1].output if n]
     graph = onnx.helper.make_graph(
-        [node], "one_node", [info(n) for n in ins], [info(n) for n in node.output if n]
+        nodes, "float_math", [info(n) for n in leaves], [info(n) for n in outs]
     )
     model = onnx.helper.make_model(graph, opset_imports=list(opsets))
     model.ir_version = onnx.IR_VERSION
@@ -133,13 +188,15 @@ def _one_node_model(
 
 
 def implementation(
-    node: onnx.NodeProto, types: dict[str, int], opsets: list[onnx.OperatorSetIdProto]
-) -> Any:
-    """The ``OpRun`` the CPU runtime runs ``node`` with: what onnx's ``ReferenceEvaluator``
-    (the CPU runtime's base, which overrides no standard op) instantiates for it, for
-    the same op version (``opsets``) and input types."""
-    evaluator = ReferenceEvaluator(_one_node_model(node, types, opsets))
-    return evaluator.rt_nodes_[0]
+    nodes: list[onnx.NodeProto],
+    leaves: list[str],
+    types: dict[str, int],
+    opsets: list[onnx.OperatorSetIdProto],
+) -> ReferenceEvaluator:
+    """The CPU runtime's evaluation of ``nodes`` (the replayed region, then the rewritten
+    node) from the ``leaves`` tensors: onnx's ``ReferenceEvaluator``, the CPU runtime's
+    base, which overrides no standard op; same op versions (``opsets``) and types."""
+    return ReferenceEvaluator(_sub_model(nodes, leaves, types, opsets))
 
 
 def _where(node: onnx.NodeProto) -> str:
@@ -147,41 +204,47 @@ def _where(node: onnx.NodeProto) -> str:
 
 
 def custom_op(
-    node: onnx.NodeProto, types: dict[str, int], opsets: list[onnx.OperatorSetIdProto]
-) -> _capi.CustomOp:
+    node: onnx.NodeProto,
+    types: dict[str, int],
+    opsets: list[onnx.OperatorSetIdProto],
+    producers: dict[str, tuple[int, onnx.NodeProto]],
+    plain: set[str],
+) -> tuple[_capi.CustomOp, list[str]]:
     """The ONNX Runtime op that runs the standard ``node`` on the CPU runtime's
-    implementation; ``types``: tensor name -> ONNX type, ``opsets``: the model's imports
-    (they pick the op version). Same node, types and opsets give the same op name."""
-    unknown = [n for n in [*node.input, *node.output] if n and not types.get(n)]
+    implementation, and the graph tensors it takes as inputs (``node``'s plain inputs
+    and those its :func:`region` starts from). ``types``: tensor name -> ONNX type,
+    ``opsets``: the model's imports (they pick the op versions); ``producers``: tensor
+    -> (index, original node). Same nodes, types and opsets give the same op name."""
+    nodes = [*region(node, producers, plain), node]
+    made = {o for n in nodes for o in n.output if o}
+    leaves = list(dict.fromkeys(i for n in nodes for i in n.input if i and i not in made))
+    unknown = [n for n in [*leaves, *node.output] if n and not types.get(n)]
     if unknown:
         raise ValueError(
             f"{_where(node)}: float_math='reference' expected known element types for "
             f"its tensors (graph inputs, initializers or inferable), got none for {unknown}"
         )
     standard = [o for o in opsets if o.domain in STANDARD]
-    impl = implementation(node, types, standard)
-    if impl.need_context():
-        raise ValueError(f"{_where(node)}: float_math='reference' cannot run it as one node")
-    ins = [types[n] if n else _T.FLOAT for n in node.input]
+    evaluator = implementation(nodes, leaves, types, standard)
+    if any(n.need_context() for n in evaluator.rt_nodes_):
+        raise ValueError(f"{_where(node)}: float_math='reference' cannot run it as a custom op")
+    ins = [types[n] for n in leaves]
     outs = [types[n] if n else _T.FLOAT for n in node.output]
     want = [np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t)) for t in outs]
-    key = hashlib.sha256(
-        node.SerializeToString(deterministic=True)
-        + bytes(str([ins, outs, [(o.domain, o.version) for o in standard]]), "utf-8")
-    ).hexdigest()
+    model = _sub_model(nodes, leaves, types, standard)
+    key = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+    present = [(i, n) for i, n in enumerate(node.output) if n]
 
     def compute(api: _capi.OrtApi, context: int) -> None:
-        args = []
-        for i in range(api.input_count(context)):
+        feeds = {}
+        for i, name in enumerate(leaves):
             x = api.input(context, i)
-            if x is not None:
-                x.flags.writeable = False  # ONNX Runtime's buffer: never written
-            args.append(x)
-        results = impl.run(*args)
-        for i, name in enumerate(node.output):
-            if not name:
-                continue
-            y = np.asarray(results[i])
+            assert x is not None  # every leaf is a present input
+            x.flags.writeable = False  # ONNX Runtime's buffer: never written
+            feeds[name] = x
+        results = evaluator.run(None, feeds)
+        for (i, name), y in zip(present, results):
+            y = np.asarray(y)
             if y.dtype != want[i]:
                 raise TypeError(
                     f"{_where(node)}: output {name!r}: expected {want[i]} (the inferred "
@@ -191,11 +254,12 @@ def custom_op(
             if out is not None and y.size:
                 np.copyto(out, y, casting="no")
 
-    return _capi.CustomOp(
+    op = _capi.CustomOp(
         f"PytrtKvRef{node.op_type}_{key[:20]}",
         ins,
         outs,
-        {i for i, n in enumerate(node.input) if not n},
+        set(),
         {i for i, n in enumerate(node.output) if not n},
         compute,
     )
+    return op, leaves
