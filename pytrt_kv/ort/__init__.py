@@ -32,14 +32,21 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnx.inliner
 
 from ..contract import dtypes, specs
 from ..graph import schemas
 from ..graph.lint import validate_model
 from ..graph.runtime import check_feeds, exact_feeds
-from . import _capi, _kernels
+from . import _capi, _float_math, _kernels
 
-__all__ = ["make_session", "availability", "rewrite_for_onnxruntime", "PytrtKvSession"]
+__all__ = [
+    "make_session",
+    "availability",
+    "rewrite_for_onnxruntime",
+    "PytrtKvSession",
+    "FLOAT_MATH",
+]
 
 
 def availability() -> str:
@@ -89,29 +96,67 @@ def _element_types(model: onnx.ModelProto) -> dict[str, int]:
     return out
 
 
-def rewrite_for_onnxruntime(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list]:
-    """A copy of ``model`` whose ``pytrt_kv`` nodes are ONNX Runtime custom ops of
-    onnxruntime-extensions' domain (``ai.onnx.contrib``), with the ops that run them.
+#: ``float_math`` values of :func:`make_session`.
+FLOAT_MATH = ("reference", "onnxruntime")
+
+
+def _check_float_math(float_math: Any) -> str:
+    if not isinstance(float_math, str) or float_math not in FLOAT_MATH:
+        raise ValueError(f"float_math: expected one of {list(FLOAT_MATH)}, got {float_math!r}")
+    return float_math
+
+
+def rewrite_for_onnxruntime(
+    model: onnx.ModelProto, float_math: str = "reference"
+) -> tuple[onnx.ModelProto, list]:
+    """A copy of ``model`` whose ``pytrt_kv`` nodes (and, with ``float_math="reference"``,
+    the standard nodes whose float results ONNX Runtime rounds differently from the CPU
+    runtime) are ONNX Runtime custom ops of onnxruntime-extensions' domain
+    (``ai.onnx.contrib``), with the ops that run them.
 
     Each node becomes its own op (name from the node and its input dtypes): ONNX
     Runtime types a custom op's outputs from fixed input types, and our ops take many
     dtypes. The model is validated first (:func:`pytrt_kv.graph.validate_model`)."""
+    _check_float_math(float_math)
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    return out, _rewrite_in_place(out)
+    if float_math == "reference" and out.functions:
+        out = onnx.inliner.inline_local_functions(out)
+    return out, _rewrite_in_place(out, float_math)
 
 
-def _rewrite_in_place(model: onnx.ModelProto) -> list:
+def _rewrite_in_place(model: onnx.ModelProto, float_math: str) -> list:
     """What :func:`rewrite_for_onnxruntime` does, on ``model`` itself; returns the ops."""
     validate_model(model)
+    reference = float_math == "reference"
+    if reference:
+        _float_math.refuse_subgraphs(model)
     types = _element_types(model)
+    graph = model.graph
+    if reference:  # the nodes as they were (rewriting changes them in place)
+        originals = [onnx.NodeProto() for _ in graph.node]
+        for copy, node in zip(originals, graph.node):
+            copy.CopyFrom(node)
+        producers = {o: (i, n) for i, n in enumerate(originals) for o in n.output if o}
+        plain = _float_math.plain_tensors(graph)
     ops = []
-    for node in model.graph.node:
-        if node.domain != specs.DOMAIN:
+    for index, node in enumerate(graph.node):
+        if node.domain == specs.DOMAIN:
+            original = onnx.NodeProto()
+            original.CopyFrom(node)
+            op = _kernels.custom_op(original, types)
+        elif (
+            reference
+            and node.domain in _float_math.STANDARD
+            and _float_math.needs_reference(node, types)
+        ):
+            op, leaves = _float_math.custom_op(
+                originals[index], types, list(model.opset_import), producers, plain
+            )
+            del node.input[:]
+            node.input.extend(leaves)
+        else:
             continue
-        original = onnx.NodeProto()
-        original.CopyFrom(node)
-        op = _kernels.custom_op(original, types)
         ops.append(op)
         node.domain = _capi.EXTENSIONS_DOMAIN
         node.op_type = op.name
@@ -123,21 +168,35 @@ def _rewrite_in_place(model: onnx.ModelProto) -> list:
     return ops
 
 
-def _serialized_for_onnxruntime(model: onnx.ModelProto) -> tuple[bytes, list]:
+def _serialized_for_onnxruntime(model: onnx.ModelProto, float_math: str) -> tuple[bytes, list]:
     """The rewritten model serialized, and its ops, without a second copy of the
     weights: ``model`` is rewritten, serialized and restored (node domains and types,
-    opset imports; nothing else changes)."""
-    nodes = [(n, n.domain, n.op_type) for n in model.graph.node if n.domain == specs.DOMAIN]
+    opset imports; nothing else changes). A model with local functions is inlined into
+    a copy first (``float_math="reference"`` rewrites the nodes of their bodies)."""
+    if float_math == "reference" and model.functions:
+        model = onnx.inliner.inline_local_functions(model)
+    # (node, domain or None when unset, op_type, inputs): field presence is restored.
+    nodes = [
+        (n, n.domain if n.HasField("domain") else None, n.op_type, list(n.input))
+        for n in model.graph.node
+    ]
     imports = []
     for o in model.opset_import:  # copies: field presence is kept as it was
         imports.append(onnx.OperatorSetIdProto())
         imports[-1].CopyFrom(o)
     try:
-        ops = _rewrite_in_place(model)
+        ops = _rewrite_in_place(model, float_math)
         return model.SerializeToString(), ops
     finally:
-        for node, domain, op_type in nodes:
-            node.domain, node.op_type = domain, op_type
+        for node, domain, op_type, inputs in nodes:
+            node.op_type = op_type
+            if list(node.input) != inputs:
+                del node.input[:]
+                node.input.extend(inputs)
+            if domain is None:
+                node.ClearField("domain")
+            else:
+                node.domain = domain
         del model.opset_import[:]
         model.opset_import.extend(imports)
 
@@ -221,6 +280,8 @@ def _own_error(exc: Exception) -> Exception:
 def make_session(
     model_or_path: onnx.ModelProto | str | os.PathLike | bytes,
     providers: Sequence[Any] | None = None,
+    *,
+    float_math: str = "reference",
     **session_options: Any,
 ):
     """An ``onnxruntime.InferenceSession`` running ``model_or_path`` with our ops.
@@ -232,6 +293,14 @@ def make_session(
     providers : list, optional
         ONNX Runtime execution providers; default ``["CPUExecutionProvider"]``. Our
         ops always run on the CPU provider.
+    float_math : {"reference", "onnxruntime"}
+        ``"reference"`` (default): outputs byte-equal to :func:`pytrt_kv.runtime.run`.
+        The standard nodes whose float results ONNX Runtime's kernels round otherwise
+        (dot products, reductions, transcendentals; half-type arithmetic) run the CPU
+        runtime's own NumPy implementation as custom ops; copies, comparisons and
+        float32/float64 ``+ - * /``, sqrt stay ONNX Runtime's. ``"onnxruntime"``: every
+        standard node on ONNX Runtime's kernels (faster on large models; float results
+        differ from the CPU runtime's by a few ulps, docs/GRAPH_MODE.md).
     **session_options
         ``sess_options=`` an ``onnxruntime.SessionOptions`` to start from, and any
         attribute of it (``intra_op_num_threads=2``, ``graph_optimization_level=...``).
@@ -247,14 +316,16 @@ def make_session(
     ImportError
         onnxruntime or onnxruntime-extensions is not installed.
     ValueError, TypeError
-        The model breaks a rule (:func:`pytrt_kv.graph.check_model`), or a session
-        option is unknown.
+        The model breaks a rule (:func:`pytrt_kv.graph.check_model`), a session
+        option is unknown, or ``float_math`` is none of :data:`FLOAT_MATH` (or
+        ``"reference"`` meets a subgraph: If, Loop, Scan).
     """
     import onnxruntime
 
+    _check_float_math(float_math)
     model = _load(model_or_path)
     library = _capi.extensions_library()
-    model_bytes, ops = _serialized_for_onnxruntime(model)
+    model_bytes, ops = _serialized_for_onnxruntime(model, float_math)
     for op in ops:
         _capi.add_op(op)
     options = session_options.pop("sess_options", None) or onnxruntime.SessionOptions()

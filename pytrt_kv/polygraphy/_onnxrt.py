@@ -5,8 +5,8 @@ Polygraphy's ``--onnxrt`` runner builds its session with ``SessionFromOnnx``. Wh
 extension module is loaded (``polygraphy run`` loads it through the entry point),
 :func:`install` wraps that loader: a model with ``pytrt_kv`` nodes gets its session from
 :func:`pytrt_kv.ort.make_session` (same providers, thread counts and optimization level
-as Polygraphy would give it); every other model goes through Polygraphy's own code,
-unchanged.
+as Polygraphy would give it; ``float_math="reference"``, so its outputs are the CPU
+runtime's bytes); every other model goes through Polygraphy's own code, unchanged.
 """
 
 from __future__ import annotations
@@ -64,9 +64,10 @@ def _session(loader, model) -> Any:
         options["graph_optimization_level"] = loader.graph_optimization_level
     G_LOGGER.start(
         f"Creating ONNX-Runtime Inference Session with providers: {providers} "
-        f"(pytrt_kv ops on the NumPy reference: pytrt_kv.ort.make_session)"
+        f"(pytrt_kv ops and float math on the CPU runtime's NumPy: "
+        f"pytrt_kv.ort.make_session(float_math='reference'))"
     )
-    return make_session(model, providers=providers, **options)
+    return make_session(model, providers=providers, float_math="reference", **options)
 
 
 def install() -> None:
