@@ -105,6 +105,28 @@ def _child(cmd: list[str], limit_mib: int, limit_s: float) -> tuple[dict | None,
     return json.loads(out.strip().splitlines()[-1]), ""
 
 
+def _in_turns(evaluator, session, feeds, rounds: int, calls: int = 1, warm: bool = False):
+    """The CPU runtime (``evaluator``) and the ONNX Runtime ``session`` on ``feeds``, in
+    turns for ``rounds`` rounds of ``calls`` calls each (after one untimed call when
+    ``warm``): ``{backend: [seconds per call, one a round]}``."""
+    from pytrt_kv import runtime
+
+    runs = {
+        "runtime": lambda: runtime.run(evaluator, feeds),
+        "ort": lambda: session.run(None, feeds),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            if warm:
+                fn()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t) / calls)
+    return times
+
+
 def _example(rounds: int = 5, calls: int = 20) -> None:
     """One step of the example model (onnx_export/example.py), both backends in turns in
     one process: median over rounds of the mean time per call."""
@@ -118,20 +140,10 @@ def _example(rounds: int = 5, calls: int = 20) -> None:
     model = build_example_model()
     feeds = make_feeds(model, seed=0)
     evaluator, session = runtime.make_evaluator(model), make_session(model)
-    runs = {
-        "runtime": lambda: runtime.run(evaluator, feeds),
-        "ort": lambda: session.run(None, feeds),
-    }
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            fn()
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - t) / calls * 1e3)
-    for name, ms in times.items():
-        print(json.dumps({"example_step_ms": round(statistics.median(ms), 2), "backend": name}))
+    times = _in_turns(evaluator, session, feeds, rounds, calls, warm=True)
+    for name, sec in times.items():
+        ms = statistics.median(sec) * 1e3
+        print(json.dumps({"example_step_ms": round(ms, 2), "backend": name}))
 
 
 def _decode_step(path: str, rounds: int = 3) -> None:
@@ -156,16 +168,7 @@ def _decode_step(path: str, rounds: int = 3) -> None:
     got = dict(zip(names, session.run(None, feeds)))
     want = runtime.run(evaluator, feeds)
     diff = max(float(np.abs(got[n] - want[n]).max()) for n in names)
-    runs = {
-        "runtime": lambda: runtime.run(evaluator, feeds),
-        "ort": lambda: session.run(None, feeds),
-    }
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
+    times = _in_turns(evaluator, session, feeds, rounds)
     for name, s in times.items():
         step = statistics.median(s)
         print(
