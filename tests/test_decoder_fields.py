@@ -171,8 +171,13 @@ def test_install_hints_print_the_real_command(monkeypatch, tmp_path):
 
     from pytrt_kv import _lib
 
-    root = pathlib.Path(_lib.__file__).resolve().parents[1]
-    assert _lib.install_command("study") == f"{sys.executable} -m pip install '{root}[study]'"
+    # Imported from a checkout (a pyproject.toml beside the package): that folder.
+    checkout = tmp_path / "my src"
+    (checkout / "pytrt_kv").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("")
+    monkeypatch.setattr(_lib, "__file__", str(checkout / "pytrt_kv" / "_lib.py"))
+    want_checkout = f"{sys.executable} -m pip install '{checkout}[study]'"
+    assert _lib.install_command("study") == want_checkout
     # Installed (no pyproject.toml next to the package): the distribution's record.
     monkeypatch.setattr(_lib, "__file__", str(tmp_path / "site" / "pytrt_kv" / "_lib.py"))
     record: dict[str, str | None] = {}
@@ -195,6 +200,7 @@ def test_install_hints_print_the_real_command(monkeypatch, tmp_path):
         record["text"] = text
         assert _lib.install_command("trt") == f"{sys.executable} -m pip install {want}"
     # No source file of the package prints a placeholder install path.
+    repo = pathlib.Path(__file__).resolve().parents[1]
     for package in ("pytrt_kv", "onnx_export"):
-        for path in (root / package).rglob("*.py"):
+        for path in (repo / package).rglob("*.py"):
             assert "/path/to/pytrt_kv" not in path.read_text(), path
