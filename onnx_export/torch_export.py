@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytrt_kv._lib import install_command
 from pytrt_kv.contract import dtypes, specs
 from pytrt_kv.contract.args import op_attributes, op_tensors
 from pytrt_kv.graph import schemas  # noqa: F401  (registers the schemas)
 from pytrt_kv.graph.check import TensorInfo, validate_node
+from pytrt_kv.info import install_command
 
 
 def _torch():

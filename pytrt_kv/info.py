@@ -1,9 +1,12 @@
 """What this installation has: package versions and the CUDA devices (``pytrt-kv info``
-prints them, :mod:`pytrt_kv.cli.info`)."""
+prints them, :mod:`pytrt_kv.cli.info`), and :func:`install_command`, the command that adds
+an extra to it (every install hint prints that, never a placeholder path)."""
 
 from __future__ import annotations
 
 import importlib
+
+from ._lib import install_command
 
 _PACKAGES = (
     "numpy",
@@ -45,4 +48,4 @@ def package_versions() -> dict[str, str]:
 # Re-exported for `pytrt-kv info`; the code lives in the driver layer.
 from ._driver import EMU_NAME, NO_GPU, cuda_devices  # noqa: E402
 
-__all__ = ["EMU_NAME", "NO_GPU", "cuda_devices", "package_versions"]
+__all__ = ["EMU_NAME", "NO_GPU", "cuda_devices", "install_command", "package_versions"]

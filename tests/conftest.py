@@ -3,6 +3,8 @@ TensorRT headers are absent (and say why), plus common fixtures."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import resource
 import sys
@@ -128,6 +130,33 @@ def pytest_sessionstart(session):
     _memory_limit_gib()
 
 
+#: (peak rise in bytes, test id) of the tests that raised this process's peak RSS.
+_PEAK_RAISERS: list[tuple[int, str]] = []
+
+
+def _trim_heap() -> None:
+    """Give freed heap back to the OS (glibc keeps it otherwise), so that what one test
+    module freed does not stay in the process's RSS under the next one's peak."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Which tests raised the peak (printed with the peaks), and a heap trim between test
+    modules."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    yield
+    rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    if rise > 0:
+        _PEAK_RAISERS.append((rise * (1 if sys.platform == "darwin" else 1024), item.nodeid))
+    if nextitem is None or nextitem.module is not item.module:
+        _trim_heap()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     """Fail the session (exit status 1) when a test process went above the limit."""
@@ -146,5 +175,10 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_sep("-", "peak memory (RSS)")
     for who, v in peaks.items():
         terminalreporter.write_line(f"{who}: {v / 2**30:.2f} GiB (limit {limit:g} GiB)")
+    raisers = sorted(_PEAK_RAISERS, reverse=True)[:5]
+    if raisers:
+        terminalreporter.write_line("tests that raised the pytest process's peak the most:")
+        for rise, nodeid in raisers:
+            terminalreporter.write_line(f"  +{rise / 2**20:.0f} MiB  {nodeid}")
     for line in over:
         terminalreporter.write_line(f"FAILED memory limit: {line}", red=True, bold=True)

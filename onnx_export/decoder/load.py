@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pytrt_kv._lib import install_command
+from pytrt_kv.info import install_command
 from pytrt_kv.model_wheel import ModelWheelMissing, bundled_model
 
 #: The extra that brings torch, transformers, gguf and accelerate.
