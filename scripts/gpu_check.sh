@@ -22,7 +22,9 @@
 # bench-gather, bench-quant, initcheck, plugin-harness (the TensorRT plugins' enqueue
 # through plugins/harness, without libnvinfer: only where TensorRT_INCLUDE_DIR names
 # TensorRT headers, e.g. a carried .venv-test/trt-headers/include; else skipped, saying
-# so). Logs: OUT_DIR/<step>.log; benchmark tables:
+# so), profile (ncu over scripts/gpu_profile.py, the benchmark's gather and quantise
+# shapes: speed of light, stall reasons, the source lines they fall on; the kernels are
+# built with -lineinfo for it and for the sanitizers' reports). Logs: OUT_DIR/<step>.log; benchmark tables:
 # OUT_DIR/bench-<op>.md and .json (paste into BENCHMARKS.md); everything in two files
 # whose names sort first (the device returns at most 8 files): OUT_DIR/all-logs.txt (the
 # summary, the logs, the tables) and OUT_DIR/all.tar.gz (every file). Exit status 0 when every
@@ -57,12 +59,12 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 
 STEPS=(build gpu-tests e4m3-nan memcheck racecheck synccheck bench-scatter bench-gather
-  bench-quant initcheck plugin-harness)
+  bench-quant initcheck plugin-harness profile)
 # Per-step limits (s) on the GPU; the projection behind them and the times an H200 took
 # (2026-11-27) are in docs/GPU_CHECK.md.
 declare -A LIMIT=([build]=150 [gpu-tests]=150 [e4m3-nan]=60 [memcheck]=90 [racecheck]=90
   [synccheck]=90 [bench-scatter]=120 [bench-gather]=120 [bench-quant]=90 [initcheck]=90
-  [plugin-harness]=120)
+  [plugin-harness]=120 [profile]=120)
 declare -A STATUS=() SECS=() NOTE=()
 
 DRY=0
@@ -279,7 +281,7 @@ step_build() {
   local gen="Unix Makefiles" one
   command -v ninja >/dev/null 2>&1 && gen=Ninja
   local args=(-S "$ROOT" -B "$BUILD" -G "$gen" -DCMAKE_BUILD_TYPE=Release
-    "-DCMAKE_CUDA_ARCHITECTURES=$ARCH-real")
+    "-DCMAKE_CUDA_ARCHITECTURES=$ARCH-real" "-DCMAKE_CUDA_FLAGS=-lineinfo")
   # With TensorRT headers the plugins and their harness are built too (plugin-harness).
   [ -n "${TensorRT_INCLUDE_DIR:-}" ] && [ "$DRY" = 0 ] &&
     args+=("-DTensorRT_INCLUDE_DIR=$TensorRT_INCLUDE_DIR")
@@ -463,6 +465,38 @@ step_plugin_harness() {
   [ -x "$bin" ] || { echo "$bin was not built (see build.log)"; exit 1; }
   "$bin" check || exit 1
   "$bin" run "$cases"/*/
+}
+
+step_profile() {
+  # ncu over the benchmark-shaped launches of scripts/gpu_profile.py (every result checked
+  # against the reference): the sections that say why a kernel is slow, then the SASS
+  # lines with their stall samples (the source page, where this ncu has it).
+  local rep=$OUT/profile
+  local cmd=(ncu --section SpeedOfLight --section LaunchStats --section Occupancy
+    --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis
+    --import-source yes -k "regex:gatherPlanKernel|gatherCopyKernel|scatterQuantTokensKernel|scatterTokensKernel"
+    --launch-count 12 -f -o "$rep" "$PY" "$ROOT/scripts/gpu_profile.py")
+  if [ "$DRY" = 1 ]; then
+    printf 'GPU run would execute:'
+    printf ' %q' "${cmd[@]}"
+    echo
+    "$PY" "$ROOT/scripts/gpu_profile.py" --small || exit 1
+    echo "simulated: ncu needs a GPU; the profiled workload ran (small shapes) on the emulator" \
+      >"$OUT/.$STEP.status"
+    exit 0
+  fi
+  command -v ncu >/dev/null 2>&1 || { echo "ncu is not on PATH"; exit 1; }
+  "${cmd[@]}" || exit 1
+  ncu --import "$rep.ncu-rep" --print-summary per-kernel
+  ncu --import "$rep.ncu-rep" --page details
+  # Per-instruction stall samples (SASS with the CUDA lines), kept whole in the report;
+  # the log gets the hottest lines of each kernel.
+  if ncu --import "$rep.ncu-rep" --page source --csv --print-source cuda,sass >"$OUT/profile-source.csv" \
+    2>"$OUT/profile-source.err"; then
+    echo "source page: profile-source.csv ($(wc -l <"$OUT/profile-source.csv") lines)"
+  else
+    echo "no source page from this ncu: $(head -c 300 "$OUT/profile-source.err")"
+  fi
 }
 
 # --- the run --------------------------------------------------------------------------------

@@ -228,6 +228,26 @@ PYTRT_KV_HD void planAtomicMin(int32_t* p, int32_t x)
 #endif
 }
 
+//! Adds \p x of every thread of the CTA to \p p. On the GPU a warp sums its lanes with
+//! shuffles and one lane adds (8 shared atomics a CTA, not 256 on one address); every
+//! lane of the warp must call it.
+PYTRT_KV_HD void planRowAdd(int32_t* p, int32_t x)
+{
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+    for (int32_t d = 16; d > 0; d /= 2)
+    {
+        x += __shfl_xor_sync(0xffffffffU, x, d);
+    }
+    if (threadIdx.x % 32 == 0)
+    {
+        atomicAdd(p, x);
+    }
+#else
+    planAtomicAdd(p, x);
+#endif
+}
+
 PYTRT_KV_HD uint32_t hashId(int32_t v, uint32_t mask)
 {
     return (static_cast<uint32_t>(v) * 2654435761U) & mask;
@@ -351,9 +371,9 @@ PYTRT_KV_HD void planLoad(PlanArgs const& a, PlanRow const& row, PlanShared& sh,
             }
         }
     }
-    planAtomicAdd(&sh.oldN, localOld);
-    planAtomicAdd(&sh.validN, localValid);
-    planAtomicAdd(&sh.total, static_cast<int32_t>(localTotal));
+    planRowAdd(&sh.oldN, localOld);
+    planRowAdd(&sh.validN, localValid);
+    planRowAdd(&sh.total, static_cast<int32_t>(localTotal));
 }
 
 //! Phase 3: which ids stay in place (G5.2). Thread tid owns topk positions and slots
@@ -465,28 +485,35 @@ PYTRT_KV_HD void planFree(PlanArgs const& a, PlanShared& sh, PlanThread& t, int3
     }
 }
 
-//! Resolve the addresses of id \p v copied into \p slot of \p row (docs/SPEC.md G4):
+//! The block-table entries behind id \p v copied into \p slot of \p row (docs/SPEC.md
+//! G4): \p fullBlock / \p selBlock stay -1 when a column is past its table. Loads only,
+//! so that planWrite issues every one of a thread's loads before it waits for the first.
+PYTRT_KV_HD void planResolveLoad(
+    PlanArgs const& a, PlanRow const& row, int32_t slot, int32_t v, int32_t& fullBlock, int32_t& selBlock)
+{
+    int64_t const fullCol = a.fullBlockSize.div(static_cast<int64_t>(v) * a.tbs);
+    int64_t const selCol = a.selectionBlockSize.div(static_cast<int64_t>(slot) * a.tbs);
+    fullBlock = -1;
+    selBlock = -1;
+    if (fullCol < a.fullMaxBlockNum && selCol < a.selectionMaxBlockNum)
+    {
+        fullBlock = loadGlobal(a.fullTable + static_cast<int64_t>(row.b) * a.fullMaxBlockNum + fullCol);
+        selBlock = loadGlobal(a.selectionTable + static_cast<int64_t>(row.r) * a.selectionMaxBlockNum + selCol);
+    }
+}
+
+//! The miss entry of id \p v copied into \p slot, from planResolveLoad's table entries:
 //! srcRow/dstRow stay -1 when a column or a table entry is out of range (skipped).
-PYTRT_KV_HD MissEntry planResolve(PlanArgs const& a, PlanRow const& row, int32_t slot, int32_t v)
+PYTRT_KV_HD MissEntry planResolve(
+    PlanArgs const& a, PlanRow const& row, int32_t slot, int32_t v, int64_t fullBlock, int64_t selBlock)
 {
     MissEntry m{-1, -1, static_cast<int32_t>(idSize(v, row.g, a.tbs)), row.r, slot, v};
-    int64_t const p = static_cast<int64_t>(v) * a.tbs;
-    int64_t const q = static_cast<int64_t>(slot) * a.tbs;
-    int64_t const fullCol = a.fullBlockSize.div(p);
-    int64_t const selCol = a.selectionBlockSize.div(q);
-    if (fullCol >= a.fullMaxBlockNum || selCol >= a.selectionMaxBlockNum)
-    {
-        return m; // an id past the tables: skipped, never read
-    }
-    int64_t const fullBlock = loadGlobal(a.fullTable + static_cast<int64_t>(row.b) * a.fullMaxBlockNum + fullCol);
-    int64_t const selBlock
-        = loadGlobal(a.selectionTable + static_cast<int64_t>(row.r) * a.selectionMaxBlockNum + selCol);
     if (fullBlock < 0 || fullBlock >= a.fullBlockNum || selBlock < 0 || selBlock >= a.selectionBlockNum)
     {
-        return m;
+        return m; // an id past the tables or a bad table entry: skipped, never read
     }
-    m.srcRow = fullBlock * a.fullBlockSize.divisor + a.fullBlockSize.mod(p);
-    m.dstRow = selBlock * a.selectionBlockSize.divisor + a.selectionBlockSize.mod(q);
+    m.srcRow = fullBlock * a.fullBlockSize.divisor + a.fullBlockSize.mod(static_cast<int64_t>(v) * a.tbs);
+    m.dstRow = selBlock * a.selectionBlockSize.divisor + a.selectionBlockSize.mod(static_cast<int64_t>(slot) * a.tbs);
     return m;
 }
 
@@ -500,18 +527,21 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
     int32_t const k = a.topkCount;
     int32_t* status = a.status + static_cast<int64_t>(row.r) * (k + 1);
     int32_t const first = tid * kPLAN_ITEMS;
-    // Loads first (the block tables, in planResolve), then every store: a table load
-    // issued after a status or miss-list store would wait behind it (the compiler cannot
-    // prove that they do not alias; the contract refuses such overlap). Per item, in
-    // order: statusSlot < 0 writes no status, missed says whether a miss entry follows.
-    MissEntry miss[kPLAN_ITEMS];
+    // Three passes: the slots (shared memory only), then every block-table load, then
+    // every store. The loads of all items are in flight together (one item's load used
+    // to wait behind the previous item's branch on its result), and none is issued after
+    // a status or miss-list store (the compiler cannot prove that they do not alias; the
+    // contract refuses such overlap). Per item: statusSlot < 0 writes no status, missed
+    // says whether a miss entry follows, slot >= 0 that it has a slot to resolve.
     int32_t statusSlot[kPLAN_ITEMS];
+    int32_t slots[kPLAN_ITEMS];
     bool missed[kPLAN_ITEMS];
     PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
         int32_t const e = first + i;
         statusSlot[i] = -1;
+        slots[i] = -1;
         missed[i] = false;
         if (e >= k)
         {
@@ -536,12 +566,23 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
         {
             slot = sh.freeSlot[t.needyRank++];
         }
-        miss[i] = MissEntry{-1, -1, 0, row.r, slot, v};
         missed[i] = true;
         if (slot >= 0 && slot < k)
         {
             statusSlot[i] = slot;
-            miss[i] = planResolve(a, row, slot, v);
+            slots[i] = slot;
+        }
+    }
+    int32_t fullBlock[kPLAN_ITEMS];
+    int32_t selBlock[kPLAN_ITEMS];
+    PYTRT_KV_UNROLL
+    for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
+    {
+        fullBlock[i] = -1;
+        selBlock[i] = -1;
+        if (slots[i] >= 0)
+        {
+            planResolveLoad(a, row, slots[i], sh.topk[first + i], fullBlock[i], selBlock[i]);
         }
     }
     for (int32_t j = t.n + tid; j < k; j += kPLAN_THREADS)
@@ -557,7 +598,10 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
         }
         if (missed[i])
         {
-            storeGlobal(a.misses + sh.missBase + t.missRank++, miss[i]);
+            int32_t const v = sh.topk[first + i];
+            MissEntry const miss = slots[i] >= 0 ? planResolve(a, row, slots[i], v, fullBlock[i], selBlock[i])
+                                                 : MissEntry{-1, -1, 0, row.r, -1, v};
+            storeGlobal(a.misses + sh.missBase + t.missRank++, miss);
         }
     }
     if (tid == 0)
