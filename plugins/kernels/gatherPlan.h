@@ -34,7 +34,7 @@ namespace kernels
 //! docs/SPEC.md G2: largest K (any TBS).
 constexpr int32_t kMAX_TOPK = contract::kMAX_TOPK;
 //! Threads of one planning CTA; each owns kPLAN_ITEMS consecutive topk positions and slots.
-constexpr int32_t kPLAN_THREADS = 256;
+constexpr int32_t kPLAN_THREADS = 1024;
 constexpr int32_t kPLAN_ITEMS = kMAX_TOPK / kPLAN_THREADS;
 //! Open-addressing hash of the old status row (load factor <= 1/2).
 constexpr int32_t kHASH_SLOTS = 2 * kMAX_TOPK;
