@@ -45,19 +45,32 @@ __device__ int32_t blockExclusiveScan(int32_t x, int32_t* warpTotals, int32_t& t
         int32_t const y = __shfl_up_sync(0xffffffffU, inclusive, d);
         inclusive += lane >= d ? y : 0;
     }
+    constexpr int32_t kWARPS = kPLAN_THREADS / 32;
+    static_assert(kWARPS <= 32, "one warp scans the warp totals");
     if (lane == 31)
     {
         warpTotals[warp] = inclusive;
     }
     __syncthreads();
-    int32_t before = 0;
-    total = 0;
-#pragma unroll
-    for (int32_t w = 0; w < kPLAN_THREADS / 32; ++w)
+    // Warp 0 turns the warp totals into inclusive prefixes in place (each lane reads and
+    // writes its own entry), so that no thread loops over every warp's total.
+    if (warp == 0)
     {
-        before += w < warp ? warpTotals[w] : 0;
-        total += warpTotals[w];
+        int32_t w = lane < kWARPS ? warpTotals[lane] : 0;
+#pragma unroll
+        for (int32_t d = 1; d < 32; d *= 2)
+        {
+            int32_t const y = __shfl_up_sync(0xffffffffU, w, d);
+            w += lane >= d ? y : 0;
+        }
+        if (lane < kWARPS)
+        {
+            warpTotals[lane] = w;
+        }
     }
+    __syncthreads();
+    total = warpTotals[kWARPS - 1];
+    int32_t const before = warp > 0 ? warpTotals[warp - 1] : 0;
     return before + inclusive - x;
 }
 
