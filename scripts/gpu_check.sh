@@ -112,12 +112,16 @@ if [ -d "$ROOT/build/pycarry" ]; then
 fi
 T0=$(date +%s)
 DEADLINE=$((T0 + BUDGET))
-# The device machine gets a copy of the work tree without .git: the run command names
-# the commit (PYTRT_KV_COMMIT=$(git rev-parse --short HEAD), expanded where it is typed).
-if COMMIT=$(git rev-parse --short HEAD 2>/dev/null); then
+# The device machine gets a copy of the work tree whose .git, where there is one, is not
+# the session's (the H200 runs of 2026-11-27 read an older commit from it): the run
+# command names the commit (PYTRT_KV_COMMIT=$(git rev-parse --short HEAD), expanded where
+# it is typed), and that name wins over git.
+if [ -n "${PYTRT_KV_COMMIT:-}" ]; then
+  COMMIT="$PYTRT_KV_COMMIT (named by PYTRT_KV_COMMIT)"
+elif COMMIT=$(git rev-parse --short HEAD 2>/dev/null); then
   git diff --quiet HEAD 2>/dev/null || COMMIT="$COMMIT (+ uncommitted changes)"
 else
-  COMMIT=${PYTRT_KV_COMMIT:-"unknown (no git here: set PYTRT_KV_COMMIT)"}
+  COMMIT="unknown (no git here: set PYTRT_KV_COMMIT)"
 fi
 DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
 

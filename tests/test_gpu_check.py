@@ -261,6 +261,20 @@ def test_without_git_the_summary_names_the_commit_it_is_given(tmp_path):
         assert want in (out / "summary.md").read_text(), commit
 
 
+def test_a_named_commit_wins_over_the_git_found_there(tmp_path):
+    # The device machine's copy may carry an older .git than the session's (the H200 runs
+    # of 2026-11-27 all said "9f634c6 (+ uncommitted changes)"): the name given wins.
+    env = _env(PYTRT_KV_CHECK_FAIL="build", PYTRT_KV_COMMIT="abc1234")
+    r = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--steps", "build", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    assert r.returncode == 1
+    assert "commit: abc1234 (named by PYTRT_KV_COMMIT)" in (tmp_path / "summary.md").read_text()
+
+
 def test_carried_python_packages_are_on_the_path_and_named(tmp_path):
     # The lent machine has no onnx_graphsurgeon and no package index: without it the build
     # step stops at once saying how to carry it; with build/pycarry it is found there.
