@@ -256,7 +256,7 @@ int32_t pytrt_kv_gather_plan_rows_host(int32_t rows, int32_t topk, int32_t seqPe
     struct Scratch
     {
         k::PlanShared shared;
-        k::PlanThread threads[k::kPLAN_THREADS];
+        k::PlanThread threads[k::kPLAN_MAX_THREADS];
         k::MissEntry misses[k::kMAX_TOPK];
     };
     std::unique_ptr<Scratch> scratch(new (std::nothrow) Scratch);

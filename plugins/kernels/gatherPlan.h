@@ -1,7 +1,7 @@
 /*
  * docs/SPEC.md G3-G5: the planning step of GatherSelectionKvCache, written ONCE for both
  * the GPU and the host. The planning kernel runs the phases below with one CTA per
- * selection-table row (kPLAN_THREADS threads, __syncthreads() between phases); the host
+ * selection-table row (planThreads(K) threads, __syncthreads() between phases); the host
  * entry points of capi.cpp run the very same phase functions for every virtual thread in
  * turn, which is one of the interleavings the GPU may execute. Only the four primitives
  * marked "interleaving" differ (atomics on the GPU, plain read-modify-writes on the host)
@@ -33,9 +33,22 @@ namespace kernels
 
 //! docs/SPEC.md G2: largest K (any TBS).
 constexpr int32_t kMAX_TOPK = contract::kMAX_TOPK;
-//! Threads of one planning CTA; each owns kPLAN_ITEMS consecutive topk positions and slots.
-constexpr int32_t kPLAN_THREADS = 1024;
-constexpr int32_t kPLAN_ITEMS = kMAX_TOPK / kPLAN_THREADS;
+//! Most threads of one planning CTA; each owns kPLAN_ITEMS consecutive topk positions and
+//! slots. A CTA has planThreads(K) threads: as many as K needs, so that a small K syncs
+//! few threads (the emulated device runs each as a fiber) and K = 2048 uses 1024 (on the
+//! H200, 256 threads of 8 positions each took twice as long: BENCHMARKS.md).
+constexpr int32_t kPLAN_MAX_THREADS = 1024;
+constexpr int32_t kPLAN_ITEMS = kMAX_TOPK / kPLAN_MAX_THREADS;
+static_assert(kPLAN_ITEMS * kPLAN_MAX_THREADS == kMAX_TOPK, "every topk position has an owner");
+
+//! Threads of the planning CTA for \p k topk positions: ceil(k / kPLAN_ITEMS) rounded up
+//! to whole warps, one warp at least, kPLAN_MAX_THREADS at most (k <= kMAX_TOPK).
+PYTRT_KV_HD int32_t planThreads(int32_t k)
+{
+    int32_t const need = k <= 0 ? 1 : (k + kPLAN_ITEMS - 1) / kPLAN_ITEMS;
+    int32_t const warps = (need + 31) / 32;
+    return warps * 32 > kPLAN_MAX_THREADS ? kPLAN_MAX_THREADS : warps * 32;
+}
 //! Open-addressing hash of the old status row (load factor <= 1/2).
 constexpr int32_t kHASH_SLOTS = 2 * kMAX_TOPK;
 constexpr int32_t kHASH_EMPTY = -1;
@@ -160,7 +173,7 @@ struct PlanShared
     int32_t topk[kMAX_TOPK];
     int32_t pinnedBy[kMAX_TOPK];
     int16_t freeSlot[kMAX_TOPK];
-    int32_t warpTotals[kPLAN_THREADS / 32];
+    int32_t warpTotals[kPLAN_MAX_THREADS / 32];
     int32_t oldN;
     int32_t validN;
     int32_t reservedOwner;
@@ -190,6 +203,7 @@ struct PlanRow
     int32_t s;
     RowGeometry g;
     uint32_t hashSlots; //!< power of two >= 2*K (>= 32)
+    int32_t threads;    //!< planThreads(K): the CTA's threads, the strides below
 };
 
 // --- interleaving primitives --------------------------------------------------------
@@ -265,6 +279,7 @@ PYTRT_KV_HD bool planBeginAt(PlanArgs const& a, int32_t r, int32_t b, int32_t s,
     row.s = s;
     row.g = RowGeometry{};
     row.hashSlots = 32;
+    row.threads = planThreads(a.topkCount);
     if (r < a.rows)
     {
         row.g = rowGeometry(loadGlobal(a.kvLen + b), a.seqPerBatch, s, a.tbs);
@@ -294,7 +309,7 @@ PYTRT_KV_HD bool planBegin(PlanArgs const& a, int32_t r, int32_t tid, PlanRow& r
 //! Phase 1: empty hash and counters.
 PYTRT_KV_HD void planInit(PlanRow const& row, PlanShared& sh, int32_t tid)
 {
-    for (uint32_t i = static_cast<uint32_t>(tid); i < row.hashSlots; i += kPLAN_THREADS)
+    for (uint32_t i = static_cast<uint32_t>(tid); i < row.hashSlots; i += static_cast<uint32_t>(row.threads))
     {
         sh.keys[i] = kHASH_EMPTY;
     }
@@ -319,12 +334,12 @@ PYTRT_KV_HD void planLoad(PlanArgs const& a, PlanRow const& row, PlanShared& sh,
     uint32_t const mask = row.hashSlots - 1;
     int32_t oldIds[kPLAN_ITEMS];
     int32_t newIds[kPLAN_ITEMS];
-    // Strided by kPLAN_THREADS: each of the 2*kPLAN_ITEMS loads is coalesced over the CTA
+    // Strided by the CTA's threads: each of the 2*kPLAN_ITEMS loads is coalesced over the CTA
     // and none waits for another (they used to be one dependent load per hash insert).
     PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
-        int32_t const j = tid + i * kPLAN_THREADS;
+        int32_t const j = tid + i * row.threads;
         oldIds[i] = j < k ? loadGlobal(status + j) : -1;
         newIds[i] = j < k ? loadGlobal(topk + j) : -1;
     }
@@ -334,7 +349,7 @@ PYTRT_KV_HD void planLoad(PlanArgs const& a, PlanRow const& row, PlanShared& sh,
     PYTRT_KV_UNROLL
     for (int32_t i = 0; i < kPLAN_ITEMS; ++i)
     {
-        int32_t const j = tid + i * kPLAN_THREADS;
+        int32_t const j = tid + i * row.threads;
         if (j >= k)
         {
             continue;
@@ -585,7 +600,7 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
             planResolveLoad(a, row, slots[i], sh.topk[first + i], fullBlock[i], selBlock[i]);
         }
     }
-    for (int32_t j = t.n + tid; j < k; j += kPLAN_THREADS)
+    for (int32_t j = t.n + tid; j < k; j += row.threads)
     {
         storeGlobal(status + j, int32_t{-1});
     }
@@ -614,7 +629,7 @@ PYTRT_KV_HD void planWrite(PlanArgs const& a, PlanRow const& row, PlanShared con
 
 //! The whole plan of table row \p r (query token \p s of batch \p b) on the host: the
 //! phases above for every virtual thread in turn, the scan as a loop. \p sh and
-//! \p threads (kPLAN_THREADS entries) are caller-provided scratch (about 57 KiB).
+//! \p threads (kPLAN_MAX_THREADS entries) are caller-provided scratch.
 inline void planRowOnHost(PlanArgs const& a, int32_t r, int32_t b, int32_t s, PlanShared& sh, PlanThread* threads)
 {
     PlanRow row{};
@@ -622,32 +637,32 @@ inline void planRowOnHost(PlanArgs const& a, int32_t r, int32_t b, int32_t s, Pl
     {
         return;
     }
-    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    for (int32_t tid = 0; tid < row.threads; ++tid)
     {
         planInit(row, sh, tid);
     }
     int32_t const oldTotal = a.status[static_cast<int64_t>(r) * (a.topkCount + 1) + a.topkCount];
-    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    for (int32_t tid = 0; tid < row.threads; ++tid)
     {
         planLoad(a, row, sh, tid);
     }
-    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    for (int32_t tid = 0; tid < row.threads; ++tid)
     {
         planPin(a, row, sh, threads[tid], tid, oldTotal);
     }
-    int32_t packed[kPLAN_THREADS];
+    int32_t packed[kPLAN_MAX_THREADS];
     int32_t total = 0;
-    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    for (int32_t tid = 0; tid < row.threads; ++tid)
     {
         int32_t const x = planCount(a, row, sh, threads[tid], tid);
         packed[tid] = total;
         total += x;
     }
-    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    for (int32_t tid = 0; tid < row.threads; ++tid)
     {
         planFree(a, sh, threads[tid], tid, packed[tid], total);
     }
-    for (int32_t tid = 0; tid < kPLAN_THREADS; ++tid)
+    for (int32_t tid = 0; tid < row.threads; ++tid)
     {
         planWrite(a, row, sh, threads[tid], tid);
     }

@@ -2,7 +2,8 @@
  * GatherSelectionKvCache (docs/SPEC.md G). One memset and two launches on one stream, all
  * graph-capturable:
  *  0. the miss counter at the head of the workspace is zeroed;
- *  1. gatherPlanKernel, one CTA per selection-table row, runs the phases of gatherPlan.h
+ *  1. gatherPlanKernel, one CTA of planThreads(K) threads (two topk positions each) per
+ *     selection-table row, runs the phases of gatherPlan.h
  *     (shared with the host tests): reads the old status row, places the row's ids (a
  *     shared-memory hash finds each id's old slot, a block scan hands out free slots in
  *     topk order), appends one MissEntry per copied id to the workspace's miss list with
@@ -45,8 +46,8 @@ __device__ int32_t blockExclusiveScan(int32_t x, int32_t* warpTotals, int32_t& t
         int32_t const y = __shfl_up_sync(0xffffffffU, inclusive, d);
         inclusive += lane >= d ? y : 0;
     }
-    constexpr int32_t kWARPS = kPLAN_THREADS / 32;
-    static_assert(kWARPS <= 32, "one warp scans the warp totals");
+    int32_t const warps = static_cast<int32_t>(blockDim.x) / 32; // planThreads(K): whole warps
+    static_assert(kPLAN_MAX_THREADS / 32 <= 32, "one warp scans the warp totals");
     if (lane == 31)
     {
         warpTotals[warp] = inclusive;
@@ -56,25 +57,25 @@ __device__ int32_t blockExclusiveScan(int32_t x, int32_t* warpTotals, int32_t& t
     // writes its own entry), so that no thread loops over every warp's total.
     if (warp == 0)
     {
-        int32_t w = lane < kWARPS ? warpTotals[lane] : 0;
+        int32_t w = lane < warps ? warpTotals[lane] : 0;
 #pragma unroll
         for (int32_t d = 1; d < 32; d *= 2)
         {
             int32_t const y = __shfl_up_sync(0xffffffffU, w, d);
             w += lane >= d ? y : 0;
         }
-        if (lane < kWARPS)
+        if (lane < warps)
         {
             warpTotals[lane] = w;
         }
     }
     __syncthreads();
-    total = warpTotals[kWARPS - 1];
+    total = warpTotals[warps - 1];
     int32_t const before = warp > 0 ? warpTotals[warp - 1] : 0;
     return before + inclusive - x;
 }
 
-__global__ void __launch_bounds__(kPLAN_THREADS) gatherPlanKernel(PlanArgs const a)
+__global__ void __launch_bounds__(kPLAN_MAX_THREADS) gatherPlanKernel(PlanArgs const a)
 {
     __shared__ PlanShared sh;
     int32_t const tid = threadIdx.x;
@@ -313,7 +314,7 @@ cudaError_t planGatherOnHost(GatherSelectionParams const& params)
     struct Scratch
     {
         PlanShared shared;
-        PlanThread threads[kPLAN_THREADS];
+        PlanThread threads[kPLAN_MAX_THREADS];
     };
     Scratch* scratch = new (std::nothrow) Scratch;
     if (scratch == nullptr)
@@ -355,7 +356,8 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
     }
     // Rows past B*S (and every row of an empty batch) get actual_seq = 0 from the plan.
     PYTRT_KV_LAUNCH(
-        "gatherPlanKernel", gatherPlanKernel, static_cast<unsigned>(params.selectionRows), kPLAN_THREADS, stream, plan);
+        "gatherPlanKernel", gatherPlanKernel, static_cast<unsigned>(params.selectionRows),
+        static_cast<unsigned>(planThreads(params.topk)), stream, plan);
     e = recordLaunch(cudaGetLastError(), "gatherPlanKernel");
     if (e != cudaSuccess || entries == 0)
     {
