@@ -41,13 +41,17 @@ namespace
 bool gSkipBarrier = false;
 int gBarrierCalls[1024];
 
+//! Barriers gatherPlanKernel passes per thread (the "ok" mode checks the count): before planLoad, after it, after planPin, two in the block scan,
+//! after planFree.
+constexpr int kPLAN_BARRIERS = 6;
+
 //! __syncthreads() of the included kernels: with gSkipBarrier, each thread skips its
 //! second barrier of every block (the one between planLoad and planPin).
 void injectedSyncthreads()
 {
     int& n = gBarrierCalls[threadIdx.x];
     int const call = n++;
-    if (gSkipBarrier && call % 5 == 1)
+    if (gSkipBarrier && call % kPLAN_BARRIERS == 1)
     {
         return;
     }
@@ -151,6 +155,14 @@ int runGather(std::string const& mode)
         e = cudaStreamSynchronize(nullptr);
     }
     std::printf("selftest %s: %s\n", mode.c_str(), cudaGetErrorName(e));
+    if (e == cudaSuccess && mode == "ok" && (gBarrierCalls[0] == 0 || gBarrierCalls[0] % kPLAN_BARRIERS != 0))
+    {
+        // The race mode skips barrier 1 of every kPLAN_BARRIERS: a kernel with another count
+        // would skip the wrong ones.
+        std::printf("selftest ok: thread 0 passed %d barriers, not a multiple of %d\n", gBarrierCalls[0],
+            kPLAN_BARRIERS);
+        return 1;
+    }
     return e == cudaSuccess ? 0 : 1;
 }
 
