@@ -41,8 +41,8 @@ namespace
 bool gSkipBarrier = false;
 int gBarrierCalls[1024];
 
-//! Barriers gatherPlanKernel passes per thread (the "ok" mode checks the count): before planLoad, after it, after planPin, two in the block scan,
-//! after planFree.
+//! Barriers gatherPlanKernel passes per thread (the "ok" mode checks the count): before planLoad, after it, after
+//! planPin, two in the block scan, after planFree.
 constexpr int kPLAN_BARRIERS = 6;
 
 //! __syncthreads() of the included kernels: with gSkipBarrier, each thread skips its
@@ -159,8 +159,8 @@ int runGather(std::string const& mode)
     {
         // The race mode skips barrier 1 of every kPLAN_BARRIERS: a kernel with another count
         // would skip the wrong ones.
-        std::printf("selftest ok: thread 0 passed %d barriers, not a multiple of %d\n", gBarrierCalls[0],
-            kPLAN_BARRIERS);
+        std::printf(
+            "selftest ok: thread 0 passed %d barriers, not a multiple of %d\n", gBarrierCalls[0], kPLAN_BARRIERS);
         return 1;
     }
     return e == cudaSuccess ? 0 : 1;

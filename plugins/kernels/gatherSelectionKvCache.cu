@@ -355,8 +355,7 @@ cudaError_t launchGatherSelectionKvCache(GatherSelectionParams const& params, cu
         }
     }
     // Rows past B*S (and every row of an empty batch) get actual_seq = 0 from the plan.
-    PYTRT_KV_LAUNCH(
-        "gatherPlanKernel", gatherPlanKernel, static_cast<unsigned>(params.selectionRows),
+    PYTRT_KV_LAUNCH("gatherPlanKernel", gatherPlanKernel, static_cast<unsigned>(params.selectionRows),
         static_cast<unsigned>(planThreads(params.topk)), stream, plan);
     e = recordLaunch(cudaGetLastError(), "gatherPlanKernel");
     if (e != cudaSuccess || entries == 0)
