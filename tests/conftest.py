@@ -7,11 +7,14 @@ import ctypes
 import gc
 import os
 import resource
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 import pytest
 
+from pytrt_kv.model_cache import CACHE_ENV
 from support.env import (
     gpu_unavailable_reason,
     real_gpu_unavailable_reason,
@@ -37,6 +40,20 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config._pytrt_kv_device = select_device(config.getoption("--device"))
+    # The converted-GGUF cache (pytrt_kv.model_cache) in a folder of this session's, shared
+    # by the tests and the processes they start: the first SmolLM2 load of the session
+    # converts (as on a fresh machine), later ones read the folder; nothing goes to the
+    # user's ~/.cache. A cache the caller names is used as it is.
+    if CACHE_ENV not in os.environ:
+        config._pytrt_kv_model_cache = tempfile.mkdtemp(prefix="pytrt-kv-models-")
+        os.environ[CACHE_ENV] = config._pytrt_kv_model_cache
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_pytrt_kv_model_cache", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(CACHE_ENV, None)
 
 
 def pytest_report_header(config):

