@@ -100,6 +100,11 @@ class TransferHandle:
 
     def done(self) -> bool:
         """True when the transfer is complete (the initiator may reuse its blocks)."""
+        return self._check(0.0)
+
+    def _check(self, spin_s: float) -> bool:
+        """:meth:`done`, the transport checking again for up to ``spin_s`` without a
+        pause while the transfer runs (:meth:`.transport.Xfer.spin`)."""
         if self._error is not None:
             raise self._error
         if self._done:
@@ -107,7 +112,7 @@ class TransferHandle:
         xfer = self._xfer
         assert xfer is not None  # not done, so the transfer is still held
         try:
-            state = xfer.state()
+            state = xfer.spin(spin_s) if spin_s > 0 else xfer.state()
         except LLMException as exc:
             if self._local is not None:
                 exc = self._dd._transfer_error(exc, *self._local, self._peer)
@@ -125,10 +130,11 @@ class TransferHandle:
         LLMException
             TIMEOUT (the handle is released), NOT_YET_LINK (the peer went away), FAILED.
         """
-        if self.done():  # a small push is often complete at its first check
-            return
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         start = time.monotonic()
+        # A small push is complete within the first POLL_SPIN_S, checked without a pause.
+        if self._check(min(POLL_SPIN_S, timeout)):
+            return
         next_probe = start + PROBE_EVERY_S
         while not self.done():
             now = time.monotonic()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -237,13 +238,14 @@ class NixlTransport(Transport):
     def _start(self, h: Any, notif: bytes, what: str, entry: _Prepared | None) -> _NixlXfer:
         """Post the transfer ``h`` with ``notif``; ``entry``: where ``h`` goes back to once
         complete (None: released)."""
-        xfer = _NixlXfer(self, h, entry)
         try:
             st = self._post(h._handle, notif)
         except Exception as exc:
-            xfer.entry = None  # a failed handle is never kept
-            xfer.release()
+            _NixlXfer(self, h).release()  # a failed handle is never kept
             raise self._error(exc, f"posting the {what}") from exc
+        # Made after the post: the transfer is under way meanwhile (a small push's
+        # latency is the Python before the post plus NIXL's time).
+        xfer = _NixlXfer(self, h, entry)
         if st == self._b.NIXL_SUCCESS:
             xfer.first = "DONE"
         elif st != self._b.NIXL_IN_PROG:
@@ -402,6 +404,27 @@ class _NixlXfer(Xfer):
         except Exception as exc:
             raise self._t._error(exc, "transfer") from exc
         if st == self._proc_code:
+            return "PROC"
+        if st == self._done_code:
+            self.first = "DONE"
+            return "DONE"
+        raise LLMException(LLMStatus.FAILED, "NIXL reports the transfer failed")
+
+    def spin(self, seconds: float) -> str:
+        # The bindings' status call in a loop of its own: a small push completes within
+        # the spin, and each check through state() cost two Python calls more.
+        first = self.first
+        if first != "PROC":
+            return first if first == "DONE" else self.state()
+        status, raw, proc = self._status, self._raw, self._proc_code
+        end = time.monotonic() + seconds
+        try:
+            st = status(raw)
+            while st == proc and time.monotonic() < end:
+                st = status(raw)
+        except Exception as exc:
+            raise self._t._error(exc, "transfer") from exc
+        if st == proc:
             return "PROC"
         if st == self._done_code:
             self.first = "DONE"

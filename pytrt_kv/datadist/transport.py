@@ -59,6 +59,12 @@ class Xfer:
     def state(self) -> str:
         raise NotImplementedError
 
+    def spin(self, seconds: float) -> str:
+        """:meth:`state`, checked again without a pause while "PROC" for up to ``seconds``
+        (the first phase of a wait, :meth:`.handles.TransferHandle.wait`). This base
+        checks once."""
+        return self.state()
+
     def release(self) -> None:
         raise NotImplementedError
 
