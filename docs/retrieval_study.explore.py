@@ -35,6 +35,11 @@ ALL = [
     "mass",
     "massz",
     "kmeans2",
+    "kmeans2_massz",
+    "kmeans4",
+    "kmeans4_massz",
+    "outlier4",
+    "outlier4_massz",
     "blockmass",
     "oracle",
 ]

@@ -149,6 +149,33 @@ def test_needles_never_lie_in_init_or_local():
         study.place_needles(s, hay, [], needles, [0.5, 0.5], 1100)
 
 
+def test_block_vectors_keep_what_a_mean_loses():
+    """The study's multi-vector candidates (pytrt_kv/retrieval/study/scores.py): four
+    well-separated runs of keys in a block, not aligned with its quarters (Lloyd starts
+    from the quarters' means), give four centroids at the runs' means;
+    one key unlike the rest is among the block's outliers, the first vector being the
+    block's mean."""
+    torch = pytest.importorskip("torch")
+    from pytrt_kv.retrieval.study.scores import kmeans2, outliers
+
+    g = torch.Generator().manual_seed(0)
+    centres = torch.tensor([[10.0, 0], [0, 10], [-10, 0], [0, -10]])
+    order = torch.roll(torch.arange(32), 3)  # runs of 8, shifted by 3 against the quarters
+    keys = (centres.repeat_interleave(8, 0) + 0.1 * torch.randn(32, 2, generator=g))[order]
+    got = kmeans2(keys[None], k=4)[0]  # [4, 2]
+    want = torch.stack([keys[order.argsort()[i * 8 : (i + 1) * 8]].mean(0) for i in range(4)])
+    dist = torch.cdist(got, want)
+    assert (dist.min(dim=1).values < 1e-4).all() and len(set(dist.argmin(1).tolist())) == 4
+    assert torch.equal(kmeans2(keys[None])[0], kmeans2(keys[None], k=2)[0])
+
+    block = 0.01 * torch.randn(2, 3, 32, 8, generator=g)  # [heads, blocks, B, D]
+    block[1, 2, 17] += 5.0  # the inserted fact
+    vec = outliers(block, 4)
+    assert vec.shape == (2, 3, 5, 8)
+    assert torch.allclose(vec[..., 0, :], block.mean(-2))
+    assert any(torch.equal(vec[1, 2, j], block[1, 2, 17]) for j in range(1, 5))
+
+
 def test_wilson_interval():
     from pytrt_kv.retrieval.study.statistics import wilson
 

@@ -16,8 +16,11 @@ its KV head and ``s = scaling``:
 * ``massz``: as ``mass``, with each head's softmax normalised by its true init + local
   mass as well (``B exp(s q_h . mean_b)`` per block);
 * ``kmeans2``: two centroids per block and KV head (Lloyd from the block's halves, 4
-  steps), score ``sum_h max_j s q_h . c_b,g(h),j``; ``kmeans2_mass``: the same logits
-  through the per-head softmax of ``mass``;
+  steps), score ``sum_h max_j s q_h . c_b,g(h),j``; ``kmeans2_mass``, ``kmeans2_massz``:
+  the same logits through the per-head softmax of ``mass``, ``massz``; ``kmeans4``,
+  ``kmeans4_massz``: four centroids (from the block's quarters);
+* ``outlier4``, ``outlier4_massz``: the block's mean and its 4 keys farthest from it,
+  per KV head, scored as ``kmeans2`` (max over the vectors) and through ``massz``;
 * ``blockmass`` (diagnostic, not a compact representation: it reads every key): each
   head's exact attention mass over the blocks, ``softmax_b(logsumexp_i s q_h . k_i)``,
   summed over heads; the oracle without the init + local part of the normaliser.
@@ -35,6 +38,11 @@ VECTOR_SELECTORS = {
     "massz": ("mean", "massz"),
     "kmeans2": ("kmeans2", "sum"),
     "kmeans2_mass": ("kmeans2", "mass"),
+    "kmeans2_massz": ("kmeans2", "massz"),
+    "kmeans4": ("kmeans4", "sum"),
+    "kmeans4_massz": ("kmeans4", "massz"),
+    "outlier4": ("outlier4", "sum"),
+    "outlier4_massz": ("outlier4", "massz"),
     "blockmass": ("keys", "mass"),
 }
 REP_SELECTORS = (MEAN, MINMAX, *VECTOR_SELECTORS)
@@ -130,21 +138,35 @@ def _per_head(kind: str, cfg, q, k, nb: int, G: int, cache: dict):
     return qg @ reps.transpose(-1, -2)
 
 
-def kmeans2(blocks, steps: int = 4):
-    """Two centroids per block and head: ``[..., B, D]`` -> ``[..., 2, D]``. Lloyd's
-    algorithm from the means of the block's first and second halves; a point goes to the
-    nearer centroid (ties to the first); an emptied centroid keeps its place."""
+def kmeans2(blocks, steps: int = 4, k: int = 2):
+    """``k`` (default two) centroids per block and head: ``[..., B, D]`` -> ``[..., k,
+    D]``. Lloyd's algorithm from the means of the block's k equal parts in order (the
+    last one takes the rest); a point goes to the nearest centroid (ties to the first);
+    an emptied centroid keeps its place."""
     import torch
 
-    half = blocks.shape[-2] // 2
-    cen = torch.stack([blocks[..., :half, :].mean(-2), blocks[..., half:, :].mean(-2)], dim=-2)
+    part = blocks.shape[-2] // k  # the last part takes the rest
+    ends = [(j + 1) * part if j < k - 1 else None for j in range(k)]
+    cen = torch.stack([blocks[..., j * part : ends[j], :].mean(-2) for j in range(k)], dim=-2)
     for _ in range(steps):
-        d = ((blocks[..., :, None, :] - cen[..., None, :, :]) ** 2).sum(-1)  # [..., B, 2]
-        w = torch.nn.functional.one_hot(d.argmin(-1), 2).to(blocks.dtype)  # [..., B, 2]
-        cnt = w.sum(-2)  # [..., 2]
+        d = ((blocks[..., :, None, :] - cen[..., None, :, :]) ** 2).sum(-1)  # [..., B, k]
+        w = torch.nn.functional.one_hot(d.argmin(-1), k).to(blocks.dtype)  # [..., B, k]
+        cnt = w.sum(-2)  # [..., k]
         new = (w.transpose(-1, -2) @ blocks) / cnt.clamp(min=1)[..., None]
         cen = torch.where(cnt[..., None] > 0, new, cen)
     return cen
+
+
+def outliers(blocks, r: int):
+    """The block's mean and its ``r`` keys farthest from it, per block and head:
+    ``[..., B, D]`` -> ``[..., r + 1, D]`` (a token unlike the rest of its block, such as
+    an inserted fact, keeps a vector of its own)."""
+    import torch
+
+    mean = blocks.mean(-2, keepdim=True)
+    far = ((blocks - mean) ** 2).sum(-1).topk(r, dim=-1).indices  # [..., r]
+    picked = torch.gather(blocks, -2, far[..., None].expand(*far.shape, blocks.shape[-1]))
+    return torch.cat([mean, picked], dim=-2)
 
 
 def _vector_scores(method: str, cfg, q, k, allowed, valid, G: int, scale: float, cache: dict):
@@ -162,6 +184,10 @@ def _vector_scores(method: str, cfg, q, k, allowed, valid, G: int, scale: float,
             cache[vectors] = blocks.mean(dim=2, keepdim=True)
         elif vectors == "kmeans2":
             cache[vectors] = kmeans2(blocks)
+        elif vectors == "kmeans4":
+            cache[vectors] = kmeans2(blocks, k=4)
+        elif vectors == "outlier4":
+            cache[vectors] = outliers(blocks, 4)
         else:
             cache[vectors] = blocks
     vec = cache[vectors][:, :nb]  # [Hkv, nb, r, D]
