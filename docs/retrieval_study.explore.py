@@ -1,7 +1,8 @@
 """The selector exploration of docs/RETRIEVAL.md ("Selectors measured at 8000 tokens").
 
 Usage: PYTHONPATH=. python docs/retrieval_study.explore.py N LENGTH OUT.jsonl [START
-[THREADS [reverse]]]. Single needle, trial i of N at depth (i + 0.5)/N of the retrievable
+[THREADS [reverse|forward [METHODS]]]] (METHODS: comma-separated, instead of the list
+below). Single needle, trial i of N at depth (i + 0.5)/N of the retrievable
 span (its own haystack and needle, seed [0, 1000 + i]), every method at the main
 (0.1:32:128:896) and the tight (0.068:32:64:448) setting, and mean, mass, oracle with
 16-token blocks; one JSON line per (trial, method), with the seconds it took.
@@ -44,6 +45,9 @@ ALL = [
     "oracle",
 ]
 SMALL = ["mean", "mass", "oracle"]
+if len(sys.argv) > 7:  # a comma-separated list of methods instead of ALL
+    ALL = sys.argv[7].split(",")
+    SMALL = []
 plan = [(s, n) for s in (main, tight) for n in ALL]
 plan += [((0.1, 16, 128, 896), n) for n in SMALL]
 settings = StudySettings(

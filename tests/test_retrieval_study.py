@@ -176,6 +176,26 @@ def test_block_vectors_keep_what_a_mean_loses():
     assert any(torch.equal(vec[1, 2, j], block[1, 2, 17]) for j in range(1, 5))
 
 
+def test_lowrank_is_blockmass_on_projected_keys():
+    """``lowrank<r>`` (the study's low-rank-keys candidate) is ``blockmass`` when r covers
+    the head dimension, and an approximation of it (not equal) below."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from pytrt_kv.retrieval.study.scores import selector_scores
+
+    cfg = SimpleNamespace(block_size=4, init_tokens=2, local_tokens=4)
+    g = torch.Generator().manual_seed(0)
+    for d, same in ((8, True), (32, False)):
+        q = torch.randn(4, 3, d, generator=g)  # 2 KV heads x 2 query heads, 3 rows
+        k = torch.randn(2, 2 + 4 * 5 + 4, d, generator=g)
+        valid = torch.ones(3, 5, dtype=torch.bool)
+        args = (cfg, q, k, None, None, valid, 2, d**-0.5, 0, {})
+        low, exact = selector_scores("lowrank8", *args), selector_scores("blockmass", *args)
+        assert low.shape == (3, 5)
+        assert torch.allclose(low, exact, atol=1e-5) is same, (d, (low - exact).abs().max())
+
+
 def test_wilson_interval():
     from pytrt_kv.retrieval.study.statistics import wilson
 

@@ -21,6 +21,9 @@ its KV head and ``s = scaling``:
   ``kmeans4_massz``: four centroids (from the block's quarters);
 * ``outlier4``, ``outlier4_massz``: the block's mean and its 4 keys farthest from it,
   per KV head, scored as ``kmeans2`` (max over the vectors) and through ``massz``;
+* ``lowrank8``, ``lowrank16``: ``blockmass`` on logits of keys and queries projected on
+  the top-r right singular vectors of the layer's retrievable keys (per KV head; r / D
+  of the keys' storage, as ShadowKV keeps low-rank keys);
 * ``blockmass`` (diagnostic, not a compact representation: it reads every key): each
   head's exact attention mass over the blocks, ``softmax_b(logsumexp_i s q_h . k_i)``,
   summed over heads; the oracle without the init + local part of the normaliser.
@@ -45,7 +48,10 @@ VECTOR_SELECTORS = {
     "outlier4_massz": ("outlier4", "massz"),
     "blockmass": ("keys", "mass"),
 }
-REP_SELECTORS = (MEAN, MINMAX, *VECTOR_SELECTORS)
+#: Selectors from low-rank keys (every key of the span projected on the top-r right
+#: singular vectors of the layer's span, per KV head): name -> r.
+LOWRANK_SELECTORS = {"lowrank8": 8, "lowrank16": 16}
+REP_SELECTORS = (MEAN, MINMAX, *VECTOR_SELECTORS, *LOWRANK_SELECTORS)
 HEAD_SELECTORS = (MEAN + "_head", MINMAX + "_head")
 ALL_SELECTORS = BASELINES + REP_SELECTORS + HEAD_SELECTORS
 
@@ -72,6 +78,8 @@ def selector_scores(
         return _per_head(method, cfg, q, k, nb, G, cache)
     if method in VECTOR_SELECTORS:
         return _vector_scores(method, cfg, q, k, allowed, valid, G, scale, cache)
+    if method in LOWRANK_SELECTORS:
+        return _lowrank(LOWRANK_SELECTORS[method], cfg, q, k, valid, G, scale, cache)
     raise ValueError(f"method: expected one of {list(ALL_SELECTORS)}, got {method!r}")
 
 
@@ -167,6 +175,30 @@ def outliers(blocks, r: int):
     far = ((blocks - mean) ** 2).sum(-1).topk(r, dim=-1).indices  # [..., r]
     picked = torch.gather(blocks, -2, far[..., None].expand(*far.shape, blocks.shape[-1]))
     return torch.cat([mean, picked], dim=-2)
+
+
+def _lowrank(r: int, cfg, q, k, valid, G: int, scale: float, cache: dict):
+    """``blockmass`` on approximate logits: the keys of the retrievable span and the
+    queries projected on the span's top-``r`` right singular vectors (per KV head), each
+    head's logsumexp over a block's projected keys, softmax over the blocks, summed over
+    heads. Storage: r numbers per token and KV head (r / D of the keys)."""
+    import torch
+
+    Hq, c, D = q.shape
+    Hkv = k.shape[0]
+    nb = valid.shape[1]
+    name = f"lowrank{r}"
+    if name not in cache:
+        blocks = _blocks(cfg, k).float()  # [Hkv, n, B, D]
+        _, n, B, _ = blocks.shape
+        flat = blocks.reshape(Hkv, n * B, D)
+        v = torch.linalg.svd(flat, full_matrices=False).Vh[:, :r].transpose(-1, -2)
+        cache[name] = ((flat @ v).reshape(Hkv, n, B, -1), v)  # [Hkv, n, B, r], [Hkv, D, r]
+    proj, v = cache[name]
+    qh = q.float().reshape(Hkv, G, c, D) @ v[:, None]  # [Hkv, G, c, r]
+    logits = torch.einsum("hgcr,hnbr->hgcnb", qh, proj[:, :nb]) * scale
+    logits = torch.logsumexp(logits, dim=-1).masked_fill(~valid, float("-inf"))
+    return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
 
 
 def _vector_scores(method: str, cfg, q, k, allowed, valid, G: int, scale: float, cache: dict):
