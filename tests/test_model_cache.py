@@ -114,3 +114,33 @@ def test_a_cache_path_that_is_a_file_costs_a_warning(monkeypatch, tmp_path):
     with pytest.warns(UserWarning, match="cannot write the converted m.gguf"):
         assert model_cache.converted_folder(gguf, model, tok) is None
     assert model_cache.cached_folder(gguf) is None
+
+
+def test_a_damaged_folder_is_made_again(monkeypatch, tmp_path):
+    """A kept folder whose weights were damaged after it was made (the cache is outside
+    this process's control) is removed with a warning and converted again; the model
+    returned equals the GGUF's."""
+    import torch
+
+    monkeypatch.setenv(model_cache.CACHE_ENV, str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    model, tok = _tiny()
+    reads = []
+
+    def read_gguf(path, dtype):  # transformers' GGUF reading, of the tiny model
+        reads.append(dtype)
+        return model, tok
+
+    monkeypatch.setattr(model_cache, "_read_gguf", read_gguf)
+    folder = model_cache.converted_folder(gguf, model, tok)
+    assert folder is not None
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.warns(UserWarning, match="cannot be read .*removed, converting m.gguf again"):
+        got, _ = model_cache.load_gguf(gguf, torch.float32)
+    assert reads == [torch.float32] and model_cache.cached_folder(gguf) == folder
+    want, back = model.state_dict(), got.state_dict()
+    assert all(torch.equal(want[k], back[k]) for k in want)
+    # Read from the folder now: no GGUF read.
+    model_cache.load_gguf(gguf, torch.bfloat16)
+    assert reads == [torch.float32]

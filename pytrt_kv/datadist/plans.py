@@ -73,23 +73,8 @@ class PlanMixin(NodeState):
         was taken from). A key fixes everything the D4 check sees: the local cache object
         (checked by identity on use), the remote cache's ids, the block ids' dtype and
         bytes, and exact-int ext params (docs/DATADIST.md decision 12)."""
-        # _ids_key, its array case inline (the small-push path, docs/DATADIST.md).
-        if (
-            type(src_blocks) is np.ndarray
-            and src_blocks.ndim == 1
-            and (src_blocks.size <= _PLAN_CACHE_BLOCKS)
-        ):
-            skey = (src_blocks.dtype, src_blocks.tobytes())
-        else:
-            skey, src_blocks = _ids_key(src_blocks)
-        if (
-            type(dst_blocks) is np.ndarray
-            and dst_blocks.ndim == 1
-            and (dst_blocks.size <= _PLAN_CACHE_BLOCKS)
-        ):
-            dkey = (dst_blocks.dtype, dst_blocks.tobytes())
-        else:
-            dkey, dst_blocks = _ids_key(dst_blocks)
+        skey, src_blocks = _ids_key(src_blocks)
+        dkey, dst_blocks = _ids_key(dst_blocks)
         memo = self._ext_memo  # frozen and checked to hold exact ints: its key is fixed
         if ext_param is not memo[0]:
             memo = self._ext_memo = (ext_param, _ext_key(ext_param))
