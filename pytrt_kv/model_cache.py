@@ -101,6 +101,8 @@ def load_gguf(gguf: Path, dtype: Any) -> tuple[Any, Any]:
     again."""
     import torch  # noqa: PLC0415
 
+    if cache_root() is None:  # no cache: read once, in the type asked for
+        return _read_gguf(gguf, dtype)
     folder = cached_folder(gguf)
     if folder is not None:
         try:
@@ -192,17 +194,16 @@ def _save(model: Any, tok: Any, where: Path) -> None:
 
 #: Config fields that say where and how a model was stored, not what it computes.
 _BOOKKEEPING = frozenset(
-    {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"}
-    | {"quantization_config"}
-)
+    ("transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype",
+     "quantization_config")
+)  # fmt: skip
 
 
 def _differs(model: Any, tok: Any, where: Path) -> str:
     """Why the folder ``where`` does not equal ``model`` and ``tok`` ("" if it does)."""
     import torch  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    back = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, local_files_only=True)
+    back, tok2 = _read_folder(where, torch.float32)
     want, got = model.state_dict(), back.state_dict()
     if want.keys() != got.keys():
         return f"has other tensors ({sorted(want.keys() ^ got.keys())[:3]}...)"
@@ -214,7 +215,6 @@ def _differs(model: Any, tok: Any, where: Path) -> str:
     if a != b:
         keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
         return f"has another config ({keys})"
-    tok2 = AutoTokenizer.from_pretrained(where, local_files_only=True)
     if tok(PROBE)["input_ids"] != tok2(PROBE)["input_ids"] or len(tok) != len(tok2):
         return "tokenizes differently"
     return ""

@@ -144,3 +144,16 @@ def test_a_damaged_folder_is_made_again(monkeypatch, tmp_path):
     # Read from the folder now: no GGUF read.
     model_cache.load_gguf(gguf, torch.bfloat16)
     assert reads == [torch.float32]
+
+
+def test_with_the_cache_off_the_gguf_is_read_once_in_the_type_asked(monkeypatch, tmp_path):
+    import torch
+
+    monkeypatch.setenv(model_cache.CACHE_ENV, "off")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    model, tok = _tiny()
+    reads = []
+    monkeypatch.setattr(model_cache, "_read_gguf", lambda p, d: (reads.append(d), (model, tok))[1])
+    assert model_cache.load_gguf(gguf, torch.bfloat16) == (model, tok)
+    assert reads == [torch.bfloat16] and list(tmp_path.iterdir()) == [gguf]

@@ -395,33 +395,23 @@ class _NixlXfer(Xfer):
         self._status, self._done_code, self._proc_code = transport._status
 
     def state(self) -> str:
-        if self.first == "DONE":
-            return "DONE"
-        if self.first == "ERR":
-            raise LLMException(LLMStatus.FAILED, "NIXL refused to post the transfer")
-        try:
-            st = self._status(self._raw)
-        except Exception as exc:
-            raise self._t._error(exc, "transfer") from exc
-        if st == self._proc_code:
-            return "PROC"
-        if st == self._done_code:
-            self.first = "DONE"
-            return "DONE"
-        raise LLMException(LLMStatus.FAILED, "NIXL reports the transfer failed")
+        return self.spin(0.0)
 
     def spin(self, seconds: float) -> str:
         # The bindings' status call in a loop of its own: a small push completes within
         # the spin, and each check through state() cost two Python calls more.
         first = self.first
-        if first != "PROC":
-            return first if first == "DONE" else self.state()
+        if first == "DONE":
+            return "DONE"
+        if first == "ERR":
+            raise LLMException(LLMStatus.FAILED, "NIXL refused to post the transfer")
         status, raw, proc = self._status, self._raw, self._proc_code
-        end = time.monotonic() + seconds
         try:
             st = status(raw)
-            while st == proc and time.monotonic() < end:
-                st = status(raw)
+            if seconds > 0:
+                end = time.monotonic() + seconds
+                while st == proc and time.monotonic() < end:
+                    st = status(raw)
         except Exception as exc:
             raise self._t._error(exc, "transfer") from exc
         if st == proc:
