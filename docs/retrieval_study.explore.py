@@ -1,14 +1,23 @@
 """The selector exploration of docs/RETRIEVAL.md ("Selectors measured at 8000 tokens").
 
 Usage: PYTHONPATH=. python docs/retrieval_study.explore.py N LENGTH OUT.jsonl [START
-[THREADS [reverse|forward [METHODS]]]] (METHODS: comma-separated, instead of the list
-below). Single needle, trial i of N at depth (i + 0.5)/N of the retrievable
-span (its own haystack and needle, seed [0, 1000 + i]), every method at the main
-(0.1:32:128:896) and the tight (0.068:32:64:448) setting, and mean, mass, oracle with
-16-token blocks; one JSON line per (trial, method), with the seconds it took.
+[THREADS [reverse|forward|spread [METHODS]]]] (METHODS: comma-separated, instead of the
+list below; spread: the trials in an order that covers the depths evenly at any point,
+for a run that may be cut short). Single needle, trial i of N at depth (i + 0.5)/N of
+the retrievable span (its own haystack and needle, seed [0, 1000 + i]), every method at
+the main (0.1:32:128:896) and the tight (0.068:32:64:448) setting, and mean, mass, oracle
+with 16-token blocks; one JSON line per (trial, method), with the seconds it took.
+
+Environment: PYTRT_KV_STUDY_DEVICE (a torch device, default cpu; the GPU run of
+RETRIEVAL.md used cuda), PYTRT_KV_STUDY_DEADLINE (seconds: no trial starts after them),
+PYTRT_KV_STUDY_SMALL (comma-separated: the methods also run with 16-token blocks;
+default mean,mass,oracle, none with METHODS), PYTRT_KV_STUDY_MODEL (the GGUF file;
+default the installed wheel's). The heavy4 candidates make the prefill record each key's
+received attention (window 128).
 """
 
 import json
+import os
 import sys
 import time
 
@@ -48,21 +57,30 @@ SMALL = ["mean", "mass", "oracle"]
 if len(sys.argv) > 7:  # a comma-separated list of methods instead of ALL
     ALL = sys.argv[7].split(",")
     SMALL = []
+if "PYTRT_KV_STUDY_SMALL" in os.environ:
+    SMALL = [n for n in os.environ["PYTRT_KV_STUDY_SMALL"].split(",") if n]
+DEVICE = os.environ.get("PYTRT_KV_STUDY_DEVICE", "cpu")
+DEADLINE = time.time() + float(os.environ.get("PYTRT_KV_STUDY_DEADLINE", "inf"))
 plan = [(s, n) for s in (main, tight) for n in ALL]
 plan += [((0.1, 16, 128, 896), n) for n in SMALL]
 settings = StudySettings(
     lengths=(LENGTH,), trials=(N,), settings=(main, tight), curve_block_sizes=(8, 16)
 )
 torch.set_num_threads(int(sys.argv[5]) if len(sys.argv) > 5 else 1)
-model, tok = load_model()
+model, tok = load_model(os.environ.get("PYTRT_KV_STUDY_MODEL"), device=DEVICE)
 st = attention_state(model)
+if any(n.startswith("heavy") for n in ALL + SMALL):
+    st.heavy_window = 128
 hay = tok(study_text(0), add_special_tokens=False).input_ids
-order = (
-    range(N - 1, start - 1, -1)
-    if len(sys.argv) > 6 and sys.argv[6] == "reverse"
-    else range(start, N)
-)
+how = sys.argv[6] if len(sys.argv) > 6 else "forward"
+order = range(N - 1, start - 1, -1) if how == "reverse" else range(start, N)
+if how == "spread":  # depths covered evenly at any point: bit-reversed trial order
+    bits = max(1, (N - 1).bit_length())
+    order = sorted(order, key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
 for i in order:
+    if time.time() > DEADLINE:
+        print("deadline: stopped before trial", i, flush=True)
+        break
     trial = Trial("single", LENGTH, (i + 0.5) / N, i, False)
     rng = np.random.default_rng([0, 1000 + i])
     prompt, q, a, ranges = needle_prompt(tok, trial, settings, hay, rng)
@@ -70,6 +88,7 @@ for i in order:
     cache = DynamicCache()
     set_method(st, DENSE, NEVER)
     t0 = time.time()
+    st.importance.clear()
     forward(model, torch.tensor([prompt]), cache)
     tp = time.time() - t0
     feed = torch.tensor([q + a[:-1]])

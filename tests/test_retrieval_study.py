@@ -196,6 +196,62 @@ def test_lowrank_is_blockmass_on_projected_keys():
         assert torch.allclose(low, exact, atol=1e-5) is same, (d, (low - exact).abs().max())
 
 
+def test_prerope_heavy_and_received_attention():
+    """The exploration's candidates: ``rope`` undone then done again is the identity;
+    ``prerope<r>`` with r = D is ``blockmass`` (the keys come back exactly) and an
+    approximation below; ``heavy4`` scores each block by the 4 keys of largest
+    importance, so a block whose important key matches the query ranks first;
+    ``received_attention`` sums each key's causal attention from the window's queries
+    (checked against a loop over rows)."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from pytrt_kv.retrieval.study.attention import received_attention
+    from pytrt_kv.retrieval.study.scores import rope, selector_scores
+
+    g = torch.Generator().manual_seed(1)
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    x = torch.randn(2, 30, 16, generator=g)
+    assert torch.allclose(rope(rope(x, inv), inv, -1.0), x, atol=1e-5)
+    assert not torch.allclose(rope(x, inv), x)
+
+    cfg = SimpleNamespace(block_size=4, init_tokens=2, local_tokens=4)
+    valid = torch.ones(3, 5, dtype=torch.bool)
+    for d, r, same in ((16, 16, True), (32, 16, False)):
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        q = torch.randn(4, 3, d, generator=g)
+        k = torch.randn(2, 2 + 4 * 5 + 4, d, generator=g)
+        args = (cfg, q, k, None, None, valid, 2, d**-0.5, 0, {})
+        low = selector_scores(f"prerope{r}", *args, {"inv_freq": inv})
+        exact = selector_scores("blockmass", *args)
+        assert torch.allclose(low, exact, atol=1e-5) is same, (d, (low - exact).abs().max())
+    with pytest.raises(ValueError, match="RoPE"):
+        selector_scores("prerope16", *args)
+
+    d = 8
+    q = torch.zeros(4, 1, d)
+    q[:, :, 0] = 5.0
+    k = 0.01 * torch.randn(2, 2 + 4 * 5 + 4, d, generator=g)
+    k[:, 2 + 4 * 3 + 1, 0] = 1.0  # block 3 holds a key along the query
+    imp = torch.rand(2, k.shape[1], generator=g)
+    imp[:, 2 + 4 * 3 + 1] = 10.0  # and it is the block's most important key
+    args = (cfg, q, k, None, None, torch.ones(1, 5, dtype=torch.bool), 2, d**-0.5, 0)
+    sc = selector_scores("heavy4", *args, {}, {"importance": imp})
+    assert sc.shape == (1, 5) and int(sc.argmax()) == 3
+    with pytest.raises(ValueError, match="importance"):
+        selector_scores("heavy4", *args, {})
+
+    q, k = torch.randn(4, 10, 8, generator=g), torch.randn(2, 10, 8, generator=g)
+    got = received_attention(q, k, 2, 0.3, window=3, chunk=4)
+    want = torch.zeros(2, 10)
+    for i in range(10):
+        s = torch.einsum("hgd,hjd->hgj", q[:, i].reshape(2, 2, 8), k[:, : i + 1]) * 0.3
+        p = torch.softmax(s, dim=-1).sum(1)  # [2, i + 1]
+        for j in range(max(0, i - 3), i):
+            want[:, j] += p[:, j]
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_wilson_interval():
     from pytrt_kv.retrieval.study.statistics import wilson
 

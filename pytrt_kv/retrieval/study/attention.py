@@ -27,6 +27,13 @@ class AttentionState:
     sparse_from: int = 1 << 62  # absolute position of the first sparse query
     seed: int = 0
     chunk: int = 256
+    #: Study candidates beyond the keys (docs/RETRIEVAL.md, the exploration): with
+    #: ``heavy_window > 0`` a dense prefill records, per layer, the attention each key
+    #: received from the ``heavy_window`` queries after it (``heavy4``); ``inv_freq``:
+    #: the model's RoPE frequencies (``prerope``), set by ``load_model``.
+    heavy_window: int = 0
+    importance: dict = field(default_factory=dict)
+    inv_freq: object = None
 
 
 def use_attention_state(model, state: AttentionState) -> AttentionState:
@@ -104,9 +111,13 @@ def retrieval_attention(
             o = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=n_dense > 1, scale=scale, enable_gqa=True
             )
+            if st.heavy_window > 0:
+                st.importance[getattr(module, "layer_idx", 0)] = received_attention(
+                    q[0], k[0], G, scale, st.heavy_window
+                )
         else:
-            pos = torch.arange(start + n_dense)
-            mask = pos[None, :] <= (start + torch.arange(n_dense))[:, None]
+            pos = torch.arange(start + n_dense, device=q.device)
+            mask = pos[None, :] <= (start + torch.arange(n_dense, device=q.device))[:, None]
             o = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
             )
@@ -125,6 +136,30 @@ def retrieval_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def received_attention(q, k, G: int, scale: float, window: int, chunk: int = 512):
+    """``[Hkv, L]``: the causal attention each key received from the ``window`` queries
+    after it, summed over them and over its KV head's query heads (q ``[Hq, L, D]``, k
+    ``[Hkv, L, D]``, the same positions): InfLLM's measure of a block's representative
+    keys."""
+    import torch
+
+    Hq, L, D = q.shape
+    Hkv = k.shape[0]
+    out = torch.zeros(Hkv, L, device=q.device)
+    for i0 in range(0, L, chunk):
+        i1 = min(L, i0 + chunk)
+        i = torch.arange(i0, i1, device=q.device)[:, None]
+        j = torch.arange(i1, device=q.device)[None, :]
+        s = torch.matmul(
+            q[:, i0:i1].float().reshape(Hkv, G, i1 - i0, D),
+            k[:, None, :i1].float().transpose(-1, -2),
+        )
+        p = torch.softmax(s.mul(scale).masked_fill(j > i, float("-inf")), dim=-1)
+        near = (j < i) & (j >= i - window)
+        out[:, :i1] += (p * near).sum(dim=(1, 2))
+    return out
+
+
 def _sparse_rows(
     q, k, v, t0: int, G: int, scale: float, st: AttentionState, layer: int, reps_cache: dict
 ):
@@ -136,26 +171,28 @@ def _sparse_rows(
     Hq, c, D = q.shape
     Hkv, Lk, _ = k.shape
     Bs, init = cfg.block_size, cfg.init_tokens
-    t = t0 + torch.arange(c)  # absolute positions
+    dev = q.device
+    t = t0 + torch.arange(c, device=dev)  # absolute positions
     L = t + 1
     nb = torch.clamp((L - cfg.local_tokens - init) // Bs, min=0)  # R3 per row
     nb_max = int(nb.max())
-    j = torch.arange(Lk)
+    j = torch.arange(Lk, device=dev)
     causal = j[None, :] <= t[:, None]
     allowed = causal & ((j[None, :] < min(init, Lk)) | (j[None, :] >= (init + nb * Bs)[:, None]))
     if nb_max:
-        ksel = torch.tensor([cfg.num_selected(int(n)) for n in nb.tolist()])
-        valid = torch.arange(nb_max)[None, :] < nb[:, None]
+        ksel = torch.tensor([cfg.num_selected(int(n)) for n in nb.tolist()], device=dev)
+        valid = torch.arange(nb_max, device=dev)[None, :] < nb[:, None]
         seed = st.seed * 1_000_003 + t0 + (0 if st.method == "random_fixed" else layer * 8191)
+        extra = {"importance": st.importance.get(layer), "inv_freq": st.inv_freq}
         scores = selector_scores(
-            st.method, cfg, q, k, causal, allowed, valid, G, scale, seed, reps_cache
+            st.method, cfg, q, k, causal, allowed, valid, G, scale, seed, reps_cache, extra
         )
         scores = scores.masked_fill(~valid, float("-inf"))
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order)
-        rank.scatter_(-1, order, torch.arange(nb_max).expand(order.shape).contiguous())
+        rank.scatter_(-1, order, torch.arange(nb_max, device=dev).expand(order.shape).contiguous())
         chosen = rank < ksel[:, None]  # [(Hkv,) c, nb_max]; ties to the lower id (R4)
-        tok = torch.zeros(*chosen.shape[:-1], Lk, dtype=torch.bool)
+        tok = torch.zeros(*chosen.shape[:-1], Lk, dtype=torch.bool, device=dev)
         tok[..., init : init + nb_max * Bs] = chosen.repeat_interleave(Bs, dim=-1)
         allowed = allowed | (tok & causal)
         if st.method in HEAD_SELECTORS:  # per KV head: each query head uses its group's

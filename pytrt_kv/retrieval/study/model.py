@@ -51,10 +51,12 @@ def study_text(seed: int = 0) -> str:
     return "\n\n".join(topics[names[i]].strip() for i in order)
 
 
-def load_model(path: str | None = None):
-    """``(model, tokenizer)`` in float32, offline, with the retrieval attention
-    registered and selected, and the model's own :class:`AttentionState` (dense until
-    set: :func:`attention_state`). Each call loads a new model: no state is shared."""
+def load_model(path: str | None = None, device: str = "cpu"):
+    """``(model, tokenizer)`` in float32 on ``device`` (a torch device name: the
+    exploration script runs on a GPU where there is one), offline, with the retrieval
+    attention registered and selected, and the model's own :class:`AttentionState`
+    (dense until set: :func:`attention_state`). Each call loads a new model: no state is
+    shared."""
     from .attention import use_retrieval_attention
 
     gguf = find_model(path)
@@ -73,19 +75,27 @@ def load_model(path: str | None = None):
     transformers.utils.logging.disable_progress_bar()
     model, tok = load_gguf(gguf, torch.float32)  # converted once (pytrt_kv.model_cache)
     model.eval()
-    use_retrieval_attention(model)
+    model.to(device)
+    state = use_retrieval_attention(model)
+    for module in model.modules():  # the RoPE frequencies (the prerope candidates)
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+            state.inv_freq = module.inv_freq
+            break
     return model, tok
 
 
 def forward(model, ids, cache):
-    """One no-grad forward of ``ids`` ``[1, T]`` appending to ``cache``."""
+    """One no-grad forward of ``ids`` ``[1, T]`` appending to ``cache`` (on the model's
+    device); the output's logits come back on the CPU, where the tasks compare them."""
     import torch
 
     # transformers renamed past_key_values to cache (5.2x; the old name warns on every
     # call until its removal in 5.40): pass the name this version's forward takes.
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        return model(input_ids=ids, use_cache=True, **{name: cache})
+        out = model(input_ids=ids.to(model.device), use_cache=True, **{name: cache})
+    out.logits = out.logits.cpu()
+    return out
 
 
 def crop(cache, length: int) -> None:

@@ -21,9 +21,16 @@ its KV head and ``s = scaling``:
   ``kmeans4_massz``: four centroids (from the block's quarters);
 * ``outlier4``, ``outlier4_massz``: the block's mean and its 4 keys farthest from it,
   per KV head, scored as ``kmeans2`` (max over the vectors) and through ``massz``;
-* ``lowrank8``, ``lowrank16``: ``blockmass`` on logits of keys and queries projected on
-  the top-r right singular vectors of the layer's retrievable keys (per KV head; r / D
-  of the keys' storage, as ShadowKV keeps low-rank keys);
+* ``kmeans8_massz``: eight centroids (from the block's eighths) through ``massz``;
+* ``topnorm4_massz``: the block's mean and its 4 keys of largest norm, per KV head;
+* ``heavy4``, ``heavy4_massz``: InfLLM's representative keys: the block's 4 keys that
+  received the most attention (summed over the KV head's query heads) from the
+  ``AttentionState.heavy_window`` queries after each of them during the dense prefill;
+* ``lowrank8``, ``lowrank16``, ``lowrank32``: ``blockmass`` on logits of keys and
+  queries projected on the top-r right singular vectors of the layer's retrievable
+  keys (per KV head; r / D of the keys' storage, as ShadowKV keeps low-rank keys);
+* ``prerope16``, ``prerope32``: as ``lowrank``, with the keys' RoPE undone before the
+  projection (ShadowKV's pre-RoPE keys) and done again on the projected keys;
 * ``blockmass`` (diagnostic, not a compact representation: it reads every key): each
   head's exact attention mass over the blocks, ``softmax_b(logsumexp_i s q_h . k_i)``,
   summed over heads; the oracle without the init + local part of the normaliser.
@@ -31,6 +38,8 @@ its KV head and ``s = scaling``:
 """
 
 from __future__ import annotations
+
+import math
 
 from ..config import MEAN, MINMAX
 
@@ -44,32 +53,52 @@ VECTOR_SELECTORS = {
     "kmeans2_massz": ("kmeans2", "massz"),
     "kmeans4": ("kmeans4", "sum"),
     "kmeans4_massz": ("kmeans4", "massz"),
+    "kmeans8_massz": ("kmeans8", "massz"),
     "outlier4": ("outlier4", "sum"),
     "outlier4_massz": ("outlier4", "massz"),
+    "topnorm4_massz": ("topnorm4", "massz"),
+    "heavy4": ("heavy4", "sum"),
+    "heavy4_massz": ("heavy4", "massz"),
     "blockmass": ("keys", "mass"),
 }
 #: Selectors from low-rank keys (every key of the span projected on the top-r right
 #: singular vectors of the layer's span, per KV head): name -> r.
-LOWRANK_SELECTORS = {"lowrank8": 8, "lowrank16": 16}
-REP_SELECTORS = (MEAN, MINMAX, *VECTOR_SELECTORS, *LOWRANK_SELECTORS)
+LOWRANK_SELECTORS = {"lowrank8": 8, "lowrank16": 16, "lowrank32": 32}
+#: The same with the keys taken before RoPE (ShadowKV: pre-RoPE keys are low-rank), the
+#: projected keys rotated again at their positions: name -> r.
+PREROPE_SELECTORS = {"prerope16": 16, "prerope32": 32}
+REP_SELECTORS = (MEAN, MINMAX, *VECTOR_SELECTORS, *LOWRANK_SELECTORS, *PREROPE_SELECTORS)
 HEAD_SELECTORS = (MEAN + "_head", MINMAX + "_head")
 ALL_SELECTORS = BASELINES + REP_SELECTORS + HEAD_SELECTORS
 
 
 def selector_scores(
-    method: str, cfg, q, k, causal, allowed, valid, G: int, scale: float, seed: int, cache: dict
+    method: str,
+    cfg,
+    q,
+    k,
+    causal,
+    allowed,
+    valid,
+    G: int,
+    scale: float,
+    seed: int,
+    cache: dict,
+    extra: dict | None = None,
 ):
     """Scores of the retrievable blocks for rows ``q [Hq, c, D]`` over keys
     ``k [Hkv, Lk, D]``; ``causal``/``allowed`` ``[c, Lk]`` (allowed: init + local),
     ``valid [c, nb]`` (the row's retrievable blocks); ``cache`` keeps the block
-    representations of this forward."""
+    representations of this forward; ``extra``: what the layer knows beyond its keys
+    (``"importance"`` ``[Hkv, Lp]`` for ``heavy4``, ``"inv_freq"`` for ``prerope``)."""
     import torch
 
     c, nb = valid.shape
     if method == "window":  # the most recent blocks: a window widened to the budget
-        return torch.arange(nb, dtype=torch.float32).expand(c, nb)
+        return torch.arange(nb, dtype=torch.float32, device=q.device).expand(c, nb)
     if method in ("random", "random_fixed"):
-        return torch.rand(c, nb, generator=torch.Generator().manual_seed(seed))
+        # drawn on the CPU, so that a GPU run draws the same blocks as a CPU run
+        return torch.rand(c, nb, generator=torch.Generator().manual_seed(seed)).to(q.device)
     if method == "oracle":
         return _oracle(cfg, q, k, causal, nb, G, scale)
     if method in (MEAN, MINMAX):
@@ -77,9 +106,15 @@ def selector_scores(
     if method in HEAD_SELECTORS:
         return _per_head(method, cfg, q, k, nb, G, cache)
     if method in VECTOR_SELECTORS:
-        return _vector_scores(method, cfg, q, k, allowed, valid, G, scale, cache)
+        return _vector_scores(method, cfg, q, k, allowed, valid, G, scale, cache, extra or {})
     if method in LOWRANK_SELECTORS:
         return _lowrank(LOWRANK_SELECTORS[method], cfg, q, k, valid, G, scale, cache)
+    if method in PREROPE_SELECTORS:
+        inv_freq = (extra or {}).get("inv_freq")
+        if inv_freq is None:
+            raise ValueError(f"method {method!r}: needs the model's RoPE frequencies")
+        r = PREROPE_SELECTORS[method]
+        return _lowrank(r, cfg, q, k, valid, G, scale, cache, inv_freq=inv_freq)
     raise ValueError(f"method: expected one of {list(ALL_SELECTORS)}, got {method!r}")
 
 
@@ -177,7 +212,20 @@ def outliers(blocks, r: int):
     return torch.cat([mean, picked], dim=-2)
 
 
-def _lowrank(r: int, cfg, q, k, valid, G: int, scale: float, cache: dict):
+def rope(x, inv_freq, sign: float = 1.0):
+    """``x [..., L, D]`` rotated at positions ``0 .. L-1`` as Llama's RoPE does
+    (``rotate_half``); ``sign = -1`` undoes it."""
+    import torch
+
+    pos = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq.to(device=x.device, dtype=torch.float32)[None]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * emb.cos() + sign * rot * emb.sin()
+
+
+def _lowrank(r: int, cfg, q, k, valid, G: int, scale: float, cache: dict, inv_freq=None):
     """``blockmass`` on approximate logits: the keys of the retrievable span and the
     queries projected on the span's top-``r`` right singular vectors (per KV head), each
     head's logsumexp over a block's projected keys, softmax over the blocks, summed over
@@ -187,21 +235,43 @@ def _lowrank(r: int, cfg, q, k, valid, G: int, scale: float, cache: dict):
     Hq, c, D = q.shape
     Hkv = k.shape[0]
     nb = valid.shape[1]
-    name = f"lowrank{r}"
-    if name not in cache:
+    name = f"lowrank{r}" if inv_freq is None else f"prerope{r}"
+    if name not in cache and inv_freq is None:
         blocks = _blocks(cfg, k).float()  # [Hkv, n, B, D]
         _, n, B, _ = blocks.shape
         flat = blocks.reshape(Hkv, n * B, D)
         v = torch.linalg.svd(flat, full_matrices=False).Vh[:, :r].transpose(-1, -2)
         cache[name] = ((flat @ v).reshape(Hkv, n, B, -1), v)  # [Hkv, n, B, r], [Hkv, D, r]
-    proj, v = cache[name]
-    qh = q.float().reshape(Hkv, G, c, D) @ v[:, None]  # [Hkv, G, c, r]
+    elif name not in cache:
+        init, Bs = cfg.init_tokens, cfg.block_size
+        n = _blocks(cfg, k).shape[1]
+        pre = rope(k.float(), inv_freq, -1.0)  # every key before RoPE
+        span = pre[:, init : init + n * Bs]
+        v = torch.linalg.svd(span, full_matrices=False).Vh[:, :r].transpose(-1, -2)
+        approx = rope((pre @ v) @ v.transpose(-1, -2), inv_freq)  # projected, rotated
+        cache[name] = approx[:, init : init + n * Bs].reshape(Hkv, n, Bs, D)
+    if inv_freq is None:
+        proj, v = cache[name]
+        qh = q.float().reshape(Hkv, G, c, D) @ v[:, None]  # [Hkv, G, c, r]
+    else:
+        proj, qh = cache[name], q.float().reshape(Hkv, G, c, D)
     logits = torch.einsum("hgcr,hnbr->hgcnb", qh, proj[:, :nb]) * scale
     logits = torch.logsumexp(logits, dim=-1).masked_fill(~valid, float("-inf"))
     return torch.softmax(logits, dim=-1).sum(dim=(0, 1))
 
 
-def _vector_scores(method: str, cfg, q, k, allowed, valid, G: int, scale: float, cache: dict):
+def top_keys(blocks, weight, r: int):
+    """The ``r`` keys of largest ``weight`` per block and head: blocks ``[..., B, D]``,
+    weight ``[..., B]`` -> ``[..., r, D]``."""
+    import torch
+
+    idx = weight.topk(r, dim=-1).indices
+    return torch.gather(blocks, -2, idx[..., None].expand(*idx.shape, blocks.shape[-1]))
+
+
+def _vector_scores(
+    method: str, cfg, q, k, allowed, valid, G: int, scale: float, cache: dict, extra: dict
+):
     """``[c, nb]`` from per-head logits ``l[h, c, b]`` of each block's vectors (max over
     them; logsumexp over all keys for ``blockmass``), aggregated as named."""
     import torch
@@ -218,8 +288,25 @@ def _vector_scores(method: str, cfg, q, k, allowed, valid, G: int, scale: float,
             cache[vectors] = kmeans2(blocks)
         elif vectors == "kmeans4":
             cache[vectors] = kmeans2(blocks, k=4)
+        elif vectors == "kmeans8":
+            cache[vectors] = kmeans2(blocks, k=8)
         elif vectors == "outlier4":
             cache[vectors] = outliers(blocks, 4)
+        elif vectors == "topnorm4":
+            picked = top_keys(blocks, blocks.float().norm(dim=-1), 4)
+            cache[vectors] = torch.cat([blocks.mean(-2, keepdim=True), picked], dim=-2)
+        elif vectors == "heavy4":
+            imp = extra.get("importance")
+            if imp is None:
+                raise ValueError(
+                    f"method {method!r}: needs the keys' importance from a dense prefill "
+                    "(AttentionState.heavy_window > 0)"
+                )
+            init, n = cfg.init_tokens, blocks.shape[1]
+            end = init + n * cfg.block_size  # keys after the prefill: no importance (0)
+            imp = torch.nn.functional.pad(imp, (0, max(0, end - imp.shape[1])))
+            w = imp[:, init:end].reshape(Hkv, n, cfg.block_size)
+            cache[vectors] = top_keys(blocks, w, 4)
         else:
             cache[vectors] = blocks
     vec = cache[vectors][:, :nb]  # [Hkv, nb, r, D]
@@ -237,6 +324,6 @@ def _vector_scores(method: str, cfg, q, k, allowed, valid, G: int, scale: float,
     # massz: B exp(l) per block against the head's true init + local mass.
     s = torch.matmul(qh, k[:, None].transpose(-1, -2)) * scale  # [Hkv, G, c, Lk]
     rest = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), dim=-1)  # [Hkv, G, c]
-    est = logits + torch.log(torch.tensor(float(cfg.block_size)))
+    est = logits + math.log(cfg.block_size)
     z = torch.logsumexp(torch.cat([rest[..., None], est], dim=-1), dim=-1, keepdim=True)
     return torch.exp(est - z).sum(dim=(0, 1))
