@@ -77,6 +77,9 @@ order = range(N - 1, start - 1, -1) if how == "reverse" else range(start, N)
 if how == "spread":  # depths covered evenly at any point: bit-reversed trial order
     bits = max(1, (N - 1).bit_length())
     order = sorted(order, key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
+if os.environ.get("PYTRT_KV_STUDY_TRIALS"):  # only these trials (comma-separated)
+    keep = {int(x) for x in os.environ["PYTRT_KV_STUDY_TRIALS"].split(",")}
+    order = [i for i in order if i in keep]
 for i in order:
     if time.time() > DEADLINE:
         print("deadline: stopped before trial", i, flush=True)

@@ -9,7 +9,7 @@
 #     mkdir -p .gpu/a .gpu/b .gpu/py
 #     head -c 52000000 $G >.gpu/a/m.part1; tail -c +52000001 $G >.gpu/b/m.part2
 #     sha256sum $G | cut -d' ' -f1 >.gpu/py/model.sha256
-#     cp -r <site-packages>/gguf .gpu/py/    # the device has no gguf
+#     cp -r <site-packages>/gguf <site-packages>/gguf-*.dist-info .gpu/py/  # none there
 #     cp -r <this python's stdlib>/pydoc_data .gpu/py/   # the haystack of CI's Python
 #   call 1: run(command="bash scripts/gpu_study.sh part", carry=[".gpu/a", ".gpu/py"])
 #   call 2: run(command="bash scripts/gpu_study.sh run", carry=[".gpu/b", ".gpu/py"])
@@ -51,7 +51,7 @@ EOF
     PYTRT_KV_MODEL_CACHE=off PYTRT_KV_STUDY_DEVICE=${STUDY_DEVICE:-cuda} \
       PYTRT_KV_STUDY_MODEL=$M/model.gguf PYTRT_KV_STUDY_DEADLINE=${STUDY_DEADLINE:-330} \
       PYTRT_KV_STUDY_SMALL=${STUDY_SMALL:-mean,mass,heavy4_massz,prerope16,oracle} \
-      PYTHONUNBUFFERED=1 TQDM_DISABLE=1 \
+      PYTRT_KV_STUDY_TRIALS=${STUDY_TRIALS:-} PYTHONUNBUFFERED=1 TQDM_DISABLE=1 \
       "$PY" docs/retrieval_study.explore.py "${STUDY_N:-100}" "${STUDY_LENGTH:-8000}" \
       "$OUT/explore.jsonl" 0 4 spread "$METHODS" >"$OUT/explore.log" 2>&1
     rc=$?

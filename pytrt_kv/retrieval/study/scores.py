@@ -63,10 +63,10 @@ VECTOR_SELECTORS = {
 }
 #: Selectors from low-rank keys (every key of the span projected on the top-r right
 #: singular vectors of the layer's span, per KV head): name -> r.
-LOWRANK_SELECTORS = {"lowrank8": 8, "lowrank16": 16, "lowrank32": 32}
+LOWRANK_SELECTORS = {"lowrank8": 8, "lowrank16": 16, "lowrank24": 24, "lowrank32": 32}
 #: The same with the keys taken before RoPE (ShadowKV: pre-RoPE keys are low-rank), the
 #: projected keys rotated again at their positions: name -> r.
-PREROPE_SELECTORS = {"prerope16": 16, "prerope32": 32}
+PREROPE_SELECTORS = {"prerope16": 16, "prerope24": 24, "prerope32": 32}
 REP_SELECTORS = (MEAN, MINMAX, *VECTOR_SELECTORS, *LOWRANK_SELECTORS, *PREROPE_SELECTORS)
 HEAD_SELECTORS = (MEAN + "_head", MINMAX + "_head")
 ALL_SELECTORS = BASELINES + REP_SELECTORS + HEAD_SELECTORS
