@@ -157,3 +157,35 @@ def test_with_the_cache_off_the_gguf_is_read_once_in_the_type_asked(monkeypatch,
     monkeypatch.setattr(model_cache, "_read_gguf", lambda p, d: (reads.append(d), (model, tok))[1])
     assert model_cache.load_gguf(gguf, torch.bfloat16) == (model, tok)
     assert reads == [torch.bfloat16] and list(tmp_path.iterdir()) == [gguf]
+
+
+def test_one_parse_shares_readers_and_restores_gguf(tmp_path):
+    """``one_parse`` (the GGUF read in one parse, pytrt_kv/model_cache.py): inside it a
+    file opened twice is one reader (its tensors those of a plain reader) and a tensor-name
+    table is built once; after it, also after an exception, gguf's own class and function
+    are back."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("llama.block_count", 2)
+    w.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    plain = cls(str(path))
+    with model_cache.one_parse():
+        a, b = gguf.GGUFReader(str(path)), gguf.GGUFReader(path)
+        assert a is b and isinstance(a, cls)
+        assert [t.name for t in a.tensors] == [t.name for t in plain.tensors]
+        assert np.array_equal(a.tensors[0].data, plain.tensors[0].data)
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert gguf.GGUFReader is cls and gguf.get_tensor_name_map is name_map
+    assert cls(str(path)) is not cls(str(path))
+    with pytest.raises(RuntimeError, match="inside"), model_cache.one_parse():
+        raise RuntimeError("inside")
+    assert gguf.GGUFReader is cls and gguf.get_tensor_name_map is name_map

@@ -330,24 +330,72 @@ def _study_unavailable() -> str:
 
 
 @pytest.mark.skipif(bool(_study_unavailable()), reason=_study_unavailable() or "available")
-def test_reduced_study_orders_the_selectors():
-    """A reduced `pytrt-kv study` (docs/RETRIEVAL.md): 9 single-needle trials at 1536
-    tokens, depths (i + 0.5)/9 of the retrievable span, recall 0.25 with 32-token blocks,
-    equal budgets.
+def test_reduced_study_orders_the_selectors_and_shows_progress(tmp_path):
+    """A reduced `pytrt-kv study` (docs/RETRIEVAL.md), its output going to a file: 9
+    single-needle trials at 1536 tokens, depths (i + 0.5)/9 of the retrievable span,
+    recall 0.25 with 32-token blocks, equal budgets, and a 32-token loss pass per method.
 
-    This test's run (2026-11-27, shared 2-core machine, 670 s): dense 9, oracle 9, mean
-    5, mass 5, minmax 4, window 2, random 0, random_fixed 0 of 9. With mean's scores
-    negated (it picks the lowest-scored blocks) mean found 0 and the test failed. The
-    run is deterministic; the margins say how far the ordering may move before the test
-    calls it broken: dense and oracle >= 7 (the task and the harness work); the default
+    Progress (issue 20): one line per needle trial and per loss pass, each "i of n", with
+    elapsed and ETA, written as they come (the first is in the file while the process
+    still runs, not only at exit), then the report and the three files.
+
+    Ordering. This run (2026-11-27, shared 2-core machine, 670 s): dense 9, oracle 9,
+    mean 5, mass 5, minmax 4, window 2, random 0, random_fixed 0 of 9. With mean's scores
+    negated (it picks the lowest-scored blocks) mean found 0 and the test failed. The run
+    is deterministic; the margins say how far the ordering may move before the test calls
+    it broken: dense and oracle >= 7 (the task and the harness work); the default
     representation (docs/SPEC.md R5) and mass >= 3 and >= 2 above each of the three
     baselines, minmax above them; the oracle at least the default."""
-    from pytrt_kv.retrieval import RetrievalConfig, study
+    import json
+    import re
+    import subprocess
+    import sys
+    import time
 
-    settings = study.StudySettings(**REDUCED)  # type: ignore[arg-type]  # preset fields
-    model, tok = study.load_model()
-    rows = study.run_needles(model, tok, settings, progress=print)
-    hits = {n: sum(r["found"] for r in rows if r["name"] == n) for n in settings.methods}
+    from pytrt_kv.retrieval import RetrievalConfig
+
+    methods = REDUCED["methods"]
+    log, out = tmp_path / "study.log", tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "pytrt_kv", "study", "--out", str(out),
+        "--lengths", "1536", "--trials", "9", "--settings", "0.25:32:128:896",
+        "--curve-trials", "0", "--multi-trials", "0", "--methods", ",".join(methods),
+        "--curve-percents", "0.25", "--curve-block-sizes", "32",
+        "--loss-context", "1536", "--loss-tokens", "32",
+    ]  # fmt: skip
+    seen_while_running = []
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            while proc.poll() is None:
+                text = log.read_text()
+                if "trial 1 of 9" in text and not seen_while_running:
+                    seen_while_running.append(text)
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert seen_while_running, "no progress line reached the file before the process ended"
+    lines = [ln for ln in text.splitlines() if re.search(r" of \d+ \(", ln)]
+    clock = r".*: elapsed \d+\.\d min, ETA \d+\.\d min$"
+    want = [rf"trial {i} of 9 \(single 1536 tokens depth " for i in range(1, 10)]
+    want += [r"loss 1 of 8 \(dense: "]
+    want += [rf"loss {i + 2} of 8 \({n} 25% B32 i128 l896: " for i, n in enumerate(methods[1:])]
+    assert len(lines) == len(want), lines
+    for line, pattern in zip(lines, want):
+        assert re.match(pattern + clock, line), line
+    assert text.index(lines[-1]) < text.index("**single, 1536 tokens**")
+    assert {p.name for p in out.iterdir()} >= {"study.md", "study.json", "retrieval_study.json"}
+    summary = json.loads((out / "retrieval_study.json").read_text())
+    assert set(summary) == {"default", "rows"} and len(summary["rows"]) == len(methods)
+    want_keys = {"task", "length", "method", "recall", "block", "budget", "found", "asked"}
+    assert all(set(r) >= want_keys for r in summary["rows"])
+    assert {(r["method"], r["asked"]) for r in summary["rows"]} == {(m, 9) for m in methods}
+
+    rows = json.loads((out / "study.json").read_text())["needles"]
+    hits = {n: sum(r["found"] for r in rows if r["name"] == n) for n in methods}
     trials = sum(1 for r in rows if r["name"] == "dense")
     print(hits, f"of {trials}")
     assert trials == 9
@@ -363,58 +411,6 @@ def test_reduced_study_orders_the_selectors():
     for t in {r["trial"] for r in rows}:
         budgets = {r["budget"] for r in rows if r["name"] != "dense" and r["trial"] == t}
         assert len(budgets) == 1, f"unequal budgets in trial {t}: {budgets}"
-
-
-@pytest.mark.skipif(bool(_study_unavailable()), reason=_study_unavailable() or "available")
-def test_study_command_shows_progress_in_a_file(tmp_path):
-    """`pytrt-kv study` with its output going to a file (issue 20): one line per needle
-    trial and per loss pass, each "i of n", with elapsed and ETA, written as they come
-    (each line is in the file while the process still runs, not only at exit), then the
-    report and the three files."""
-    import json
-    import re
-    import subprocess
-    import sys
-    import time
-
-    log = tmp_path / "study.log"
-    cmd = [
-        sys.executable, "-m", "pytrt_kv", "study", "--out", str(tmp_path / "out"),
-        "--lengths", "1536", "--trials", "2", "--curve-trials", "0",
-        "--multi-trials", "0", "--methods", "dense,window", "--curve-percents", "0.1",
-        "--curve-block-sizes", "32", "--loss-context", "1536", "--loss-tokens", "128",
-    ]  # fmt: skip
-    seen_while_running = []
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            while proc.poll() is None:
-                text = log.read_text()
-                if "trial 1 of 2" in text and not seen_while_running:
-                    seen_while_running.append(text)
-                time.sleep(0.2)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    text = log.read_text()
-    assert proc.returncode == 0, text[-3000:]
-    assert seen_while_running, "no progress line reached the file before the process ended"
-    lines = [ln for ln in text.splitlines() if re.search(r" of \d+ \(", ln)]
-    clock = r": elapsed \d+\.\d min, ETA \d+\.\d min$"
-    want = [r"trial 1 of 2 \(single 1536 tokens depth 0.25 #0\)", r"trial 2 of 2 \(single"]
-    want += [r"loss 1 of 3 \(dense: ", r"loss 2 of 3 \(window 10% B32 i128 l896: "]
-    want += [r"loss 3 of 3 \(window 6.8% B32 i64 l448: "]
-    assert len(lines) == len(want), lines
-    for line, pattern in zip(lines, want):
-        assert re.match(pattern + r".*" + clock, line), line
-    assert text.index(lines[-1]) < text.index("**single, 1536 tokens**")
-    out = tmp_path / "out"
-    assert {p.name for p in out.iterdir()} >= {"study.md", "study.json", "retrieval_study.json"}
-    rows = json.loads((out / "retrieval_study.json").read_text())
-    assert set(rows) == {"default", "rows"} and len(rows["rows"]) == 3  # dense, 2 windows
-    want_keys = {"task", "length", "method", "recall", "block", "budget", "found", "asked"}
-    assert all(set(r) >= want_keys for r in rows["rows"])
-    assert {(r["method"], r["asked"]) for r in rows["rows"]} == {("dense", 2), ("window", 2)}
 
 
 def test_report_from_rows():
