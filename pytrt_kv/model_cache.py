@@ -143,15 +143,16 @@ def one_parse() -> Iterator[None]:
     the file read-only), so what it loads is the same. The originals are back on exit;
     one block at a time (a lock); without ``gguf`` it does nothing."""
     try:
-        import gguf  # noqa: PLC0415
+        import gguf as _gguf  # noqa: PLC0415
     except ImportError:
         yield
         return
+    gguf: Any = _gguf  # its attributes are replaced below, then restored
     with _PATCH_LOCK:
         reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
         readers: dict[tuple[str, str], Any] = {}
 
-        def reader(path: Any, mode: str = "r") -> Any:
+        def reader(path: Any, mode: Any = "r") -> Any:
             key = (os.path.realpath(os.fspath(path)), mode)
             if key not in readers:
                 readers[key] = reader_cls(path, mode)
