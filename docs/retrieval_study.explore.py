@@ -13,7 +13,10 @@ RETRIEVAL.md used cuda), PYTRT_KV_STUDY_DEADLINE (seconds: no trial starts after
 PYTRT_KV_STUDY_SMALL (comma-separated: the methods also run with 16-token blocks;
 default mean,mass,oracle, none with METHODS), PYTRT_KV_STUDY_MODEL (the GGUF file;
 default the installed wheel's). The heavy4 candidates make the prefill record each key's
-received attention (window 128).
+received attention (window 128). The *_cal candidates take their basis from one dense
+prefill of a calibration text of another kind than the haystack: the source code of the
+standard library's argparse module, its first 4096 tokens (PYTRT_KV_STUDY_CALIBRATION
+names another module), the first 128 tokens left out.
 """
 
 import json
@@ -71,6 +74,21 @@ model, tok = load_model(os.environ.get("PYTRT_KV_STUDY_MODEL"), device=DEVICE)
 st = attention_state(model)
 if any(n.startswith("heavy") for n in ALL + SMALL):
     st.heavy_window = 128
+if any(n.endswith("_cal") for n in ALL + SMALL):
+    import importlib
+    import inspect
+
+    from pytrt_kv.retrieval.study.attention import calibrate
+
+    source = inspect.getsource(
+        importlib.import_module(os.environ.get("PYTRT_KV_STUDY_CALIBRATION", "argparse"))
+    )
+    ids = tok(source, add_special_tokens=False).input_ids[:4096]
+    st.record = {}
+    forward(model, torch.tensor([ids]), DynamicCache())
+    calibrate(st, st.record, rank=32, skip=128)
+    st.record = None
+    print(f"calibrated on {len(ids)} tokens", flush=True)
 hay = tok(study_text(0), add_special_tokens=False).input_ids
 how = sys.argv[6] if len(sys.argv) > 6 else "forward"
 order = range(N - 1, start - 1, -1) if how == "reverse" else range(start, N)

@@ -252,6 +252,44 @@ def test_prerope_heavy_and_received_attention():
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_calibrated_basis_is_the_lowrank_method_with_a_given_basis():
+    """``*_cal`` (a basis fixed per model, Loki's calibration): given the span's own
+    top singular vectors as the basis, ``lowrank32_cal`` and ``prerope24_cal`` score as
+    ``lowrank32`` and ``prerope24``; ``calibrate`` keeps orthonormal ``[Hkv, D, r]``
+    bases of the keys after ``skip``, post- and pre-RoPE; without a basis: refused."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from pytrt_kv.retrieval.study.attention import AttentionState, calibrate
+    from pytrt_kv.retrieval.study.scores import rope, selector_scores
+
+    g = torch.Generator().manual_seed(2)
+    d = 64
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cfg = SimpleNamespace(block_size=4, init_tokens=2, local_tokens=4)
+    q = torch.randn(4, 3, d, generator=g)
+    k = torch.randn(2, 2 + 4 * 20 + 4, d, generator=g)
+    valid = torch.ones(3, 20, dtype=torch.bool)
+    args = (cfg, q, k, None, None, valid, 2, d**-0.5, 0)
+    st = AttentionState(inv_freq=inv)
+    calibrate(st, {0: k[:, : 2 + 80]}, rank=32, skip=2)  # the span: what lowrank uses
+    b = st.basis[0]
+    assert b["post"].shape == b["pre"].shape == (2, d, 32)
+    eye = torch.eye(32).expand(2, 32, 32)
+    assert torch.allclose(b["post"].transpose(-1, -2) @ b["post"], eye, atol=1e-4)
+    extra = {"inv_freq": inv, "basis": b}
+    for cal, own in (("lowrank32_cal", "lowrank32"), ("prerope24_cal", "prerope24")):
+        got = selector_scores(cal, *args, {}, extra)
+        want = selector_scores(own, *args, {}, {"inv_freq": inv})
+        assert torch.allclose(got, want, atol=1e-4), (cal, (got - want).abs().max())
+    pre = rope(k[:, :82], inv, -1.0)[:, 2:]  # positions 2 .. 81, as calibrate sees them
+    assert torch.allclose(
+        b["pre"][..., :1].abs(), torch.linalg.svd(pre).Vh[:, :1].mT.abs(), atol=1e-4
+    )
+    with pytest.raises(ValueError, match="calibrated basis"):
+        selector_scores("lowrank32_cal", *args, {}, {"inv_freq": inv})
+
+
 def test_wilson_interval():
     from pytrt_kv.retrieval.study.statistics import wilson
 

@@ -34,6 +34,11 @@ class AttentionState:
     heavy_window: int = 0
     importance: dict = field(default_factory=dict)
     inv_freq: object = None
+    #: ``*_cal`` candidates: per layer ``{"post": [Hkv, D, r], "pre": [Hkv, D, r]}``
+    #: (:func:`calibrate`); ``record``: a dict that a dense prefill fills with each
+    #: layer's keys ``[Hkv, L, D]`` (what :func:`calibrate` reads).
+    basis: dict = field(default_factory=dict)
+    record: dict | None = None
 
 
 def use_attention_state(model, state: AttentionState) -> AttentionState:
@@ -111,6 +116,8 @@ def retrieval_attention(
             o = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=n_dense > 1, scale=scale, enable_gqa=True
             )
+            if st.record is not None:
+                st.record[getattr(module, "layer_idx", 0)] = k[0].detach().float()
             if st.heavy_window > 0:
                 st.importance[getattr(module, "layer_idx", 0)] = received_attention(
                     q[0], k[0], G, scale, st.heavy_window
@@ -134,6 +141,25 @@ def retrieval_attention(
             )
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).contiguous(), None
+
+
+def calibrate(st: AttentionState, keys: dict, rank: int, skip: int = 0) -> None:
+    """Fill ``st.basis`` from a dense prefill's keys (``st.record``, per layer ``[Hkv, L,
+    D]``): the top-``rank`` right singular vectors of each KV head's keys after the first
+    ``skip`` tokens, post-RoPE (``"post"``) and with RoPE undone (``"pre"``, needs
+    ``st.inv_freq``)."""
+    import torch
+
+    from .scores import rope
+
+    def top(x):
+        return torch.linalg.svd(x, full_matrices=False).Vh[:, :rank].transpose(-1, -2)
+
+    for layer, k in keys.items():
+        b = {"post": top(k[:, skip:])}
+        if st.inv_freq is not None:
+            b["pre"] = top(rope(k, st.inv_freq, -1.0)[:, skip:])
+        st.basis[layer] = b
 
 
 def received_attention(q, k, G: int, scale: float, window: int, chunk: int = 512):
@@ -183,7 +209,11 @@ def _sparse_rows(
         ksel = torch.tensor([cfg.num_selected(int(n)) for n in nb.tolist()], device=dev)
         valid = torch.arange(nb_max, device=dev)[None, :] < nb[:, None]
         seed = st.seed * 1_000_003 + t0 + (0 if st.method == "random_fixed" else layer * 8191)
-        extra = {"importance": st.importance.get(layer), "inv_freq": st.inv_freq}
+        extra = {
+            "importance": st.importance.get(layer),
+            "inv_freq": st.inv_freq,
+            "basis": st.basis.get(layer),
+        }
         scores = selector_scores(
             st.method, cfg, q, k, causal, allowed, valid, G, scale, seed, reps_cache, extra
         )

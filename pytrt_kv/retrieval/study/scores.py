@@ -67,7 +67,22 @@ LOWRANK_SELECTORS = {"lowrank8": 8, "lowrank16": 16, "lowrank24": 24, "lowrank32
 #: The same with the keys taken before RoPE (ShadowKV: pre-RoPE keys are low-rank), the
 #: projected keys rotated again at their positions: name -> r.
 PREROPE_SELECTORS = {"prerope16": 16, "prerope24": 24, "prerope32": 32}
-REP_SELECTORS = (MEAN, MINMAX, *VECTOR_SELECTORS, *LOWRANK_SELECTORS, *PREROPE_SELECTORS)
+#: The same with a basis fixed per model (Loki's calibration): the top singular vectors
+#: of the keys of a calibration text (``AttentionState.basis``), not of the context.
+CALIBRATED_SELECTORS = {
+    "lowrank24_cal": ("post", 24),
+    "lowrank32_cal": ("post", 32),
+    "prerope24_cal": ("pre", 24),
+    "prerope32_cal": ("pre", 32),
+}
+REP_SELECTORS = (
+    MEAN,
+    MINMAX,
+    *VECTOR_SELECTORS,
+    *LOWRANK_SELECTORS,
+    *PREROPE_SELECTORS,
+    *CALIBRATED_SELECTORS,
+)
 HEAD_SELECTORS = (MEAN + "_head", MINMAX + "_head")
 ALL_SELECTORS = BASELINES + REP_SELECTORS + HEAD_SELECTORS
 
@@ -115,6 +130,13 @@ def selector_scores(
             raise ValueError(f"method {method!r}: needs the model's RoPE frequencies")
         r = PREROPE_SELECTORS[method]
         return _lowrank(r, cfg, q, k, valid, G, scale, cache, inv_freq=inv_freq)
+    if method in CALIBRATED_SELECTORS:
+        kind, r = CALIBRATED_SELECTORS[method]
+        basis = (extra or {}).get("basis")
+        if basis is None or (kind == "pre" and (extra or {}).get("inv_freq") is None):
+            raise ValueError(f"method {method!r}: needs a calibrated basis (AttentionState.basis)")
+        inv = extra["inv_freq"] if kind == "pre" else None  # type: ignore[index]
+        return _lowrank(r, cfg, q, k, valid, G, scale, cache, inv, basis[kind][..., :r])
     raise ValueError(f"method: expected one of {list(ALL_SELECTORS)}, got {method!r}")
 
 
@@ -225,29 +247,38 @@ def rope(x, inv_freq, sign: float = 1.0):
     return x * emb.cos() + sign * rot * emb.sin()
 
 
-def _lowrank(r: int, cfg, q, k, valid, G: int, scale: float, cache: dict, inv_freq=None):
+def _lowrank(
+    r: int, cfg, q, k, valid, G: int, scale: float, cache: dict, inv_freq=None, basis=None
+):
     """``blockmass`` on approximate logits: the keys of the retrievable span and the
     queries projected on the span's top-``r`` right singular vectors (per KV head), each
     head's logsumexp over a block's projected keys, softmax over the blocks, summed over
-    heads. Storage: r numbers per token and KV head (r / D of the keys)."""
+    heads. Storage: r numbers per token and KV head (r / D of the keys). ``basis``
+    ``[Hkv, D, r]``: these vectors instead of the span's (a calibrated basis)."""
     import torch
 
     Hq, c, D = q.shape
     Hkv = k.shape[0]
     nb = valid.shape[1]
-    name = f"lowrank{r}" if inv_freq is None else f"prerope{r}"
+    name = ("lowrank" if inv_freq is None else "prerope") + str(r)
+    name += "" if basis is None else "_cal"
+
+    def top(x):  # [Hkv, N, D] -> the basis [Hkv, D, r]
+        if basis is not None:
+            return basis.to(device=x.device, dtype=torch.float32)
+        return torch.linalg.svd(x, full_matrices=False).Vh[:, :r].transpose(-1, -2)
+
     if name not in cache and inv_freq is None:
         blocks = _blocks(cfg, k).float()  # [Hkv, n, B, D]
         _, n, B, _ = blocks.shape
         flat = blocks.reshape(Hkv, n * B, D)
-        v = torch.linalg.svd(flat, full_matrices=False).Vh[:, :r].transpose(-1, -2)
+        v = top(flat)
         cache[name] = ((flat @ v).reshape(Hkv, n, B, -1), v)  # [Hkv, n, B, r], [Hkv, D, r]
     elif name not in cache:
         init, Bs = cfg.init_tokens, cfg.block_size
         n = _blocks(cfg, k).shape[1]
         pre = rope(k.float(), inv_freq, -1.0)  # every key before RoPE
-        span = pre[:, init : init + n * Bs]
-        v = torch.linalg.svd(span, full_matrices=False).Vh[:, :r].transpose(-1, -2)
+        v = top(pre[:, init : init + n * Bs])
         approx = rope((pre @ v) @ v.transpose(-1, -2), inv_freq)  # projected, rotated
         cache[name] = approx[:, init : init + n * Bs].reshape(Hkv, n, Bs, D)
     if inv_freq is None:
