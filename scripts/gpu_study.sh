@@ -16,7 +16,7 @@
 #
 # Environment (call 2): STUDY_N (trials, default 100), STUDY_LENGTH (tokens, 8000),
 # STUDY_DEADLINE (seconds after which no trial starts, 330), STUDY_DEVICE (cuda),
-# STUDY_METHODS, STUDY_SMALL (the 16-token-block methods). The rows go to
+# STUDY_METHODS, STUDY_SMALL (the 16-token-block methods; empty: none). The rows go to
 # $OUT/explore.jsonl, the table to $OUT/summary.md (and last on stdout).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +50,7 @@ EOF
     METHODS=${STUDY_METHODS:-window,random,random_fixed,mean,mass,kmeans4_massz,kmeans8_massz,topnorm4_massz,heavy4,heavy4_massz,lowrank16,lowrank32,prerope16,prerope32,blockmass,oracle}
     PYTRT_KV_MODEL_CACHE=off PYTRT_KV_STUDY_DEVICE=${STUDY_DEVICE:-cuda} \
       PYTRT_KV_STUDY_MODEL=$M/model.gguf PYTRT_KV_STUDY_DEADLINE=${STUDY_DEADLINE:-330} \
-      PYTRT_KV_STUDY_SMALL=${STUDY_SMALL:-mean,mass,heavy4_massz,prerope16,oracle} \
+      PYTRT_KV_STUDY_SMALL=${STUDY_SMALL-mean,mass,heavy4_massz,prerope16,oracle} \
       PYTRT_KV_STUDY_TRIALS=${STUDY_TRIALS:-} PYTHONUNBUFFERED=1 TQDM_DISABLE=1 \
       "$PY" docs/retrieval_study.explore.py "${STUDY_N:-100}" "${STUDY_LENGTH:-8000}" \
       "$OUT/explore.jsonl" 0 4 spread "$METHODS" >"$OUT/explore.log" 2>&1

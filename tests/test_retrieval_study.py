@@ -156,17 +156,17 @@ def test_block_vectors_keep_what_a_mean_loses():
     one key unlike the rest is among the block's outliers, the first vector being the
     block's mean."""
     torch = pytest.importorskip("torch")
-    from pytrt_kv.retrieval.study.scores import kmeans2, outliers
+    from pytrt_kv.retrieval.study.scores import kmeans, outliers
 
     g = torch.Generator().manual_seed(0)
     centres = torch.tensor([[10.0, 0], [0, 10], [-10, 0], [0, -10]])
     order = torch.roll(torch.arange(32), 3)  # runs of 8, shifted by 3 against the quarters
     keys = (centres.repeat_interleave(8, 0) + 0.1 * torch.randn(32, 2, generator=g))[order]
-    got = kmeans2(keys[None], k=4)[0]  # [4, 2]
+    got = kmeans(keys[None], k=4)[0]  # [4, 2]
     want = torch.stack([keys[order.argsort()[i * 8 : (i + 1) * 8]].mean(0) for i in range(4)])
     dist = torch.cdist(got, want)
     assert (dist.min(dim=1).values < 1e-4).all() and len(set(dist.argmin(1).tolist())) == 4
-    assert torch.equal(kmeans2(keys[None])[0], kmeans2(keys[None], k=2)[0])
+    assert torch.equal(kmeans(keys[None])[0], kmeans(keys[None], k=2)[0])
 
     block = 0.01 * torch.randn(2, 3, 32, 8, generator=g)  # [heads, blocks, B, D]
     block[1, 2, 17] += 5.0  # the inserted fact

@@ -26,11 +26,13 @@ its KV head and ``s = scaling``:
 * ``heavy4``, ``heavy4_massz``: InfLLM's representative keys: the block's 4 keys that
   received the most attention (summed over the KV head's query heads) from the
   ``AttentionState.heavy_window`` queries after each of them during the dense prefill;
-* ``lowrank8``, ``lowrank16``, ``lowrank32``: ``blockmass`` on logits of keys and
-  queries projected on the top-r right singular vectors of the layer's retrievable
-  keys (per KV head; r / D of the keys' storage, as ShadowKV keeps low-rank keys);
-* ``prerope16``, ``prerope32``: as ``lowrank``, with the keys' RoPE undone before the
+* ``lowrank8`` .. ``lowrank32``: ``blockmass`` on logits of keys and queries projected
+  on the top-r right singular vectors of the layer's retrievable keys (per KV head; r / D
+  of the keys' storage; Loki's low-rank keys);
+* ``prerope16`` .. ``prerope32``: as ``lowrank``, with the keys' RoPE undone before the
   projection (ShadowKV's pre-RoPE keys) and done again on the projected keys;
+* ``lowrank24_cal`` .. ``prerope32_cal``: the same on a basis fixed per model, from the
+  keys of a calibration text (``AttentionState.basis``, ``attention.calibrate``);
 * ``blockmass`` (diagnostic, not a compact representation: it reads every key): each
   head's exact attention mass over the blocks, ``softmax_b(logsumexp_i s q_h . k_i)``,
   summed over heads; the oracle without the init + local part of the normaliser.
@@ -105,7 +107,8 @@ def selector_scores(
     ``k [Hkv, Lk, D]``; ``causal``/``allowed`` ``[c, Lk]`` (allowed: init + local),
     ``valid [c, nb]`` (the row's retrievable blocks); ``cache`` keeps the block
     representations of this forward; ``extra``: what the layer knows beyond its keys
-    (``"importance"`` ``[Hkv, Lp]`` for ``heavy4``, ``"inv_freq"`` for ``prerope``)."""
+    (``"importance"`` ``[Hkv, Lp]`` for ``heavy4``, ``"inv_freq"`` for ``prerope``,
+    ``"basis"`` for the ``_cal`` methods)."""
     import torch
 
     c, nb = valid.shape
@@ -203,7 +206,7 @@ def _per_head(kind: str, cfg, q, k, nb: int, G: int, cache: dict):
     return qg @ reps.transpose(-1, -2)
 
 
-def kmeans2(blocks, steps: int = 4, k: int = 2):
+def kmeans(blocks, k: int = 2, steps: int = 4):
     """``k`` (default two) centroids per block and head: ``[..., B, D]`` -> ``[..., k,
     D]``. Lloyd's algorithm from the means of the block's k equal parts in order (the
     last one takes the rest); a point goes to the nearest centroid (ties to the first);
@@ -229,9 +232,7 @@ def outliers(blocks, r: int):
     import torch
 
     mean = blocks.mean(-2, keepdim=True)
-    far = ((blocks - mean) ** 2).sum(-1).topk(r, dim=-1).indices  # [..., r]
-    picked = torch.gather(blocks, -2, far[..., None].expand(*far.shape, blocks.shape[-1]))
-    return torch.cat([mean, picked], dim=-2)
+    return torch.cat([mean, top_keys(blocks, ((blocks - mean) ** 2).sum(-1), r)], dim=-2)
 
 
 def rope(x, inv_freq, sign: float = 1.0):
@@ -315,12 +316,8 @@ def _vector_scores(
         blocks = _blocks(cfg, k)
         if vectors == "mean":
             cache[vectors] = blocks.mean(dim=2, keepdim=True)
-        elif vectors == "kmeans2":
-            cache[vectors] = kmeans2(blocks)
-        elif vectors == "kmeans4":
-            cache[vectors] = kmeans2(blocks, k=4)
-        elif vectors == "kmeans8":
-            cache[vectors] = kmeans2(blocks, k=8)
+        elif vectors.startswith("kmeans"):  # kmeans2, kmeans4, kmeans8: k centroids
+            cache[vectors] = kmeans(blocks, k=int(vectors[len("kmeans") :]))
         elif vectors == "outlier4":
             cache[vectors] = outliers(blocks, 4)
         elif vectors == "topnorm4":
