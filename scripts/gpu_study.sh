@@ -56,34 +56,8 @@ EOF
       "$OUT/explore.jsonl" 0 4 spread "$METHODS" >"$OUT/explore.log" 2>&1
     rc=$?
     tail -n 3 "$OUT/explore.log"
-    "$PY" - "$OUT/explore.jsonl" "$OUT/summary.md" <<'EOF'
-import json, sys
-from collections import defaultdict
-from pytrt_kv.retrieval.study.statistics import mcnemar
-rows = [json.loads(l) for l in open(sys.argv[1])]
-by = defaultdict(dict)
-for r in rows:
-    by[r["method"]][r["trial"]] = r
-trials = sorted(by["dense"])
-def found(label):
-    return [by[label].get(t, {}).get("found", 0) for t in trials]
-lines = [f"{len(trials)} trials; dense found {sum(found('dense'))}", "",
-         "| method | found | of the oracle | p vs window | p vs random | budget | s/decode |",
-         "|---|---|---|---|---|---|---|"]
-for label in by:
-    if label == "dense":
-        continue
-    setting = label.split(" ", 1)[1]
-    f = found(label)
-    o = sum(found("oracle " + setting)) or 1
-    pw = mcnemar(f, found("window " + setting))[2] if "window " + setting in by else float("nan")
-    pr = mcnemar(f, found("random " + setting))[2] if "random " + setting in by else float("nan")
-    b = sum(r["budget"] for r in by[label].values()) / len(by[label])
-    s = sum(r["seconds"] for r in by[label].values()) / len(by[label])
-    lines.append(f"| {label} | {sum(f)} | {sum(f) / o:.2f} | {pw:.2g} | {pr:.2g} | {b:.3f} | {s:.3f} |")
-open(sys.argv[2], "w").write("\n".join(lines) + "\n")
-print("\n".join(lines))
-EOF
+    # The tables of docs/RETRIEVAL.md (the same script reads committed rows).
+    "$PY" docs/retrieval_study.explore_summary.py "$OUT/explore.jsonl" | tee "$OUT/summary.md"
     exit $rc
     ;;
   *) echo "usage: gpu_study.sh part|run" >&2; exit 64 ;;

@@ -148,17 +148,12 @@ def calibrate(st: AttentionState, keys: dict, rank: int, skip: int = 0) -> None:
     D]``): the top-``rank`` right singular vectors of each KV head's keys after the first
     ``skip`` tokens, post-RoPE (``"post"``) and with RoPE undone (``"pre"``, needs
     ``st.inv_freq``)."""
-    import torch
-
-    from .scores import rope
-
-    def top(x):
-        return torch.linalg.svd(x, full_matrices=False).Vh[:, :rank].transpose(-1, -2)
+    from .scores import rope, top_basis
 
     for layer, k in keys.items():
-        b = {"post": top(k[:, skip:])}
+        b = {"post": top_basis(k[:, skip:], rank)}
         if st.inv_freq is not None:
-            b["pre"] = top(rope(k, st.inv_freq, -1.0)[:, skip:])
+            b["pre"] = top_basis(rope(k, st.inv_freq, -1.0)[:, skip:], rank)
         st.basis[layer] = b
 
 

@@ -111,6 +111,7 @@ def selector_scores(
     ``"basis"`` for the ``_cal`` methods)."""
     import torch
 
+    extra = extra or {}
     c, nb = valid.shape
     if method == "window":  # the most recent blocks: a window widened to the budget
         return torch.arange(nb, dtype=torch.float32, device=q.device).expand(c, nb)
@@ -124,21 +125,20 @@ def selector_scores(
     if method in HEAD_SELECTORS:
         return _per_head(method, cfg, q, k, nb, G, cache)
     if method in VECTOR_SELECTORS:
-        return _vector_scores(method, cfg, q, k, allowed, valid, G, scale, cache, extra or {})
+        return _vector_scores(method, cfg, q, k, allowed, valid, G, scale, cache, extra)
     if method in LOWRANK_SELECTORS:
         return _lowrank(LOWRANK_SELECTORS[method], cfg, q, k, valid, G, scale, cache)
     if method in PREROPE_SELECTORS:
-        inv_freq = (extra or {}).get("inv_freq")
+        inv_freq = extra.get("inv_freq")
         if inv_freq is None:
             raise ValueError(f"method {method!r}: needs the model's RoPE frequencies")
         r = PREROPE_SELECTORS[method]
         return _lowrank(r, cfg, q, k, valid, G, scale, cache, inv_freq=inv_freq)
     if method in CALIBRATED_SELECTORS:
         kind, r = CALIBRATED_SELECTORS[method]
-        basis = (extra or {}).get("basis")
-        if basis is None or (kind == "pre" and (extra or {}).get("inv_freq") is None):
+        basis, inv = extra.get("basis"), extra.get("inv_freq") if kind == "pre" else None
+        if basis is None or (kind == "pre" and inv is None):
             raise ValueError(f"method {method!r}: needs a calibrated basis (AttentionState.basis)")
-        inv = extra["inv_freq"] if kind == "pre" else None  # type: ignore[index]
         return _lowrank(r, cfg, q, k, valid, G, scale, cache, inv, basis[kind][..., :r])
     raise ValueError(f"method: expected one of {list(ALL_SELECTORS)}, got {method!r}")
 
@@ -248,6 +248,14 @@ def rope(x, inv_freq, sign: float = 1.0):
     return x * emb.cos() + sign * rot * emb.sin()
 
 
+def top_basis(x, r: int):
+    """The top-``r`` right singular vectors of each head's rows: ``[H, N, D]`` ->
+    ``[H, D, r]`` (orthonormal columns)."""
+    import torch
+
+    return torch.linalg.svd(x, full_matrices=False).Vh[:, :r].transpose(-1, -2)
+
+
 def _lowrank(
     r: int, cfg, q, k, valid, G: int, scale: float, cache: dict, inv_freq=None, basis=None
 ):
@@ -267,7 +275,7 @@ def _lowrank(
     def top(x):  # [Hkv, N, D] -> the basis [Hkv, D, r]
         if basis is not None:
             return basis.to(device=x.device, dtype=torch.float32)
-        return torch.linalg.svd(x, full_matrices=False).Vh[:, :r].transpose(-1, -2)
+        return top_basis(x, r)
 
     if name not in cache and inv_freq is None:
         blocks = _blocks(cfg, k).float()  # [Hkv, n, B, D]
