@@ -156,6 +156,72 @@ def add_representation_update(
     return op("Add", [base, op("Mul", [key_row, const(np.array(1.0 / block_size, np.float32))])])
 
 
+# --- "lowrank" (work in progress, issue 35; not yet an R5 representation) -----------------
+# The subgraphs of pytrt_kv.retrieval.reference.lowrank_*: ``basis`` ``[Hkv, D, r]`` is a
+# constant of the graph (a basis fixed per model, docs/RETRIEVAL.md "A basis fixed per
+# model is as good"), a block's row its projected keys ``[B*Hkv*r]`` (token-major).
+
+
+def add_lowrank_scores(
+    op, const, reps, query, *, basis, block_size: int, q_heads: int, scale: float, valid
+):
+    """``[Bt, NB]`` float32 scores (``reference.lowrank_scores`` row by row) of ``reps``
+    ``[Bt, NB, B*Hkv*r]`` for ``query`` ``[Bt, Hq, D]``; ``valid`` ``[Bt, NB]`` bool
+    (the per-head softmax sees only the row's retrievable blocks)."""
+    b = np.asarray(basis, np.float32)
+    if b.ndim != 3 or q_heads % b.shape[0]:
+        raise ValueError(
+            f"basis: expected shape [Hkv, D, r] with Hkv dividing q_heads = {q_heads}, "
+            f"got {list(b.shape)}"
+        )
+    hkv, d, r = b.shape
+    i64 = np.int64
+    qh = op("Reshape", [query, const(np.array([0, hkv, q_heads // hkv, d], i64))])
+    qp = op("MatMul", [qh, const(b)])  # [Bt, Hkv, G, r]
+    kp = op("Reshape", [reps, const(np.array([0, 0, block_size, hkv, r], i64))])
+    kp = op("Transpose", [kp], perm=[0, 3, 4, 1, 2])  # [Bt, Hkv, r, NB, B]
+    kp = op("Reshape", [kp, const(np.array([0, 0, 0, -1], i64))])
+    s = op("Mul", [op("MatMul", [qp, kp]), const(np.array(scale, np.float32))])
+    s = op("Reshape", [s, const(np.array([0, 0, 0, -1, block_size], i64))])
+    lse = op("ReduceLogSumExp", [s], axes=[-1], keepdims=0)  # [Bt, Hkv, G, NB]
+    keep = op("Unsqueeze", [valid, const(np.array([1, 2], i64))])
+    lse = op("Where", [keep, lse, const(np.array(-np.inf, np.float32))])
+    p = op("Softmax", [lse], axis=-1)
+    return op("ReduceSum", [p, const(np.array([1, 2], i64))], keepdims=0)
+
+
+def add_lowrank_block_representations(op, const, pages, valid, *, basis):
+    """``[Bt, NB, B*Hkv*r]``: every block's projected keys from ``pages`` ``[Bt, NB, B,
+    Hkv*D]`` float32 and ``valid`` ``[Bt, NB, B, 1]`` bool (a missing key projects to
+    zeros)."""
+    b = np.asarray(basis, np.float32)
+    hkv, d, _ = b.shape
+    i64 = np.int64
+    kept = op("Where", [valid, pages, const(np.array(0.0, np.float32))])
+    k = op("Reshape", [kept, const(np.array([0, 0, 0, hkv, 1, d], i64))])
+    proj = op("MatMul", [k, const(b)])  # [Bt, NB, B, Hkv, 1, r]
+    return op("Reshape", [proj, const(np.array([0, 0, -1], i64))])
+
+
+def add_lowrank_update(op, const, current, key_row, slot, *, basis, block_size: int):
+    """A block's row after one more key: ``current`` ``[Bt, B*Hkv*r]``, ``key_row`` ``[Bt,
+    Hkv*D]`` float32, ``slot`` ``[Bt, 1]`` int64 (the key's place in its block, ``pos %
+    B``; 0 starts the block: the old row's other slots become zeros)."""
+    b = np.asarray(basis, np.float32)
+    hkv, d, r = b.shape
+    i64 = np.int64
+    kp = op("MatMul", [op("Reshape", [key_row, const(np.array([0, hkv, 1, d], i64))]), const(b)])
+    kp = op("Reshape", [kp, const(np.array([0, 1, hkv * r], i64))])  # [Bt, 1, Hkv*r]
+    cur = op("Reshape", [current, const(np.array([0, block_size, hkv * r], i64))])
+    fresh = op(
+        "Unsqueeze", [op("Equal", [slot, const(np.array(0, i64))]), const(np.array([2], i64))]
+    )
+    cur = op("Where", [fresh, const(np.array(0.0, np.float32)), cur])
+    here = op("Equal", [const(np.arange(block_size, dtype=i64)), slot])  # [Bt, B]
+    here = op("Unsqueeze", [here, const(np.array([2], i64))])
+    return op("Reshape", [op("Where", [here, kp, cur]), const(np.array([0, -1], i64))])
+
+
 class _Builder:
     """Unique names, constants and typed nodes of one onnx-graphsurgeon graph."""
 

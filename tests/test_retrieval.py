@@ -518,7 +518,11 @@ def _tiny_builder():
         from onnx import TensorProto
         from onnx.reference import ReferenceEvaluator
 
-        types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(bool): TensorProto.BOOL}
+        types = {
+            np.dtype(np.float32): TensorProto.FLOAT,
+            np.dtype(bool): TensorProto.BOOL,
+            np.dtype(np.int64): TensorProto.INT64,
+        }
         ins = [helper.make_tensor_value_info(k, types[v.dtype], v.shape) for k, v in feeds.items()]
         outs = [helper.make_tensor_value_info(out, TensorProto.FLOAT, [None] * rank)]
         graph = helper.make_graph(nodes, "g", ins, outs, inits)

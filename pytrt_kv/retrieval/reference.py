@@ -255,3 +255,73 @@ def sparse_decode_attention(
     return SparseResult(
         out=out, partition=part, selected=selected, scores=scores, positions=positions
     )
+
+
+# --- "lowrank" (work in progress, issue 35; not yet an R5 representation) -----------------
+# docs/RETRIEVAL.md "On a GPU: low-rank keys find what the oracle finds": every key
+# projected on a basis fixed per model (``basis [Hkv, D, r]``, orthonormal columns per KV
+# head, from a calibration text); a block's representation is its projected keys; the
+# score is each query head's log-sum-exp of its logits over the block's projected keys,
+# softmax over the blocks per head, summed over the query heads.
+
+
+def _basis(basis: np.ndarray, kv_heads: int | None = None, head_dim: int | None = None):
+    b = np.asarray(basis, dtype=np.float32)
+    if (
+        b.ndim != 3
+        or (kv_heads is not None and b.shape[0] != kv_heads)
+        or (head_dim is not None and b.shape[1] != head_dim)
+    ):
+        want = f"[{kv_heads or 'Hkv'}, {head_dim or 'D'}, r]"
+        raise ValueError(f"basis: expected shape {want}, got {list(b.shape)}")
+    return b
+
+
+def lowrank_representations(keys: np.ndarray, part: Partition, basis: np.ndarray) -> np.ndarray:
+    """Every retrievable block's projected keys: float32 ``[nb, B*Hkv*r]`` (token-major:
+    token t of the block, KV head g, component j at ``(t*Hkv + g)*r + j``)."""
+    k = np.asarray(keys, dtype=np.float32)
+    if k.ndim != 3:
+        raise ValueError(f"keys: expected shape [L, Hkv, D], got {list(k.shape)}")
+    b = _basis(basis, k.shape[1], k.shape[2])
+    nb, B = part.num_blocks, part.block_size
+    end = part.init_end + nb * B
+    if k.shape[0] < end:
+        raise ValueError(
+            f"keys: expected at least {end} tokens (init + {nb} blocks of {B}), got {k.shape[0]}"
+        )
+    proj = np.einsum("lhd,hdr->lhr", k[part.init_end : end].astype(np.float64), b)
+    return proj.reshape(nb, -1).astype(np.float32)
+
+
+def lowrank_scores(
+    q: np.ndarray, reps: np.ndarray, basis: np.ndarray, block_size: int, scale: float | None = None
+) -> np.ndarray:
+    """Score of each block for ``q [Hq, D]``: float32 ``[nb]`` = sum over query heads h
+    of ``softmax_b(logsumexp_{i in b} scale * (q_h P_g) . (k_i P_g))`` (g = h's KV head,
+    ``scale`` default ``1/sqrt(D)``), float64 inside."""
+    q = np.asarray(q, dtype=np.float64)
+    if q.ndim != 2:
+        raise ValueError(f"q: expected shape [Hq, D], got {list(q.shape)}")
+    Hq, D = q.shape
+    b = _basis(basis, head_dim=D).astype(np.float64)
+    Hkv, _, r = b.shape
+    if Hq % Hkv:
+        raise ValueError(f"q: expected Hq a multiple of the basis' {Hkv} KV heads, got {Hq}")
+    reps = np.asarray(reps, dtype=np.float64)
+    width = block_size * Hkv * r
+    if reps.ndim != 2 or reps.shape[1] != width:
+        raise ValueError(f"reps: expected shape [nb, {width}] for lowrank, got {list(reps.shape)}")
+    nb = reps.shape[0]
+    if nb == 0:
+        return np.zeros(0, np.float32)
+    scale = 1.0 / np.sqrt(D) if scale is None else float(scale)
+    qp = np.einsum("hgd,hdr->hgr", q.reshape(Hkv, Hq // Hkv, D), b)
+    kp = reps.reshape(nb, block_size, Hkv, r)
+    s = np.einsum("hgr,nbhr->hgnb", qp, kp) * scale
+    m = s.max(axis=-1, keepdims=True)
+    lse = (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]  # [Hkv, G, nb]
+    lse -= lse.max(axis=-1, keepdims=True)
+    p = np.exp(lse)
+    p /= p.sum(axis=-1, keepdims=True)
+    return p.sum(axis=(0, 1)).astype(np.float32)
