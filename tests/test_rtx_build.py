@@ -403,18 +403,20 @@ def test_build_cli_prints_progress_and_writes_the_plan(tmp_path, capsys):
     assert "pytrt-kv build: error:" in err and "cache_layout" in err
 
 
-@pytest.mark.parametrize("representation", ["minmax", "mean"])
+@pytest.mark.parametrize("representation", ["lowrank", "minmax", "mean"])
 def test_retrieval_decode_step_builds_unchanged(tmp_path, representation):
     """The RetrievalKV decode-step graph (docs/RETRIEVAL.md) goes through the builder
     exactly as the CPU runtime runs it: standard ops plus the two plugins, host-resident
     full caches as plain inputs."""
     from onnx_export.retrieval import build_retrieval_decode_step
     from pytrt_kv.retrieval import RetrievalConfig
+    from pytrt_kv.retrieval.demo import calibration_basis
     from pytrt_kv.retrieval.planner import RetrievalSizes
 
     small = dict(SMALL_RETRIEVAL, dense_boundary=0)
-    cfg = RetrievalConfig(**small, topk_percent=0.2, representation=representation)
-    model = build_retrieval_decode_step(RetrievalSizes(max_len=1024), cfg)
+    cfg = RetrievalConfig(**small, topk_percent=0.2, representation=representation, rank=8)
+    sizes = RetrievalSizes(max_len=1024)
+    model = build_retrieval_decode_step(sizes, cfg, basis=calibration_basis(cfg, sizes))
     # Multi-node graph: the I/O table order varies between builds, as for the example model
     # (UNORDERED_IO above).
     first, again = _build(model, tmp_path, "a.onnx"), _build(model, tmp_path, "b.onnx")

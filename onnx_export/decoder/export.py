@@ -67,7 +67,7 @@ def _inputs(
     if fp8:
         out += [vi(f"{k}_scale_{i}", f32, [s.kv_heads]) for i in range(s.layers) for k in "kv"]
     if retrieval is not None:
-        width_r = sparse.reps_width(retrieval, s.kd)
+        width_r = sparse.reps_width(retrieval, s.kv_heads, s.head_dim)
         out += [vi(f"key_reps_{i}", f32, ["NB", width_r]) for i in range(s.layers)]
     if retrieval is not None and decode:
         sel_k = sparse.selection_width(retrieval, max_pages)
@@ -95,10 +95,9 @@ def _layer(c: _Ctx, i: int, h: str, retrieval: Any) -> str:
     win = s.windows[i]
     if c.plan is not None:
         reps_out = f"key_reps_{i}_out"
-        sparse.update_reps(g, c.plan, k, kc_out, f"key_reps_{i}", reps_out, s.kd)
-        c.outputs.append(
-            vi(reps_out, TensorProto.FLOAT, ["NB", sparse.reps_width(retrieval, s.kd)])
-        )
+        sparse.update_reps(g, c.plan, k, kc_out, f"key_reps_{i}", reps_out, s.kd, i)
+        width = sparse.reps_width(retrieval, s.kv_heads, s.head_dim)
+        c.outputs.append(vi(reps_out, TensorProto.FLOAT, ["NB", width]))
     if not c.decode:
         attn = block.attend_fresh(g, s, q, k, v, c.masks[win])
     elif c.plan is not None:
@@ -155,6 +154,7 @@ def export_decoder(
     max_pages: int | None = None,
     dtype: str = "float32",
     held: dict[str, np.ndarray] | None = None,
+    basis: Any = None,
 ) -> onnx.ModelProto:
     """The prefill (``decode=False``) or decode graph of ``model`` (a transformers causal
     LM of a family in ``families.FAMILIES``); both name their weights alike (the
@@ -168,6 +168,11 @@ def export_decoder(
     graph, the static block-table width ``max_pages``. Every unsupported config field or
     argument is refused here, before any weight is read.
 
+    ``basis``: with ``retrieval.representation == "lowrank"`` (and only then), the
+    model's basis, one float32 array ``[kv_heads, head_dim, retrieval.rank]`` per layer
+    (``pytrt_kv.retrieval.study.calibration.calibrate_lowrank``); each becomes the
+    constant ``lowrank_basis_<i>`` of the graph (``retrieval.rank <= head_dim``).
+
     ``held``: a dict that receives the weights of 64 KiB or more (the graph declares
     them with ``location`` ``graph.IN_RUNNER``); the runner passes one dict to both
     graphs, so the weights are held once."""
@@ -176,6 +181,7 @@ def export_decoder(
     fp8 = kv_cache_dtype == "fp8"
     if retrieval is not None:
         sparse.check_retrieval(retrieval, block_size, decode, max_pages, fp8, s.windows)
+    bases = sparse.check_basis(retrieval, basis, s.layers, s.kv_heads, s.head_dim)
     g = Graph(dtype, held)
     sd = model.state_dict()  # tensors converted one at a time, as each is written
 
@@ -201,7 +207,9 @@ def export_decoder(
     else:
         c.masks = block.prefill_masks(g, set(s.windows))
     if retrieval is not None:
-        c.plan = sparse.retrieval_plan(g, retrieval, block_size, decode, max_pages)
+        c.plan = sparse.retrieval_plan(
+            g, retrieval, block_size, decode, max_pages, bases, s.head_dim
+        )
         c.sel_k = sparse.selection_width(retrieval, max_pages) if decode else 0
     embed = w("model.embed_tokens.weight", False)
     h = g.op("Gather", [embed, "input_ids"], axis=0)  # [T, hidden]

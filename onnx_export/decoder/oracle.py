@@ -88,19 +88,34 @@ def use_retrieval_attention(model: Any) -> Any:
 
 
 def reference_sparse_greedy(
-    prompt: list[int], tokens: int, retrieval: Any, path: str | None = None, model: Any = None
+    prompt: list[int],
+    tokens: int,
+    retrieval: Any,
+    path: str | None = None,
+    model: Any = None,
+    basis: Any = None,
 ) -> tuple[list[int], np.ndarray]:
     """The RetrievalKV study's own implementation (transformers with its retrieval
     attention, method ``retrieval.representation``) generating ``tokens`` greedy tokens
     after ``prompt``: dense prompt rows, sparse rows after it, the whole sequence
     recomputed each step (no cache). ``model``: a transformers model to use (its
-    attention is switched to the study's here), else SmolLM2 is loaded from ``path``."""
+    attention is switched to the study's here), else SmolLM2 is loaded from ``path``.
+    ``basis``: for "lowrank", the per-layer ``[Hkv, D, r]`` basis the graphs hold (the
+    study then scores with the identical basis; without it, the one
+    ``calibrate_lowrank`` left in the model's study state)."""
+    import torch  # noqa: PLC0415
+
     if model is None:
         from .load import load_model  # noqa: PLC0415
 
         model, _ = load_model(path, cache=False)
     before = model.config._attn_implementation
     st = use_retrieval_attention(model)
+    saved = st.basis
+    if basis is not None:
+        st.basis = {
+            i: {"post": torch.from_numpy(np.array(b, np.float32))} for i, b in enumerate(basis)
+        }
     st.method = retrieval.representation
     st.cfg = retrieval
     st.sparse_from = len(prompt)
@@ -108,4 +123,5 @@ def reference_sparse_greedy(
         return reference_greedy(model, prompt, tokens)
     finally:
         st.method = "dense"
+        st.basis = saved
         model.set_attn_implementation(before)  # the model's own attention again

@@ -153,7 +153,9 @@ def _weights_as_inputs(graph: onnx.ModelProto) -> onnx.ModelProto:
 class DecoderRunner:
     """Greedy generation with the prefill and decode graphs of ``model`` on the CPU
     runtime; the caches live here and are replaced by each step's ``*_out``.
-    ``last_logits``: the ``[B, V]`` float32 logits of each step of the last generate()."""
+    ``last_logits``: the ``[B, V]`` float32 logits of each step of the last generate().
+    ``retrieval``, ``max_pages``, ``basis``: the sparse graphs (``export_decoder``;
+    ``basis``: the per-layer "lowrank" basis, ``calibrate_lowrank``)."""
 
     def __init__(
         self,
@@ -166,6 +168,7 @@ class DecoderRunner:
         retrieval: Any = None,
         max_pages: int | None = None,
         dtype: str = "float32",
+        basis: Any = None,
     ):
         from pytrt_kv import runtime  # noqa: PLC0415
 
@@ -179,7 +182,11 @@ class DecoderRunner:
         if kv_cache_dtype == "fp8" and scales is None:
             raise ValueError("scales: expected k_scale_<i>/v_scale_<i> arrays for fp8 caches")
         kw = dict(
-            block_size=block_size, kv_cache_dtype=kv_cache_dtype, retrieval=retrieval, dtype=dtype
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            retrieval=retrieval,
+            dtype=dtype,
+            basis=basis,
         )
         self.weights: dict[str, np.ndarray] = {}
         kw["held"] = self.weights
@@ -222,7 +229,7 @@ class DecoderRunner:
         sel_k = selection_width(self.retrieval, self.max_pages)
         for i in range(s.layers):
             out[f"key_reps_{i}"] = np.zeros(
-                (self.num_blocks, reps_width(self.retrieval, s.kd)), np.float32
+                (self.num_blocks, reps_width(self.retrieval, s.kv_heads, s.head_dim)), np.float32
             )
             for k in ("key", "value"):
                 out[f"sel_{k}_{i}"] = np.zeros((batch * sel_k, self.block_size, s.kd), act)

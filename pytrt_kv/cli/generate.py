@@ -11,7 +11,8 @@ weights, activations and caches in float32, float16 or bfloat16. ``--check`` com
 every token with transformers' greedy generation and exits 1 on any difference;
 ``--save DIR`` writes the two graphs (shared external weights) for ``pytrt-kv build``
 and Polygraphy. ``--sparse`` runs the RetrievalKV decode graph instead (``--check`` then
-compares with the RetrievalKV study's attention on the same model). See docs/LLAMA.md.
+compares with the RetrievalKV study's attention on the same model; ``--representation
+lowrank``, the default, first calibrates the model's basis). See docs/LLAMA.md.
 The library is ``onnx_export.decoder``, imported inside ``run`` only
 (docs/ARCHITECTURE.md: pytrt_kv never imports onnx_export at module level).
 """
@@ -24,6 +25,7 @@ import time
 
 import numpy as np
 
+from ..retrieval.config import REPRESENTATIONS, RetrievalConfig
 from ._options import add_numbers
 
 
@@ -59,10 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sparse = parser.add_argument_group(
         "sparse decode (RetrievalKV, docs/LLAMA.md)",
         "--sparse: each decode step attends to the first --init-tokens, the top "
-        "--topk-percent of the complete pages between (scored by their max/min keys) and "
-        "the last --local-tokens or more, gathered with GatherSelectionKvCache; a page "
+        "--topk-percent of the complete pages between (scored by their --representation: "
+        "lowrank, the default, by their keys projected on a per-layer basis of --rank "
+        "vectors per KV head, calibrated once on the standard library's argparse source) "
+        "and the last --local-tokens or more, gathered with GatherSelectionKvCache; a page "
         "(--block-size) is a retrieval block. --check then compares with the RetrievalKV "
-        "study's own implementation (transformers with its retrieval attention).",
+        "study's own implementation (transformers with its retrieval attention, the same "
+        "basis).",
     )
     sparse.add_argument("--sparse", action="store_true", help="the RetrievalKV decode graph")
     sparse.add_argument(
@@ -72,6 +77,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--local-tokens", type=int, default=None, help="default: two pages (2 x --block-size)"
     )
     sparse.add_argument("--topk-percent", type=float, default=0.2, help="default 0.2")
+    sparse.add_argument(
+        "--representation",
+        choices=REPRESENTATIONS,
+        default=RetrievalConfig().representation,
+        help=f"how a page is scored (docs/SPEC.md R5; default {RetrievalConfig().representation})",
+    )
+    sparse.add_argument(
+        "--rank",
+        type=int,
+        default=RetrievalConfig().rank,
+        help=f"lowrank: basis vectors per KV head, <= head_dim (default {RetrievalConfig().rank})",
+    )
     sparse.add_argument(
         "--max-pages",
         type=int,
@@ -104,8 +121,6 @@ def _retrieval(args: argparse.Namespace, prompts: list[list[int]]):
         return None, None
     if args.kv_cache_dtype != "float32":
         raise ValueError("--sparse: expected --kv-cache-dtype float32, got fp8")
-    from ..retrieval.config import RetrievalConfig
-
     bs = args.block_size
     retrieval = RetrievalConfig(
         init_tokens=bs if args.init_tokens is None else args.init_tokens,
@@ -114,12 +129,34 @@ def _retrieval(args: argparse.Namespace, prompts: list[list[int]]):
         block_size=bs,
         dense_boundary=0,
         offload_boundary=0,
+        representation=args.representation,
+        rank=args.rank,
     )
     longest = max(map(len, prompts)) + args.tokens
     return retrieval, args.max_pages or -(-longest // bs)
 
 
-def _check(args, model, prompts, out, logits, retrieval) -> int:
+def _lowrank_basis(retrieval, model, tok, config) -> list[np.ndarray] | None:
+    """--representation lowrank: the model's basis, calibrated once (one dense prefill of
+    the calibration text, at most the model's positions); None for the others."""
+    from ..retrieval.config import LOWRANK
+    from ..retrieval.study.calibration import CALIBRATION_TOKENS, calibrate_lowrank, calibration_ids
+
+    if retrieval is None or retrieval.representation != LOWRANK:
+        return None
+    t0 = time.perf_counter()
+    limit = getattr(config if config is not None else model.config, "max_position_embeddings", 0)
+    ids = calibration_ids(tok, min(CALIBRATION_TOKENS, int(limit or CALIBRATION_TOKENS)))
+    basis = calibrate_lowrank(model, ids, retrieval.rank)
+    print(
+        f"lowrank basis: calibrated on {len(ids)} tokens of the argparse source, rank "
+        f"{retrieval.rank}, {len(basis)} layers, in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
+    return basis
+
+
+def _check(args, model, prompts, out, logits, retrieval, basis=None) -> int:
     """--check: every sequence's tokens and logits against transformers' (the study's
     retrieval attention for --sparse); 0 when all agree within the dtype's bound."""
     from onnx_export.decoder import compare_greedy, reference_greedy, reference_sparse_greedy
@@ -127,7 +164,9 @@ def _check(args, model, prompts, out, logits, retrieval) -> int:
     bad, worst = 0, 0.0
     for b, (prompt, got) in enumerate(zip(prompts, out)):
         if retrieval is not None:
-            want, want_logits = reference_sparse_greedy(prompt, args.tokens, retrieval, model=model)
+            want, want_logits = reference_sparse_greedy(
+                prompt, args.tokens, retrieval, model=model, basis=basis
+            )
         else:
             want, want_logits = reference_greedy(model, prompt, args.tokens)
         ok, same, diff, bound = compare_greedy(got, logits[b], want, want_logits, args.dtype)
@@ -192,17 +231,20 @@ def run(args: argparse.Namespace) -> int:
                    max_positions=getattr(config, "max_position_embeddings", None))  # fmt: skip
     retrieval, max_pages = _retrieval(args, prompts)
     model, _ = load_model(args.model, dtype=args.dtype)
+    basis = _lowrank_basis(retrieval, model, tok, config)
     runner = DecoderRunner(model, block_size=args.block_size, num_blocks=args.num_blocks,
-                           retrieval=retrieval, max_pages=max_pages, dtype=args.dtype)  # fmt: skip
+                           retrieval=retrieval, max_pages=max_pages, dtype=args.dtype,
+                           basis=basis)  # fmt: skip
     float_out = float_logits = None
     if args.kv_cache_dtype == "fp8":
         runner, float_out, float_logits = _fp8(args, model, runner, prompts)
     print(f"loaded and exported in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if retrieval is not None and max_pages is not None:  # both set by --sparse
         r = retrieval
+        how = f"{r.representation} scores" + (f", rank {r.rank}" if basis is not None else "")
         print(
             f"sparse decode: init {r.init_tokens}, local >= {r.local_tokens}, top "
-            f"{r.topk_percent:g} of the pages between ({r.representation} scores), pages "
+            f"{r.topk_percent:g} of the pages between ({how}), pages "
             f"of {r.block_size} tokens, block tables of {max_pages} pages, selection of "
             f"{selection_width(r, max_pages)} pages per sequence",
             file=sys.stderr,
@@ -233,4 +275,4 @@ def run(args: argparse.Namespace) -> int:
         out, logits = float_out, float_logits
     if not args.check:
         return 0
-    return _check(args, model, prompts, out, logits, retrieval)
+    return _check(args, model, prompts, out, logits, retrieval, basis)

@@ -1,6 +1,10 @@
 """``pytrt-kv retrieval-demo``: RetrievalKV decode steps on the CPU runtime, verified
 against the NumPy reference (the steps and checks: :mod:`pytrt_kv.retrieval.demo`); prints
 one line per step and row, and ``FAILED: ...`` with exit status 1 on a mismatch.
+
+With "lowrank" (the default representation) the basis is calibrated on keys drawn from a
+random stream of their own, not on the decoded sequences' keys
+(:func:`pytrt_kv.retrieval.demo.calibration_basis`).
 """
 
 from __future__ import annotations
@@ -15,14 +19,17 @@ import numpy as np
 from ._options import add_numbers
 
 
-def cpu_runner(cfg, sizes) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+def cpu_runner(
+    cfg, sizes, basis: np.ndarray | None = None
+) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
     """feeds -> outputs: the CPU runtime on the retrieval decode step
-    (``onnx_export.retrieval.build_retrieval_decode_step``, imported here, lazily)."""
+    (``onnx_export.retrieval.build_retrieval_decode_step``, imported here, lazily);
+    ``basis``: the "lowrank" basis, a constant of the step (required for "lowrank")."""
     from onnx_export.retrieval import build_retrieval_decode_step
 
     from .. import runtime
 
-    ev = runtime.make_evaluator(build_retrieval_decode_step(sizes, cfg))
+    ev = runtime.make_evaluator(build_retrieval_decode_step(sizes, cfg, basis=basis))
     return lambda feeds: runtime.run(ev, feeds)
 
 
@@ -54,11 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--representation",
         choices=REPRESENTATIONS,
         default=default_rep,
-        help=f"block representation used for scoring (docs/SPEC.md R5; default {default_rep})",
+        help=f"block representation used for scoring (docs/SPEC.md R5; default {default_rep}; "
+        "lowrank's basis is calibrated on random keys of another seed than the decoded ones)",
     )
     add_numbers(
         parser,
         [
+            ("--rank", int, 8, "lowrank: numbers per key and KV head, at most --head-dim"),
             ("--q-heads", int, 4, "query heads"),
             ("--kv-heads", int, 2, "KV heads"),
             ("--head-dim", int, 16, "head size"),
@@ -83,7 +92,7 @@ def _fields_from(cls: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from ..retrieval.config import RetrievalConfig
-    from ..retrieval.demo import VerificationError, run_steps
+    from ..retrieval.demo import VerificationError, calibration_basis, run_steps
     from ..retrieval.planner import RetrievalSizes
 
     cfg = RetrievalConfig(**_fields_from(RetrievalConfig, args))
@@ -96,12 +105,19 @@ def run(args: argparse.Namespace) -> int:
             f"--max-len: expected >= longest prompt + steps = "
             f"{max(prompts) + args.steps}, got {args.max_len}"
         )
+    basis = calibration_basis(cfg, sizes, args.seed)
     print(f"config {cfg}")
+    if basis is not None:
+        print(
+            f"lowrank basis {list(basis.shape)}: calibrated on random keys of seed "
+            f"[{args.seed}, 1], not the decoded sequences'"
+        )
     print(f"modes (R2): {[cfg.mode_for(p) for p in prompts]} for prompts {prompts}")
     try:
         checks = run_steps(
-            cfg, sizes, prompts, args.steps, run=cpu_runner(cfg, sizes), seed=args.seed, log=print
-        )
+            cfg, sizes, prompts, args.steps, run=cpu_runner(cfg, sizes, basis), seed=args.seed,
+            log=print, basis=basis,
+        )  # fmt: skip
     except VerificationError as exc:
         print(f"FAILED: {exc}")
         return 1

@@ -1,15 +1,17 @@
 """RetrievalKV: retrieval-based sparse decode with KV offload (docs/SPEC.md R).
 
 The first tokens (init) and a sliding window (local) are always attended; the tokens
-between are cut into blocks of ``block_size``, each reduced to a representation vector;
-at every decode step the blocks are scored by an inner product with the current query
-and the top ``topk_percent`` are recalled (GatherSelectionKvCache with TBS = block size,
-from a full cache that may live in pinned host memory) and attended with init and local.
+between are cut into blocks of ``block_size``, each reduced to a representation (by
+default "lowrank": the block's keys projected on a basis calibrated once per model,
+:func:`calibrate_basis`); at every decode step the blocks are scored with the current
+query and the top ``topk_percent`` are recalled (GatherSelectionKvCache with TBS = block
+size, from a full cache that may live in pinned host memory) and attended with init and
+local.
 
 - :mod:`.config`: :class:`RetrievalConfig` (R1, ``from_env``), ``mode_for`` (R2),
   ``partition`` (R3), ``num_selected`` (R4);
-- :mod:`.reference`: representations, scoring, selection and the NumPy reference
-  :func:`sparse_decode_attention` (R5, R6);
+- :mod:`.reference`: representations (and the "lowrank" basis, :func:`calibrate_basis`),
+  scoring, selection and the NumPy reference :func:`sparse_decode_attention` (R5, R6);
 - :mod:`.planner`: host planner that feeds GatherSelectionKvCache and tracks offload;
 - the ONNX decode step, :func:`onnx_export.retrieval.build_retrieval_decode_step`, lives
   in the export layer (docs/ARCHITECTURE.md: pytrt_kv never imports onnx_export);
@@ -19,6 +21,7 @@ from a full cache that may live in pinned host memory) and attended with init an
 
 from .config import (
     DENSE,
+    LOWRANK,
     MASS,
     MEAN,
     MINMAX,
@@ -32,6 +35,7 @@ from .planner import RetrievalPlanner, RetrievalSizes
 from .reference import (
     block_representations,
     block_scores,
+    calibrate_basis,
     dense_attention,
     group_query,
     score_blocks,
@@ -45,12 +49,14 @@ __all__ = [
     "DENSE",
     "SPARSE",
     "SPARSE_OFFLOAD",
+    "LOWRANK",
     "MINMAX",
     "MEAN",
     "MASS",
     "REPRESENTATIONS",
     "block_representations",
     "block_scores",
+    "calibrate_basis",
     "dense_attention",
     "group_query",
     "score_blocks",

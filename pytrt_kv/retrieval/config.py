@@ -29,11 +29,12 @@ SPARSE = "sparse"
 SPARSE_OFFLOAD = "sparse_offload"
 MODES = (DENSE, SPARSE, SPARSE_OFFLOAD)
 
-#: R5 representations (the first is the default).
+#: R5 representations (the first is the default: the study's best, docs/RETRIEVAL.md).
+LOWRANK = "lowrank"
 MINMAX = "minmax"
 MEAN = "mean"
 MASS = "mass"
-REPRESENTATIONS = (MEAN, MINMAX, MASS)
+REPRESENTATIONS = (LOWRANK, MEAN, MINMAX, MASS)
 
 #: Environment variable of each field (the first five are the seed's names).
 ENV_NAMES = {
@@ -44,6 +45,7 @@ ENV_NAMES = {
     "offload_boundary": "VLLM_RETRIEVAL_OFFLOAD_BOUNDARY",
     "block_size": "VLLM_RETRIEVAL_BLOCK_SIZE",
     "representation": "VLLM_RETRIEVAL_REPRESENTATION",
+    "rank": "VLLM_RETRIEVAL_LOWRANK_RANK",
 }
 
 
@@ -70,7 +72,10 @@ class RetrievalConfig:
     dense_boundary, offload_boundary : int
         R2 prompt-length boundaries.
     representation : str
-        A name of :data:`REPRESENTATIONS` (R5); default "mean".
+        A name of :data:`REPRESENTATIONS` (R5); default "lowrank".
+    rank : int
+        r, numbers per key and KV head of the "lowrank" representation (its basis is
+        ``[Hkv, D, r]``, r <= D; R5); default 32. Ignored by the other representations.
 
     Examples
     --------
@@ -86,7 +91,8 @@ class RetrievalConfig:
     block_size: int = 128
     dense_boundary: int = 32768
     offload_boundary: int = 65536
-    representation: str = MEAN
+    representation: str = LOWRANK
+    rank: int = 32
 
     def __post_init__(self) -> None:
         for name in (
@@ -95,8 +101,11 @@ class RetrievalConfig:
             "block_size",
             "dense_boundary",
             "offload_boundary",
+            "rank",
         ):
             _int(name, getattr(self, name))
+        if self.rank < 1:
+            raise ValueError(f"rank: expected >= 1, got {self.rank}")
         if self.block_size < 1:
             raise ValueError(f"block_size: expected >= 1, got {self.block_size}")
         for name in ("init_tokens", "local_tokens", "dense_boundary", "offload_boundary"):

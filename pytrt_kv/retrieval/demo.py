@@ -3,6 +3,10 @@
 
 1. builds the retrieval decode step
    (:func:`onnx_export.retrieval.build_retrieval_decode_step`), checked by ``onnx.checker``;
+   for "lowrank" (the default representation) with the basis of
+   :func:`calibration_basis`: :func:`.reference.calibrate_basis` of calibration keys drawn
+   from their own random stream (seed ``[seed, 1]``), never the decoded sequences' keys
+   (seed ``seed``), as a real basis comes from a calibration text, not the context;
 2. starts each row with a random prompt (written into the full caches as a dense prefill
    would) and runs decode steps on the CPU runtime, feeding each step's caches and status
    back, the planner supplying tables, slots, representations and counts;
@@ -25,12 +29,34 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..contract import dtypes
-from .config import DENSE, RetrievalConfig
+from .config import DENSE, LOWRANK, RetrievalConfig
 from .planner import RetrievalPlanner, RetrievalSizes, StepRecord
-from .reference import dense_attention, sparse_decode_attention
+from .reference import calibrate_basis, dense_attention, sparse_decode_attention
 
 #: float32 attention in another order than the graph's: rounding only.
 ATOL = {"float32": 2e-5, "float16": 2e-3}
+
+#: Calibration keys per KV head behind the demo's "lowrank" basis.
+CALIBRATION_KEYS = 512
+
+
+def calibration_basis(
+    cfg: RetrievalConfig, sizes: RetrievalSizes, seed: int = 0
+) -> np.ndarray | None:
+    """The "lowrank" basis of a demo run (None for the other representations):
+    :func:`.reference.calibrate_basis` of :data:`CALIBRATION_KEYS` keys drawn with seed
+    ``[seed, 1]``, a random stream of its own, so never the keys of the sequences
+    :func:`run_steps` decodes with seed ``seed`` (a real basis is calibrated once on a
+    text of another kind than the contexts it scores, docs/RETRIEVAL.md "A basis fixed
+    per model is as good"). The calibration keys' dimensions have unequal spreads (keys
+    are anisotropic), so the top ``cfg.rank`` directions are well defined."""
+    if cfg.representation != LOWRANK:
+        return None
+    sizes.validate(cfg)
+    rng = np.random.default_rng([seed, 1])
+    spread = np.linspace(2.0, 0.25, sizes.head_dim)
+    keys = rng.standard_normal((CALIBRATION_KEYS, sizes.kv_heads, sizes.head_dim)) * spread
+    return calibrate_basis(keys, cfg.rank)
 
 
 class VerificationError(Exception):
@@ -67,6 +93,7 @@ def run_steps(
     run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    basis: np.ndarray | None = None,
 ) -> list[StepCheck]:
     """Run and verify ``steps`` decode steps; raises :class:`VerificationError` on a
     mismatch.
@@ -80,12 +107,15 @@ def run_steps(
         :func:`onnx_export.retrieval.build_retrieval_decode_step` (``pytrt-kv
         retrieval-demo`` passes that; this layer does not import onnx_export)
     log : called with one line per step and row
+    basis : the "lowrank" basis ``[kv_heads, head_dim, cfg.rank]`` the step was built
+        with (e.g. :func:`calibration_basis`); required for "lowrank", ignored otherwise.
+        The planner and the NumPy reference use it too.
     """
     if len(prompt_lens) != sizes.batch:
         raise ValueError(f"prompt_lens: expected {sizes.batch} lengths, got {list(prompt_lens)}")
     rng = np.random.default_rng(seed)
     cdt = dtypes.numpy_dtype(sizes.dtype)
-    planner = RetrievalPlanner(cfg, sizes, seed=seed)
+    planner = RetrievalPlanner(cfg, sizes, seed=seed, basis=basis)
     caches = planner.empty_caches()
     Hq, Hkv, D = sizes.q_heads, sizes.kv_heads, sizes.head_dim
     hist_k, hist_v = [], []
@@ -113,7 +143,9 @@ def run_steps(
             hist_k[b] = np.concatenate([hist_k[b], k_new[b : b + 1]])
             hist_v[b] = np.concatenate([hist_v[b], v_new[b : b + 1]])
             row_cfg = cfg.with_(topk_percent=1.0) if planner.modes[b] == DENSE else cfg
-            results.append(sparse_decode_attention(q[b], hist_k[b], hist_v[b], row_cfg))
+            results.append(
+                sparse_decode_attention(q[b], hist_k[b], hist_v[b], row_cfg, basis=planner.basis)
+            )
         want_ids = planner.topk_rows([r.selected for r in results])
         got_ids = out["topk_indices"]
         _check(

@@ -13,7 +13,8 @@ One decode step of one layer, ``batch`` sequences, one new token each (S = 1, BS
   and the block holding the new token;
 * block representations (R5) are computed on the host once per block, when it becomes
   retrievable, from the full key cache (the seed writes them to its vector store during
-  prefill); the decode step scores them on the device;
+  prefill); the decode step scores them on the device. "lowrank" projects the keys on
+  the planner's ``basis`` (a constant of the model, the same the step was built with);
 * the status rows are kept between steps (fed back from the step's output) and reset
   when a row starts a sequence.
 
@@ -33,8 +34,8 @@ import numpy as np
 
 from ..contract import dtypes, specs
 from ..reference import plan_row
-from .config import DENSE, SPARSE_OFFLOAD, Partition, RetrievalConfig
-from .reference import block_representations, representation_width
+from .config import DENSE, LOWRANK, SPARSE_OFFLOAD, Partition, RetrievalConfig
+from .reference import block_representations, check_basis, representation_width
 
 #: Value written into caches before use: a slot the op was not meant to touch stays so.
 SENTINEL = -7.25
@@ -64,6 +65,11 @@ class RetrievalSizes:
         if self.q_heads % self.kv_heads:
             raise ValueError(
                 f"q_heads: expected a multiple of kv_heads = {self.kv_heads}, got {self.q_heads}"
+            )
+        if cfg.representation == LOWRANK and cfg.rank > self.head_dim:
+            raise ValueError(
+                f"rank: expected <= head_dim = {self.head_dim} for 'lowrank' (the basis is "
+                f"[kv_heads, head_dim, rank]), got {cfg.rank}"
             )
         if cfg.partition(self.max_len).num_blocks < 1:
             raise ValueError(
@@ -124,7 +130,9 @@ class StepLayout:
             init_blocks=init_blocks,
             local_blocks=local_blocks,
             first_id=cfg.init_tokens // B,
-            width=representation_width(cfg.representation, sizes.kv_heads, sizes.head_dim),
+            width=representation_width(
+                cfg.representation, sizes.kv_heads, sizes.head_dim, block_size=B, rank=cfg.rank
+            ),
             topk=K,
             sel_blocks=sizes.batch * K,
         )
@@ -147,17 +155,37 @@ class StepRecord:
 class RetrievalPlanner:
     """Feeds, tables, status rows and offload state of the retrieval decode step.
 
+    Parameters
+    ----------
+    cfg : RetrievalConfig
+    sizes : RetrievalSizes
+    seed : int
+        Permutes the block tables (a real allocator hands out any blocks).
+    basis : numpy.ndarray ``[kv_heads, head_dim, cfg.rank]``, optional
+        The "lowrank" basis (``reference.calibrate_basis``; the step's graph must be
+        built with the same one); required for "lowrank", ignored by the other
+        representations.
+
+    Raises
+    ------
+    ValueError
+        Sizes the config does not fit; "lowrank" without a basis or with one of another
+        shape (the message names ``basis``).
+
     Examples
     --------
-    >>> cfg = RetrievalConfig(init_tokens=32, local_tokens=64, block_size=32)
-    >>> pl = RetrievalPlanner(cfg, RetrievalSizes(batch=1, max_len=512))
-    >>> pl.layout.topk, pl.layout.max_selected
-    (7, 3)
+    >>> from pytrt_kv.retrieval.reference import calibrate_basis
+    >>> cfg = RetrievalConfig(init_tokens=32, local_tokens=64, block_size=32, rank=8)
+    >>> basis = calibrate_basis(np.random.default_rng(1).standard_normal((256, 2, 16)), 8)
+    >>> pl = RetrievalPlanner(cfg, RetrievalSizes(batch=1, max_len=512), basis=basis)
+    >>> pl.layout.topk, pl.layout.max_selected, pl.layout.width
+    (7, 3, 512)
     """
 
     cfg: RetrievalConfig
     sizes: RetrievalSizes
     seed: int = 0  #: permutes the block tables (a real allocator hands out any blocks)
+    basis: np.ndarray | None = field(default=None, repr=False)  #: lowrank ``[Hkv, D, r]``
     layout: StepLayout = field(init=False, repr=False)
     full_block_table: np.ndarray = field(init=False, repr=False)
     selection_block_table: np.ndarray = field(init=False, repr=False)
@@ -171,6 +199,8 @@ class RetrievalPlanner:
     def __post_init__(self) -> None:
         self.sizes.validate(self.cfg)
         z, lay = self.sizes, StepLayout.of(self.sizes, self.cfg)
+        if self.cfg.representation == LOWRANK:
+            self.basis = check_basis(self.basis, z.kv_heads, z.head_dim, self.cfg.rank).copy()
         self.layout = lay
         rng = np.random.default_rng(self.seed)
         self.full_block_table = (
@@ -278,7 +308,7 @@ class RetrievalPlanner:
         )
         slot = self.slots(b, np.arange(end))
         keys = np.asarray(full_key_cache)[slot // B, slot % B]
-        reps = block_representations(keys, part, self.cfg.representation)
+        reps = block_representations(keys, part, self.cfg.representation, basis=self.basis)
         self.block_repr[b, done:nb] = reps[done:nb]
         self.represented[b] = nb
 

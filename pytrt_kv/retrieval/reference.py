@@ -5,6 +5,15 @@ Shapes: one layer, one sequence; ``L`` cached tokens (the current one included),
 KV heads of width ``D``, ``Hq = G * Hkv`` query heads (GQA group ``g`` = query heads
 ``g*G .. g*G+G-1``, the ``repeat_kv`` convention of Llama-style models). Keys are
 post-RoPE. All arithmetic is float32 (float64 where noted), whatever the cache dtype.
+
+"lowrank" (docs/RETRIEVAL.md "On a GPU: low-rank keys find what the oracle finds" and
+"A basis fixed per model is as good") needs a ``basis [Hkv, D, r]`` (orthonormal columns
+per KV head, r = ``RetrievalConfig.rank``), a constant of the model calibrated once on
+keys of another text (:func:`calibrate_basis`): a block's representation is its keys
+projected on the basis (:func:`lowrank_representations`), its score each query head's
+log-sum-exp of its logits over those projected keys, softmax over the blocks per head,
+summed over the query heads (:func:`lowrank_scores`). Every function that may meet
+"lowrank" takes the basis as ``basis=`` and refuses to run without it.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import MASS, MEAN, MINMAX, REPRESENTATIONS, Partition, RetrievalConfig
+from .config import LOWRANK, MASS, MEAN, MINMAX, REPRESENTATIONS, Partition, RetrievalConfig
 
 
 def _keys_2d(arg: str, keys: np.ndarray) -> np.ndarray:
@@ -24,15 +33,113 @@ def _keys_2d(arg: str, keys: np.ndarray) -> np.ndarray:
     return k.reshape(k.shape[0], -1).astype(np.float32)
 
 
-def representation_width(kind: str, kv_heads: int, head_dim: int) -> int:
-    """Width of one block's representation row: ``2*Hkv*D`` (minmax) or ``Hkv*D`` (mean,
-    mass)."""
+def representation_width(
+    kind: str,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    block_size: int | None = None,
+    rank: int | None = None,
+) -> int:
+    """Width W of one block's representation row.
+
+    ``2*Hkv*D`` (minmax), ``Hkv*D`` (mean, mass) or ``block_size*Hkv*rank`` (lowrank:
+    every key of the block projected on the rank-r basis; ``block_size`` and ``rank``
+    are required for it and ignored otherwise).
+
+    Raises
+    ------
+    ValueError
+        An unknown ``kind``, or "lowrank" without ``block_size`` or ``rank``.
+    """
     if kind not in REPRESENTATIONS:
         raise ValueError(f"kind: expected one of {list(REPRESENTATIONS)}, got {kind!r}")
+    if kind == LOWRANK:
+        return _lowrank_int("block_size", block_size) * kv_heads * _lowrank_int("rank", rank)
     return (2 if kind == MINMAX else 1) * kv_heads * head_dim
 
 
-def block_representations(keys: np.ndarray, part: Partition, kind: str = MEAN) -> np.ndarray:
+def _lowrank_int(name: str, v: int | None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name}: expected an int >= 1 for 'lowrank', got {v!r}")
+    return v
+
+
+def check_basis(
+    basis: np.ndarray | None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    rank: int | None = None,
+) -> np.ndarray:
+    """The "lowrank" basis as float32 ``[Hkv, D, r]``, its shape checked against the
+    dimensions given (None: any).
+
+    Raises
+    ------
+    ValueError
+        ``basis`` None (the lowrank representation has no default basis) or of another
+        shape; the message names ``basis``.
+    """
+    want = f"[{kv_heads or 'Hkv'}, {head_dim or 'D'}, {rank or 'r'}]"
+    if basis is None:
+        raise ValueError(
+            f"basis: expected a {want} array for 'lowrank' (calibrate_basis of keys of "
+            "another text), got None"
+        )
+    b = np.asarray(basis, dtype=np.float32)
+    if (
+        b.ndim != 3
+        or (kv_heads is not None and b.shape[0] != kv_heads)
+        or (head_dim is not None and b.shape[1] != head_dim)
+        or (rank is not None and b.shape[2] != rank)
+    ):
+        raise ValueError(f"basis: expected shape {want}, got {list(b.shape)}")
+    return b
+
+
+def calibrate_basis(keys: np.ndarray, rank: int) -> np.ndarray:
+    """The "lowrank" basis of calibration keys: per KV head, the top-``rank`` right
+    singular vectors of its keys (NumPy SVD in float64, not centred).
+
+    Parameters
+    ----------
+    keys : numpy.ndarray ``[N, Hkv, D]``
+        Post-RoPE keys of a calibration text (of another kind than the sequences the
+        basis will score: a constant of the model, docs/RETRIEVAL.md "A basis fixed per
+        model is as good").
+    rank : int
+        r, ``1 <= rank <= min(D, N)``.
+
+    Returns
+    -------
+    numpy.ndarray float32 ``[Hkv, D, rank]``
+        Orthonormal columns per KV head, the largest singular value first.
+
+    Examples
+    --------
+    >>> k = np.random.default_rng(0).standard_normal((64, 2, 8))
+    >>> b = calibrate_basis(k, 3)
+    >>> b.shape, bool(np.allclose(b[1].T @ b[1], np.eye(3), atol=1e-6))
+    ((2, 8, 3), True)
+    """
+    k = np.asarray(keys)
+    if k.ndim != 3:
+        raise ValueError(f"keys: expected shape [N, Hkv, D], got {list(k.shape)}")
+    N, _, D = k.shape
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank: expected an int >= 1, got {rank!r}")
+    if rank > D:
+        raise ValueError(f"rank: expected <= head_dim D = {D}, got {rank}")
+    if rank > N:
+        raise ValueError(f"rank: expected <= the {N} calibration keys, got {rank}")
+    k64 = k.astype(np.float64).transpose(1, 0, 2)  # [Hkv, N, D]
+    vh = np.linalg.svd(k64, full_matrices=False)[2]  # [Hkv, min(N, D), D]
+    return np.ascontiguousarray(vh[:, :rank].transpose(0, 2, 1)).astype(np.float32)
+
+
+def block_representations(
+    keys: np.ndarray, part: Partition, kind: str = MEAN, *, basis: np.ndarray | None = None
+) -> np.ndarray:
     """R5 representation of every retrievable block.
 
     Parameters
@@ -40,15 +147,18 @@ def block_representations(keys: np.ndarray, part: Partition, kind: str = MEAN) -
     keys : numpy.ndarray ``[L' >= init_end + nb*B, Hkv, D]``
         Post-RoPE keys of the sequence (only the retrievable blocks are read).
     part : Partition
-    kind : "mean" | "minmax" | "mass"
+    kind : "lowrank" | "mean" | "minmax" | "mass"
+    basis : numpy.ndarray ``[Hkv, D, r]``, required for "lowrank" (ignored otherwise)
 
     Returns
     -------
     numpy.ndarray float32 ``[nb, W]``
         minmax: ``[M, m]`` (element-wise max then min over the block's keys, each
         ``Hkv*D`` wide, heads concatenated), ``W = 2*Hkv*D``; mean and mass: the mean
-        key, ``W = Hkv*D``.
+        key, ``W = Hkv*D``; lowrank: :func:`lowrank_representations`, ``W = B*Hkv*r``.
     """
+    if kind == LOWRANK:
+        return lowrank_representations(keys, part, check_basis(basis))
     k = _keys_2d("keys", keys)
     nb, B = part.num_blocks, part.block_size
     end = part.init_end + nb * B
@@ -102,7 +212,13 @@ def block_scores(q_group: np.ndarray, reps: np.ndarray, kind: str = MEAN) -> np.
 
 
 def score_blocks(
-    q: np.ndarray, reps: np.ndarray, kind: str, kv_heads: int, scale: float | None = None
+    q: np.ndarray,
+    reps: np.ndarray,
+    kind: str,
+    kv_heads: int,
+    scale: float | None = None,
+    *,
+    basis: np.ndarray | None = None,
 ) -> np.ndarray:
     """R5 score of each block for the current token's query ``q [Hq, D]``: float32
     ``[nb]``.
@@ -110,10 +226,23 @@ def score_blocks(
     mean, minmax: :func:`block_scores` of the GQA-summed query. mass: each query head's
     softmax over the blocks of ``scale * q_h . mean_b`` (its KV head's part of the mean),
     summed over the query heads: an estimate of the attention mass each block draws,
-    every head counted alike (``scale`` default ``1/sqrt(D)``).
+    every head counted alike (``scale`` default ``1/sqrt(D)``). lowrank:
+    :func:`lowrank_scores` with ``basis [kv_heads, D, r]`` (required; the block size is
+    the width of ``reps`` over ``kv_heads * r``).
     """
     if kind in (MEAN, MINMAX):
         return block_scores(group_query(q, kv_heads), reps, kind)
+    if kind == LOWRANK:
+        qa = np.asarray(q)
+        b = check_basis(basis, kv_heads, qa.shape[-1] if qa.ndim == 2 else None)
+        per_key = kv_heads * b.shape[2]
+        r = np.asarray(reps)
+        if r.ndim != 2 or r.shape[1] % per_key or r.shape[1] == 0:
+            raise ValueError(
+                f"reps: expected shape [nb, B*{per_key}] for lowrank (B keys of Hkv*r "
+                f"projections), got {list(r.shape)}"
+            )
+        return lowrank_scores(q, r, b, r.shape[1] // per_key, scale)
     if kind != MASS:
         raise ValueError(f"kind: expected one of {list(REPRESENTATIONS)}, got {kind!r}")
     qg = group_query(q, kv_heads)  # validates q against kv_heads
@@ -209,6 +338,7 @@ def sparse_decode_attention(
     cfg: RetrievalConfig,
     scale: float | None = None,
     reps: np.ndarray | None = None,
+    basis: np.ndarray | None = None,
 ) -> SparseResult:
     """R6: attention of the current token over init + the recalled blocks + local.
 
@@ -219,9 +349,13 @@ def sparse_decode_attention(
     keys, values : numpy.ndarray ``[L, Hkv, D]``, ``[L, Hkv, Dv]``
         The whole sequence, the current token included.
     cfg : RetrievalConfig
-    scale : float, default ``1/sqrt(D)`` (the model's own scaling)
+    scale : float, default ``1/sqrt(D)`` (the model's own scaling; "mass" and "lowrank"
+        score with it too)
     reps : numpy.ndarray ``[>= nb, W]``, optional
         Precomputed block representations (default: from ``keys``).
+    basis : numpy.ndarray ``[Hkv, D, cfg.rank]``
+        The "lowrank" basis (:func:`calibrate_basis`); required for "lowrank", ignored
+        by the other representations.
 
     Returns
     -------
@@ -229,26 +363,36 @@ def sparse_decode_attention(
         With ``cfg.topk_percent == 1`` every block is recalled and ``out`` equals
         :func:`dense_attention`.
 
+    Raises
+    ------
+    ValueError
+        "lowrank" without a basis, or a basis of another shape (the message names
+        ``basis``).
+
     Examples
     --------
     >>> rng = np.random.default_rng(0)
     >>> k, v = rng.standard_normal((2, 700, 2, 8)).astype(np.float32)
     >>> q = rng.standard_normal((4, 8)).astype(np.float32)
     >>> cfg = RetrievalConfig(init_tokens=32, local_tokens=100, block_size=32,
-    ...                       topk_percent=1.0)
-    >>> r = sparse_decode_attention(q, k, v, cfg)
+    ...                       topk_percent=1.0, rank=4)
+    >>> basis = calibrate_basis(rng.standard_normal((256, 2, 8)), cfg.rank)
+    >>> r = sparse_decode_attention(q, k, v, cfg, basis=basis)
     >>> r.partition.num_blocks, len(r.selected)
     (17, 17)
     >>> bool(np.allclose(r.out, dense_attention(q, k, v), atol=1e-6))
     True
     """
-    L = np.asarray(keys).shape[0]
+    k3 = np.asarray(keys)
+    L = k3.shape[0]
     part = cfg.partition(L)
-    hkv = np.asarray(keys).shape[1] if np.asarray(keys).ndim == 3 else 0
+    hkv = k3.shape[1] if k3.ndim == 3 else 0
+    if cfg.representation == LOWRANK:
+        basis = check_basis(basis, hkv, k3.shape[2] if k3.ndim == 3 else None, cfg.rank)
     if reps is None:
-        reps = block_representations(keys, part, cfg.representation)
+        reps = block_representations(keys, part, cfg.representation, basis=basis)
     reps = np.asarray(reps, dtype=np.float32)[: part.num_blocks]
-    scores = score_blocks(q, reps, cfg.representation, hkv, scale)
+    scores = score_blocks(q, reps, cfg.representation, hkv, scale, basis=basis)
     selected = select_blocks(scores, cfg.num_selected(part.num_blocks))
     positions = np.asarray(part.attended(selected), dtype=np.int64)
     out = dense_attention(q, keys, values, scale, positions)
@@ -257,33 +401,14 @@ def sparse_decode_attention(
     )
 
 
-# --- "lowrank" (work in progress, issue 35; not yet an R5 representation) -----------------
-# docs/RETRIEVAL.md "On a GPU: low-rank keys find what the oracle finds": every key
-# projected on a basis fixed per model (``basis [Hkv, D, r]``, orthonormal columns per KV
-# head, from a calibration text); a block's representation is its projected keys; the
-# score is each query head's log-sum-exp of its logits over the block's projected keys,
-# softmax over the blocks per head, summed over the query heads.
-
-
-def _basis(basis: np.ndarray, kv_heads: int | None = None, head_dim: int | None = None):
-    b = np.asarray(basis, dtype=np.float32)
-    if (
-        b.ndim != 3
-        or (kv_heads is not None and b.shape[0] != kv_heads)
-        or (head_dim is not None and b.shape[1] != head_dim)
-    ):
-        want = f"[{kv_heads or 'Hkv'}, {head_dim or 'D'}, r]"
-        raise ValueError(f"basis: expected shape {want}, got {list(b.shape)}")
-    return b
-
-
 def lowrank_representations(keys: np.ndarray, part: Partition, basis: np.ndarray) -> np.ndarray:
-    """Every retrievable block's projected keys: float32 ``[nb, B*Hkv*r]`` (token-major:
-    token t of the block, KV head g, component j at ``(t*Hkv + g)*r + j``)."""
+    """R5 "lowrank": every retrievable block's keys projected on ``basis [Hkv, D, r]``:
+    float32 ``[nb, B*Hkv*r]`` (token-major: token t of the block, KV head g, component j
+    at ``(t*Hkv + g)*r + j``; float64 inside)."""
     k = np.asarray(keys, dtype=np.float32)
     if k.ndim != 3:
         raise ValueError(f"keys: expected shape [L, Hkv, D], got {list(k.shape)}")
-    b = _basis(basis, k.shape[1], k.shape[2])
+    b = check_basis(basis, k.shape[1], k.shape[2])
     nb, B = part.num_blocks, part.block_size
     end = part.init_end + nb * B
     if k.shape[0] < end:
@@ -291,20 +416,22 @@ def lowrank_representations(keys: np.ndarray, part: Partition, basis: np.ndarray
             f"keys: expected at least {end} tokens (init + {nb} blocks of {B}), got {k.shape[0]}"
         )
     proj = np.einsum("lhd,hdr->lhr", k[part.init_end : end].astype(np.float64), b)
-    return proj.reshape(nb, -1).astype(np.float32)
+    return proj.reshape(nb, B * b.shape[0] * b.shape[2]).astype(np.float32)  # nb may be 0
 
 
 def lowrank_scores(
     q: np.ndarray, reps: np.ndarray, basis: np.ndarray, block_size: int, scale: float | None = None
 ) -> np.ndarray:
-    """Score of each block for ``q [Hq, D]``: float32 ``[nb]`` = sum over query heads h
-    of ``softmax_b(logsumexp_{i in b} scale * (q_h P_g) . (k_i P_g))`` (g = h's KV head,
-    ``scale`` default ``1/sqrt(D)``), float64 inside."""
+    """R5 "lowrank" score of each block for ``q [Hq, D]``: float32 ``[nb]`` = sum over
+    query heads h of ``softmax_b(logsumexp_{i in b} scale * (q_h P_g) . (k_i P_g))``
+    (g = h's KV head, P_g its ``basis [Hkv, D, r]`` part, ``reps [nb, block_size*Hkv*r]``
+    from :func:`lowrank_representations`, ``scale`` default ``1/sqrt(D)``), float64
+    inside."""
     q = np.asarray(q, dtype=np.float64)
     if q.ndim != 2:
         raise ValueError(f"q: expected shape [Hq, D], got {list(q.shape)}")
     Hq, D = q.shape
-    b = _basis(basis, head_dim=D).astype(np.float64)
+    b = check_basis(basis, head_dim=D).astype(np.float64)
     Hkv, _, r = b.shape
     if Hq % Hkv:
         raise ValueError(f"q: expected Hq a multiple of the basis' {Hkv} KV heads, got {Hq}")

@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import MEAN, MINMAX, REPRESENTATIONS, RetrievalConfig
+from ..config import LOWRANK, MEAN, MINMAX, REPRESENTATIONS, RetrievalConfig
 from .attention import AttentionState
 from .scores import ALL_SELECTORS
 
 #: The default methods: dense, the baselines and the selectors the full study compares.
-SELECTORS = ("window", "random", "random_fixed", MEAN, MINMAX, "mass", "kmeans2", "oracle")
+SELECTORS = ("window", "random", "random_fixed", LOWRANK, MEAN, MINMAX, "mass", "oracle")
 METHODS = ("dense",) + SELECTORS
 ALL_METHODS = ("dense",) + ALL_SELECTORS
 

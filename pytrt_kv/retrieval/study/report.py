@@ -13,11 +13,18 @@ from pathlib import Path
 import numpy as np
 
 from ..._lib import install_command
-from ..config import REPRESENTATIONS
+from ..config import LOWRANK, REPRESENTATIONS, RetrievalConfig
+from .calibration import (
+    CALIBRATION_MODULE,
+    CALIBRATION_SKIP,
+    CALIBRATION_TOKENS,
+    calibrate_lowrank,
+    calibration_ids,
+)
 from .methods import StudySettings
 from .model import MODEL_NAME, load_model
 from .statistics import mcnemar, wilson
-from .tasks import LOAD_S, Clock, estimate_seconds, run_loss, run_needles
+from .tasks import LOAD_S, Clock, calibration_cost, estimate_seconds, run_loss, run_needles
 
 #: Baselines every selector is tested against (paired, per trial).
 BASELINES = ("window", "random", "random_fixed")
@@ -121,7 +128,14 @@ def _header(settings: StudySettings, seconds: float) -> list[str]:
         f"multi-key ({settings.num_keys} keys) and multi-value ({settings.num_values} "
         f"values): {settings.multi_trials} trials at "
         f"{', '.join(map(str, settings.multi_lengths))} tokens. Intervals: 95% Wilson; "
-        f"paired tests: exact McNemar against the baselines, significant at p < {ALPHA}.",
+        f"paired tests: exact McNemar against the baselines, significant at p < {ALPHA}."
+        + (
+            f" lowrank: rank {RetrievalConfig().rank}, its basis calibrated once on the first "
+            f"{CALIBRATION_TOKENS} tokens of the {CALIBRATION_MODULE} module's source (the "
+            f"first {CALIBRATION_SKIP} left out)."
+            if LOWRANK in settings.methods
+            else ""
+        ),
         "",
     ]
 
@@ -329,6 +343,10 @@ def run_study(
             f"{total / 60:.0f} min on 2 idle CPU cores"
         )
     clock = Clock(progress, total, t0, done=LOAD_S)  # the model is loaded
+    if LOWRANK in settings.methods:  # the "lowrank" basis: a constant of the model
+        ids = calibration_ids(tok)
+        calibrate_lowrank(model, ids, max(m.config().rank for m in settings.main_methods()))
+        clock.step(calibration_cost(settings), f"lowrank basis calibrated on {len(ids)} tokens")
     needles = run_needles(model, tok, settings, progress, clock)
     loss = run_loss(model, tok, settings, progress, clock) if settings.loss_context else []
     seconds = time.time() - t0

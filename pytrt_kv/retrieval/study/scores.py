@@ -9,7 +9,10 @@ an upper bound that needs the full attention). Selectors (docs/SPEC.md R5 and th
 candidates measured in docs/RETRIEVAL.md), with ``q_h`` the query of head h, ``g(h)``
 its KV head and ``s = scaling``:
 
-* ``mean``: ``sum_g q_g . mean_b,g`` (``q_g`` summed over the group), the R5 default;
+* ``lowrank``: the R5 default: ``lowrank{r}_cal`` with ``r = RetrievalConfig.rank`` on
+  the model's calibrated basis (``calibration.calibrate_lowrank``, in
+  ``AttentionState.basis``);
+* ``mean``: ``sum_g q_g . mean_b,g`` (``q_g`` summed over the group);
 * ``minmax``: R5's Quest bound ``[relu(q), -relu(-q)] . [M, m]``;
 * ``mass``: ``sum_h softmax_b(s q_h . mean_b,g(h))``: each query head's estimated
   attention mass over the blocks, summed over heads (as the oracle sums true masses);
@@ -43,7 +46,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import MEAN, MINMAX
+from ..config import LOWRANK, MEAN, MINMAX
 
 BASELINES = ("window", "random", "random_fixed", "oracle")
 #: Selectors computed from per-head logits of block vectors: name -> (vectors, aggregate).
@@ -78,6 +81,7 @@ CALIBRATED_SELECTORS = {
     "prerope32_cal": ("pre", 32),
 }
 REP_SELECTORS = (
+    LOWRANK,
     MEAN,
     MINMAX,
     *VECTOR_SELECTORS,
@@ -134,6 +138,19 @@ def selector_scores(
             raise ValueError(f"method {method!r}: needs the model's RoPE frequencies")
         r = PREROPE_SELECTORS[method]
         return _lowrank(r, cfg, q, k, valid, G, scale, cache, inv_freq=inv_freq)
+    if method == LOWRANK:
+        basis, r = extra.get("basis"), cfg.rank
+        if basis is None or "post" not in basis:
+            raise ValueError(
+                "method 'lowrank': needs the model's calibrated basis "
+                "(calibration.calibrate_lowrank sets AttentionState.basis)"
+            )
+        if basis["post"].shape[-1] < r:
+            raise ValueError(
+                f"cfg.rank: expected <= the calibrated basis' rank {basis['post'].shape[-1]}, "
+                f"got {r}"
+            )
+        return _lowrank(r, cfg, q, k, valid, G, scale, cache, None, basis["post"][..., :r])
     if method in CALIBRATED_SELECTORS:
         kind, r = CALIBRATED_SELECTORS[method]
         basis, inv = extra.get("basis"), extra.get("inv_freq") if kind == "pre" else None
@@ -317,6 +334,9 @@ def _vector_scores(
     import torch
 
     vectors, agg = VECTOR_SELECTORS[method]
+    # float32 as R5 says (and as _linear does): a half-type model's own dtype would round
+    # the logits, so near-equal blocks tie or swap against the graphs' float32 scores.
+    q, k = q.float(), k.float()
     Hq, c, D = q.shape
     Hkv = k.shape[0]
     nb = valid.shape[1]

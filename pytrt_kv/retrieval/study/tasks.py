@@ -176,11 +176,21 @@ def loss_cost(settings: StudySettings) -> float:
 LOAD_S = 20.0
 
 
+def calibration_cost(settings: StudySettings) -> float:
+    """Estimated seconds of the "lowrank" calibration (a dense prefill of the calibration
+    text, ``calibration.CALIBRATION_TOKENS``), when the study runs that method."""
+    from ..config import LOWRANK
+    from .calibration import CALIBRATION_TOKENS
+
+    return trial_cost(CALIBRATION_TOKENS, 0) if LOWRANK in settings.methods else 0.0
+
+
 def estimate_seconds(settings: StudySettings) -> float:
     """Estimated seconds of the whole study on 2 idle CPU cores, model load included."""
     main, curves = len(settings.main_methods()), len(settings.curve_methods())
     return (
         LOAD_S
+        + calibration_cost(settings)
         + loss_cost(settings)
         + sum(trial_cost(t.length, curves if t.curves else main) for t in make_trials(settings))
     )
