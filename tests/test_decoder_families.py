@@ -19,6 +19,7 @@ import pytest
 
 from pytrt_kv.contract import specs
 from support.env import rtx_unavailable_reason
+from support.tiny_models import SMALL, tiny_model
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
@@ -27,15 +28,6 @@ pytestmark = pytest.mark.skipif(
 
 PROMPTS = [[5, 9, 17, 33, 2, 7, 11, 40, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]]
 TOKENS = 6
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
         "original_max_position_embeddings": 32}  # fmt: skip
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
@@ -73,21 +65,6 @@ CASES = [
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
 ]  # fmt: skip
 FAMILY_CASES = ["llama", "mistral-window-5", "qwen2", "qwen3", "gemma", "phi3"]
-
-
-def tiny_model(cls_name: str, dtype: str = "float32", seed: int = 0, **overrides):
-    """A random-weight model of the config class (weights large enough that the logits
-    are far from uniform)."""
-    import torch
-    import transformers
-
-    cfg = getattr(transformers, cls_name)(**{**SMALL, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model.to(getattr(torch, dtype))
 
 
 def _compare(runner, dtype: str, reference, prompts=PROMPTS) -> tuple[float, list]:

@@ -35,6 +35,7 @@ from pytrt_kv.retrieval import (
 from pytrt_kv.retrieval.demo import VerificationError, calibration_basis, run_steps
 from pytrt_kv.retrieval.planner import RetrievalPlanner, RetrievalSizes
 from support.models import SMALL_RETRIEVAL
+from support.onnx_builder import tiny_builder
 
 #: The small windows, and a "lowrank" rank that fits the tests' head sizes (4 to 16).
 SMALL = dict(SMALL_RETRIEVAL, rank=4)
@@ -551,42 +552,6 @@ def test_retrieval_demo_cli_reports_a_failure(capsys, monkeypatch):
     assert "FAILED: step 0 row 0: attention differs" in capsys.readouterr().out
 
 
-def _tiny_builder():
-    """The ``op``/``const`` pair of a plain ``onnx.helper`` graph (as a real-model
-    exporter has), for the builder-agnostic representation functions."""
-    from onnx import helper, numpy_helper
-
-    nodes, inits = [], []
-
-    def const(a):
-        name = f"c{len(inits)}"
-        inits.append(numpy_helper.from_array(np.asarray(a), name))
-        return name
-
-    def op(op_type, inputs, **attrs):
-        out = f"n{len(nodes)}"
-        nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
-        return out
-
-    def run(out, feeds, rank=2):
-        from onnx import TensorProto
-        from onnx.reference import ReferenceEvaluator
-
-        types = {
-            np.dtype(np.float32): TensorProto.FLOAT,
-            np.dtype(bool): TensorProto.BOOL,
-            np.dtype(np.int64): TensorProto.INT64,
-        }
-        ins = [helper.make_tensor_value_info(k, types[v.dtype], v.shape) for k, v in feeds.items()]
-        outs = [helper.make_tensor_value_info(out, TensorProto.FLOAT, [None] * rank)]
-        graph = helper.make_graph(nodes, "g", ins, outs, inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        onnx.checker.check_model(model, full_check=True)
-        return ReferenceEvaluator(model).run(None, feeds)[0]
-
-    return op, const, run
-
-
 @pytest.mark.parametrize("rep", REPRESENTATIONS)
 def test_representation_scores_subgraph_equals_reference(rng, rep):
     """The R5 scores subgraph the decode step and the real-model graph share
@@ -603,7 +568,7 @@ def test_representation_scores_subgraph_equals_reference(rng, rep):
     reps = np.stack([block_representations(k, p, rep, basis=basis) for k in keys])
     q = rng.standard_normal((2, 6, 8)).astype(np.float32)
     valid = np.arange(p.num_blocks)[None] < np.array([[p.num_blocks], [5]])
-    op, const, run = _tiny_builder()
+    op, const, run = tiny_builder()
     if rep == LOWRANK:
         out = add_lowrank_scores(
             op, const, "reps", "query", basis=basis, block_size=32, q_heads=6, scale=0.4,
@@ -632,7 +597,7 @@ def test_linear_subgraphs_refuse_lowrank():
         add_representation_update,
     )
 
-    op, const, _ = _tiny_builder()
+    op, const, _ = tiny_builder()
     with pytest.raises(ValueError, match="^representation: 'lowrank'.*add_lowrank_scores"):
         add_representation_scores(op, const, LOWRANK, "r", "q", kv_heads=2, q_heads=4,
                                   head_dim=8, scale=1.0, valid="v")  # fmt: skip
@@ -653,7 +618,7 @@ def test_representation_update_streams_to_the_block_representation(rng, rep):
     basis = _basis(3, 4, 2)
     keys = rng.standard_normal((B, 3, 4)).astype(np.float32)
     width = {MINMAX: 2 * kd, LOWRANK: B * 3 * 2}.get(rep, kd)
-    op, const, run = _tiny_builder()
+    op, const, run = tiny_builder()
     if rep == LOWRANK:
         out = add_lowrank_update(op, const, "cur", "key", "slot", basis=basis, block_size=B)
     else:
@@ -709,7 +674,7 @@ def test_block_representations_subgraph_equals_reference(rng, rep):
     pages = keys.reshape(1, nb, B, kd)
     valid = np.ones((1, nb, B, 1), bool)
     valid[0, -1] = False  # an empty page
-    op, const, run = _tiny_builder()
+    op, const, run = tiny_builder()
     if rep == LOWRANK:
         out = add_lowrank_block_representations(op, const, "pages", "valid", basis=basis)
     else:

@@ -52,11 +52,11 @@ def test_calibrated_basis_is_the_top_singular_vectors_of_the_keys():
     own cache), orthonormal; the model's attention implementation comes back; the study
     state holds the same basis; bad arguments are refused by name."""
     import torch
-    from test_decoder_families import tiny_model
     from transformers import DynamicCache
 
     from pytrt_kv.retrieval.study import attention_state
     from pytrt_kv.retrieval.study.calibration import calibrate_lowrank
+    from support.tiny_models import tiny_model
 
     model = tiny_model("LlamaConfig")
     before = model.config._attn_implementation

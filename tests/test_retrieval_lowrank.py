@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_retrieval import _tiny_builder
 
 from onnx_export.retrieval import build_retrieval_decode_step
 from pytrt_kv.cli.retrieval_demo import cpu_runner
@@ -31,6 +30,7 @@ from pytrt_kv.retrieval.reference import (
     representation_width,
 )
 from support.models import SMALL_RETRIEVAL
+from support.onnx_builder import tiny_builder
 
 
 def _basis(rng, hkv: int, d: int, r: int) -> np.ndarray:
@@ -95,7 +95,7 @@ def test_scores_subgraph_equals_reference(rng):
     reps = np.stack([lowrank_representations(k, part, basis) for k in keys])
     q = rng.standard_normal((2, hkv * g, d)).astype(np.float32)
     valid = np.arange(part.num_blocks)[None] < np.array([[part.num_blocks], [5]])
-    op, const, run = _tiny_builder()
+    op, const, run = tiny_builder()
     out = add_lowrank_scores(
         op, const, "reps", "query", basis=basis, block_size=B, q_heads=hkv * g, scale=0.4,
         valid="valid",
@@ -123,7 +123,7 @@ def test_block_representations_and_update_subgraphs_equal_reference(rng):
     part = RetrievalConfig(init_tokens=0, local_tokens=1, block_size=B).partition(nb * B + 1)
     want = lowrank_representations(keys, part, basis)
 
-    op, const, run = _tiny_builder()
+    op, const, run = tiny_builder()
     out = add_lowrank_block_representations(op, const, "pages", "valid", basis=basis)
     valid = np.ones((1, nb, B, 1), bool)
     valid[0, -1] = False  # an empty page
@@ -131,7 +131,7 @@ def test_block_representations_and_update_subgraphs_equal_reference(rng):
     np.testing.assert_allclose(got[0, :-1], want[:-1], rtol=1e-5, atol=1e-6)
     assert not got[0, -1].any()
 
-    op, const, run = _tiny_builder()
+    op, const, run = tiny_builder()
     out = add_lowrank_update(op, const, "cur", "key", "slot", basis=basis, block_size=B)
     row = np.full((1, B * hkv * r), 99.0, np.float32)  # stale: slot 0 must clear it
     for i in range(B):

@@ -129,6 +129,16 @@ def check_retrieval(
         )
 
 
+def _prompt_tokens(g: Graph, bs: int) -> str:
+    """Prefill: ``[B, W, BS, 1]`` bool, the table slots that hold a prompt token (the
+    prompt lengths from the flattened batch: ``positions[last_token[b]] + 1``)."""
+    lens = g.op("Add", [g.op("Gather", ["positions", "last_token"], axis=0), g.const(1)])
+    span = g.op("Mul", [g.op("Shape", ["block_tables"], start=1, end=2), g.const([bs])])
+    j = g.op("Range", [g.const(0), g.op("Squeeze", [span, g.const([0])]), g.const(1)])
+    valid = g.op("Less", [j, g.op("Unsqueeze", [lens, g.const([1])])])  # [B, W*BS]
+    return g.op("Reshape", [valid, g.const([0, -1, bs, 1])])  # [B, W, BS, 1]
+
+
 def retrieval_plan(
     g: Graph,
     cfg: Any,
@@ -151,27 +161,7 @@ def retrieval_plan(
         "block_size": bs,
     }
     if not decode:
-        # Prompt lengths from the flattened batch: positions[last_token[b]] + 1.
-        lens = g.op("Add", [g.op("Gather", ["positions", "last_token"], axis=0), g.const(1)])
-        j = g.op(
-            "Range",
-            [
-                g.const(0),
-                g.op(
-                    "Squeeze",
-                    [
-                        g.op(
-                            "Mul", [g.op("Shape", ["block_tables"], start=1, end=2), g.const([bs])]
-                        ),
-                        g.const([0]),
-                    ],
-                ),
-                g.const(1),
-            ],
-        )
-        valid = g.op("Less", [j, g.op("Unsqueeze", [lens, unsq1])])  # [B, W*BS]
-        valid = g.op("Reshape", [valid, g.const([0, -1, bs, 1])])  # [B, W, BS, 1]
-        return {"valid": valid, **rep}
+        return {"valid": _prompt_tokens(g, bs), **rep}
     L = g.op("Cast", ["seq_lens"], to=i64)  # [B], this step's token included
     pos = g.op("Sub", [L, g.const(1)])
     page = g.op(
