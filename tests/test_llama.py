@@ -258,24 +258,20 @@ def sparse_llama(llama, lowrank_basis):
                        max_pages=16, basis=lowrank_basis)  # fmt: skip
 
 
-@pytest.mark.parametrize("representation", ["lowrank", "minmax"])
-def test_sparse_decode_equals_the_retrieval_study(llama, sparse_llama, lowrank_basis,
-                                                  representation):  # fmt: skip
+def test_sparse_decode_equals_the_retrieval_study(llama, sparse_llama, lowrank_basis):
     """--sparse (issue 18 item 5): the RetrievalKV decode graph (per-page key
-    representations: "lowrank", the default, keys projected on the calibrated basis;
-    "minmax", max/min keys; top-k pages per layer, GatherSelectionKvCache into a
-    selection cache, attention over it) generates the tokens of the study's own
-    implementation (transformers with the retrieval attention, the same basis) and its
-    logits within 1e-3; and the selection matters: the dense graph's logits differ by
-    far more, so a dense run fails this. minmax: two prompts, 12 tokens (CI time)."""
-    from onnx_export.llama import LlamaRunner, reference_sparse_greedy
+    representations of the default, "lowrank": keys projected on the calibrated basis;
+    top-k pages per layer, GatherSelectionKvCache into a selection cache, attention over
+    it) generates the tokens of the study's own implementation (transformers with the
+    retrieval attention, the same basis) and its logits within 1e-3; and the selection
+    matters: the dense graph's logits differ by far more, so a dense run fails this. The
+    other representations: tests/test_decoder_families.py, on every family."""
+    from onnx_export.llama import reference_sparse_greedy
 
     model, tok, dense = llama
+    representation = "lowrank"
     cfg = _sparse_config(representation)
     runner, basis, prompts, tokens = sparse_llama, lowrank_basis, PROMPTS, 16
-    if representation != "lowrank":
-        runner = LlamaRunner(model, block_size=4, num_blocks=96, retrieval=cfg, max_pages=16)
-        basis, prompts, tokens = None, PROMPTS[1:], 12
     ids = [tok(p)["input_ids"] for p in prompts]
     gathers = [n for n in runner.decode_graph.graph.node
                if n.op_type == "GatherSelectionKvCache"]  # fmt: skip
