@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from typing import NoReturn
 
 from .inflight import _BUSY, _HANDLE, _ID, Claim
 from .node_base import PROBE_EVERY_S, NodeState, Peer
@@ -70,7 +71,13 @@ class TransferHandle:
             claim, self._claim = self._claim, None
             claim[_BUSY].pop(claim[_ID], None)  # Writes.release, inline (per push)
 
-    def _fail(self, exc: LLMException) -> None:
+    def _failed(self, exc: LLMException) -> NoReturn:
+        """The transport reported ``exc`` for the transfer: fail with what it is."""
+        if self._local is not None:
+            exc = self._dd._transfer_error(exc, *self._local, self._peer)
+        self._fail(self._dd._backend_failure(exc, self._peer))
+
+    def _fail(self, exc: LLMException) -> NoReturn:
         self._release()
         if exc.status == LLMStatus.NOT_YET_LINK:
             self._peer.broken = True  # gone or restarted (LlmDataDist._backend_failure)
@@ -114,9 +121,7 @@ class TransferHandle:
         try:
             state = xfer.spin(spin_s) if spin_s > 0 else xfer.state()
         except LLMException as exc:
-            if self._local is not None:
-                exc = self._dd._transfer_error(exc, *self._local, self._peer)
-            self._fail(self._dd._backend_failure(exc, self._peer))
+            self._failed(exc)
         if state == "DONE":
             self._done = True
             self._release()
@@ -131,9 +136,14 @@ class TransferHandle:
             TIMEOUT (the handle is released), NOT_YET_LINK (the peer went away), FAILED.
         """
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        start = time.monotonic()
         # A small push is complete within the first POLL_SPIN_S, checked without a pause.
-        if self._check(min(POLL_SPIN_S, timeout)):
+        self._wait(timeout, min(POLL_SPIN_S, timeout), time.monotonic())
+
+    def _wait(self, timeout: float, spin_s: float, start: float) -> None:
+        """:meth:`wait` from ``start`` (a monotonic time), the first ``spin_s`` checked
+        without a pause. The small-push path passes 0 and the time its own spin began:
+        a second spin would take the CPU from the progress threads."""
+        if self._check(spin_s):
             return
         next_probe = start + PROBE_EVERY_S
         while not self.done():

@@ -8,9 +8,11 @@ moves checked plans. The node is made of parts, one module each:
 - :mod:`.links`: the authenticated control plane (D7), ``link_clusters`` /
   ``unlink_clusters``, fences (D8), peers' health.
 - :mod:`.plans`: kept plans of repeated small requests (decisions 12, 13).
+- :mod:`.transfers`: posting a checked plan, what a failed post or transfer is.
 - :mod:`.notices`: in-band notices bound to their link, ``received`` / ``wait_received``.
-- here: the life cycle and the transfers (checked by
-  :func:`pytrt_kv.datadist.contract.check_transfer`, D4, before anything moves).
+- here: the life cycle, the public push and pull calls (checked by
+  :func:`pytrt_kv.datadist.contract.check_transfer`, D4, before anything moves) and the
+  small-push path of ``push_kv_blocks`` (docs/DATADIST.md decision 14).
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from ..contract.errors import describe
-from . import control, memory
+from . import control
 from .backends import make_transport
 from .caches import CacheMixin
 from .handles import POLL_INTERVAL_S, POLL_SPIN_S, TransferHandle, _poll_sleep  # noqa: F401
-from .inflight import Writes, span
+from .inflight import _BUSY, _ID, Writes
 from .links import LinkMixin
 from .node_base import (
     DEFAULT_OPTIONS,
@@ -37,13 +40,12 @@ from .node_base import (
     Kept,
     Peer,
     checked_options,
-    dst_key,
     loopback,
     secret_of,
 )
 from .notices import NoticeMixin
-from .plans import PlanMixin
-from .transport import READ, WRITE, CacheInfo, Prepared, Transport
+from .transfers import TransferMixin
+from .transport import READ, WRITE, Transport
 from .types import (
     Cache,
     CacheIndex,
@@ -58,7 +60,7 @@ from .types import (
 _NOTIF, _PROBE_EVERY_S = NOTIF, PROBE_EVERY_S
 
 
-class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
+class LlmDataDist(CacheMixin, LinkMixin, TransferMixin, NoticeMixin):
     """A node that pushes or pulls KV-cache blocks (docs/SPEC.md D; LLM-DataDist's API).
 
     Parameters
@@ -223,122 +225,6 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
                 )
         return cache
 
-    def _tag(self, tag: Any) -> str:
-        if tag is None:
-            return f"{self._tag_prefix}{next(self._tags)}"
-        if not isinstance(tag, str) or not tag:
-            raise param_invalid("tag", "a non-empty str", repr(tag))
-        return tag
-
-    def _start(
-        self,
-        op: str,
-        arg: str,
-        local: Cache,
-        peer: Peer,
-        remote: CacheInfo,
-        plan,
-        tag: str,
-        stream: Any,
-        timeout_s: float | None,
-        *,
-        notify: bool = True,
-        source_ready: bool = False,
-        kept: Kept | None = None,
-    ) -> TransferHandle:
-        """Post a checked plan. ``notify=False``: no tag at the destination (a layer of a
-        layer-wise push, whose tag follows its last layer); ``source_ready``: the caller
-        already waited for the source's writes (a layer's event), no stream sync;
-        ``kept``: ``plan``'s kept entry, posted through its transport's
-        :class:`Prepared` (decision 13)."""
-        timeout = float(timeout_s) if timeout_s is not None else self._timeout(plan.nbytes, None)
-        if op == WRITE and local.cache_desc.placement == "device" and not source_ready:
-            memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
-        # Refused before anything is posted when a transfer of this node still writes
-        # these blocks (docs/SPEC.md D8); released by the handle when the transfer ends.
-        if kept is not None:
-            notif = kept.notif + tag.encode()
-            claim = self._writes.claim(kept.dst_key, plan, kept.span) if kept.copies else None
-        else:
-            text = f"{NOTIF}|{peer.epoch}|{remote.cache_id}|{remote.generation}|{tag}"
-            notif = text.encode() if notify else b""
-            key = dst_key(op, self.cluster_id, local, peer, remote)
-            claim = self._writes.claim(key, plan, span(plan)) if plan.num_copies else None
-        try:
-            if claim is None:
-                self._require().notify(peer.agent, notif)
-                xfer = None
-            elif kept is not None:
-                prepared = kept.prepared
-                if prepared is None or not prepared.alive:
-                    prepared = self._prepare(kept, op)
-                xfer = prepared.post(notif)
-            else:
-                xfer = self._require().post(
-                    op, plan, local._info, local._backend_state, remote, peer.agent, notif
-                )
-        except BaseException as exc:
-            if claim is not None:
-                self._writes.release(claim)
-            if not isinstance(exc, LLMException):
-                raise
-            err = self._transfer_error(exc, arg, local, peer)
-            if err is exc:
-                err = self._backend_failure(exc, peer)
-            if err is exc:
-                raise
-            raise err from exc
-        return TransferHandle(self, xfer, tag, peer, timeout, (arg, local), claim)
-
-    def _prepare(self, kept: Kept, op: str) -> Prepared:
-        """The kept plan's transport :class:`Prepared`, made once (one per plan, also
-        when threads post it at once). A plan dropped meanwhile (:meth:`Kept.close`)
-        gets one that keeps nothing: its post is released when complete."""
-        with self._lock:
-            prepared = kept.prepared
-            if prepared is None or not prepared.alive:
-                local = kept.local
-                prepared = kept.prepared = self._require().prepare(
-                    op, kept.plan, local._info, local._backend_state, kept.remote, kept.peer.agent
-                )
-        if kept.closed:
-            prepared.close()
-        return prepared
-
-    def _transfer_error(
-        self, exc: LLMException, arg: str, local: Cache, peer: Peer
-    ) -> LLMException:
-        """What a failed transfer is: memory of ``local`` that the caller freed while it
-        was registered is KV_CACHE_NOT_EXIST, and the link is loaded again (NIXL marks the
-        connection failed after any error); anything else stays as the transport said
-        (issue 19 item 6; docs/DATADIST.md, "Failure semantics")."""
-        if exc.status not in (LLMStatus.NOT_YET_LINK, LLMStatus.FAILED):
-            return exc
-        d = local.cache_desc
-        gone = memory.unmapped(local.tensor_addrs, d.tensor_bytes, d.placement)
-        if gone is None:
-            return exc
-        try:
-            self._reconnect(peer)
-        except (OSError, LLMException):
-            pass  # the peer does not answer either: the link stays as the error left it
-        return LLMException(
-            LLMStatus.KV_CACHE_NOT_EXIST,
-            f"{arg}: the memory of tensors[{gone}] of cache {local.cache_id} is no longer "
-            f"mapped (freed by the caller while registered; docs/DATADIST.md, 'Failure "
-            f"semantics'); the link to cluster {peer.cluster_id} is kept ({exc.message})",
-        )
-
-    def _timeout(self, nbytes: int, timeout_s: float | None) -> float:
-        """The call's ``timeout_s``, else ``options["timeout_s"]``, else scaled with the
-        bytes: ``timeout_min_s + nbytes / timeout_floor_bytes_per_s``."""
-        if timeout_s is not None:
-            return float(timeout_s)
-        if self.options["timeout_s"] is not None:
-            return float(self.options["timeout_s"])
-        o = self.options
-        return float(o["timeout_min_s"]) + nbytes / float(o["timeout_floor_bytes_per_s"])
-
     def push_kv_blocks_async(
         self,
         src_cache: Cache,
@@ -433,6 +319,40 @@ class LlmDataDist(CacheMixin, LinkMixin, PlanMixin, NoticeMixin):
             (nothing transferred): a transfer of this node still writes some of these
             destination blocks (D8).
         """
+        kept = None
+        if stream is None:
+            kept = self._kept(
+                "push", src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param
+            )[3]
+        if kept is not None and kept.small and self._transport is not None:
+            # The small-push path (docs/DATADIST.md decision 14): a kept plan of host
+            # memory (kept only on a prompt node) posted and checked for the first
+            # POLL_SPIN_S here, with the tag, timeout, claim, errors and release of
+            # _start and the handle's wait; a handle only for a transfer that outlasts
+            # the spin or fails. Inline: between back-to-back small pushes each us of
+            # Python before the post cost ~3 us of NIXL's ("Performance").
+            tag = f"{self._tag_prefix}{next(self._tags)}" if tag is None else self._tag(tag)
+            plan = kept.plan
+            timeout = (
+                float(timeout_s) if timeout_s is not None else self._timeout(plan.nbytes, None)
+            )
+            claim = self._writes.claim(kept.dst_key, plan, kept.span)  # REPEAT_REQUEST (D8)
+            try:
+                prepared = kept.prepared
+                if prepared is None or not prepared.alive:
+                    prepared = self._prepare(kept, WRITE)
+                spin = min(POLL_SPIN_S, timeout)
+                xfer = prepared.push(kept.notif + tag.encode(), spin)
+            except BaseException as exc:
+                self._post_failed(exc, claim, "src_cache", kept.local, kept.peer)
+            if xfer is None:  # complete within the spin
+                claim[_BUSY].pop(claim[_ID], None)  # Writes.release, inline (per push)
+                return tag
+            handle = TransferHandle(
+                self, xfer, tag, kept.peer, timeout, ("src_cache", kept.local), claim
+            )
+            handle._wait(timeout, 0.0, time.monotonic() - spin)  # the rest of the wait
+            return tag
         h = self._push(
             src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param, timeout_s, tag, stream
         )

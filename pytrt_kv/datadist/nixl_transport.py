@@ -357,6 +357,58 @@ class _Prepared(Prepared):
             )
         return self.t._start(h, notif, self.what, self)
 
+    def push(self, notif: bytes, spin_s: float) -> Xfer | None:
+        # Prepared.push in one function (docs/DATADIST.md decision 14): the bindings'
+        # post and status calls, an idle handle taken and given back without the lock,
+        # and a _NixlXfer made only for a post that outlasts the spin or fails (handed
+        # to the caller's wait).
+        try:
+            h = self.handles.pop()
+        except IndexError:
+            return super().push(notif, spin_s)  # none idle: made anew
+        t = self.t
+        raw = h._handle
+        try:
+            st = t._post(raw, notif)
+        except Exception as exc:
+            _NixlXfer(t, h).release()  # a failed handle is never kept
+            raise t._error(exc, f"posting the {self.what}") from exc
+        status, done, proc = t._status
+        if st != proc and st != done:  # refused: as _start
+            xfer = _NixlXfer(t, h, self)
+            xfer.first = "ERR"
+            return xfer
+        try:
+            if st == proc:
+                end = time.monotonic() + spin_s
+                st = status(raw)
+                while st == proc and time.monotonic() < end:
+                    st = status(raw)
+        except Exception:
+            return _NixlXfer(t, h, self)  # the caller's wait checks it again and reports
+        except BaseException:  # interrupted: nothing waits for it any more
+            _NixlXfer(t, h).release()
+            raise
+        if st != done:  # running, or failed: the caller's wait checks it again
+            return _NixlXfer(t, h, self)
+        # Complete: kept for the next post. Without the lock, as post pops: appended,
+        # then alive checked again; a close() that began meanwhile either took the
+        # handle from the list (remove fails) or missed it (removed and released here).
+        handles = self.handles
+        if self.alive and len(handles) < _IDLE_PER_PLAN:
+            handles.append(h)
+            if self.alive:
+                return None
+            try:
+                handles.remove(h)
+            except ValueError:
+                return None
+        try:
+            t.agent.release_xfer_handle(h)
+        except Exception:
+            t.unreleased.append(h)
+        return None
+
     def give_back(self, handle: Any) -> bool:
         """Keep a completed handle for the next post; False: not kept (closed or full),
         the caller releases it."""

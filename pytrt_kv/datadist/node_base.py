@@ -166,7 +166,7 @@ class Kept:
 
     __slots__ = (
         "local", "peer", "remote", "plan", "notif", "epoch", "dst_key", "span", "copies",
-        "prepared", "closed",
+        "small", "prepared", "closed",
     )  # fmt: skip
 
     def __init__(self, local: Cache, peer: Peer, remote: CacheInfo, plan: TransferPlan, key: tuple):
@@ -176,6 +176,9 @@ class Kept:
         self.dst_key = key
         self.span = span(plan)  # the destination tensors [lo, hi)
         self.copies = plan.num_copies
+        #: Pushed by push_kv_blocks' small-push path: blocks to move, of host memory (a
+        #: device source waits for its stream first).
+        self.small = bool(plan.num_copies) and local.cache_desc.placement != "device"
         self.prepared: Prepared | None = None
         self.closed = False
 
@@ -257,6 +260,9 @@ class NodeState:
         raise NotImplementedError
 
     def _backend_failure(self, exc: LLMException, peer: Peer) -> LLMException:
+        raise NotImplementedError
+
+    def _reconnect(self, peer: Peer) -> None:
         raise NotImplementedError
 
     def _peer_alive(self, peer: Peer) -> bool:

@@ -26,14 +26,9 @@ _PLAN_CACHE_BLOCKS = 256
 
 def _ids_key(blocks: Any) -> tuple[Any, Any]:
     """``(key, ids)``: a plan-cache key that determines what :func:`check_transfer`
-    sees of a block-id list (None: not cacheable) and what to pass it instead (the same
-    list or array, so that the check sees the key's). An array's key is its dtype and
-    bytes; a list's or tuple's, its values when every one is an exact int (a bool, a
-    float or a NumPy scalar makes it uncacheable: the check decides on those)."""
-    if type(blocks) is np.ndarray:
-        if blocks.ndim != 1 or blocks.size > _PLAN_CACHE_BLOCKS:
-            return None, blocks
-        return (blocks.dtype, blocks.tobytes()), blocks
+    sees of a block-id list or tuple (None: not cacheable) and what to pass it instead: a
+    tuple of its values when every one is an exact int (a bool, a float or a NumPy scalar
+    makes it uncacheable: the check decides on those). Arrays: :meth:`PlanMixin._kept`."""
     if type(blocks) is list or type(blocks) is tuple:
         if len(blocks) > _PLAN_CACHE_BLOCKS:
             return None, blocks
@@ -64,33 +59,6 @@ class PlanMixin(NodeState):
     """Finding, checking and keeping the plan of a request."""
 
     _ext_memo: tuple[Any, Any]
-
-    def _request_key(
-        self, op: str, cache: Any, index: Any, src_blocks: Any, dst_blocks: Any, ext_param: Any
-    ) -> tuple[tuple | None, Any, Any]:
-        """``(key, src_blocks, dst_blocks)``: the kept-plan key of a request (None: not
-        kept) and the block ids to check instead of the arguments (the same arrays the key
-        was taken from). A key fixes everything the D4 check sees: the local cache object
-        (checked by identity on use), the remote cache's ids, the block ids' dtype and
-        bytes, and exact-int ext params (docs/DATADIST.md decision 12)."""
-        skey, src_blocks = _ids_key(src_blocks)
-        dkey, dst_blocks = _ids_key(dst_blocks)
-        memo = self._ext_memo  # frozen and checked to hold exact ints: its key is fixed
-        if ext_param is not memo[0]:
-            memo = self._ext_memo = (ext_param, _ext_key(ext_param))
-        if (
-            skey is None
-            or dkey is None
-            or memo[1] is None
-            or type(cache) is not Cache
-            or type(index) is not CacheIndex
-            or type(index.cluster_id) is not int
-            or type(index.cache_id) is not int
-            or index.batch_index != 0
-        ):
-            return None, src_blocks, dst_blocks
-        key = (op, cache.cache_id, index.cluster_id, index.cache_id, skey, dkey, memo[1])
-        return key, src_blocks, dst_blocks
 
     def _plan(
         self,
@@ -123,6 +91,74 @@ class PlanMixin(NodeState):
             old.close()
         return plan, kept
 
+    def _kept(
+        self,
+        op: str,
+        cache: Any,
+        index: Any,
+        src_blocks: Any,
+        dst_blocks: Any,
+        ext_param: Any,
+    ) -> tuple[tuple | None, Any, Any, Kept | None]:
+        """``(key, src_blocks, dst_blocks, kept)``: the kept-plan key of a request (None:
+        not kept), the block ids to check instead of the arguments (what the key was
+        taken from), and the plan kept for the key if everything it was checked against
+        is still this node's (else None).
+
+        A key fixes everything the D4 check sees: the local cache object (checked by
+        identity on use), the remote cache's ids, the block ids (an array's dtype and
+        bytes, 1-D and at most _PLAN_CACHE_BLOCKS; a list's exact ints, :func:`_ids_key`)
+        and exact-int ext params (docs/DATADIST.md decision 12). One function, arrays
+        keyed inline: this is the small-push path (docs/DATADIST.md, "Performance")."""
+        if type(src_blocks) is np.ndarray:
+            ok = src_blocks.ndim == 1 and src_blocks.size <= _PLAN_CACHE_BLOCKS
+            skey = (src_blocks.dtype, src_blocks.tobytes()) if ok else None
+        else:
+            skey, src_blocks = _ids_key(src_blocks)
+        if type(dst_blocks) is np.ndarray:
+            ok = dst_blocks.ndim == 1 and dst_blocks.size <= _PLAN_CACHE_BLOCKS
+            dkey = (dst_blocks.dtype, dst_blocks.tobytes()) if ok else None
+        else:
+            dkey, dst_blocks = _ids_key(dst_blocks)
+        memo = self._ext_memo  # frozen and checked to hold exact ints: its key is fixed
+        if ext_param is not memo[0]:
+            memo = self._ext_memo = (ext_param, _ext_key(ext_param))
+        if (
+            skey is None
+            or dkey is None
+            or memo[1] is None
+            or type(cache) is not Cache
+            or type(index) is not CacheIndex
+            or type(index.cluster_id) is not int
+            or type(index.cache_id) is not int
+            or index.batch_index != 0
+        ):
+            return None, src_blocks, dst_blocks, None
+        key = (op, cache.cache_id, index.cluster_id, index.cache_id, skey, dkey, memo[1])
+        kept = self._plans.get(key)
+        if kept is not None:
+            # Used if everything it was checked against is still this node's: the local
+            # cache registered (cache ids are never reused: the registered cache of the
+            # key's id is kept.local), the peer linked (not broken, its metadata loaded,
+            # the same link epoch) and the remote cache's CacheInfo the one the peer's
+            # table holds (a relinked peer or a reused cache id has a new one). In-band
+            # deallocate and unlink notices are read first unless they were read less
+            # than _DRAIN_EVERY_S ago (decision 12, "Failure semantics"). Inline: this
+            # is the small-push path (docs/DATADIST.md, "Performance").
+            if time.monotonic() - self._drained_at >= _DRAIN_EVERY_S:
+                self._drain()
+            peer = kept.peer
+            if not (
+                self._caches.get(cache.cache_id) is cache
+                and self._peers.get(peer.cluster_id) is peer
+                and not peer.broken
+                and peer.pending is None
+                and peer.epoch is kept.epoch
+                and peer.caches.get(kept.remote.cache_id) is kept.remote
+            ):
+                kept = None
+        return key, src_blocks, dst_blocks, kept
+
     def _resolve(
         self,
         op: str,
@@ -137,31 +173,11 @@ class PlanMixin(NodeState):
         """``(local, peer, remote, plan, kept)`` of a push or pull: from the kept plan of
         a repeated request (checked before, nothing of it changed), else looked up and
         checked in decision 5's order (the plan kept if the request has a key)."""
-        key, src_blocks, dst_blocks = self._request_key(
+        key, src_blocks, dst_blocks, kept = self._kept(
             op, cache, index, src_blocks, dst_blocks, ext_param
         )
-        kept = None if key is None else self._plans.get(key)
         if kept is not None:
-            # Used if everything it was checked against is still this node's: the local
-            # cache registered (cache ids are never reused: the registered cache of the
-            # key's id is kept.local), the peer linked (not broken, its metadata loaded,
-            # the same link epoch) and the remote cache's CacheInfo the one the peer's
-            # table holds (a relinked peer or a reused cache id has a new one). In-band
-            # deallocate and unlink notices are read first unless they were read less
-            # than _DRAIN_EVERY_S ago (decision 12, "Failure semantics"). Inline: this
-            # is the small-push path (docs/DATADIST.md, "Performance").
-            if time.monotonic() - self._drained_at >= _DRAIN_EVERY_S:
-                self._drain()
-            peer = kept.peer
-            if (
-                self._caches.get(cache.cache_id) is cache
-                and self._peers.get(peer.cluster_id) is peer
-                and not peer.broken
-                and peer.pending is None
-                and peer.epoch is kept.epoch
-                and peer.caches.get(kept.remote.cache_id) is kept.remote
-            ):
-                return kept.local, peer, kept.remote, kept.plan, kept
+            return kept.local, kept.peer, kept.remote, kept.plan, kept
         local = self._local_cache(local_arg, cache)
         peer, remote = self._remote_cache(remote_arg, index)
         plan, kept = self._plan(op, key, local, peer, remote, src_blocks, dst_blocks, ext_param)

@@ -83,6 +83,24 @@ class Prepared:
         """Post the plan with the notification ``notif``."""
         return self._post(notif)
 
+    def push(self, notif: bytes, spin_s: float) -> Xfer | None:
+        """:meth:`post`, then checked without a pause for up to ``spin_s``
+        (:meth:`Xfer.spin`). None: complete within it and released (the small-push path
+        of ``push_kv_blocks``, docs/DATADIST.md decision 14); else the transfer, still
+        running or failed, for the caller's wait to check again and report."""
+        xfer = self.post(notif)
+        try:
+            state = xfer.spin(spin_s)
+        except LLMException:
+            return xfer
+        except BaseException:  # interrupted: nothing waits for it any more
+            xfer.release()
+            raise
+        if state != "DONE":
+            return xfer
+        xfer.release()
+        return None
+
     def close(self) -> None:
         """Release what is kept (the plan is no longer kept by its node)."""
 

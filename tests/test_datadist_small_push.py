@@ -1,0 +1,185 @@
+"""The small-push path of ``push_kv_blocks`` (docs/DATADIST.md, "Performance"): a
+repeated request of host memory is posted and checked for the first POLL_SPIN_S without a
+TransferHandle. What it does when the transfer outlasts that spin, fails in it, times out,
+is interrupted or meets a transfer in flight must be what the general path does: the
+same statuses, the claim on the destination blocks released, the NIXL handle kept only
+after a success, the destination told of a failure. NIXL's status call is replaced after
+the plan is kept, so that each outcome happens at a chosen point of the spin."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from pytrt_kv.datadist import CacheDesc, CacheIndex, LlmDataDist, LLMException, LLMStatus
+from pytrt_kv.datadist.handles import POLL_SPIN_S
+from support.datadist import NIXL_ONLY
+
+pytestmark = NIXL_ONLY
+
+
+@pytest.fixture
+def kept():
+    """A prompt and a decoder node linked over NIXL, and a kept 1-block plan: the first
+    push checked it (the general path); the next equal push takes the small-push path."""
+    p = LlmDataDist(1, "prompt", backend="nixl", options={"timeout_s": 10.0})
+    d = LlmDataDist(2, "decoder", backend="nixl", options={"timeout_s": 10.0})
+    p.initialize("127.0.0.1", 0)
+    d.initialize("127.0.0.1", 0)
+    try:
+        src = p.allocate_cache(CacheDesc(2, (4, 16), "int32"))
+        dst = d.allocate_cache(CacheDesc(2, (4, 16), "int32"))
+        src.tensors[0][...] = np.arange(64, dtype=np.int32).reshape(4, 16)
+        src.tensors[1][...] = -src.tensors[0]
+        assert [r.ok for r in p.link_clusters([d.listen_address], timeout_s=5)] == [True]
+        index = CacheIndex(2, dst.cache_id)
+        d.wait_received(p.push_kv_blocks(src, index, [1], [2]), 5)
+        assert len(p._plans) == 1
+        yield p, d, src, dst, index
+    finally:
+        p.finalize()
+        d.finalize()
+
+
+class Status:
+    """NIXL's post and status calls, replaced: the post really posts (``fake`` False) or
+    posts nothing (True: nothing moves, the decoder gets no tag); the status is IN_PROG
+    until ``busy_s`` after the post (forever if None), then ``then``: an exception to
+    raise, a status code, or (None) the real call."""
+
+    def __init__(self, monkeypatch, t, busy_s=None, then=None, fake=False):
+        self.real, self.done, self.proc = t._status
+        self.busy_s, self.then, self.calls = busy_s, then, []
+        monkeypatch.setattr(t, "_status", (self, self.done, self.proc))
+        post = t._post
+
+        def posted(h, notif):
+            self.t0 = time.monotonic()
+            if not fake:
+                st = post(h, notif)
+                if st not in (self.done, self.proc):
+                    return st
+            return self.proc
+
+        monkeypatch.setattr(t, "_post", posted)
+
+    def __call__(self, h):
+        now = time.monotonic()
+        self.calls.append(now)
+        if self.busy_s is None or now - self.t0 < self.busy_s:
+            return self.proc
+        if self.then is None:
+            return self.real(h)
+        if isinstance(self.then, BaseException):
+            raise self.then
+        return self.then
+
+
+def _idle(p):
+    return [len(e.handles) for e in p._transport._idle.values()]
+
+
+def _released(p, monkeypatch):
+    t, calls = p._transport, []
+    real = t.agent.release_xfer_handle
+    monkeypatch.setattr(t.agent, "release_xfer_handle", lambda h: calls.append(h) or real(h))
+    return calls
+
+
+def test_a_push_that_outlasts_the_spin_completes_and_polls_without_spinning(kept, monkeypatch):
+    """Complete 20 ms after the post: the call waits (the handle's polling, with pauses:
+    no second spin), returns the tag, the blocks arrive, the claim is released and the
+    NIXL handle kept for the next post."""
+    p, d, src, dst, index = kept
+    s = Status(monkeypatch, p._transport, busy_s=0.02)
+    tag = p.push_kv_blocks(src, index, [1], [2], tag="slow")
+    d.wait_received(tag, 5)
+    assert tag == "slow" and time.monotonic() - s.t0 >= 0.02
+    assert (dst.tensors[0][2] == src.tensors[0][1]).all()
+    assert len(p._writes) == 0 and _idle(p) == [1]
+    # Checked without a pause (gaps of a few us) for POLL_SPIN_S in all, then paced by
+    # POLL_INTERVAL_S sleeps (each >= 50 us): the handle's wait does not spin again.
+    gaps = np.diff(s.calls)
+    spun = gaps[gaps < 20e-6].sum()
+    assert 0.5 * POLL_SPIN_S < spun < 1.5 * POLL_SPIN_S, spun
+    assert (gaps >= 20e-6).sum() >= 10  # the 20 ms were waited with pauses
+    assert p.push_kv_blocks(src, index, [1], [2]) and _idle(p) == [1]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    ["status code", "exception in the spin", "exception after the spin"],
+)
+def test_a_push_that_fails_is_failed_released_and_told(kept, monkeypatch, failure):
+    """NIXL reports an error, or its status call raises, within the spin or after it: the
+    push raises FAILED (not a bare exception), the claim is released, the failed NIXL
+    handle is released (never kept), the decoder learns the tag failed, and the next push
+    works."""
+    p, d, src, dst, index = kept
+    released = _released(p, monkeypatch)
+    b = p._transport._b
+    then = b.NIXL_ERR_BACKEND if failure == "status code" else RuntimeError("injected")
+    busy = 0.005 if failure == "exception after the spin" else 0.0
+    Status(monkeypatch, p._transport, busy_s=busy, then=then, fake=True)
+    with pytest.raises(LLMException) as info:
+        p.push_kv_blocks(src, index, [1], [2], tag="bad")
+    assert info.value.status is LLMStatus.FAILED, info.value
+    assert len(p._writes) == 0 and len(released) == 1 and _idle(p) == [0]
+    with pytest.raises(LLMException) as told:
+        d.wait_received("bad", 5)
+    assert told.value.status is LLMStatus.FAILED and "source" in str(told.value)
+    monkeypatch.undo()
+    dst.tensors[0][...] = 0
+    d.wait_received(p.push_kv_blocks(src, index, [1], [2], tag="after"), 5)
+    assert (dst.tensors[0][2] == src.tensors[0][1]).all() and _idle(p) == [1]
+
+
+def test_a_push_that_times_out_is_released_and_told(kept, monkeypatch):
+    """Never complete: TIMEOUT after the call's timeout (counted from the post, the spin
+    included), the handle released, the claim released, the decoder told."""
+    p, d, src, dst, index = kept
+    released = _released(p, monkeypatch)
+    s = Status(monkeypatch, p._transport, fake=True)
+    with pytest.raises(LLMException) as info:
+        p.push_kv_blocks(src, index, [1], [2], tag="late", timeout_s=0.05)
+    waited = time.monotonic() - s.t0
+    assert info.value.status is LLMStatus.TIMEOUT and 0.05 <= waited < 1.0, waited
+    assert len(p._writes) == 0 and len(released) == 1 and _idle(p) == [0]
+    with pytest.raises(LLMException) as told:
+        d.wait_received("late", 5)
+    assert told.value.status is LLMStatus.TIMEOUT
+
+
+def test_a_push_interrupted_in_its_spin_releases_its_blocks_and_handle(kept, monkeypatch):
+    """A KeyboardInterrupt inside the spin propagates; nothing stays claimed or held:
+    the same push then works."""
+    p, d, src, dst, index = kept
+    released = _released(p, monkeypatch)
+    Status(monkeypatch, p._transport, busy_s=0.0, then=KeyboardInterrupt(), fake=True)
+    with pytest.raises(KeyboardInterrupt):
+        p.push_kv_blocks(src, index, [1], [2])
+    assert len(p._writes) == 0 and len(released) == 1 and _idle(p) == [0]
+    monkeypatch.undo()
+    d.wait_received(p.push_kv_blocks(src, index, [1], [2], tag="after"), 5)
+    assert _idle(p) == [1]
+
+
+def test_a_push_into_blocks_in_flight_is_refused_before_its_post(kept, monkeypatch):
+    """While an asynchronous push of the same request is in flight, the small-push path
+    refuses REPEAT_REQUEST and posts nothing (docs/SPEC.md D8); once that one is done,
+    the push goes."""
+    p, d, src, dst, index = kept
+    s = Status(monkeypatch, p._transport, busy_s=0.3)
+    first = p.push_kv_blocks_async(src, index, [1], [2], tag="first")
+    t0 = s.t0
+    with pytest.raises(LLMException) as info:
+        p.push_kv_blocks(src, index, [1], [2], tag="second")
+    assert info.value.status is LLMStatus.REPEAT_REQUEST and s.t0 == t0  # nothing posted
+    assert len(p._writes) == 1
+    first.wait(5)
+    d.wait_received("first", 5)
+    assert not d.received("second")
+    d.wait_received(p.push_kv_blocks(src, index, [1], [2], tag="third"), 5)
+    assert len(p._writes) == 0
