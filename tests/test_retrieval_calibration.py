@@ -81,8 +81,14 @@ def test_calibrated_basis_is_the_top_singular_vectors_of_the_keys():
             # The same subspace (signs and order within equal values may differ).
             np.testing.assert_allclose(b[h] @ b[h].T, v @ v.T, atol=1e-4)
         np.testing.assert_array_equal(st.basis[i]["post"].numpy(), b)
-    with pytest.raises(ValueError, match=r"^rank: expected <= head_dim = 16, got 17"):
-        calibrate_lowrank(model, ids, rank=17, skip=16)
+    # rank > head_dim: refused from the config, before the prefill runs.
+    prefill = model.forward
+    model.forward = lambda *a, **k: pytest.fail("the prefill ran for a refused rank")
+    try:
+        with pytest.raises(ValueError, match=r"^rank: expected <= head_dim = 16, got 17"):
+            calibrate_lowrank(model, ids, rank=17, skip=16)
+    finally:
+        model.forward = prefill
     with pytest.raises(ValueError, match=r"^ids: expected at least skip \+ rank = 20"):
         calibrate_lowrank(model, ids[:19], rank=4, skip=16)
     with pytest.raises(ValueError, match=r"^rank: expected an int >= 1, got 0"):

@@ -213,6 +213,15 @@ def test_missing_basis_is_refused_by_name(rng):
         build_retrieval_decode_step(SIZES, CFG)
     with pytest.raises(ValueError, match=no_basis):
         run_steps(CFG, SIZES, [700], 1, run=lambda feeds: {})
+    nan = calibrate_basis(keys, 8)
+    nan[1, 3, 2] = np.nan  # a basis with a NaN would score every block NaN
+    for call in (
+        lambda: block_representations(keys, part, LOWRANK, basis=nan),
+        lambda: RetrievalPlanner(CFG, SIZES, basis=nan),
+        lambda: build_retrieval_decode_step(SIZES, CFG, basis=nan),
+    ):
+        with pytest.raises(ValueError, match=r"^basis: expected finite values, got NaN or inf"):
+            call()
 
 
 @pytest.mark.parametrize(

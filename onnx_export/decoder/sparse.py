@@ -61,6 +61,7 @@ def check_basis(
         finite.
     """
     from pytrt_kv.retrieval.config import LOWRANK  # noqa: PLC0415
+    from pytrt_kv.retrieval.reference import check_basis  # noqa: PLC0415
 
     rep = None if retrieval is None else retrieval.representation
     if rep != LOWRANK:
@@ -83,19 +84,11 @@ def check_basis(
     if isinstance(basis, np.ndarray) or not hasattr(basis, "__len__") or len(basis) != layers:
         got = f"{len(basis)} arrays" if isinstance(basis, (list, tuple)) else type(basis).__name__
         raise ValueError(f"basis: expected a list of {layers} arrays (one per layer), got {got}")
-    out = []
-    want = (kv_heads, head_dim, retrieval.rank)
-    for i, b in enumerate(basis):
-        a = np.ascontiguousarray(np.asarray(b, np.float32))
-        if a.shape != want:
-            raise ValueError(
-                f"basis[{i}]: expected shape {list(want)} ([kv_heads, head_dim, "
-                f"retrieval.rank]), got {list(a.shape)}"
-            )
-        if not np.isfinite(a).all():
-            raise ValueError(f"basis[{i}]: expected finite values, got NaN or inf")
-        out.append(a)
-    return out
+    rank = retrieval.rank
+    return [
+        np.ascontiguousarray(check_basis(b, kv_heads, head_dim, rank, name=f"basis[{i}]"))
+        for i, b in enumerate(basis)
+    ]
 
 
 def check_retrieval(

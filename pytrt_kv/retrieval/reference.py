@@ -70,20 +70,21 @@ def check_basis(
     kv_heads: int | None = None,
     head_dim: int | None = None,
     rank: int | None = None,
+    name: str = "basis",
 ) -> np.ndarray:
     """The "lowrank" basis as float32 ``[Hkv, D, r]``, its shape checked against the
-    dimensions given (None: any).
+    dimensions given (None: any) and its values finite.
 
     Raises
     ------
     ValueError
-        ``basis`` None (the lowrank representation has no default basis) or of another
-        shape; the message names ``basis``.
+        ``basis`` None (the lowrank representation has no default basis), of another
+        shape, or not finite; the message names ``name`` (``"basis[3]"`` for one layer's).
     """
     want = f"[{kv_heads or 'Hkv'}, {head_dim or 'D'}, {rank or 'r'}]"
     if basis is None:
         raise ValueError(
-            f"basis: expected a {want} array for 'lowrank' (calibrate_basis of keys of "
+            f"{name}: expected a {want} array for 'lowrank' (calibrate_basis of keys of "
             "another text), got None"
         )
     b = np.asarray(basis, dtype=np.float32)
@@ -93,7 +94,9 @@ def check_basis(
         or (head_dim is not None and b.shape[1] != head_dim)
         or (rank is not None and b.shape[2] != rank)
     ):
-        raise ValueError(f"basis: expected shape {want}, got {list(b.shape)}")
+        raise ValueError(f"{name}: expected shape {want}, got {list(b.shape)}")
+    if not np.isfinite(b).all():
+        raise ValueError(f"{name}: expected finite values, got NaN or inf")
     return b
 
 

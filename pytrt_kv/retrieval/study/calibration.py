@@ -38,6 +38,21 @@ def calibration_ids(tok: Any, tokens: int = CALIBRATION_TOKENS) -> list[int]:
     return ids
 
 
+def _config_head_dim(config: Any) -> int | None:
+    """A transformers config's head dimension (``head_dim``, else hidden size over
+    heads); None when it names neither."""
+    hd = getattr(config, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    hidden, heads = (
+        getattr(config, "hidden_size", None),
+        getattr(config, "num_attention_heads", None),
+    )
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
 def calibrate_lowrank(
     model: Any, ids: list[int] | np.ndarray, rank: int, skip: int = CALIBRATION_SKIP
 ) -> list[np.ndarray]:
@@ -67,6 +82,9 @@ def calibrate_lowrank(
         raise ValueError(
             f"ids: expected at least skip + rank = {skip + rank} calibration tokens, got {len(ids)}"
         )
+    head_dim = _config_head_dim(model.config)
+    if head_dim is not None and rank > head_dim:  # refused before the prefill
+        raise ValueError(f"rank: expected <= head_dim = {head_dim}, got {rank}")
     before = model.config._attn_implementation
     st = use_retrieval_attention(model)
     method, st.method, st.record = st.method, "dense", {}
@@ -83,7 +101,7 @@ def calibrate_lowrank(
     out = []
     for layer in sorted(keys):
         k = keys[layer][:, skip:]  # [Hkv, L - skip, D]
-        if rank > k.shape[-1]:
+        if rank > k.shape[-1]:  # a config whose head_dim is not its keys'
             raise ValueError(f"rank: expected <= head_dim = {k.shape[-1]}, got {rank}")
         basis = top_basis(k, rank)  # [Hkv, D, r]
         st.basis[layer] = {"post": basis}
