@@ -99,11 +99,12 @@ def test_a_push_that_outlasts_the_spin_completes_and_polls_without_spinning(kept
     assert tag == "slow" and time.monotonic() - s.t0 >= 0.02
     assert (dst.tensors[0][2] == src.tensors[0][1]).all()
     assert len(p._writes) == 0 and _idle(p) == [1]
-    # Checked without a pause (gaps of a few us) for POLL_SPIN_S in all, then paced by
-    # POLL_INTERVAL_S sleeps (each >= 50 us): the handle's wait does not spin again.
+    # Checked without a pause (gaps of a few us) for at most POLL_SPIN_S in all (less if
+    # the thread was preempted meanwhile), then paced by POLL_INTERVAL_S sleeps (each
+    # >= 50 us): the handle's wait does not spin again (that doubles the sum).
     gaps = np.diff(s.calls)
     spun = gaps[gaps < 20e-6].sum()
-    assert 0.5 * POLL_SPIN_S < spun < 1.5 * POLL_SPIN_S, spun
+    assert 0.1 * POLL_SPIN_S < spun < 1.5 * POLL_SPIN_S, spun
     assert (gaps >= 20e-6).sum() >= 10  # the 20 ms were waited with pauses
     assert p.push_kv_blocks(src, index, [1], [2]) and _idle(p) == [1]
 
