@@ -599,17 +599,76 @@ def test_a_repeated_request_reuses_its_checked_plan(nodes, monkeypatch):
         (dict(sb=np.array([0.0, 5.0])), "src_blocks"),
         (dict(ext=KvCacheExtParam((True, True), (0, 0))), "src_layer_range"),
         (dict(ext=KvCacheExtParam((1, 1), (0, 0), 4)), "src_layer_range"),
+        # equal indexes of other types (the kept key of an index is memoized per object)
+        (dict(index=CacheIndex(2.0, dst.cache_id)), "cluster_id"),
+        (dict(index=CacheIndex(2, float(dst.cache_id))), "cache_id"),
+        (dict(index=CacheIndex(2, dst.cache_id, batch_index=1)), "batch_index"),
     ]
-    ids[1] = 2  # the accepted array, changed in place: now a duplicate
-    refused.append((dict(), "more than once"))
+    refused.append(refused[-1])  # the same refused index object again
     for kw, match in refused:
         with pytest.raises(LLMParamInvalid, match=match):
             p.push_kv_blocks(
-                src, index, kw.get("sb", [0, 5]), ids, kw.get("ext", ext), tag="refused"
+                src,
+                kw.get("index", index),
+                kw.get("sb", [0, 5]),
+                ids,
+                kw.get("ext", ext),
+                tag="refused",
             )
+    ids[1] = 2  # the accepted array, changed in place: now a duplicate
+    with pytest.raises(LLMParamInvalid, match="more than once"):
+        p.push_kv_blocks(src, index, [0, 5], ids, ext, tag="refused")
     time.sleep(0.05)
     assert not d.received("refused")
     assert all((t == SENTINEL).all() for t in dst.tensors)
+
+
+@pytest.mark.parametrize("bad", ["1", float("nan"), 0, -1.0, True, [5]])
+def test_a_bad_timeout_is_refused_by_name_and_moves_nothing(nodes, bad):
+    """``timeout_s`` is a number of seconds > 0 (inf: no limit) on every path: a fresh
+    request, a kept plan's (the small-push path), a pull, a handle's wait, a tag's wait
+    and the options; refused by name before anything is posted or claimed. A control
+    request's (link, unlink) is finite as well: a socket's timeout cannot be inf."""
+    p, d = _linked(nodes)
+    src = p.allocate_cache(CacheDesc(1, (4, 16), "int8"))
+    dst = d.allocate_cache(CacheDesc(1, (4, 16), "int8"))
+    _fill(src, np.random.default_rng(1))
+    _sentinel(dst)
+    index = CacheIndex(2, dst.cache_id)
+    match = r"timeout_s: expected a number of seconds > 0 \(inf: no limit\), got"
+    with pytest.raises(LLMParamInvalid, match=match):  # checked afresh
+        p.push_kv_blocks(src, index, [0], [0], ONE, timeout_s=bad, tag="refused")
+    for _ in range(2):  # kept, then taken from the kept plans
+        d.wait_received(p.push_kv_blocks(src, index, [1], [1], ONE, timeout_s=float("inf")), 5)
+    with pytest.raises(LLMParamInvalid, match=match):
+        p.push_kv_blocks(src, index, [1], [1], ONE, timeout_s=bad, tag="refused")
+    with pytest.raises(LLMParamInvalid, match=match):
+        p.push_kv_blocks_async(src, index, [2], [2], ONE, timeout_s=bad, tag="refused")
+    with pytest.raises(LLMParamInvalid, match=match):
+        d.pull_kv_blocks(CacheIndex(1, src.cache_id), dst, [3], [3], ONE, timeout_s=bad)
+    h = p.push_kv_blocks_async(src, index, [1], [1], ONE)
+    with pytest.raises(LLMParamInvalid, match=match):
+        h.wait(bad)
+    h.wait()
+    assert len(p._writes) == 0  # no claim left behind
+    time.sleep(0.05)
+    assert not d.received("refused")
+    assert (dst.tensors[0][[0, 2, 3]] == SENTINEL).all()
+    assert (dst.tensors[0][1] == src.tensors[0][1]).all()
+    with pytest.raises(LLMParamInvalid, match=match):
+        d.wait_received("never", timeout_s=bad)
+    finite = r"timeout_s: expected a finite number of seconds > 0, got"
+    for t in (bad, float("inf")):  # a socket's timeout cannot be inf
+        with pytest.raises(LLMParamInvalid, match=finite):
+            p.unlink_clusters([2], timeout_s=t)
+        with pytest.raises(LLMParamInvalid, match=finite):
+            p.link_clusters([d.listen_address], timeout_s=t)
+    assert p.linked_clusters() == [2]
+    for key in ("timeout_s", "wait_timeout_s", "control_timeout_s"):
+        with pytest.raises(ValueError, match=rf"options\['{key}'\]: expected a"):
+            LlmDataDist(3, "prompt", options={key: bad})
+    with pytest.raises(ValueError, match=r"options\['control_timeout_s'\]: expected a fin"):
+        LlmDataDist(3, "prompt", options={"control_timeout_s": float("inf")})
 
 
 def test_a_kept_plan_is_not_used_for_another_nodes_cache(backend):

@@ -8,7 +8,7 @@ import weakref
 from typing import NoReturn
 
 from .inflight import _BUSY, _HANDLE, _ID, Claim
-from .node_base import PROBE_EVERY_S, NodeState, Peer
+from .node_base import PROBE_EVERY_S, NodeState, Peer, seconds
 from .transport import Xfer
 from .types import Cache, LLMException, LLMStatus
 
@@ -133,9 +133,10 @@ class TransferHandle:
         Raises
         ------
         LLMException
-            TIMEOUT (the handle is released), NOT_YET_LINK (the peer went away), FAILED.
+            TIMEOUT (the handle is released), NOT_YET_LINK (the peer went away), FAILED;
+            PARAM_INVALID: ``timeout_s`` is not a number > 0 (nothing waited for).
         """
-        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        timeout = self.timeout_s if timeout_s is None else seconds("timeout_s", timeout_s)
         # A small push is complete within the first POLL_SPIN_S, checked without a pause.
         self._wait(timeout, min(POLL_SPIN_S, timeout), time.monotonic())
 

@@ -30,7 +30,7 @@ from typing import Any
 from .contract import check_transfer
 from .handles import TransferHandle, _poll_sleep
 from .llm_datadist import LlmDataDist
-from .node_base import NOTIF
+from .node_base import NOTIF, seconds
 from .transport import WRITE
 from .types import (
     Cache,
@@ -179,7 +179,7 @@ class LayerwisePush:
         missing = sorted(set(range(self.num_layers)) - set(self._events) - set(self._handles))
         if missing:
             raise ValueError(f"layer_ready: layers {missing} were never marked ready")
-        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        timeout = self.timeout_s if timeout_s is None else seconds("timeout_s", timeout_s)
         start = time.monotonic()
         while not self.poll():
             if time.monotonic() - start >= timeout:

@@ -9,6 +9,7 @@ authenticated, whatever it says inside, and a link's metadata must name that clu
 from __future__ import annotations
 
 import json
+import numbers
 import secrets
 import socket
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 
 from ..contract.errors import describe
 from . import control
-from .node_base import Fence, NodeState, Peer
+from .node_base import Fence, NodeState, Peer, seconds
 from .transport import CacheInfo
 from .types import CacheIndex, LinkResult, LLMException, LLMStatus, param_invalid
 
@@ -187,9 +188,15 @@ class LinkMixin(NodeState):
         ------
         TypeError
             A cluster that is not an address (checked before anything is linked).
+        LLMParamInvalid
+            ``timeout_s`` is not a finite number > 0 (nothing is linked).
         """
         self._require()
-        timeout = float(self.options["control_timeout_s"] if timeout_s is None else timeout_s)
+        timeout = (
+            float(self.options["control_timeout_s"])
+            if timeout_s is None
+            else seconds("timeout_s", timeout_s, finite=True)
+        )
         addrs = [_parse_address(f"clusters[{i}]", c) for i, c in enumerate(list(clusters))]
         results = []
         for addr in addrs:
@@ -235,10 +242,15 @@ class LinkMixin(NodeState):
         Raises
         ------
         LLMException
-            NOT_YET_LINK for a cluster id that is not linked.
+            NOT_YET_LINK for a cluster id that is not linked; PARAM_INVALID: ``timeout_s``
+            is not a finite number > 0 (nothing is unlinked).
         """
         self._require()
-        timeout = float(self.options["control_timeout_s"] if timeout_s is None else timeout_s)
+        timeout = (
+            float(self.options["control_timeout_s"])
+            if timeout_s is None
+            else seconds("timeout_s", timeout_s, finite=True)
+        )
         for cid in list(cluster_ids):
             with self._lock:
                 peer = self._peers.get(cid)
@@ -368,16 +380,24 @@ class LinkMixin(NodeState):
             raise param_invalid(
                 f"{arg}.batch_index", "0 (blocks are addressed by id)", index.batch_index
             )
+        ids = []
+        for name in ("cluster_id", "cache_id"):  # 2.0 or True is not taken for an id
+            v = getattr(index, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                got = repr(v) if isinstance(v, (int, float)) else describe(v)
+                raise param_invalid(f"{arg}.{name}", "an int", got)
+            ids.append(int(v))
+        cluster_id, cache_id = ids
         self._drain()  # deallocate notices that came with the data path (issue 19 item 1)
         with self._lock:
-            peer = self._peers.get(index.cluster_id)
+            peer = self._peers.get(cluster_id)
         if peer is None or peer.broken:
             raise LLMException(
                 LLMStatus.NOT_YET_LINK,
                 f"{arg}: cluster {index.cluster_id} is not linked"
                 + (" (the link broke)" if peer is not None else ""),
             )
-        info = peer.caches.get(index.cache_id)
+        info = peer.caches.get(cache_id)
         if info is None:  # created after the link? ask the peer once
             try:
                 reply = self._request(peer, {"op": "table"}, self._control_timeout())
@@ -405,7 +425,7 @@ class LinkMixin(NodeState):
                 self._apply_metadata(reply.get("md"), peer.cluster_id)
             except LLMException as exc:
                 raise LLMException(exc.status, f"{arg}: {exc.message}") from None
-            info = peer.caches.get(index.cache_id)
+            info = peer.caches.get(cache_id)
         if info is None:
             raise LLMException(
                 LLMStatus.KV_CACHE_NOT_EXIST,

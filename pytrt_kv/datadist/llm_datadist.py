@@ -132,6 +132,7 @@ class LlmDataDist(CacheMixin, LinkMixin, TransferMixin, NoticeMixin):
         self._tag_prefix = ""  # "cluster:pid:", set by initialize
         self._drained_at = 0.0  # when _drain last read the notifications (see _resolve)
         self._ext_memo: tuple[Any, Any] = (None, ())  # (last ext_param, its _ext_key)
+        self._index_memo: tuple[Any, Any] = (None, None)  # (last CacheIndex, _index_key)
         self._writes = Writes()  # transfers in flight, by destination (docs/SPEC.md D8)
         self.listen_address: tuple[str, int] | None = None
 
@@ -333,15 +334,16 @@ class LlmDataDist(CacheMixin, LinkMixin, TransferMixin, NoticeMixin):
             # Python before the post cost ~3 us of NIXL's ("Performance").
             tag = f"{self._tag_prefix}{next(self._tags)}" if tag is None else self._tag(tag)
             plan = kept.plan
-            timeout = (
-                float(timeout_s) if timeout_s is not None else self._timeout(plan.nbytes, None)
-            )
+            if (type(timeout_s) is float or type(timeout_s) is int) and timeout_s > 0:
+                timeout = timeout_s  # a number > 0 (NaN is not): as _timeout, inline
+            else:
+                timeout = self._timeout(plan.nbytes, timeout_s)  # None, or PARAM_INVALID
             claim = self._writes.claim(kept.dst_key, plan, kept.span)  # REPEAT_REQUEST (D8)
             try:
                 prepared = kept.prepared
                 if prepared is None or not prepared.alive:
                     prepared = self._prepare(kept, WRITE)
-                spin = min(POLL_SPIN_S, timeout)
+                spin = POLL_SPIN_S if timeout > POLL_SPIN_S else timeout
                 xfer = prepared.push(kept.notif + tag.encode(), spin)
             except BaseException as exc:
                 self._post_failed(exc, claim, "src_cache", kept.local, kept.peer)

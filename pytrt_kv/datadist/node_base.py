@@ -18,7 +18,7 @@ from ..contract.errors import describe
 from .contract import TransferPlan
 from .inflight import span
 from .transport import CacheInfo, Prepared, Transport
-from .types import Cache, LLMException, LLMRole, LLMStatus
+from .types import Cache, LLMException, LLMRole, LLMStatus, param_invalid
 
 if TYPE_CHECKING:
     from . import control
@@ -88,6 +88,10 @@ def checked_options(options: dict[str, Any] | None) -> dict[str, Any]:
         v = opts[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= least:
             raise ValueError(f"options[{key!r}]: expected a number >= {least}, got {v!r}")
+    if opts["timeout_s"] is not None:
+        seconds("options['timeout_s']", opts["timeout_s"])
+    seconds("options['wait_timeout_s']", opts["wait_timeout_s"])
+    seconds("options['control_timeout_s']", opts["control_timeout_s"], finite=True)
     if not isinstance(opts["llm_datadist.allow_unauthenticated"], bool):
         raise TypeError(
             f"options['llm_datadist.allow_unauthenticated']: expected a bool, got "
@@ -95,6 +99,27 @@ def checked_options(options: dict[str, Any] | None) -> dict[str, Any]:
         )
     secret_of(opts)  # a secret of the wrong type is refused here, not at initialize
     return opts
+
+
+def seconds(arg: str, value: Any, finite: bool = False) -> float:
+    """A timeout argument: a number > 0 (``inf``: no limit, unless ``finite``), as a float.
+
+    Raises
+    ------
+    LLMParamInvalid
+        PARAM_INVALID (also a ValueError) naming ``arg``: a bool, a non-number, NaN, 0 or
+        less, or inf where ``finite``.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or (finite and value == float("inf"))
+    ):
+        got = repr(value) if isinstance(value, (int, float)) else describe(value)
+        what = "a finite number of seconds > 0" if finite else "a number of seconds > 0"
+        raise param_invalid(arg, what + ("" if finite else " (inf: no limit)"), got)
+    return float(value)
 
 
 def secret_of(options: dict[str, Any]) -> bytes:

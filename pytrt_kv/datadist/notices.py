@@ -9,7 +9,7 @@ import logging
 import time
 
 from .handles import _poll_sleep
-from .node_base import BACK, BYE, DACK, DROP, FAIL, MAX_FAILED, NOTIF, NodeState, Peer
+from .node_base import BACK, BYE, DACK, DROP, FAIL, MAX_FAILED, NOTIF, NodeState, Peer, seconds
 from .types import LLMException, LLMStatus
 
 log = logging.getLogger("pytrt_kv.datadist")
@@ -130,9 +130,14 @@ class NoticeMixin(NodeState):
         ------
         LLMException
             TIMEOUT, or as :meth:`received` (a transfer that failed at its source ends
-            the wait with the source's status).
+            the wait with the source's status); PARAM_INVALID: ``timeout_s`` is not a
+            number > 0.
         """
-        timeout = float(self.options["wait_timeout_s"] if timeout_s is None else timeout_s)
+        timeout = (
+            float(self.options["wait_timeout_s"])
+            if timeout_s is None
+            else seconds("timeout_s", timeout_s)
+        )
         start = time.monotonic()
         while not self.received(tag):
             if time.monotonic() - start >= timeout:

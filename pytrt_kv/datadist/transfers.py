@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 from . import memory
 from .handles import TransferHandle
 from .inflight import Claim, span
-from .node_base import NOTIF, Kept, Peer, dst_key
+from .node_base import NOTIF, Kept, Peer, dst_key, seconds
 from .plans import PlanMixin
 from .transport import WRITE, CacheInfo, Prepared
 from .types import Cache, LLMException, LLMStatus, param_invalid
@@ -49,7 +49,7 @@ class TransferMixin(PlanMixin):
         already waited for the source's writes (a layer's event), no stream sync;
         ``kept``: ``plan``'s kept entry, posted through its transport's
         :class:`Prepared` (decision 13)."""
-        timeout = float(timeout_s) if timeout_s is not None else self._timeout(plan.nbytes, None)
+        timeout = self._timeout(plan.nbytes, timeout_s)
         if op == WRITE and local.cache_desc.placement == "device" and not source_ready:
             memory.synchronize_stream(stream, local.tensors, local.cache_desc.device)
         # Refused before anything is posted when a transfer of this node still writes
@@ -137,7 +137,7 @@ class TransferMixin(PlanMixin):
         """The call's ``timeout_s``, else ``options["timeout_s"]``, else scaled with the
         bytes: ``timeout_min_s + nbytes / timeout_floor_bytes_per_s``."""
         if timeout_s is not None:
-            return float(timeout_s)
+            return seconds("timeout_s", timeout_s)
         if self.options["timeout_s"] is not None:
             return float(self.options["timeout_s"])
         o = self.options
