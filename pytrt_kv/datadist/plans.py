@@ -40,6 +40,19 @@ def _ids_key(blocks: Any) -> tuple[Any, Any]:
     return None, blocks
 
 
+_ndarray = np.ndarray
+
+
+def _index_key(index: Any) -> Any:
+    """A plan-cache key for a CacheIndex (None: not cacheable): exact ints only."""
+    if type(index) is not CacheIndex:
+        return None
+    c, k = index.cluster_id, index.cache_id
+    if type(c) is not int or type(k) is not int or index.batch_index != 0:
+        return None
+    return (c, k)
+
+
 def _ext_key(ext: Any) -> Any:
     """A plan-cache key for ``ext_param`` (None: not cacheable): exact ints only, so
     that values the check refuses (True for 1) never match an accepted one."""
@@ -59,6 +72,7 @@ class PlanMixin(NodeState):
     """Finding, checking and keeping the plan of a request."""
 
     _ext_memo: tuple[Any, Any]
+    _index_memo: tuple[Any, Any]
 
     def _plan(
         self,
@@ -110,12 +124,12 @@ class PlanMixin(NodeState):
         bytes, 1-D and at most _PLAN_CACHE_BLOCKS; a list's exact ints, :func:`_ids_key`)
         and exact-int ext params (docs/DATADIST.md decision 12). One function, arrays
         keyed inline: this is the small-push path (docs/DATADIST.md, "Performance")."""
-        if type(src_blocks) is np.ndarray:
+        if type(src_blocks) is _ndarray:
             ok = src_blocks.ndim == 1 and src_blocks.size <= _PLAN_CACHE_BLOCKS
             skey = (src_blocks.dtype, src_blocks.tobytes()) if ok else None
         else:
             skey, src_blocks = _ids_key(src_blocks)
-        if type(dst_blocks) is np.ndarray:
+        if type(dst_blocks) is _ndarray:
             ok = dst_blocks.ndim == 1 and dst_blocks.size <= _PLAN_CACHE_BLOCKS
             dkey = (dst_blocks.dtype, dst_blocks.tobytes()) if ok else None
         else:
@@ -123,18 +137,18 @@ class PlanMixin(NodeState):
         memo = self._ext_memo  # frozen and checked to hold exact ints: its key is fixed
         if ext_param is not memo[0]:
             memo = self._ext_memo = (ext_param, _ext_key(ext_param))
+        imemo = self._index_memo  # the same for the destination/source index
+        if index is not imemo[0]:
+            imemo = self._index_memo = (index, _index_key(index))
         if (
             skey is None
             or dkey is None
             or memo[1] is None
+            or imemo[1] is None
             or type(cache) is not Cache
-            or type(index) is not CacheIndex
-            or type(index.cluster_id) is not int
-            or type(index.cache_id) is not int
-            or index.batch_index != 0
         ):
             return None, src_blocks, dst_blocks, None
-        key = (op, cache.cache_id, index.cluster_id, index.cache_id, skey, dkey, memo[1])
+        key = (op, cache.cache_id, imemo[1], skey, dkey, memo[1])
         kept = self._plans.get(key)
         if kept is not None:
             # Used if everything it was checked against is still this node's: the local
