@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,35 @@ def test_python_cost_times_the_kept_plan_path_only():
     polled = python_cost(pushes=200, batches=3, polls=50)
     assert 0 < once["min_ns"] <= once["median_ns"] < 1e6, once
     assert polled["min_ns"] > once["min_ns"], (once, polled)
+
+
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+def test_bench_datadist_latency_rows_take_their_own_repeats(tmp_path):
+    """``--latency-repeats`` sets the small-push rows' runs apart from ``--repeats``
+    (the throughput rows'): their ratios decide a 0.90 target within a few percent."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    out = tmp_path / "dd.md"
+    args = ["--total-mib", "1", "--pushes", "1", "--repeats", "1", "--latency-pushes", "5"]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytrt_kv", "bench", "datadist", *args]
+        + ["--latency-repeats", "2", "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    table = out.read_text()
+    assert "median of 2 runs of 5 pushes" in table and "| 16 |" in table
+    h = subprocess.run(
+        [sys.executable, "-m", "pytrt_kv", "bench", "datadist", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    help_text = re.search(
+        r"--latency-repeats LATENCY_REPEATS\s+(timed runs.*?\))\n", h.stdout, re.S
+    )
+    assert help_text and help_text.group(1).endswith("(default 60)"), h.stdout
