@@ -122,8 +122,10 @@ class PlanMixin(NodeState):
         A key fixes everything the D4 check sees: the local cache object (checked by
         identity on use), the remote cache's ids, the block ids (an array's dtype and
         bytes, 1-D and at most _PLAN_CACHE_BLOCKS; a list's exact ints, :func:`_ids_key`)
-        and exact-int ext params (docs/DATADIST.md decision 12). One function, arrays
-        keyed inline: this is the small-push path (docs/DATADIST.md, "Performance")."""
+        and exact-int ext params and cache ids (the last ext_param's and CacheIndex's
+        keys memoized per object: frozen; docs/DATADIST.md decision 12). One function,
+        arrays keyed inline: this is the small-push path (docs/DATADIST.md,
+        "Performance")."""
         if type(src_blocks) is _ndarray:
             ok = src_blocks.ndim == 1 and src_blocks.size <= _PLAN_CACHE_BLOCKS
             skey = (src_blocks.dtype, src_blocks.tobytes()) if ok else None
