@@ -671,6 +671,44 @@ def test_a_bad_timeout_is_refused_by_name_and_moves_nothing(nodes, bad):
         LlmDataDist(3, "prompt", options={"control_timeout_s": float("inf")})
 
 
+def test_a_local_peer_table_with_other_addresses_copies_nothing():
+    """The local backend copies with memmove: a peer's cache table (from its metadata)
+    that names addresses the peer did not register for that cache is refused at the
+    post (FAILED), not copied to, for a push and a pull alike; NIXL checks the same by
+    its registrations."""
+    p = LlmDataDist(1, "prompt", backend="local")
+    d = LlmDataDist(2, "decoder", backend="local")
+    try:
+        p.initialize("127.0.0.1", 0)
+        d.initialize("127.0.0.1", 0)
+        src = p.allocate_cache(CacheDesc(1, (4, 16), "int8"))
+        dst = d.allocate_cache(CacheDesc(1, (4, 16), "int8"))
+        assert p.link_clusters([d.listen_address], timeout_s=5)[0].ok
+        _fill(src, np.random.default_rng(2))
+        _sentinel(dst)
+        victim = np.full((4, 16), 7, np.int8)  # memory nobody registered
+        peer = p._peers[2]
+        info = peer.caches[dst.cache_id]
+        peer.caches[dst.cache_id] = dataclasses.replace(info, addrs=(victim.ctypes.data,))
+        index = CacheIndex(2, dst.cache_id)
+        assert _status(lambda: p.push_kv_blocks(src, index, [0], [1], ONE)) is LLMStatus.FAILED
+        pulled = d.allocate_cache(CacheDesc(1, (4, 16), "int8"))
+        _sentinel(pulled)
+        dp = d._peers[1]
+        sinfo = dp.caches[src.cache_id]
+        dp.caches[src.cache_id] = dataclasses.replace(sinfo, addrs=(victim.ctypes.data,))
+        pull = lambda: d.pull_kv_blocks(CacheIndex(1, src.cache_id), pulled, [0], [0], ONE)  # noqa: E731
+        assert _status(pull) is LLMStatus.FAILED
+        assert (victim == 7).all()
+        assert (dst.tensors[0] == SENTINEL).all() and (pulled.tensors[0] == SENTINEL).all()
+        peer.caches[dst.cache_id] = info  # the registered table again: copied
+        d.wait_received(p.push_kv_blocks(src, index, [0], [1], ONE), 5)
+        assert (dst.tensors[0][1] == src.tensors[0][0]).all()
+    finally:
+        p.finalize()
+        d.finalize()
+
+
 def test_a_kept_plan_is_not_used_for_another_nodes_cache(backend):
     """Cache ids are per node: a Cache of another node that has a kept plan's id is not
     this node's cache, and a request naming it is refused (KV_CACHE_NOT_EXIST), not

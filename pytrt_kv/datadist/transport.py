@@ -209,6 +209,9 @@ class LocalTransport(Transport):
         self._latency = float(options.get("local.latency_s", 0.0))
         self._inbox: collections.deque[tuple[str, bytes]] = collections.deque()
         self._peers: dict[str, LocalTransport] = {}
+        #: The caches registered here, by id: a peer's advertised table is checked
+        #: against it before a copy (what NIXL's registration does for the nixl backend).
+        self._caches: dict[int, CacheInfo] = {}
         with _LOCAL_LOCK:
             _LOCAL[name] = self
 
@@ -216,10 +219,12 @@ class LocalTransport(Transport):
         return f"local:{os.getpid()}"
 
     def register(self, info: CacheInfo) -> Any:
-        return None
+        self._caches[info.cache_id] = info
+        return info
 
     def deregister(self, state: Any) -> None:
-        pass
+        if self._caches.get(state.cache_id) is state:
+            del self._caches[state.cache_id]
 
     def add_peer(self, peer: str, metadata: str) -> None:
         if metadata != self.metadata():
@@ -253,6 +258,14 @@ class LocalTransport(Transport):
         notif: bytes,
     ) -> Xfer:
         target = self._peer(peer)
+        # memmove trusts addresses: the remote cache must be one the peer registered, as
+        # it registered it (a table that names other addresses copies nothing).
+        if target._caches.get(remote.cache_id) != remote:
+            raise LLMException(
+                LLMStatus.FAILED,
+                f"peer {peer!r} has no registered cache {remote.cache_id} at the addresses "
+                f"its table gives",
+            )
         src, dst = (local, remote) if op == WRITE else (remote, local)
         host = src.desc.placement == "host" and dst.desc.placement == "host"
         device = dst.desc.device if dst.desc.placement == "device" else src.desc.device
