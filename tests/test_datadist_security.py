@@ -376,6 +376,48 @@ def test_a_malformed_link_reply_fails_that_cluster_only(pair):
     assert p.linked_clusters() == [2]
 
 
+def _entry(**change):
+    from pytrt_kv.datadist.transport import CacheInfo
+
+    good = CacheInfo(3, 1, CacheDesc(2, (4, 16), "int8"), (4096, 8192)).to_dict()
+    desc = change.pop("desc", {})
+    if isinstance(desc, dict):
+        desc = {**good["desc"], **desc}
+    return {**good, "desc": desc, **change}
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(cache_id=1.5), "cache_id"),
+        (dict(cache_id="3"), "cache_id"),
+        (dict(cache_id=True), "cache_id"),
+        (dict(cache_id=-1), "cache_id"),
+        (dict(generation=None), "generation"),
+        (dict(addrs=[4096]), "addrs"),  # one address for two tensors
+        (dict(addrs=[4096, 0]), "addrs"),
+        (dict(addrs=[4096, 1 << 64]), "addrs"),
+        (dict(addrs=[4096, 8192.0]), "addrs"),
+        (dict(addrs="4096"), "addrs"),
+        (dict(desc=dict(num_tensors=2.0)), "num_tensors"),
+        (dict(desc=dict(shape=[4, 16.5])), "shape"),
+        (dict(desc=dict(shape="4,16")), "shape"),
+        (dict(desc=dict(device=-1)), "device"),
+        (dict(desc=dict(data_type=5)), "data_type"),
+        (dict(desc=[]), "desc"),
+    ],
+)
+def test_a_peer_table_entry_is_taken_exactly_or_refused(change, field):
+    """A peer's cache table comes from the wire: exact JSON ints (no 1.5 -> 1, "3" -> 3,
+    True -> 1), an address per tensor in (0, 2**64), or ValueError naming the field (the
+    link then fails with FAILED, test_a_malformed_link_reply_fails_that_cluster_only)."""
+    from pytrt_kv.datadist.transport import CacheInfo
+
+    assert CacheInfo.from_dict(_entry()).addrs == (4096, 8192)
+    with pytest.raises(ValueError, match=field):
+        CacheInfo.from_dict(_entry(**change))
+
+
 # --- D8: an unlink the peer did not hear ------------------------------------------------
 
 

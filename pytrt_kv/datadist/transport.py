@@ -43,13 +43,34 @@ class CacheInfo:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> CacheInfo:
-        return cls(
-            int(d["cache_id"]),
-            int(d["generation"]),
-            CacheDesc.from_dict(d["desc"]),
-            tuple(int(a) for a in d["addrs"]),
-        )
+    def from_dict(cls, d: Any) -> CacheInfo:
+        """An entry of a peer's cache table (from the wire: exact JSON types, no
+        coercion). Raises ValueError naming the field."""
+        if type(d) is not dict or type(d.get("desc")) is not dict:
+            raise ValueError("expected {cache_id, generation, desc: {...}, addrs}")
+        desc = d["desc"]
+        for name, v, top in (
+            ("cache_id", d.get("cache_id"), 1 << 63),
+            ("generation", d.get("generation"), 1 << 63),
+            ("desc.num_tensors", desc.get("num_tensors"), 1 << 31),
+            ("desc.device", desc.get("device", 0), 1 << 31),
+        ):
+            if type(v) is not int or not 0 <= v < top:
+                raise ValueError(f"{name}: expected an int in [0, {top}), got {str(v)[:40]}")
+        shape, addrs = desc.get("shape"), d.get("addrs")
+        if type(shape) is not list or not all(type(x) is int for x in shape):
+            raise ValueError(f"desc.shape: expected a list of ints, got {str(shape)[:60]}")
+        if type(desc.get("data_type")) is not str or type(desc.get("placement")) is not str:
+            raise ValueError("desc.data_type, desc.placement: expected strings")
+        if (
+            type(addrs) is not list
+            or len(addrs) != desc["num_tensors"]
+            or not all(type(a) is int and 0 < a < 1 << 64 for a in addrs)
+        ):
+            raise ValueError(
+                f"addrs: expected one address in (0, 2**64) per tensor, got {str(addrs)[:60]}"
+            )
+        return cls(d["cache_id"], d["generation"], CacheDesc.from_dict(desc), tuple(addrs))
 
 
 class Xfer:
