@@ -244,8 +244,9 @@ class LocalTransport(Transport):
         return info
 
     def deregister(self, state: Any) -> None:
-        if self._caches.get(state.cache_id) is state:
-            del self._caches[state.cache_id]
+        cache_id = state.cache_id
+        if self._caches.get(cache_id) is state:
+            del self._caches[cache_id]
 
     def add_peer(self, peer: str, metadata: str) -> None:
         if metadata != self.metadata():
