@@ -264,11 +264,13 @@ def test_roles(nodes):
 # --- protocol ------------------------------------------------------------------------------
 
 
-def _pair(nodes, nb=4):
+def _pair(nodes, nb=4, desc=None, seed=5):
+    """A source cache of random values on the prompt node and a destination of
+    SENTINEL on the decoder, both ``desc`` (default 2 tensors of ``[nb, 16]`` int32)."""
     p, d = nodes
-    src = p.allocate_cache(CacheDesc(2, (nb, 16), "int32"))
-    dst = d.allocate_cache(CacheDesc(2, (nb, 16), "int32"))
-    _fill(src, np.random.default_rng(5))
+    desc = desc or CacheDesc(2, (nb, 16), "int32")
+    src, dst = p.allocate_cache(desc), d.allocate_cache(desc)
+    _fill(src, np.random.default_rng(seed))
     _sentinel(dst)
     return p, d, src, dst
 
@@ -542,11 +544,7 @@ def test_one_tensor_cache_needs_tensor_num_per_layer_1(nodes):
     """docs/SPEC.md D4: tnpl must divide num_tensors also with the default ranges, so a
     1-tensor cache with the default KvCacheExtParam (tnpl 2) is PARAM_INVALID, moves
     nothing and sends no tag; with KvCacheExtParam(tensor_num_per_layer=1) it moves."""
-    p, d = _linked(nodes)
-    src = p.allocate_cache(CacheDesc(1, (6, 8), "int32"))
-    dst = d.allocate_cache(CacheDesc(1, (6, 8), "int32"))
-    _fill(src, np.random.default_rng(3))
-    _sentinel(dst)
+    p, d, src, dst = _pair(_linked(nodes), desc=CacheDesc(1, (6, 8), "int32"), seed=3)
     index = CacheIndex(2, dst.cache_id)
     for ext in (None, KvCacheExtParam()):
         with pytest.raises(LLMParamInvalid, match=r"tensor_num_per_layer: .*\[1, 1\], got 2"):
@@ -629,11 +627,7 @@ def test_a_bad_timeout_is_refused_by_name_and_moves_nothing(nodes, bad):
     request, a kept plan's (the small-push path), a pull, a handle's wait, a tag's wait
     and the options; refused by name before anything is posted or claimed. A control
     request's (link, unlink) is finite as well: a socket's timeout cannot be inf."""
-    p, d = _linked(nodes)
-    src = p.allocate_cache(CacheDesc(1, (4, 16), "int8"))
-    dst = d.allocate_cache(CacheDesc(1, (4, 16), "int8"))
-    _fill(src, np.random.default_rng(1))
-    _sentinel(dst)
+    p, d, src, dst = _pair(_linked(nodes), desc=CacheDesc(1, (4, 16), "int8"), seed=1)
     index = CacheIndex(2, dst.cache_id)
     match = r"timeout_s: expected a number of seconds > 0 \(inf: no limit\), got"
     with pytest.raises(LLMParamInvalid, match=match):  # checked afresh

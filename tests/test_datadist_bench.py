@@ -18,29 +18,23 @@ NIXL_SKIP = nixl_unavailable_reason()
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
-def test_bench_datadist_quick(tmp_path):
+def _bench_datadist(*args: str) -> subprocess.CompletedProcess:
+    """``python -m pytrt_kv bench datadist ARGS`` with this checkout first on the path."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    out, raw = tmp_path / "dd.md", tmp_path / "dd.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytrt_kv",
-            "bench",
-            "datadist",
-            "--quick",
-            "--output",
-            str(out),
-            "--json",
-            str(raw),
-        ],
+    return subprocess.run(
+        [sys.executable, "-m", "pytrt_kv", "bench", "datadist", *args],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
     )
+
+
+@pytest.mark.skipif(NIXL_SKIP is not None, reason=str(NIXL_SKIP))
+def test_bench_datadist_quick(tmp_path):
+    out, raw = tmp_path / "dd.md", tmp_path / "dd.json"
+    r = _bench_datadist("--quick", "--output", str(out), "--json", str(raw))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(raw.read_text())["results"]
     cases = {(row["block"], row["pattern"]) for row in rows}
@@ -84,28 +78,13 @@ def test_python_cost_times_the_kept_plan_path_only():
 def test_bench_datadist_latency_rows_take_their_own_repeats(tmp_path):
     """``--latency-repeats`` sets the small-push rows' runs apart from ``--repeats``
     (the throughput rows'): their ratios decide a 0.90 target within a few percent."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     out = tmp_path / "dd.md"
     args = ["--total-mib", "1", "--pushes", "1", "--repeats", "1", "--latency-pushes", "5"]
-    r = subprocess.run(
-        [sys.executable, "-m", "pytrt_kv", "bench", "datadist", *args]
-        + ["--latency-repeats", "2", "--output", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    r = _bench_datadist(*args, "--latency-repeats", "2", "--output", str(out))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     table = out.read_text()
     assert "median of 2 runs of 5 pushes" in table and "| 16 |" in table
-    h = subprocess.run(
-        [sys.executable, "-m", "pytrt_kv", "bench", "datadist", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    h = _bench_datadist("--help")
     help_text = re.search(
         r"--latency-repeats LATENCY_REPEATS\s+(timed runs.*?\))\n", h.stdout, re.S
     )
