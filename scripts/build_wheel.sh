@@ -8,7 +8,8 @@
 # Needs nvcc (CUDA 12.8+ for sm_120) and the package index (scikit-build-core, the
 # TensorRT headers' wheel, auditwheel). Environment:
 #   PYTHON                    interpreter that builds (default python3); the wheel is
-#                             py3-none: the libraries use no Python C API
+#                             py3-none: the libraries use no Python C API, and the
+#                             small-push module (_smallpush.abi3.so) the stable ABI
 #   PYTRT_KV_CUDA_ARCHS       CUDA architectures (CMake list, e.g. "89" or "80-real;90");
 #                             default: the project's list, sm_80 86 89 90 100 120 (SASS) +
 #                             PTX of the newest (CMakeLists.txt)

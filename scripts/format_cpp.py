@@ -21,9 +21,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Folders holding C++/CUDA sources, and the suffixes formatted.
+#: Folders holding C/C++/CUDA sources, and the suffixes formatted (.c: the one CPython
+#: extension module, plugins/python/smallpush.c, in PEP 7 style: plugins/python/.clang-format).
 SOURCE_DIRS = ("plugins",)
-SUFFIXES = (".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh")
+SUFFIXES = (".h", ".hpp", ".cpp", ".cc", ".c", ".cu", ".cuh")
 
 
 def sources() -> list[Path]:

@@ -4,30 +4,92 @@ TransferHandle. What it does when the transfer outlasts that spin, fails in it, 
 is interrupted or meets a transfer in flight must be what the general path does: the
 same statuses, the claim on the destination blocks released, the NIXL handle kept only
 after a success, the destination told of a failure. NIXL's status call is replaced after
-the plan is kept, so that each outcome happens at a chosen point of the spin."""
+the plan is kept, so that each outcome happens at a chosen point of the spin.
+
+Each test runs on both implementations of the path (docs/DATADIST.md decision 15): the C
+one (``plugins/python/smallpush.c``; a test that it never took a push fails) and the
+Python one it mirrors; and the two are compared request by request at the end."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import numpy as np
 import pytest
 
-from pytrt_kv.datadist import CacheDesc, CacheIndex, LlmDataDist, LLMException, LLMStatus
+from pytrt_kv import _lib
+from pytrt_kv.datadist import (
+    CacheDesc,
+    CacheIndex,
+    LlmDataDist,
+    LLMException,
+    LLMStatus,
+    llm_datadist,
+    smallpush,
+)
 from pytrt_kv.datadist.handles import POLL_SPIN_S
 from support.datadist import NIXL_ONLY
 
 pytestmark = NIXL_ONLY
 
+#: The C small-push module as this package loads it (None: not built here).
+C_PATH = smallpush.load()
+NOT_BUILT = (
+    "the C small-push path is not built in this checkout (pytrt_kv/datadist/_smallpush*.so; "
+    "an installed package has it: see test_the_c_path_is_loaded_where_it_was_built)"
+)
 
-@pytest.fixture
-def kept():
-    """A prompt and a decoder node linked over NIXL, and a kept 1-block plan: the first
-    push checked it (the general path); the next equal push takes the small-push path."""
+
+class Spy:
+    """The C module, counting the pushes it took (returned a tag or raised) and the
+    requests it left to the Python path (returned None)."""
+
+    def __init__(self, module):
+        self.module, self.taken, self.left = module, 0, 0
+
+    def push(self, *args):
+        try:
+            out = self.module.push(*args)
+        except BaseException:
+            self.taken += 1
+            raise
+        if out is None:
+            self.left += 1
+        else:
+            self.taken += 1
+        return out
+
+
+@pytest.fixture(params=["c", "python"])
+def path(request, monkeypatch):
+    """Which small-push path the nodes take: the C one (a Spy; the test fails if it took
+    no push), or the Python one."""
+    if request.param == "python":
+        monkeypatch.setattr(llm_datadist, "_smallpush", None)
+        yield None
+        return
+    if C_PATH is None:
+        pytest.skip(NOT_BUILT)
+    spy = Spy(C_PATH)
+    monkeypatch.setattr(llm_datadist, "_smallpush", spy)
+    yield spy
+    assert spy.taken > 0, "the C path took no push: the test ran the Python path only"
+
+
+def _nodes():
     p = LlmDataDist(1, "prompt", backend="nixl", options={"timeout_s": 10.0})
     d = LlmDataDist(2, "decoder", backend="nixl", options={"timeout_s": 10.0})
     p.initialize("127.0.0.1", 0)
     d.initialize("127.0.0.1", 0)
+    return p, d
+
+
+@pytest.fixture
+def kept(path):
+    """A prompt and a decoder node linked over NIXL, and a kept 1-block plan: the first
+    push checked it (the general path); the next equal push takes the small-push path."""
+    p, d = _nodes()
     try:
         src = p.allocate_cache(CacheDesc(2, (4, 16), "int32"))
         dst = d.allocate_cache(CacheDesc(2, (4, 16), "int32"))
@@ -184,3 +246,85 @@ def test_a_push_into_blocks_in_flight_is_refused_before_its_post(kept, monkeypat
     assert not d.received("second")
     d.wait_received(p.push_kv_blocks(src, index, [1], [2], tag="third"), 5)
     assert len(p._writes) == 0
+
+
+def test_the_c_path_is_loaded_where_it_was_built():
+    """An install whose build made the C module (build_info.json) loads it: a build that
+    made it and a package that silently runs the Python path would pass every test
+    above in its "python" half only."""
+    info = _lib.build_info()
+    if info.get("datadist_smallpush") != "ON":
+        pytest.skip(f"this build did not make the C small-push path (build_info: {info})")
+    assert importlib.util.find_spec("pytrt_kv.datadist._smallpush") is not None
+    assert C_PATH is not None and llm_datadist._smallpush is C_PATH
+
+
+def _outcome(p, d, dst, call):
+    """What a push gives: ("ok", tag, the destination's bytes) or ("raised", the error's
+    type, status and message)."""
+    for t in dst.tensors:  # none once deallocated
+        t[...] = -1
+    try:
+        tag = call()
+    except LLMException as exc:
+        return ("raised", "LLMException", exc.status, str(exc))
+    except Exception as exc:
+        return ("raised", type(exc).__name__, None, str(exc))
+    d.wait_received(tag, 5)
+    return ("ok", tag, b"".join(t.tobytes() for t in dst.tensors))
+
+
+def _requests(p, d, src, dst):
+    """Requests after a 1-block plan is kept: the kept one, and the ones beside it that
+    the C path must hand to the Python path, or answer as it does."""
+    index = CacheIndex(2, dst.cache_id)
+    ids = np.array([1]), np.array([2])
+
+    def push(*args, **kwargs):
+        return lambda: p.push_kv_blocks(*args, **kwargs)
+
+    yield push(src, index, *ids)
+    yield push(src, index, *ids, tag="mine")
+    for tag in ("", 5, b"t"):
+        yield push(src, index, *ids, tag=tag)
+    for t in (None, 2, 2.5, 10**400, float("inf"), 0, -1.0, float("nan"), True, "1"):
+        yield push(src, index, *ids, timeout_s=t)
+    for s_ids in ([1], (1,), np.array([1], np.int32), np.array([[1]]), np.array([1.0])):
+        yield push(src, index, s_ids, [2])
+    yield push(src, index, [1, 3], [2, 0])  # another plan, kept on its first push
+    yield push(src, index, [1, 3], [2, 0])
+    yield push(src, CacheIndex(2, dst.cache_id, 0), *ids)  # an equal index, another object
+    yield push(src, CacheIndex(2, 99), *ids)
+    yield push(src, (2, dst.cache_id), *ids)
+    yield push(dst, index, *ids)  # the decoder's cache as the source
+    yield push(src, index, *ids)
+    d.deallocate_cache(dst)  # the kept plan's destination goes
+    yield push(src, index, *ids)
+
+
+def test_the_c_and_python_paths_answer_every_request_alike(monkeypatch):
+    """The same requests, in the same order, on two fresh node pairs, one on each path:
+    the same tags (the C path takes the tag counter's numbers in the same order), the same
+    destination bytes, the same errors with the same messages."""
+    if C_PATH is None:
+        pytest.skip(NOT_BUILT)
+    answers, spy = {}, Spy(C_PATH)
+    for name, module in (("python", None), ("c", spy)):
+        monkeypatch.setattr(llm_datadist, "_smallpush", module)
+        p, d = _nodes()
+        try:
+            src = p.allocate_cache(CacheDesc(2, (4, 16), "int32"))
+            dst = d.allocate_cache(CacheDesc(2, (4, 16), "int32"))
+            src.tensors[0][...] = np.arange(64, dtype=np.int32).reshape(4, 16)
+            src.tensors[1][...] = -src.tensors[0]
+            assert [r.ok for r in p.link_clusters([d.listen_address], timeout_s=5)] == [True]
+            d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [1], [2]), 5)
+            answers[name] = [_outcome(p, d, dst, call) for call in _requests(p, d, src, dst)]
+        finally:
+            p.finalize()
+            d.finalize()
+    for i, (py, c) in enumerate(zip(answers["python"], answers["c"])):
+        assert py == c, (i, py, c)
+    kinds = [a[0] for a in answers["c"]]
+    assert kinds.count("ok") >= 8 and kinds.count("raised") >= 8, answers["c"]
+    assert spy.taken >= 8 and spy.left >= 8, (spy.taken, spy.left)

@@ -180,6 +180,24 @@ def test_cli_info_runs(capsys):
     assert "numpy" in out and "Native libraries" in out and "GPU" in out
 
 
+def test_cli_info_says_which_small_push_path_runs(capsys, monkeypatch):
+    """`pytrt-kv info` names the datadist small-push path: C (the module's file) when it
+    loads, Python when it is turned off (docs/DATADIST.md decision 15)."""
+    from pytrt_kv.datadist import smallpush
+
+    monkeypatch.setenv(smallpush.ENV, "0")
+    assert main(["info"]) == 0
+    assert f"small-push path    Python ({smallpush.ENV}=0)" in capsys.readouterr().out
+    monkeypatch.delenv(smallpush.ENV)
+    c_path = smallpush.load()
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    if c_path is not None:
+        assert f"small-push path    C ({c_path.__file__})" in out
+    else:
+        assert "small-push path    Python (the C module is not built here" in out
+
+
 def test_module_entry_point():
     r = subprocess.run(
         [sys.executable, "-m", "pytrt_kv", "--help"], capture_output=True, text=True, timeout=120

@@ -104,10 +104,12 @@ def test_binary_wheel_builds_an_rtx_engine_without_nvcc_or_headers(tmp_path):
     wheels = list(dist.glob("pytrt_kv-*.whl"))
     assert len(wheels) == 1, r.stdout + r.stderr
     wheel = wheels[0]
-    # py3-none (no Python C API), and a platform tag that says what it needs.
+    # py3-none (no Python C API but the stable ABI's small-push module), and a platform
+    # tag that says what it needs.
     assert "-py3-none-manylinux_" in wheel.name or "-py3-none-linux_" in wheel.name, wheel.name
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"pytrt_kv/lib/{n}" for n in LIBS} <= names, sorted(names)
+    assert "pytrt_kv/datadist/_smallpush.abi3.so" in names, sorted(names)
     assert not any(n.endswith(".h") for n in names)
 
     # 2. A fresh environment without nvcc and headers; the wheel from a plain pip install.

@@ -4,6 +4,7 @@ TensorRT can run engines here and, when not, why (``pytrt_kv.trt.availability``)
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 
 
@@ -55,6 +56,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"  TensorRT plugins   {_built(info, 'plugins', plugins)}")
     else:
         print("  no build record (package not installed through its CMake build)")
+    from ..datadist import smallpush
+
+    c_path = smallpush.load()
+    if c_path is not None:
+        state = f"C ({c_path.__file__})"
+    elif os.environ.get(smallpush.ENV) == "0":
+        state = f"Python ({smallpush.ENV}=0)"
+    else:
+        state = "Python (the C module is not built here: docs/DATADIST.md decision 15)"
+    print(f"  {'small-push path':<18} {state}")
     for lib in (_lib.KERNELS_LIB, _lib.EMU_KERNELS_LIB, _lib.PLUGINS_LIB, _lib.PLUGINS_AUTOREG_LIB):
         p = _lib.find(lib)
         print(f"  {lib:<34} {p if p else 'not found'}")

@@ -44,6 +44,7 @@ from .node_base import (
     secret_of,
 )
 from .notices import NoticeMixin
+from .smallpush import load as _load_smallpush
 from .transfers import TransferMixin
 from .transport import READ, WRITE, Transport
 from .types import (
@@ -58,6 +59,10 @@ from .types import (
 
 #: Reached through this module by the tests (the polling constants above too).
 _NOTIF, _PROBE_EVERY_S = NOTIF, PROBE_EVERY_S
+
+
+#: The small-push path in C, or None (docs/DATADIST.md decision 15).
+_smallpush = _load_smallpush()
 
 
 class LlmDataDist(CacheMixin, LinkMixin, TransferMixin, NoticeMixin):
@@ -134,6 +139,14 @@ class LlmDataDist(CacheMixin, LinkMixin, TransferMixin, NoticeMixin):
         self._ext_memo: tuple[Any, Any] = (None, ())  # (last ext_param, its _ext_key)
         self._index_memo: tuple[Any, Any] = (None, None)  # (last CacheIndex, _index_key)
         self._writes = Writes()  # transfers in flight, by destination (docs/SPEC.md D8)
+        #: What the C small-push path (plugins/python/smallpush.c) reads of this node: objects fixed
+        #: for its life, one attribute instead of one each.
+        #: (The last member: the C path's memo of the last request whose plan it found,
+        #: emptied by _drop_plans, so that it keeps no dropped cache alive.)
+        self._fast = (
+            self._plans, self._caches, self._peers, self._writes._by_dst, self._writes._ids,
+            self._tags, [],
+        )  # fmt: skip
         self.listen_address: tuple[str, int] | None = None
 
     # --- life cycle -----------------------------------------------------------------------
@@ -322,16 +335,25 @@ class LlmDataDist(CacheMixin, LinkMixin, TransferMixin, NoticeMixin):
         """
         kept = None
         if stream is None:
+            if _smallpush is not None:
+                # The small-push path in C (docs/DATADIST.md decision 15): the tag once
+                # complete, None when the request is not a kept small push (nothing done).
+                done = _smallpush.push(
+                    self, src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param,
+                    timeout_s, tag,
+                )  # fmt: skip
+                if done is not None:
+                    return done
             kept = self._kept(
                 "push", src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param
             )[3]
         if kept is not None and kept.small and self._transport is not None:
-            # The small-push path (docs/DATADIST.md decision 14): a kept plan of host
-            # memory (kept only on a prompt node) posted and checked for the first
-            # POLL_SPIN_S here, with the tag, timeout, claim, errors and release of
-            # _start and the handle's wait; a handle only for a transfer that outlasts
-            # the spin or fails. Inline: between back-to-back small pushes each us of
-            # Python before the post cost ~3 us of NIXL's ("Performance").
+            # The small-push path (docs/DATADIST.md decision 14), and the reference of the
+            # C one: a kept plan of host memory (kept only on a prompt node) posted and
+            # checked for the first POLL_SPIN_S here, with the tag, timeout, claim, errors
+            # and release of _start and the handle's wait; a handle only for a transfer
+            # that outlasts the spin or fails. Inline: between back-to-back small pushes
+            # each us of Python before the post cost ~3 us of NIXL's ("Performance").
             tag = f"{self._tag_prefix}{next(self._tags)}" if tag is None else self._tag(tag)
             plan = kept.plan
             if (type(timeout_s) is float or type(timeout_s) is int) and timeout_s > 0:
@@ -350,16 +372,23 @@ class LlmDataDist(CacheMixin, LinkMixin, TransferMixin, NoticeMixin):
             if xfer is None:  # complete within the spin
                 claim[_BUSY].pop(claim[_ID], None)  # Writes.release, inline (per push)
                 return tag
-            handle = TransferHandle(
-                self, xfer, tag, kept.peer, timeout, ("src_cache", kept.local), claim
-            )
-            handle._wait(timeout, 0.0, time.monotonic() - spin)  # the rest of the wait
-            return tag
+            return self._small_wait(xfer, tag, kept, timeout, claim, spin)
         h = self._push(
             src_cache, dst_cache_index, src_blocks, dst_blocks, ext_param, timeout_s, tag, stream
         )
         h.wait()
         return h.tag
+
+    def _small_wait(
+        self, xfer: Any, tag: str, kept: Any, timeout: float, claim: Any, spin: float
+    ) -> str:
+        """The rest of a small push that outlasted its spin of ``spin`` s or failed: its
+        handle, waiting what is left of ``timeout`` (raises its error)."""
+        handle = TransferHandle(
+            self, xfer, tag, kept.peer, timeout, ("src_cache", kept.local), claim
+        )
+        handle._wait(timeout, 0.0, time.monotonic() - spin)  # the rest of the wait
+        return tag
 
     def pull_kv_blocks_async(
         self,

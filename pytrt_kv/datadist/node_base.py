@@ -191,7 +191,7 @@ class Kept:
 
     __slots__ = (
         "local", "peer", "remote", "plan", "notif", "epoch", "dst_key", "span", "copies",
-        "small", "prepared", "closed",
+        "small", "prepared", "closed", "fast",
     )  # fmt: skip
 
     def __init__(self, local: Cache, peer: Peer, remote: CacheInfo, plan: TransferPlan, key: tuple):
@@ -206,6 +206,12 @@ class Kept:
         self.small = bool(plan.num_copies) and local.cache_desc.placement != "device"
         self.prepared: Prepared | None = None
         self.closed = False
+        #: What the C small-push path (plugins/python/smallpush.c) reads of this plan, fixed for its
+        #: life: one attribute instead of one per field (each costs ~30 ns from C).
+        self.fast = (
+            local, local.cache_id, peer, peer.cluster_id, remote, remote.cache_id, self.epoch,
+            plan, self.notif, key, self.span[0], self.span[1], self.small,
+        )  # fmt: skip
 
     def close(self) -> None:
         """The node no longer keeps this plan: release what its transport kept."""
@@ -234,6 +240,7 @@ class NodeState:
     _fences: dict[int, Fence]
     _quarantine: dict[int, tuple[Cache, set[int]]]
     _plans: dict[tuple, Kept]
+    _fast: tuple
     _writes: Writes
     _received: set
     _stale: set

@@ -203,5 +203,6 @@ class PlanMixin(NodeState):
         """Stop keeping the plans ``match(kept)`` selects (their cache or peer went)."""
         with self._lock:
             gone = [self._plans.pop(k) for k, v in list(self._plans.items()) if match(v)]
+            self._fast[-1].clear()  # the C path's memo (plugins/python/smallpush.c)
         for k in gone:
             k.close()
