@@ -207,6 +207,7 @@ REFUSALS = [
     (dict(dst_index=lambda i: CacheIndex(2, i, batch_index=1)), "batch_index"),
     (dict(dst_index=lambda i: (2, i)), "CacheIndex"),
     (dict(tag=""), "tag"),
+    (dict(tag="a\udc80"), "tag: expected a str that encodes as UTF-8"),  # a lone surrogate
 ]
 
 

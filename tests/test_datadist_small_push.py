@@ -285,7 +285,7 @@ def _requests(p, d, src, dst):
 
     yield push(src, index, *ids)
     yield push(src, index, *ids, tag="mine")
-    for tag in ("", 5, b"t"):
+    for tag in ("", 5, b"t", "a\udc80"):
         yield push(src, index, *ids, tag=tag)
     for t in (None, 2, 2.5, 10**400, float("inf"), 0, -1.0, float("nan"), True, "1"):
         yield push(src, index, *ids, timeout_s=t)

@@ -36,7 +36,7 @@
     X(_tag_prefix) X(_timeout) X(_writes) X(claim) X(_post_failed) X(_small_wait) X(cache_id)    \
     X(broken) X(pending) X(epoch) X(caches) X(nbytes) X(prepared) X(alive) X(handles) X(push)    \
     X(t) X(_handle) X(_post) X(_status) X(_after) X(_keep) X(_drop) X(ndim) X(size) X(dtype)     \
-    X(tobytes) X(closed)
+    X(tobytes) X(closed) X(_tag)
 /* clang-format on */
 #define DECLARE(n) static PyObject *s_##n;
 NAMES(DECLARE)
@@ -485,13 +485,12 @@ done:
     return result;
 }
 
-/* The tag: the caller's, or "<prefix><n>" as f"{self._tag_prefix}{next(self._tags)}". */
+/* The tag: the caller's as node._tag checks it (PARAM_INVALID), or "<prefix><n>" as
+ * f"{self._tag_prefix}{next(self._tags)}". */
 static PyObject *make_tag(PyObject *node, PyObject *nf, PyObject *tag)
 {
-    if (tag != Py_None) {
-        Py_INCREF(tag);
-        return tag;
-    }
+    if (tag != Py_None)
+        return PyObject_CallMethodObjArgs(node, s__tag, tag, NULL);
     PyObject *prefix = PyObject_GetAttr(node, s__tag_prefix), *num = NULL, *s = NULL, *out = NULL;
     if (prefix != NULL && (num = PyIter_Next(PyTuple_GetItem(nf, N_TAGS))) != NULL &&
         (s = PyObject_Str(num)) != NULL)

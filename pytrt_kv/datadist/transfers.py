@@ -26,6 +26,10 @@ class TransferMixin(PlanMixin):
             return f"{self._tag_prefix}{next(self._tags)}"
         if not isinstance(tag, str) or not tag:
             raise param_invalid("tag", "a non-empty str", repr(tag))
+        try:
+            tag.encode()  # it travels in the transfer's notification, as UTF-8
+        except UnicodeEncodeError:
+            raise param_invalid("tag", "a str that encodes as UTF-8", repr(tag)) from None
         return tag
 
     def _start(
