@@ -12,6 +12,7 @@ Python one it mirrors; and the two are compared request by request at the end.""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import time
 
@@ -77,19 +78,14 @@ def path(request, monkeypatch):
     assert spy.taken > 0, "the C path took no push: the test ran the Python path only"
 
 
-def _nodes():
+@contextlib.contextmanager
+def _kept_plan():
+    """A prompt and a decoder node linked over NIXL, and a kept 1-block plan: the first
+    push checked it (the general path); the next equal push takes the small-push path."""
     p = LlmDataDist(1, "prompt", backend="nixl", options={"timeout_s": 10.0})
     d = LlmDataDist(2, "decoder", backend="nixl", options={"timeout_s": 10.0})
     p.initialize("127.0.0.1", 0)
     d.initialize("127.0.0.1", 0)
-    return p, d
-
-
-@pytest.fixture
-def kept(path):
-    """A prompt and a decoder node linked over NIXL, and a kept 1-block plan: the first
-    push checked it (the general path); the next equal push takes the small-push path."""
-    p, d = _nodes()
     try:
         src = p.allocate_cache(CacheDesc(2, (4, 16), "int32"))
         dst = d.allocate_cache(CacheDesc(2, (4, 16), "int32"))
@@ -103,6 +99,13 @@ def kept(path):
     finally:
         p.finalize()
         d.finalize()
+
+
+@pytest.fixture
+def kept(path):
+    """:func:`_kept_plan`, on the small-push path ``path`` chose."""
+    with _kept_plan() as k:
+        yield k
 
 
 class Status:
@@ -311,18 +314,8 @@ def test_the_c_and_python_paths_answer_every_request_alike(monkeypatch):
     answers, spy = {}, Spy(C_PATH)
     for name, module in (("python", None), ("c", spy)):
         monkeypatch.setattr(llm_datadist, "_smallpush", module)
-        p, d = _nodes()
-        try:
-            src = p.allocate_cache(CacheDesc(2, (4, 16), "int32"))
-            dst = d.allocate_cache(CacheDesc(2, (4, 16), "int32"))
-            src.tensors[0][...] = np.arange(64, dtype=np.int32).reshape(4, 16)
-            src.tensors[1][...] = -src.tensors[0]
-            assert [r.ok for r in p.link_clusters([d.listen_address], timeout_s=5)] == [True]
-            d.wait_received(p.push_kv_blocks(src, CacheIndex(2, dst.cache_id), [1], [2]), 5)
+        with _kept_plan() as (p, d, src, dst, _):
             answers[name] = [_outcome(p, d, dst, call) for call in _requests(p, d, src, dst)]
-        finally:
-            p.finalize()
-            d.finalize()
     for i, (py, c) in enumerate(zip(answers["python"], answers["c"])):
         assert py == c, (i, py, c)
     kinds = [a[0] for a in answers["c"]]
