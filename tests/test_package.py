@@ -180,6 +180,22 @@ def test_cli_info_runs(capsys):
     assert "numpy" in out and "Native libraries" in out and "GPU" in out
 
 
+@pytest.mark.parametrize("value", ["off", "false", "2", "yes"])
+def test_a_small_push_switch_that_is_neither_0_nor_1_is_refused_by_name(capsys, monkeypatch, value):
+    """PYTRT_KV_DATADIST_C is exact: a typo must not leave the C path on silently."""
+    from pytrt_kv.datadist import smallpush
+
+    monkeypatch.setenv(smallpush.ENV, value)
+    with pytest.raises(ValueError, match=f"PYTRT_KV_DATADIST_C: expected '0' .* got {value!r}"):
+        smallpush.load()
+    assert main(["info"]) == 0  # info says so and goes on
+    out = capsys.readouterr().out
+    assert "small-push path    none: PYTRT_KV_DATADIST_C: expected '0'" in out
+    assert "ONNX Runtime" in out
+    monkeypatch.setenv(smallpush.ENV, " 1 ")
+    assert smallpush.load() is smallpush.load()  # on (or None where not built), no error
+
+
 def test_cli_info_says_which_small_push_path_runs(capsys, monkeypatch):
     """`pytrt-kv info` names the datadist small-push path: C (the module's file) when it
     loads, Python when it is turned off (docs/DATADIST.md decision 15)."""

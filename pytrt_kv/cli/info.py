@@ -56,15 +56,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"  TensorRT plugins   {_built(info, 'plugins', plugins)}")
     else:
         print("  no build record (package not installed through its CMake build)")
-    from ..datadist import smallpush
+    try:  # importing pytrt_kv.datadist loads the path too
+        from ..datadist import smallpush
 
-    c_path = smallpush.load()
-    if c_path is not None:
-        state = f"C ({c_path.__file__})"
-    elif os.environ.get(smallpush.ENV) == "0":
-        state = f"Python ({smallpush.ENV}=0)"
+        c_path = smallpush.load()
+    except ValueError as exc:  # a PYTRT_KV_DATADIST_C that is neither 0 nor 1
+        state = f"none: {exc}"
     else:
-        state = "Python (the C module is not built here: docs/DATADIST.md decision 15)"
+        if c_path is not None:
+            state = f"C ({c_path.__file__})"
+        elif os.environ.get(smallpush.ENV, "").strip() == "0":
+            state = f"Python ({smallpush.ENV}=0)"
+        else:
+            state = "Python (the C module is not built here: docs/DATADIST.md decision 15)"
     print(f"  {'small-push path':<18} {state}")
     for lib in (_lib.KERNELS_LIB, _lib.EMU_KERNELS_LIB, _lib.PLUGINS_LIB, _lib.PLUGINS_AUTOREG_LIB):
         p = _lib.find(lib)

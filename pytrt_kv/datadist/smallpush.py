@@ -25,8 +25,17 @@ ENV = "PYTRT_KV_DATADIST_C"
 
 
 def load() -> Any:
-    """The set-up ``_smallpush`` module, or None (not built, or turned off)."""
-    if os.environ.get(ENV, "1") == "0":
+    """The set-up ``_smallpush`` module, or None (not built, or turned off).
+
+    Raises
+    ------
+    ValueError
+        ``PYTRT_KV_DATADIST_C`` holds anything but ``0``, ``1`` or nothing.
+    """
+    value = os.environ.get(ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV}: expected '0' (off) or '1' (on; or unset), got {value!r}")
+    if value == "0":
         return None
     try:
         _smallpush = importlib.import_module("._smallpush", __package__)
