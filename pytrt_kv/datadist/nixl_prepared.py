@@ -85,14 +85,7 @@ class _Prepared(Prepared):
                 return self._after(h, None, exc, True)
         elif st != done:
             return self._after(h, st, None, False)  # refused
-        # Complete: kept for the next post (_keep, its common branch inline).
-        handles = self.handles
-        if self.alive and len(handles) < _IDLE_PER_PLAN:
-            handles.append(h)
-            if not self.alive:
-                self._drop(h)
-        else:
-            self._keep(h)
+        self._keep(h)  # complete: kept for the next post
         return None
 
     def _after(self, h: Any, st: Any, exc: BaseException | None, posted: bool) -> Xfer:
@@ -103,11 +96,11 @@ class _Prepared(Prepared):
         t = self.t
         if exc is not None:
             if not posted and isinstance(exc, Exception):
-                _NixlXfer(t, h).release()  # a failed handle is never kept
+                _release(t, h)  # a failed handle is never kept
                 raise t._error(exc, f"posting the {self.what}") from exc
             if posted and isinstance(exc, Exception):
                 return _NixlXfer(t, h, self)  # the caller's wait checks it again, reports
-            _NixlXfer(t, h).release()  # interrupted: nothing waits for it any more
+            _release(t, h)  # interrupted: nothing waits for it any more
             raise exc
         xfer = _NixlXfer(t, h, self)
         if not posted and st != t._status[2]:
@@ -124,7 +117,7 @@ class _Prepared(Prepared):
             if self.alive:
                 return None
             return self._drop(h)
-        self._release(h)
+        _release(self.t, h)
         return None
 
     def _drop(self, h: Any) -> None:
@@ -134,14 +127,8 @@ class _Prepared(Prepared):
             self.handles.remove(h)
         except ValueError:
             return None
-        self._release(h)
+        _release(self.t, h)
         return None
-
-    def _release(self, h: Any) -> None:
-        try:
-            self.t.agent.release_xfer_handle(h)
-        except Exception:
-            self.t.unreleased.append(h)
 
     def give_back(self, handle: Any) -> bool:
         """Keep a completed handle for the next post; False: not kept (closed or full),
@@ -215,9 +202,14 @@ class _NixlXfer(Xfer):
             if self.entry is not None and self.first == "DONE":
                 if self.entry.give_back(self._h):
                     return
-            try:
-                self._t.agent.release_xfer_handle(self._h)
-            except Exception:
-                # Not cancellable right now: keep the handle alive (its memory may still be
-                # in use) and retry when the node closes.
-                self._t.unreleased.append(self._h)
+            _release(self._t, self._h)
+
+
+def _release(t: Any, h: Any) -> None:
+    """Release the NIXL transfer ``h`` of the transport ``t``. Not cancellable right now:
+    keep the handle alive (its memory may still be in use) and retry when the node
+    closes (``t.unreleased``)."""
+    try:
+        t.agent.release_xfer_handle(h)
+    except Exception:
+        t.unreleased.append(h)

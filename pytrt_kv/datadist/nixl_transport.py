@@ -20,7 +20,7 @@ import numpy as np
 
 from .contract import TransferPlan
 from .nixl_agent import _make_agent, _net_devices, _option, nixl_modules
-from .nixl_prepared import _NixlXfer, _Prepared
+from .nixl_prepared import _NixlXfer, _Prepared, _release
 from .transport import WRITE, CacheInfo, Transport, Xfer
 from .types import LLMException, LLMStatus
 
@@ -241,7 +241,7 @@ class NixlTransport(Transport):
         try:
             st = self._post(h._handle, notif)
         except Exception as exc:
-            _NixlXfer(self, h).release()  # a failed handle is never kept
+            _release(self, h)  # a failed handle is never kept
             raise self._error(exc, f"posting the {what}") from exc
         # Made after the post: the transfer is under way meanwhile (a small push's
         # latency is the Python before the post plus NIXL's time).
